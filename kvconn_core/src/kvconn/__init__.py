@@ -1,0 +1,1 @@
+"""kvconn: abort-safe KV-cache transfer for disaggregated LLM serving."""

@@ -1,0 +1,103 @@
+"""Control-plane messages: frozen value classes, one tag each on the wire.
+
+Field order is wire order; ``wire.py`` encodes them from the field types.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Tag(enum.IntEnum):
+    HELLO = 1
+    HELLO_ACK = 2
+    TRANSFER_REQUEST = 3
+    ABORT = 4
+    ABORT_ACK = 5
+    ROOM_STATUS = 6
+
+
+class RoomOutcome(enum.IntEnum):
+    SUCCESS = 1
+    FAILED = 2
+
+
+@attrs.frozen(slots=True)
+class Hello:
+    """Decode -> prefill rank: bootstrap. Who the page owner is, where to
+    reply, and how to reach its region through the transport."""
+
+    decode: str
+    reply_to: str
+    backend: str
+    page_bytes: int
+    num_ranks: int
+    metadata: bytes
+
+
+@attrs.frozen(slots=True)
+class HelloAck:
+    """Prefill rank -> decode: the rank is connected. ``pid`` and
+    ``start_time`` identify the writer's process for the proven-exit check."""
+
+    rank: int
+    host: str
+    pid: int
+    start_time: int
+    incarnation: int
+
+
+@attrs.frozen(slots=True)
+class TransferRequest:
+    """Decode -> prefill rank: room ``room`` writes into ``dst_pages``."""
+
+    room: int
+    decode: str
+    dst_pages: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class Abort:
+    """Decode -> prefill rank: stop writing ``room``; ack generation
+    ``generation`` to ``reply_to`` once nothing can land."""
+
+    room: int
+    generation: int
+    decode: str
+    reply_to: str
+
+
+@attrs.frozen(slots=True)
+class AbortAck:
+    """Prefill rank -> decode: no write of ``room`` by ``rank`` can land.
+    ``fenced`` says the proof came from the writer's fence."""
+
+    room: int
+    rank: int
+    generation: int
+    fenced: bool
+
+
+@attrs.frozen(slots=True)
+class RoomStatus:
+    """Prefill rank -> decode: the rank finished ``room`` (every chunk landed)
+    or failed it (prefill-initiated failure, so decode need not wait)."""
+
+    room: int
+    rank: int
+    outcome: RoomOutcome
+    reason: str
+
+
+Message = Hello | HelloAck | TransferRequest | Abort | AbortAck | RoomStatus
+
+TAGS: dict[type[Message], Tag] = {
+    Hello: Tag.HELLO,
+    HelloAck: Tag.HELLO_ACK,
+    TransferRequest: Tag.TRANSFER_REQUEST,
+    Abort: Tag.ABORT,
+    AbortAck: Tag.ABORT_ACK,
+    RoomStatus: Tag.ROOM_STATUS,
+}

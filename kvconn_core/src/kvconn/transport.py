@@ -1,0 +1,115 @@
+"""The transport interface a backend plugin implements.
+
+A backend is found through the ``kvconn.backends`` entry-point group; the
+object behind the entry point satisfies :class:`Backend`. It opens two kinds
+of endpoints:
+
+* on decode, a :class:`PageRegion`: the page owner's registered memory, plus
+  the metadata a writer needs to reach it;
+* on each prefill rank, a :class:`Writer`: the rank's registered source
+  memory and its connections to page owners.
+
+The per-chunk work (post the writes, wait at the DONE barrier, fence) is not
+a method here: the writer registers itself as a pluggy plugin and implements
+the hooks in :mod:`kvconn.hookspecs`, so the core can fire them around its
+own bookkeeping and observers can watch the same points.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+
+class Settlement(enum.Enum):
+    """What the DONE barrier proved about a posted chunk."""
+
+    #: Every byte of every segment is in the destination.
+    LANDED = "landed"
+    #: The chunk failed and the transport proved nothing more of it can land
+    #: (every handle settled).
+    FAILED_SETTLED = "failed_settled"
+    #: The chunk failed or ran past its deadline and some bytes may still land.
+    #: The core poisons the room: no ack until a fence or the writer's exit.
+    UNSETTLED = "unsettled"
+
+
+@attrs.frozen(slots=True)
+class Capabilities:
+    """What a backend promises; the conformance suite holds it to each claim.
+
+    ``writer_fence``: the writer's ``on_fence`` hook stops every late byte of
+    everything posted before it (proven by a frozen-then-resumed writer
+    landing nothing). Without it, poisoned rooms wait for the writer's exit.
+    ``memory``: the memory kinds a region can live in ("dram", "vram").
+    ``cross_host``: writers may run on another host than the page owner.
+    ``max_write_timeout_s``: the transport's own longest wait for a write
+    (e.g. Mooncake's engine timeout); ``None`` if it imposes none. kvconn
+    refuses a decode deadline that is not longer.
+    """
+
+    writer_fence: bool = False
+    memory: frozenset[str] = frozenset({"dram"})
+    cross_host: bool = False
+    max_write_timeout_s: float | None = None
+    notes: str = ""
+
+
+class PageRegion(Protocol):
+    """Decode's registered page memory (the page owner's side)."""
+
+    #: Opaque bytes a :class:`Writer` passes to ``connect`` to reach this region.
+    metadata: bytes
+    nbytes: int
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy bytes out of the region (for verification and the engine)."""
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy bytes into the region locally (used to lay canaries)."""
+
+    def close(self) -> None:
+        """Unregister and free the region."""
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """A prefill rank's transport endpoint.
+
+    Implements the hooks ``on_post``, ``on_done_barrier`` and (if capable)
+    ``on_fence`` from :mod:`kvconn.hookspecs`; the core registers it with the
+    rank's plugin manager.
+    """
+
+    nbytes: int
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy bytes out of the source region."""
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Fill the source region (the engine's KV lands here before sending)."""
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        """Make ``peer`` (a page owner's id) reachable, given its region metadata.
+
+        Called again with the same peer after a fence or a decode restart.
+        """
+
+    def close(self) -> None:
+        """Release every transport resource."""
+
+
+class Backend(Protocol):
+    """What the ``kvconn.backends`` entry point yields."""
+
+    name: str
+    capabilities: Capabilities
+
+    def open_region(self, nbytes: int, options: Mapping[str, str]) -> PageRegion:
+        """Allocate and register ``nbytes`` of page memory on the page owner."""
+
+    def open_writer(self, nbytes: int, options: Mapping[str, str]) -> Writer:
+        """Allocate and register ``nbytes`` of source memory on a prefill rank."""
