@@ -36,12 +36,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def on_dequeue(chunk: Chunk) -> None:
-    """A worker took ``chunk`` off its queue.
+    """A worker took ``chunk`` off its queue and counted it.
 
-    Called right after the core counted the chunk as outstanding for its room
-    and before it looked at the room's status (invariant D): the chunk may
-    still be skipped. Transports rarely need it; observers count it.
-    Return value: ignored.
+    The core counts the chunk as outstanding in the same step as it reads the
+    room's status (invariant D), then calls this hook for every chunk, written
+    or skipped. Raising poisons the room. Transports rarely need it; observers
+    count it. Return value: ignored.
     """
 
 

@@ -34,19 +34,23 @@ class Hello:
     backend: str
     page_bytes: int
     num_ranks: int
+    abort_timeout_ms: int
     metadata: bytes
 
 
 @attrs.frozen(slots=True)
 class HelloAck:
-    """Prefill rank -> decode: the rank is connected. ``pid`` and
-    ``start_time`` identify the writer's process for the proven-exit check."""
+    """Prefill rank -> decode: the rank at ``address`` is connected. ``pid``
+    and ``start_time`` identify the writer's process for the proven-exit
+    check. A non-empty ``error`` means the rank refused the bootstrap (other
+    backend, write deadline not shorter than decode's)."""
 
     rank: int
+    address: str
     host: str
     pid: int
     start_time: int
-    incarnation: int
+    error: str
 
 
 @attrs.frozen(slots=True)

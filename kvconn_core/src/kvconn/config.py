@@ -1,0 +1,55 @@
+"""Deployment settings shared by both sides, validated where they meet."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+@attrs.frozen
+class Config:
+    """Timeouts, addresses and keys of one kvconn endpoint.
+
+    ``write_timeout_s`` bounds a prefill chunk from post to settled;
+    ``abort_timeout_s`` is how long decode holds an aborted room before it
+    quarantines it. A live writer must give up (poison, fence, ack) before
+    decode has to quarantine, so the first must be shorter than the second:
+    this is checked here and again when decode bootstraps a prefill rank.
+    """
+
+    write_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    abort_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    resend_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    tombstone_ttl_s: float = attrs.field(default=600.0, validator=_positive)
+    bootstrap_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    #: Legacy: free aborted pages at the deadline without proof. Unsafe.
+    unsafe_release_at_deadline: bool = False
+    #: Whether prefill ranks send ABORT_ACK at all (off = timeout-only legacy).
+    acks_enabled: bool = True
+    workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: Shared deployment key: every control frame carries an HMAC-SHA256.
+    auth_key: bytes | None = attrs.field(default=None, repr=False)
+    backend_options: Mapping[str, str] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        check_deadlines(self.write_timeout_s, self.abort_timeout_s)
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.host in ("", "*", "0.0.0.0", "::"):
+            raise ValueError(f"bind to an explicit address, not {self.host!r}")
+
+
+def check_deadlines(write_timeout_s: float, abort_timeout_s: float, what: str = "write_timeout_s") -> None:
+    if write_timeout_s >= abort_timeout_s:
+        raise ValueError(
+            f"{what} ({write_timeout_s} s) must be shorter than decode's abort_timeout_s "
+            f"({abort_timeout_s} s): a live writer has to give up before decode quarantines"
+        )

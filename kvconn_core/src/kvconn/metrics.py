@@ -1,0 +1,53 @@
+"""Counters and gauges of one endpoint, in its own Prometheus registry.
+
+Each endpoint gets a fresh :class:`prometheus_client.CollectorRegistry`, so
+several endpoints in one process (tests, the bench) never share a series;
+``value()`` reads a sample in-process, ``exposition()`` renders the text
+format for a scrape handler.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.role = role
+        self.dropped = Counter("kvconn_dropped_messages", "Control frames dropped", ["reason"], registry=r)
+        self.messages = Counter("kvconn_messages", "Control messages handled", ["type"], registry=r)
+        # prefill side
+        self.chunks = Counter("kvconn_chunks", "Chunks by outcome", ["outcome"], registry=r)
+        self.acks_sent = Counter("kvconn_acks_sent", "ABORT_ACKs sent", registry=r)
+        self.fences = Counter("kvconn_fences", "Writer fences by result", ["result"], registry=r)
+        self.plugin_errors = Counter("kvconn_plugin_errors", "Hooks that raised", ["hook"], registry=r)
+        self.poisoned_rooms = Gauge("kvconn_poisoned_rooms", "Rooms waiting for a fence", registry=r)
+        # decode side
+        self.acks_received = Counter("kvconn_acks_received", "ABORT_ACKs that proved a rank", registry=r)
+        self.aborts_sent = Counter("kvconn_aborts_sent", "ABORT messages sent", registry=r)
+        self.releases = Counter("kvconn_releases", "Held rooms released, by proof", ["proof"], registry=r)
+        self.released_pages = Counter("kvconn_released_pages", "Held pages released", ["proof"], registry=r)
+        self.quarantines = Counter("kvconn_quarantines", "Rooms moved to quarantine", registry=r)
+        self.rooms_held = Gauge("kvconn_rooms_held", "Rooms held after abort", registry=r)
+        self.pages_held = Gauge("kvconn_pages_held", "Pages held after abort (incl. quarantine)", registry=r)
+        self.pages_quarantined = Gauge("kvconn_pages_quarantined", "Pages in quarantine", registry=r)
+        self.release_latency = Histogram(
+            "kvconn_abort_to_release_seconds",
+            "Abort to release, by proof",
+            ["proof"],
+            registry=r,
+            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30, 100),
+        )
+        self.quarantine_seconds = Counter(
+            "kvconn_quarantine_seconds", "Time released rooms spent in quarantine", registry=r
+        )
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

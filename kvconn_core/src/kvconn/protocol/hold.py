@@ -1,0 +1,234 @@
+"""The decode side: which rooms' pages are held, and what proves them free.
+
+Sans-I/O like the ledger: the caller passes ``now`` and carries out the
+returned actions. A room's pages leave the tracker only through
+:class:`Release`, and a release always names its :class:`Proof`.
+
+Generations: every ABORT this tracker sends carries a fresh generation, and
+a hold remembers the generations it sent. An ack counts only if its
+generation belongs to the *current* hold of that room: acks of an earlier
+hold (a reused room id) and forged generations are dropped. Re-sent ABORTs
+get new generations so a writer never has to ack one generation twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import attrs
+
+from kvconn.protocol.messages import Abort, AbortAck
+
+
+class Proof(enum.Enum):
+    """Why pages may be handed out again."""
+
+    ACKS = "acks"  #: every rank acked the current hold before the deadline
+    LATE_ACKS = "late_acks"  #: the last ack came while quarantined
+    WRITER_FENCE = "writer_fence"  #: a rank's ack followed its own fence
+    WRITER_EXIT = "writer_exit"  #: the last unproven rank's process is gone
+    COMPLETED = "completed"  #: every rank reported every chunk landed
+    NOTHING_SENT = "nothing_sent"  #: no writer was ever told the pages
+    UNSAFE_TIMEOUT = "unsafe_timeout"  #: legacy mode: the deadline alone
+
+
+class HoldState(enum.Enum):
+    OPEN = "open"  #: transferring, pages belong to the request
+    HELD = "held"  #: aborted, waiting for proof before the deadline
+    QUARANTINED = "quarantined"  #: past the deadline, still waiting for proof
+
+
+@attrs.frozen(slots=True)
+class SendAbort:
+    rank: int
+    abort: Abort
+
+
+@attrs.frozen(slots=True)
+class Release:
+    room: int
+    pages: tuple[int, ...]
+    proof: Proof
+    held_for: float
+    quarantined_for: float
+
+
+@attrs.frozen(slots=True)
+class Quarantine:
+    room: int
+    pages: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class Dropped:
+    """An ack that proves nothing; ``reason`` is a counter label."""
+
+    reason: str
+    ack: AbortAck
+
+
+HoldAction = SendAbort | Release | Quarantine | Dropped
+
+
+@attrs.define(slots=True)
+class _Room:
+    pages: tuple[int, ...]
+    ranks: frozenset[int]
+    state: HoldState = HoldState.OPEN
+    succeeded: set[int] = attrs.Factory(set)
+    generations: set[int] = attrs.Factory(set)
+    proven: set[int] = attrs.Factory(set)
+    fenced: bool = False
+    held_at: float = 0.0
+    deadline: float = 0.0
+    quarantined_at: float = 0.0
+    resend_at: float = 0.0
+    resend_every: float = 0.0
+
+
+class HoldTracker:
+    """Decode's rooms, their holds after an abort, and their release."""
+
+    def __init__(
+        self,
+        decode: str,
+        reply_to: str,
+        abort_timeout: float,
+        resend_interval: float = 1.0,
+        max_resend_interval: float = 30.0,
+        unsafe_release_at_deadline: bool = False,
+    ) -> None:
+        self.decode = decode
+        self.reply_to = reply_to
+        self.abort_timeout = abort_timeout
+        self.resend_interval = resend_interval
+        self.max_resend_interval = max_resend_interval
+        self.unsafe_release_at_deadline = unsafe_release_at_deadline
+        self._rooms: dict[int, _Room] = {}
+        self._generations = itertools.count(1)
+
+    # -- queries -----------------------------------------------------------
+    def state(self, room: int) -> HoldState | None:
+        entry = self._rooms.get(room)
+        return entry.state if entry is not None else None
+
+    def pages_in(self, state: HoldState) -> int:
+        return sum(len(e.pages) for e in self._rooms.values() if e.state is state)
+
+    def rooms_in(self, state: HoldState) -> list[int]:
+        return [r for r, e in self._rooms.items() if e.state is state]
+
+    def ranks_of(self, room: int) -> frozenset[int]:
+        return self._rooms[room].ranks
+
+    # -- stimuli -----------------------------------------------------------
+    def open(self, room: int, pages: tuple[int, ...], ranks: frozenset[int]) -> None:
+        """The engine created a receiver: ``ranks`` will write ``pages``."""
+        if room in self._rooms:
+            raise ValueError(f"room {room} is still tracked ({self._rooms[room].state.value})")
+        if not ranks:
+            raise ValueError("a room needs at least one writing rank")
+        self._rooms[room] = _Room(pages=pages, ranks=ranks)
+
+    def succeeded(self, room: int, rank: int) -> bool:
+        """``rank`` reported every chunk of ``room`` landed. True once all have."""
+        entry = self._rooms.get(room)
+        if entry is None or rank not in entry.ranks:
+            return False
+        entry.succeeded.add(rank)
+        return entry.succeeded >= entry.ranks
+
+    def finish(self, room: int) -> tuple[int, ...]:
+        """The engine took a completed room's pages: stop tracking it."""
+        entry = self._rooms[room]
+        if entry.state is not HoldState.OPEN or not entry.succeeded >= entry.ranks:
+            raise ValueError(f"room {room} is not completed")
+        del self._rooms[room]
+        return entry.pages
+
+    def abort(self, room: int, now: float) -> list[HoldAction]:
+        """The engine aborted ``room``: hold its pages until proof arrives."""
+        entry = self._rooms.get(room)
+        if entry is None or entry.state is not HoldState.OPEN:
+            return []
+        entry.proven = set(entry.succeeded)
+        if entry.proven >= entry.ranks:
+            return [self._release(room, entry, Proof.COMPLETED, now)]
+        entry.state = HoldState.HELD
+        entry.held_at = now
+        entry.deadline = now + self.abort_timeout
+        return self._send_aborts(room, entry)
+
+    def ack(self, msg: AbortAck, now: float) -> list[HoldAction]:
+        entry = self._rooms.get(msg.room)
+        if entry is None or entry.state is HoldState.OPEN:
+            return [Dropped("not_held", msg)]
+        if msg.rank not in entry.ranks:
+            return [Dropped("stranger_rank", msg)]
+        if msg.generation not in entry.generations:
+            return [Dropped("stale_generation", msg)]
+        if msg.rank in entry.proven:
+            return [Dropped("duplicate", msg)]
+        entry.proven.add(msg.rank)
+        entry.fenced = entry.fenced or msg.fenced
+        if entry.proven < entry.ranks:
+            return []
+        if entry.fenced:
+            proof = Proof.WRITER_FENCE
+        else:
+            proof = Proof.LATE_ACKS if entry.state is HoldState.QUARANTINED else Proof.ACKS
+        return [self._release(msg.room, entry, proof, now)]
+
+    def writer_exited(self, rank: int, now: float) -> list[HoldAction]:
+        """``rank``'s process is proven gone: it can write nothing more."""
+        actions: list[HoldAction] = []
+        for room, entry in list(self._rooms.items()):
+            if entry.state is HoldState.OPEN or rank not in entry.ranks:
+                continue
+            entry.proven.add(rank)
+            if entry.proven >= entry.ranks:
+                actions.append(self._release(room, entry, Proof.WRITER_EXIT, now))
+        return actions
+
+    def tick(self, now: float) -> list[HoldAction]:
+        """Move held rooms past their deadline to quarantine (or, in the
+        legacy unsafe mode, free them), and re-send ABORTs while quarantined."""
+        actions: list[HoldAction] = []
+        for room, entry in list(self._rooms.items()):
+            if entry.state is HoldState.HELD and now >= entry.deadline:
+                if self.unsafe_release_at_deadline:
+                    actions.append(self._release(room, entry, Proof.UNSAFE_TIMEOUT, now))
+                    continue
+                entry.state = HoldState.QUARANTINED
+                entry.quarantined_at = now
+                entry.resend_every = self.resend_interval
+                entry.resend_at = now
+                actions.append(Quarantine(room, entry.pages))
+            if entry.state is HoldState.QUARANTINED and now >= entry.resend_at:
+                actions += self._send_aborts(room, entry)
+                entry.resend_at = now + entry.resend_every
+                entry.resend_every = min(entry.resend_every * 2, self.max_resend_interval)
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """The earliest instant at which :meth:`tick` has something to do."""
+        times = [
+            e.deadline if e.state is HoldState.HELD else e.resend_at
+            for e in self._rooms.values()
+            if e.state is not HoldState.OPEN
+        ]
+        return min(times, default=None)
+
+    # -- internals ---------------------------------------------------------
+    def _send_aborts(self, room: int, entry: _Room) -> list[HoldAction]:
+        generation = next(self._generations)
+        entry.generations.add(generation)
+        abort = Abort(room, generation, self.decode, self.reply_to)
+        return [SendAbort(rank, abort) for rank in sorted(entry.ranks - entry.proven)]
+
+    def _release(self, room: int, entry: _Room, proof: Proof, now: float) -> Release:
+        del self._rooms[room]
+        held = now - entry.held_at if entry.state is not HoldState.OPEN else 0.0
+        quarantined = now - entry.quarantined_at if entry.state is HoldState.QUARANTINED else 0.0
+        return Release(room, entry.pages, proof, held, quarantined)

@@ -1,0 +1,256 @@
+"""The prefill rank's room ledger: the writer side of the protocol, sans-I/O.
+
+Stimuli are method calls; each returns the actions the caller must carry out
+(send an ack, tell decode a room's outcome). The caller serialises calls (one
+lock or one owning thread): "register, then try to ack" is free of lost
+wake-ups only if a worker's "uncount, then try to ack" cannot run inside it.
+
+The two invariants are properties of this module's shape, not of its callers:
+
+* **D**: :meth:`RoomLedger.dequeue` counts the chunk *then* looks at the
+  status; there is no other way to learn whether a chunk may be written.
+* **F**: :meth:`RoomLedger.abort` marks the room Failed *then* registers the
+  ack target; there is no other way to register one. And :meth:`_try_ack`
+  still demands Failed, so dropping either guard alone is not enough to ack
+  early.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from kvconn.protocol.messages import Abort, AbortAck, RoomOutcome, RoomStatus
+
+
+class KVPoll(enum.IntEnum):
+    """A room's transfer status, as an engine polls it (SGLang's KVPoll)."""
+
+    BOOTSTRAPPING = 0
+    WAITING_FOR_INPUT = 1
+    TRANSFERRING = 2
+    SUCCESS = 3
+    FAILED = 4
+
+
+@attrs.frozen(slots=True)
+class SendAck:
+    reply_to: str
+    ack: AbortAck
+
+
+@attrs.frozen(slots=True)
+class NotifyDecode:
+    decode: str
+    status: RoomStatus
+
+
+LedgerAction = SendAck | NotifyDecode
+
+
+@attrs.define(slots=True)
+class _Room:
+    status: KVPoll = KVPoll.BOOTSTRAPPING
+    decode: str = ""
+    #: Chunks dequeued and not yet settled (invariant D counts here).
+    outstanding: int = 0
+    #: Of those, chunks whose writes may still land: the room is poisoned.
+    stuck: int = 0
+    #: Ack targets: decode id -> (reply address, generation).
+    targets: dict[str, tuple[str, int]] = attrs.Factory(dict)
+    #: (decode id, generation) pairs already acked: at most one ack each.
+    acked: set[tuple[str, int]] = attrs.Factory(set)
+    cleared: bool = False
+    fenced: bool = False
+    #: Tombstone for a room aborted before it was known here; None = live.
+    expires: float | None = None
+
+
+class RoomLedger:
+    """Per-rank bookkeeping of rooms, counts and ack targets."""
+
+    def __init__(self, rank: int, tombstone_ttl: float = 600.0) -> None:
+        self.rank = rank
+        self.tombstone_ttl = tombstone_ttl
+        self._rooms: dict[int, _Room] = {}
+
+    # -- queries -----------------------------------------------------------
+    def status(self, room: int) -> KVPoll | None:
+        entry = self._rooms.get(room)
+        return entry.status if entry is not None else None
+
+    def decode_of(self, room: int) -> str:
+        entry = self._rooms.get(room)
+        return entry.decode if entry is not None else ""
+
+    def outstanding(self, room: int) -> int:
+        entry = self._rooms.get(room)
+        return entry.outstanding if entry is not None else 0
+
+    def in_flight(self, room: int) -> int:
+        """Counted chunks of ``room`` still being written (not yet settled)."""
+        entry = self._rooms.get(room)
+        return entry.outstanding - entry.stuck if entry is not None else 0
+
+    def poisoned(self) -> frozenset[int]:
+        return frozenset(r for r, e in self._rooms.items() if e.stuck)
+
+    def rooms(self) -> int:
+        return len(self._rooms)
+
+    # -- room lifecycle ----------------------------------------------------
+    def request(self, room: int, decode: str) -> None:
+        """Decode asked for ``room``: its pages are known, input may flow.
+
+        A tombstoned or Failed room stays Failed and will write nothing.
+        """
+        entry = self._rooms.setdefault(room, _Room())
+        entry.decode = entry.decode or decode
+        if entry.status == KVPoll.BOOTSTRAPPING:
+            entry.status = KVPoll.WAITING_FOR_INPUT
+
+    def clear(self, room: int) -> None:
+        """The engine is done with ``room``. Counted work keeps the entry (an
+        unknown room is not a quiescent one); a drained room is forgotten."""
+        entry = self._rooms.get(room)
+        if entry is None:
+            return
+        entry.cleared = True
+        self._forget_if_idle(room, entry)
+
+    def fail(self, room: int, reason: str) -> list[LedgerAction]:
+        """Prefill-initiated failure (the engine gave up on ``room``)."""
+        entry = self._rooms.setdefault(room, _Room())
+        return self._mark_failed(room, entry, reason) + self._try_ack(room, entry)
+
+    # -- the transfer worker's path ----------------------------------------
+    def dequeue(self, room: int) -> bool:
+        """A worker took a chunk of ``room``: count it, then decide.
+
+        Returns True if the chunk must be written, False to skip it. Either
+        way the chunk is counted; the worker reports back with
+        :meth:`landed`, :meth:`skipped` or :meth:`failed`.
+        """
+        entry = self._rooms.setdefault(room, _Room(cleared=True))
+        entry.outstanding += 1  # invariant D: before any status check
+        if entry.status == KVPoll.FAILED or entry.cleared or entry.status < KVPoll.WAITING_FOR_INPUT:
+            return False
+        entry.status = KVPoll.TRANSFERRING
+        return True
+
+    def skipped(self, room: int) -> list[LedgerAction]:
+        entry = self._rooms[room]
+        entry.outstanding -= 1
+        return self._settle(room, entry, [])
+
+    def landed(self, room: int, last: bool) -> list[LedgerAction]:
+        entry = self._rooms[room]
+        entry.outstanding -= 1
+        actions: list[LedgerAction] = []
+        if last and entry.status == KVPoll.TRANSFERRING:
+            entry.status = KVPoll.SUCCESS
+            actions.append(NotifyDecode(entry.decode, RoomStatus(room, self.rank, RoomOutcome.SUCCESS, "")))
+        return self._settle(room, entry, actions)
+
+    def failed(self, room: int, settled: bool, reason: str) -> list[LedgerAction]:
+        """A chunk of ``room`` failed. ``settled``: the transport proved none of
+        its writes can still land. Otherwise the room is poisoned: its count
+        stays until a fence, and it is never acked before."""
+        entry = self._rooms[room]
+        actions = self._mark_failed(room, entry, reason)
+        if settled:
+            entry.outstanding -= 1
+        else:
+            entry.stuck += 1
+        return self._settle(room, entry, actions)
+
+    def fenced(self) -> list[LedgerAction]:
+        """The writer's fence returned: nothing posted before it can land, so
+        the stuck chunks of every poisoned room are settled now."""
+        actions: list[LedgerAction] = []
+        for room, entry in list(self._rooms.items()):
+            if entry.stuck:
+                entry.outstanding -= entry.stuck
+                entry.stuck = 0
+                entry.fenced = True
+                actions = self._settle(room, entry, actions)
+        return actions
+
+    # -- the control listener's path ---------------------------------------
+    def abort(self, msg: Abort, now: float) -> bool:
+        """Decode aborted ``msg.room``: mark it Failed, then register the ack
+        target (invariant F). Returns whether the room was known here.
+
+        The caller must then call :meth:`try_ack` (after any hook): that one
+        try covers a worker that passed the skip point before the target
+        existed, and a room whose chunks all drained already. An unknown room
+        gets a tombstone, so a transfer request arriving later writes nothing.
+        """
+        entry = self._rooms.get(msg.room)
+        known = entry is not None and entry.expires is None
+        if entry is None:
+            entry = self._rooms[msg.room] = _Room(expires=now + self.tombstone_ttl)
+        self._mark_failed(msg.room, entry, "aborted by decode", notify=False)
+        if (msg.decode, msg.generation) not in entry.acked:
+            current = entry.targets.get(msg.decode)
+            if current is None or current[1] < msg.generation:
+                entry.targets[msg.decode] = (msg.reply_to, msg.generation)
+        return known
+
+    def try_ack(self, room: int) -> list[LedgerAction]:
+        """Ack ``room`` to its targets if nothing of it can land any more."""
+        entry = self._rooms.get(room)
+        return self._settle(room, entry, []) if entry is not None else []
+
+    def poison(self, room: int, reason: str) -> list[LedgerAction]:
+        """Something outside the count (a plugin that raised) may have left
+        writes behind: fail the room and hold it until a fence."""
+        entry = self._rooms.setdefault(room, _Room())
+        entry.outstanding += 1
+        entry.stuck += 1
+        return self._mark_failed(room, entry, reason)
+
+    def expire(self, now: float) -> None:
+        """Forget tombstones and cleared rooms once idle for ``tombstone_ttl``."""
+        for room, entry in list(self._rooms.items()):
+            if not _idle(entry) or not (entry.cleared or entry.expires is not None):
+                continue
+            if entry.expires is None:
+                entry.expires = now + self.tombstone_ttl
+            elif entry.expires <= now:
+                del self._rooms[room]
+
+    # -- internals ---------------------------------------------------------
+    def _mark_failed(self, room: int, entry: _Room, reason: str, notify: bool = True) -> list[LedgerAction]:
+        if entry.status == KVPoll.FAILED:
+            return []
+        entry.status = KVPoll.FAILED
+        if notify and entry.decode:
+            return [NotifyDecode(entry.decode, RoomStatus(room, self.rank, RoomOutcome.FAILED, reason))]
+        return []
+
+    def _settle(self, room: int, entry: _Room, actions: list[LedgerAction]) -> list[LedgerAction]:
+        actions = actions + self._try_ack(room, entry)
+        self._forget_if_idle(room, entry)
+        return actions
+
+    def _try_ack(self, room: int, entry: _Room) -> list[LedgerAction]:
+        if entry.status != KVPoll.FAILED or entry.outstanding or entry.stuck or not entry.targets:
+            return []
+        actions: list[LedgerAction] = []
+        for decode, (reply_to, generation) in entry.targets.items():
+            entry.acked.add((decode, generation))
+            actions.append(SendAck(reply_to, AbortAck(room, self.rank, generation, entry.fenced)))
+        entry.targets.clear()
+        return actions
+
+    def _forget_if_idle(self, room: int, entry: _Room) -> None:
+        # An acked room stays until expire(): a duplicated ABORT must not be
+        # acked twice, and a late transfer request must find it Failed.
+        if entry.cleared and _idle(entry) and not entry.acked and entry.expires is None:
+            del self._rooms[room]
+
+
+def _idle(entry: _Room) -> bool:
+    return not entry.outstanding and not entry.stuck and not entry.targets

@@ -1,0 +1,166 @@
+"""Versioned wire form of the control messages.
+
+A frame is ``b"KV" | version:u8 | tag:u8 | body`` and, when the deployment
+sets a key, a 32-byte HMAC-SHA256 over everything before it. The body is the
+message's fields in declaration order; integers are big-endian u64 (pages
+u32), strings and bytes carry a u32 length. Decoding never trusts a length: a
+frame that is short, long, oversized, of another version, of an unknown tag
+or with a bad MAC raises :class:`FrameError` with a reason the listener counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvconn.protocol.messages import (
+    TAGS,
+    Abort,
+    AbortAck,
+    Hello,
+    HelloAck,
+    Message,
+    RoomOutcome,
+    RoomStatus,
+    Tag,
+    TransferRequest,
+)
+
+MAGIC = b"KV"
+VERSION = 1
+MAX_FRAME = 4 << 20
+MAX_PAGES = 1 << 20
+MAC_BYTES = 32
+
+_HEADER = struct.Struct(">2sBB")
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+
+#: Field codes: u = u64 int, s = utf-8 str, b = bytes, p = tuple of u32 pages,
+#: ? = bool, o = RoomOutcome.
+_SCHEMA: dict[type[Message], str] = {
+    Hello: "sssuuub",
+    HelloAck: "ussuus",
+    TransferRequest: "usp",
+    Abort: "uuss",
+    AbortAck: "uuu?",
+    RoomStatus: "uuos",
+}
+_BY_TAG: dict[int, type[Message]] = {int(tag): cls for cls, tag in TAGS.items()}
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded; ``reason`` is a short counter label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def encode(message: Message, key: bytes | None = None) -> bytes:
+    parts = [_HEADER.pack(MAGIC, VERSION, TAGS[type(message)])]
+    for code, value in zip(_SCHEMA[type(message)], attrs.astuple(message, recurse=False), strict=True):
+        parts.append(_ENCODERS[code](value))
+    frame = b"".join(parts)
+    if key is not None:
+        frame += hmac.digest(key, frame, hashlib.sha256)
+    if len(frame) > MAX_FRAME:
+        raise ValueError(f"{type(message).__name__} frame of {len(frame)} bytes exceeds {MAX_FRAME}")
+    return frame
+
+
+def decode(frame: bytes, key: bytes | None = None) -> Message:
+    if len(frame) > MAX_FRAME:
+        raise FrameError("oversize", f"{len(frame)} bytes")
+    if key is not None:
+        if len(frame) < _HEADER.size + MAC_BYTES:
+            raise FrameError("short")
+        frame, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.digest(key, frame, hashlib.sha256)):
+            raise FrameError("bad_mac")
+    if len(frame) < _HEADER.size:
+        raise FrameError("short")
+    magic, version, tag = _HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise FrameError("bad_magic")
+    if version != VERSION:
+        raise FrameError("bad_version", str(version))
+    cls = _BY_TAG.get(tag)
+    if cls is None:
+        raise FrameError("unknown_tag", str(tag))
+    reader = _Reader(memoryview(frame), _HEADER.size)
+    try:
+        values = [_DECODERS[code](reader) for code in _SCHEMA[cls]]
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise FrameError("bad_body", f"{cls.__name__}: {exc}") from None
+    if reader.pos != len(frame):
+        raise FrameError("trailing_bytes", cls.__name__)
+    return cls(*values)
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: memoryview, pos: int) -> None:
+        self.buf = buf
+        self.pos = pos
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ValueError("truncated")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+
+def _enc_bytes(value: bytes) -> bytes:
+    return _U32.pack(len(value)) + value
+
+
+def _enc_pages(pages: tuple[int, ...]) -> bytes:
+    return _U32.pack(len(pages)) + struct.pack(f">{len(pages)}I", *pages)
+
+
+def _dec_pages(r: _Reader) -> tuple[int, ...]:
+    n = r.u32()
+    if n > MAX_PAGES:
+        raise ValueError(f"{n} pages")
+    return struct.unpack(f">{n}I", r.take(4 * n))
+
+
+def _dec_bool(r: _Reader) -> bool:
+    b = r.take(1)[0]
+    if b > 1:
+        raise ValueError(f"bool {b}")
+    return b == 1
+
+
+_ENCODERS: dict[str, Callable[[Any], bytes]] = {
+    "u": _U64.pack,
+    "s": lambda v: _enc_bytes(v.encode()),
+    "b": _enc_bytes,
+    "p": _enc_pages,
+    "?": lambda v: b"\x01" if v else b"\x00",
+    "o": lambda v: bytes([int(v)]),
+}
+_DECODERS: dict[str, Callable[[_Reader], Any]] = {
+    "u": _Reader.u64,
+    "s": lambda r: str(r.take(r.u32()), "utf-8"),
+    "b": lambda r: bytes(r.take(r.u32())),
+    "p": _dec_pages,
+    "?": _dec_bool,
+    "o": lambda r: RoomOutcome(r.take(1)[0]),
+}
+
+__all__ = ["FrameError", "Tag", "decode", "encode", "MAX_FRAME", "VERSION"]

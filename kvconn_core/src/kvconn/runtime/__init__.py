@@ -1,0 +1,1 @@
+"""The I/O around the sans-I/O core: sockets, threads, the transport."""

@@ -1,0 +1,133 @@
+"""The ZMQ control plane: one bound PULL socket per endpoint, read by its own
+thread, and PUSH sockets to peers. Frames are decoded here; a frame that does
+not decode, or a handler that raises, is counted and dropped: the listener
+never dies of its input."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from kvconn.protocol import wire
+from kvconn.protocol.messages import Message
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], None]
+Idle = Callable[[], float | None]
+
+
+class Listener:
+    """Binds ``tcp://host:port`` (port 0: any free one) and calls ``handler``
+    for every decoded message and ``idle`` between messages; ``idle`` returns
+    how many seconds it may sleep at most (``None``: the default poll)."""
+
+    POLL_S = 0.05
+
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        handler: Handler,
+        on_drop: Callable[[str], None],
+        key: bytes | None = None,
+        idle: Idle | None = None,
+    ) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME + wire.MAC_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._handler = handler
+        self._on_drop = on_drop
+        self._key = key
+        self._idle = idle
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvconn-listen-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        timeout = self.POLL_S
+        while not self._stop.is_set():
+            if poller.poll(int(timeout * 1000)):
+                while True:
+                    try:
+                        frame = self._sock.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self.deliver(frame)
+            timeout = self.POLL_S
+            if self._idle is not None:
+                try:
+                    wait = self._idle()
+                except Exception:
+                    log.exception("kvconn idle handler raised")
+                    self._on_drop("idle_error")
+                    wait = None
+                if wait is not None:
+                    timeout = max(0.0, min(timeout, wait))
+
+    def deliver(self, frame: bytes) -> None:
+        """Decode and handle one frame; never raises."""
+        try:
+            message = wire.decode(frame, self._key)
+        except wire.FrameError as exc:
+            self._on_drop(exc.reason)
+            return
+        try:
+            self._handler(message)
+        except Exception:
+            log.exception("kvconn handler raised on %s", type(message).__name__)
+            self._on_drop("handler_error")
+
+
+class Outbox:
+    """PUSH sockets to peers, one per address, each used under its own lock
+    (ZMQ sockets are not thread-safe)."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._key = key
+        self._lock = threading.Lock()
+        self._socks: dict[str, tuple[threading.Lock, zmq.Socket[bytes]]] = {}
+
+    def send(self, address: str, message: Message) -> None:
+        frame = wire.encode(message, self._key)
+        lock, sock = self._socket(address)
+        with lock:
+            sock.send(frame, copy=True)
+
+    def _socket(self, address: str) -> tuple[threading.Lock, zmq.Socket[bytes]]:
+        with self._lock:
+            entry = self._socks.get(address)
+            if entry is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 2000)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(address)
+                entry = self._socks[address] = (threading.Lock(), sock)
+            return entry
+
+    def close(self) -> None:
+        with self._lock:
+            for lock, sock in self._socks.values():
+                with lock:
+                    sock.close()
+            self._socks.clear()

@@ -1,0 +1,361 @@
+"""The decode endpoint: the page owner. It bootstraps prefill ranks, asks them
+for rooms, aborts rooms, and hands pages back to the engine only with proof.
+
+ABORT_ACKs arrive on kvconn's own listener socket and thread, never through
+transport notifications (those may only progress inside an active poll).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from kvconn.config import Config
+from kvconn.metrics import Metrics
+from kvconn.protocol.hold import (
+    Dropped,
+    HoldAction,
+    HoldState,
+    HoldTracker,
+    Proof,
+    Quarantine,
+    Release,
+    SendAbort,
+)
+from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.messages import (
+    AbortAck,
+    Hello,
+    HelloAck,
+    Message,
+    RoomOutcome,
+    RoomStatus,
+    TransferRequest,
+)
+from kvconn.runtime.control import Listener, Outbox
+from kvconn.runtime.prefill import process_start_time
+from kvconn.transport import Backend
+
+log = logging.getLogger(__name__)
+
+#: Called once per released room, outside kvconn's locks: the engine's
+#: allocator may hand these pages out again.
+ReleaseCallback = Callable[[Release], None]
+
+
+class BootstrapError(RuntimeError):
+    pass
+
+
+@attrs.frozen
+class WriterIdentity:
+    """A prefill rank's process, as it announced itself."""
+
+    address: str
+    host: str
+    pid: int
+    start_time: int
+
+    def proven_gone(self) -> bool:
+        """True only when this very process certainly no longer runs: same host,
+        and its pid is free, reused by another process, or a zombie."""
+        if self.host != socket.gethostname():
+            return False  # across hosts only a closed transport connection proves it
+        try:
+            if process_start_time(self.pid) != self.start_time:
+                return True
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                stat = f.read()
+            return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        except (OSError, ValueError):
+            return False
+
+
+class DecodeEndpoint:
+    """One decode process's kvconn endpoint over ``num_pages`` pages."""
+
+    EXIT_CHECK_S = 0.05
+
+    def __init__(
+        self,
+        backend: Backend,
+        num_pages: int,
+        page_bytes: int,
+        prefill: Sequence[str],
+        config: Config | None = None,
+        on_release: ReleaseCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not prefill:
+            raise ValueError("a decode endpoint needs at least one prefill rank address")
+        self.config = config or Config()
+        limit = backend.capabilities.max_write_timeout_s
+        if limit is not None and limit >= self.config.abort_timeout_s:
+            raise ValueError(
+                f"{backend.name} may take {limit} s to fail a write; abort_timeout_s "
+                f"({self.config.abort_timeout_s} s) must be longer"
+            )
+        self.backend = backend
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self.clock = clock
+        self.on_release = on_release
+        self.name = f"decode-{uuid.uuid4().hex[:12]}"
+        self.metrics = Metrics("decode")
+        self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
+        self._lock = threading.Lock()
+        self._outbox = Outbox(self.config.auth_key)
+        self._writers: dict[int, WriterIdentity] = {}
+        self._refusals: dict[str, str] = {}
+        self._bootstrapped = threading.Condition(self._lock)
+        self._succeeded: set[int] = set()
+        self._failed: dict[int, str] = {}
+        self._aborted: set[int] = set()
+        self._next_exit_check = 0.0
+        self._addresses: frozenset[str] = frozenset()
+        self._listener = Listener(
+            self.name,
+            self.config.host,
+            self.config.port,
+            self._on_message,
+            self._count_drop,
+            self.config.auth_key,
+            idle=self._on_idle,
+        )
+        self.address = self._listener.address
+        self.tracker = HoldTracker(
+            self.name,
+            self.address,
+            self.config.abort_timeout_s,
+            self.config.resend_interval_s,
+            unsafe_release_at_deadline=self.config.unsafe_release_at_deadline,
+        )
+        self._listener.start()
+        try:
+            self._bootstrap(list(prefill))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(self._writers)
+
+    # -- engine API --------------------------------------------------------
+    def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
+        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``."""
+        ranks = self.ranks if ranks is None else ranks
+        if not ranks <= self.ranks:
+            raise ValueError(f"unknown ranks {sorted(ranks - self.ranks)}")
+        pages = tuple(pages)
+        if any(not 0 <= p < self.num_pages for p in pages):
+            raise ValueError(f"pages outside 0..{self.num_pages - 1}")
+        with self._lock:
+            self.tracker.open(room, pages, ranks)
+            self._succeeded.discard(room)
+            self._failed.pop(room, None)
+            self._aborted.discard(room)
+        for rank in sorted(ranks):
+            self._outbox.send(self._writers[rank].address, TransferRequest(room, self.name, pages))
+        return Receiver(self, room)
+
+    def close(self) -> None:
+        self._listener.close()
+        self._outbox.close()
+        self.region.close()
+
+    def held_pages(self) -> int:
+        with self._lock:
+            return self.tracker.pages_in(HoldState.HELD) + self.tracker.pages_in(HoldState.QUARANTINED)
+
+    # -- bootstrap ---------------------------------------------------------
+    def _bootstrap(self, addresses: list[str]) -> None:
+        hello = Hello(
+            self.name,
+            self.address,
+            self.backend.name,
+            self.page_bytes,
+            len(addresses),
+            round(self.config.abort_timeout_s * 1000),
+            self.region.metadata,
+        )
+        self._addresses = frozenset(addresses)
+        for address in addresses:
+            self._outbox.send(address, hello)
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        with self._bootstrapped:
+            while len(self._writers) + len(self._refusals) < len(addresses):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BootstrapError(
+                        f"{len(self._writers)} of {len(addresses)} prefill ranks answered within "
+                        f"{self.config.bootstrap_timeout_s} s"
+                    )
+                self._bootstrapped.wait(left)
+            if self._refusals:
+                raise BootstrapError("; ".join(f"{a}: {e}" for a, e in self._refusals.items()))
+            if sorted(self._writers) != list(range(len(addresses))):
+                raise BootstrapError(
+                    f"ranks {sorted(self._writers)} answered, expected 0..{len(addresses) - 1}"
+                )
+
+    # -- control plane -----------------------------------------------------
+    def _on_message(self, msg: Message) -> None:
+        self.metrics.messages.labels(type(msg).__name__).inc()
+        now = self.clock()
+        with self._lock:
+            if isinstance(msg, AbortAck):
+                actions = self.tracker.ack(msg, now)
+                if not any(isinstance(a, Dropped) for a in actions):
+                    self.metrics.acks_received.inc()
+            elif isinstance(msg, RoomStatus):
+                actions = []
+                if msg.rank not in self.tracker_ranks(msg.room):
+                    self._count_drop("stranger_status")
+                elif msg.outcome is RoomOutcome.SUCCESS:
+                    if self.tracker.succeeded(msg.room, msg.rank):
+                        self._succeeded.add(msg.room)
+                else:
+                    self._failed.setdefault(msg.room, msg.reason)
+            elif isinstance(msg, HelloAck):
+                self._on_hello_ack(msg)
+                return
+            else:
+                self._count_drop("unexpected_type")
+                return
+            releases = self._execute(actions)
+        self._notify(releases)
+
+    def tracker_ranks(self, room: int) -> frozenset[int]:
+        try:
+            return self.tracker.ranks_of(room)
+        except KeyError:
+            return frozenset()
+
+    def _on_hello_ack(self, msg: HelloAck) -> None:
+        # called with the lock held
+        if msg.address not in self._addresses:
+            self._count_drop("stranger_hello")
+            return
+        if msg.error:
+            self._refusals[msg.address] = msg.error
+        elif msg.rank in self._writers and self._writers[msg.rank].address != msg.address:
+            self._refusals[msg.address] = f"rank {msg.rank} also claimed by {self._writers[msg.rank].address}"
+        else:
+            self._writers[msg.rank] = WriterIdentity(msg.address, msg.host, msg.pid, msg.start_time)
+        self._bootstrapped.notify_all()
+
+    def _on_idle(self) -> float | None:
+        now = self.clock()
+        with self._lock:
+            actions = self.tracker.tick(now)
+            if now >= self._next_exit_check:
+                self._next_exit_check = now + self.EXIT_CHECK_S
+                actions += self._check_exits(now)
+            releases = self._execute(actions)
+            next_deadline = self.tracker.next_deadline()
+        self._notify(releases)
+        return None if next_deadline is None else max(0.0, next_deadline - now)
+
+    def _check_exits(self, now: float) -> list[HoldAction]:
+        rooms = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
+        waiting = {rank for room in rooms for rank in self.tracker.ranks_of(room)}
+        actions: list[HoldAction] = []
+        for rank in sorted(waiting):
+            if self._writers[rank].proven_gone():
+                actions += self.tracker.writer_exited(rank, now)
+        return actions
+
+    def _abort(self, room: int) -> None:
+        with self._lock:
+            self._aborted.add(room)
+            releases = self._execute(self.tracker.abort(room, self.clock()))
+        self._notify(releases)
+
+    def _execute(self, actions: Sequence[HoldAction]) -> list[Release]:
+        """Carry out tracker actions (lock held); releases are returned so the
+        engine's callback runs outside the lock."""
+        releases = []
+        for action in actions:
+            if isinstance(action, SendAbort):
+                self._outbox.send(self._writers[action.rank].address, action.abort)
+                self.metrics.aborts_sent.inc()
+            elif isinstance(action, Release):
+                releases.append(action)
+                proof = action.proof.value
+                self.metrics.releases.labels(proof).inc()
+                self.metrics.released_pages.labels(proof).inc(len(action.pages))
+                self.metrics.release_latency.labels(proof).observe(action.held_for)
+                self.metrics.quarantine_seconds.inc(action.quarantined_for)
+            elif isinstance(action, Quarantine):
+                self.metrics.quarantines.inc()
+                log.warning(
+                    "room %d quarantined: %d pages held, no proof yet", action.room, len(action.pages)
+                )
+            elif isinstance(action, Dropped):
+                self._count_drop(action.reason)
+        held = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
+        self.metrics.rooms_held.set(len(held))
+        quarantined = self.tracker.pages_in(HoldState.QUARANTINED)
+        self.metrics.pages_quarantined.set(quarantined)
+        self.metrics.pages_held.set(self.tracker.pages_in(HoldState.HELD) + quarantined)
+        return releases
+
+    def _notify(self, releases: list[Release]) -> None:
+        if self.on_release is None:
+            return
+        for release in releases:
+            try:
+                self.on_release(release)
+            except Exception:
+                log.exception("on_release callback raised for room %d", release.room)
+
+    def _count_drop(self, reason: str) -> None:
+        self.metrics.dropped.labels(reason).inc()
+
+
+class Receiver:
+    """The engine's handle on one room at decode (like SGLang's KVReceiver)."""
+
+    def __init__(self, endpoint: DecodeEndpoint, room: int) -> None:
+        self._endpoint = endpoint
+        self.room = room
+
+    def poll(self) -> KVPoll:
+        ep = self._endpoint
+        with ep._lock:
+            if self.room in ep._aborted or self.room in ep._failed:
+                return KVPoll.FAILED
+            if self.room in ep._succeeded:
+                return KVPoll.SUCCESS
+            return KVPoll.TRANSFERRING
+
+    def failure(self) -> str | None:
+        with self._endpoint._lock:
+            return self._endpoint._failed.get(self.room)
+
+    def abort(self) -> None:
+        """Give the room up. Its pages come back through ``on_release`` once
+        proven free (at once if every rank already completed)."""
+        self._endpoint._abort(self.room)
+
+    def finish(self) -> tuple[int, ...]:
+        """Take a completed room's pages (poll() said SUCCESS)."""
+        with self._endpoint._lock:
+            self._endpoint._succeeded.discard(self.room)
+            return self._endpoint.tracker.finish(self.room)
+
+    def state(self) -> HoldState | None:
+        with self._endpoint._lock:
+            return self._endpoint.tracker.state(self.room)
+
+
+__all__ = ["BootstrapError", "DecodeEndpoint", "Proof", "Receiver", "Release"]

@@ -1,0 +1,387 @@
+"""A prefill rank: transfer workers, the control listener, the sender API.
+
+The ledger (sans-I/O) decides; this module carries out its actions and fires
+the plugin hooks around them. One lock serialises every ledger call; hooks
+run outside it, except that nothing here ever lets a hook decide an ack.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pluggy
+
+from kvconn import hookspecs
+from kvconn.chunk import Chunk
+from kvconn.config import Config, check_deadlines
+from kvconn.metrics import Metrics
+from kvconn.protocol.ledger import KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
+from kvconn.protocol.messages import Abort, Hello, HelloAck, Message, TransferRequest
+from kvconn.runtime.control import Listener, Outbox
+from kvconn.runtime.layout import PageLayout
+from kvconn.transport import Backend, Settlement
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def process_start_time(pid: int) -> int:
+    """The kernel's start time of ``pid`` (clock ticks since boot): with the
+    pid it names one process for good, so a reused pid is not mistaken for it."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+class FenceGate:
+    """Workers share it while posting and waiting; a fence takes it alone, so
+    the transport is never torn down under a running post or barrier."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._fencing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._fencing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._fencing:
+                self._cond.wait()
+            self._fencing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._fencing = False
+                self._cond.notify_all()
+
+
+class _Peer:
+    __slots__ = ("layout", "reply_to")
+
+    def __init__(self, reply_to: str, layout: PageLayout) -> None:
+        self.reply_to = reply_to
+        self.layout = layout
+
+
+class PrefillRank:
+    """One prefill rank process's kvconn endpoint.
+
+    ``backend`` writes; ``source_bytes`` of registered source memory hold the
+    rank's KV shards (``writer.write`` fills them). Decode endpoints reach it
+    at :attr:`address`.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        rank: int,
+        source_bytes: int,
+        config: Config | None = None,
+        observers: Iterable[object] = (),
+        clock: Callable[[], float] = time.monotonic,
+        on_request: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """``on_request(room, npages)`` runs on the listener thread when decode
+        asks for a room: an engine may start filling and sending it."""
+        self.config = config or Config()
+        self.on_request = on_request
+        self.rank = rank
+        self.backend = backend
+        self.clock = clock
+        self.metrics = Metrics("prefill")
+        self.ledger = RoomLedger(rank, self.config.tombstone_ttl_s)
+        self._lock = threading.Lock()
+        self._gate = FenceGate()
+        self.writer = backend.open_writer(source_bytes, self.config.backend_options)
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.pm.register(self.writer, name="transport")
+        for i, observer in enumerate(observers):
+            self.pm.register(observer, name=f"observer-{i}")
+        self.pm.check_pending()
+        self._peers: dict[str, _Peer] = {}
+        self._dst_pages: dict[int, tuple[int, ...]] = {}
+        self._outbox = Outbox(self.config.auth_key)
+        self._queues: list[queue.Queue[Any]] = [queue.Queue() for _ in range(self.config.workers)]
+        self._workers = [
+            threading.Thread(target=self._work, args=(q,), name=f"kvconn-worker-{rank}-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        self._listener = Listener(
+            f"prefill-{rank}",
+            self.config.host,
+            self.config.port,
+            self._on_message,
+            self._count_drop,
+            self.config.auth_key,
+            idle=self._on_idle,
+        )
+        self.address = self._listener.address
+        for w in self._workers:
+            w.start()
+        self._listener.start()
+
+    # -- engine API --------------------------------------------------------
+    def sender(self, room: int) -> Sender:
+        return Sender(self, room)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(_STOP)
+        for w in self._workers:
+            w.join(timeout=10)
+        self._listener.close()
+        self._outbox.close()
+        self.writer.close()
+
+    # -- control plane -----------------------------------------------------
+    def _on_message(self, msg: Message) -> None:
+        self.metrics.messages.labels(type(msg).__name__).inc()
+        if isinstance(msg, Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, TransferRequest):
+            with self._lock:
+                if msg.decode not in self._peers:
+                    self._count_drop("unknown_decode")
+                    return
+                self._dst_pages.setdefault(msg.room, msg.dst_pages)
+                self.ledger.request(msg.room, msg.decode)
+            if self.on_request is not None:
+                self.on_request(msg.room, len(msg.dst_pages))
+        elif isinstance(msg, Hello):
+            self._on_hello(msg)
+        else:
+            self._count_drop("unexpected_type")
+
+    def _on_hello(self, msg: Hello) -> None:
+        error = ""
+        try:
+            if msg.backend != self.backend.name:
+                raise ValueError(f"decode uses backend {msg.backend!r}, this rank {self.backend.name!r}")
+            check_deadlines(self.config.write_timeout_s, msg.abort_timeout_ms / 1000)
+            limit = self.backend.capabilities.max_write_timeout_s
+            if limit is not None:
+                check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
+            layout = PageLayout(msg.page_bytes, msg.num_ranks)
+            self.writer.connect(msg.decode, msg.metadata)
+            with self._lock:
+                self._peers[msg.decode] = _Peer(msg.reply_to, layout)
+        except Exception as exc:
+            log.warning("refusing bootstrap from %s: %s", msg.decode, exc)
+            error = str(exc) or type(exc).__name__
+        pid = os.getpid()
+        ack = HelloAck(self.rank, self.address, socket.gethostname(), pid, process_start_time(pid), error)
+        self._outbox.send(msg.reply_to, ack)
+
+    def _on_abort(self, msg: Abort) -> None:
+        with self._lock:
+            known = self.ledger.abort(msg, self.clock())
+        try:
+            self.pm.hook.on_abort_notification(abort=msg, known=known)
+        except Exception as exc:
+            self._plugin_error("on_abort_notification", exc)
+            with self._lock:
+                self._execute(self.ledger.poison(msg.room, "on_abort_notification raised"))
+        with self._lock:
+            self._execute(self.ledger.try_ack(msg.room))
+
+    def _on_idle(self) -> float | None:
+        with self._lock:
+            self.ledger.expire(self.clock())
+        return None
+
+    # -- transfer workers --------------------------------------------------
+    def _enqueue(self, chunk: Chunk) -> None:
+        self._queues[chunk.room % len(self._queues)].put(chunk)
+
+    def _work(self, q: queue.Queue[Any]) -> None:
+        while True:
+            chunk = q.get()
+            if chunk is _STOP:
+                return
+            self._transfer(chunk)
+
+    def _transfer(self, chunk: Chunk) -> None:
+        hook = self.pm.hook
+        with self._lock:
+            write = self.ledger.dequeue(chunk.room)  # invariant D: counted here
+        try:
+            hook.on_dequeue(chunk=chunk)
+            if not write:
+                hook.on_skip(chunk=chunk)
+        except Exception as exc:
+            self._fail_chunk(chunk, "on_dequeue/on_skip", exc)
+            return
+        if not write:
+            self.metrics.chunks.labels("skipped").inc()
+            with self._lock:
+                self._execute(self.ledger.skipped(chunk.room))
+            return
+        layout = self._peers[chunk.peer].layout
+        segments = layout.segments(chunk.rank, chunk.src_pages, chunk.dst_pages)
+        with self._gate.shared():
+            try:
+                posted = hook.on_post(chunk=chunk, segments=segments)
+                if posted is None:
+                    raise RuntimeError("no transport answered on_post")
+            except Exception as exc:
+                self._fail_chunk(chunk, "on_post", exc)
+                return
+            deadline = time.monotonic() + self.config.write_timeout_s
+            try:
+                settlement = hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
+                if not isinstance(settlement, Settlement):
+                    raise RuntimeError(f"on_done_barrier answered {settlement!r}")
+            except Exception as exc:
+                self._fail_chunk(chunk, "on_done_barrier", exc)
+                return
+        self.metrics.chunks.labels(settlement.value).inc()
+        with self._lock:
+            if settlement is Settlement.LANDED:
+                actions = self.ledger.landed(chunk.room, chunk.last)
+            else:
+                actions = self.ledger.failed(
+                    chunk.room, settlement is Settlement.FAILED_SETTLED, f"transfer {settlement.value}"
+                )
+            self._execute(actions)
+        if settlement is Settlement.UNSETTLED:
+            self._fence()
+
+    def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
+        """A hook raised with the chunk counted: poison, never uncount."""
+        self._plugin_error(hook, exc)
+        self.metrics.chunks.labels("plugin_error").inc()
+        with self._lock:
+            self._execute(self.ledger.failed(chunk.room, settled=False, reason=f"{hook} raised: {exc!r}"))
+        self._fence()
+
+    def _fence(self) -> None:
+        """Un-poison rooms through the writer's fence, if it has one."""
+        if not self.backend.capabilities.writer_fence:
+            self._update_poisoned()
+            return
+        with self._gate.exclusive():
+            with self._lock:
+                if not self.ledger.poisoned():
+                    return
+            try:
+                fenced = self.pm.hook.on_fence()
+            except Exception as exc:
+                self._plugin_error("on_fence", exc)
+                fenced = None
+            if fenced is not True:
+                self.metrics.fences.labels("failed").inc()
+                self._update_poisoned()
+                return
+            self.metrics.fences.labels("ok").inc()
+            with self._lock:
+                self._execute(self.ledger.fenced())
+
+    def fence(self) -> bool:
+        """Fence now (operators, tests): True if poisoned rooms were cleared."""
+        self._fence()
+        with self._lock:
+            return not self.ledger.poisoned()
+
+    # -- helpers -----------------------------------------------------------
+    def _execute(self, actions: Sequence[LedgerAction]) -> None:
+        """Carry out ledger actions; called with the lock held."""
+        for action in actions:
+            if isinstance(action, SendAck):
+                if self.config.acks_enabled:
+                    self._outbox.send(action.reply_to, action.ack)
+                    self.metrics.acks_sent.inc()
+            elif isinstance(action, NotifyDecode):
+                peer = self._peers.get(action.decode)
+                if peer is not None:
+                    self._outbox.send(peer.reply_to, action.status)
+        self.metrics.poisoned_rooms.set(len(self.ledger.poisoned()))
+
+    def _update_poisoned(self) -> None:
+        with self._lock:
+            self.metrics.poisoned_rooms.set(len(self.ledger.poisoned()))
+
+    def _plugin_error(self, hook: str, exc: Exception) -> None:
+        log.error("kvconn plugin raised in %s: %r; failing safe", hook, exc)
+        self.metrics.plugin_errors.labels(hook).inc()
+
+    def _count_drop(self, reason: str) -> None:
+        self.metrics.dropped.labels(reason).inc()
+
+
+class Sender:
+    """The engine's handle on one room at this rank (like SGLang's KVSender)."""
+
+    def __init__(self, rank: PrefillRank, room: int) -> None:
+        self._rank = rank
+        self.room = room
+        self._sent = 0
+        self._index = 0
+
+    def poll(self) -> KVPoll:
+        with self._rank._lock:
+            status = self._rank.ledger.status(self.room)
+        return KVPoll.BOOTSTRAPPING if status is None else status
+
+    def send(self, src_pages: Sequence[int], last: bool = False) -> None:
+        """Queue the next ``len(src_pages)`` pages of the room for writing."""
+        rank = self._rank
+        with rank._lock:
+            status = rank.ledger.status(self.room)
+            dst_all = rank._dst_pages.get(self.room)
+            entry_decode = rank.ledger.decode_of(self.room)
+        if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
+            raise RuntimeError(f"room {self.room} is not bootstrapped yet (poll() says {self.poll().name})")
+        dst = dst_all[self._sent : self._sent + len(src_pages)]
+        if len(dst) != len(src_pages):
+            left = len(dst_all) - self._sent
+            raise ValueError(f"room {self.room} has {left} pages left, got {len(src_pages)}")
+        chunk = Chunk(self.room, self._index, last, rank.rank, entry_decode, tuple(src_pages), tuple(dst))
+        self._sent += len(src_pages)
+        self._index += 1
+        rank._enqueue(chunk)
+
+    def settled(self) -> bool:
+        """The room is Success or Failed and no chunk of it is being written
+        any more: its source pages may be reused."""
+        with self._rank._lock:
+            status = self._rank.ledger.status(self.room)
+            busy = self._rank.ledger.in_flight(self.room)
+        return status in (KVPoll.SUCCESS, KVPoll.FAILED, None) and busy == 0
+
+    def fail(self, reason: str) -> None:
+        """Prefill-initiated failure: tell decode, write nothing more."""
+        with self._rank._lock:
+            self._rank._execute(self._rank.ledger.fail(self.room, reason))
+
+    def clear(self) -> None:
+        """The engine is done with the room (success or not)."""
+        with self._rank._lock:
+            self._rank.ledger.clear(self.room)
+            if self._rank.ledger.status(self.room) is None:
+                self._rank._dst_pages.pop(self.room, None)
