@@ -54,17 +54,19 @@ class LoopbackRegion:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        self._buf = _buffer(self._shm)
         self.metadata = self._shm.name.encode()
 
     def read(self, offset: int, nbytes: int) -> bytes:
         _check(offset, nbytes, self.nbytes)
-        return bytes(self._shm.buf[offset : offset + nbytes])
+        return bytes(self._buf[offset : offset + nbytes])
 
     def write(self, offset: int, data: bytes) -> None:
         _check(offset, len(data), self.nbytes)
-        self._shm.buf[offset : offset + len(data)] = data
+        self._buf[offset : offset + len(data)] = data
 
     def close(self) -> None:
+        del self._buf
         self._shm.close()
         self._shm.unlink()
 
@@ -84,7 +86,7 @@ class _Peer:
         # Attaching registers the segment with this process's resource
         # tracker, which would unlink decode's memory when we exit.
         resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-        self.base, self.anchor = _address(self.shm.buf)
+        self.base, self.anchor = _address(_buffer(self.shm))
         self.nbytes = self.shm.size
 
     def close(self) -> None:
@@ -242,6 +244,13 @@ class LoopbackBackend:
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> LoopbackWriter:
         return LoopbackWriter(nbytes, options)
+
+
+def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
+    buf = shm.buf
+    if buf is None:
+        raise ValueError(f"shared memory {shm.name} is closed")
+    return buf
 
 
 def _flag(options: Mapping[str, str], key: str) -> bool:
