@@ -1,0 +1,113 @@
+"""Loading and creating Mooncake Transfer Engines, with the environment set first."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+#: Engine timeout (seconds) the plugin sets when the operator set none. The
+#: engine clamps both variables to at least 5 s.
+DEFAULT_TIMEOUT_S = 10
+MIN_TIMEOUT_S = 5
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PROTOCOL = "tcp"
+PROTOCOLS = ("tcp", "rdma")
+
+
+class MooncakeUnavailable(ImportError):
+    """The Mooncake engine cannot be imported (package or system library missing)."""
+
+
+def configure_env() -> None:
+    """Set quiet logging and bounded timeouts, unless the operator chose others.
+
+    Must run before the first engine is created (the engine reads them then).
+    """
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(DEFAULT_TIMEOUT_S))
+    os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", os.environ["MC_TRANSFER_TIMEOUT"])
+
+
+def _env_seconds(name: str) -> int:
+    try:
+        return max(MIN_TIMEOUT_S, int(os.environ.get(name, str(DEFAULT_TIMEOUT_S))))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def engine_timeout_s() -> float:
+    """The engine's longest wait for a stalled write, as configured."""
+    return float(max(_env_seconds("MC_TRANSFER_TIMEOUT"), _env_seconds("MC_TCP_STATUS_TIMEOUT_SEC")))
+
+
+def _engine_class() -> Any:
+    configure_env()
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        if "libibverbs" in str(exc):
+            raise MooncakeUnavailable(
+                "the Mooncake engine needs the system library libibverbs.so.1 even for tcp "
+                "(Debian/Ubuntu: apt-get install -y libibverbs1): " + str(exc)
+            ) from exc
+        raise MooncakeUnavailable(
+            "cannot import mooncake.engine; install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
+            "(CPU) or mooncake-transfer-engine==0.3.13.post1 (CUDA), never both: " + str(exc)
+        ) from exc
+    return TransferEngine
+
+
+def engine_settings(options: Mapping[str, str]) -> tuple[str, str, str]:
+    """(host, protocol, device) from open_region / open_writer options."""
+    host = options.get("host", DEFAULT_HOST)
+    protocol = options.get("protocol", DEFAULT_PROTOCOL)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"mooncake protocol must be one of {PROTOCOLS}, not {protocol!r}")
+    return host, protocol, options.get("device", "")
+
+
+def new_engine(host: str, protocol: str, device: str) -> Any:
+    """A fresh engine, P2P handshake (no metadata server)."""
+    engine = _engine_class()()
+    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if rc != 0:
+        raise RuntimeError(f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+    return engine
+
+
+def session_id(engine: Any, host: str) -> str:
+    return f"{host}:{engine.get_rpc_port()}"
+
+
+_shared: dict[tuple[str, str, str], Any] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_engine(host: str, protocol: str, device: str) -> Any:
+    """One engine per process and setting for page regions: teardown costs ~1 s."""
+    key = (host, protocol, device)
+    with _shared_lock:
+        engine = _shared.get(key)
+        if engine is None:
+            engine = _shared[key] = new_engine(host, protocol, device)
+        return engine
+
+
+def pack_metadata(session: str, base: int, nbytes: int, protocol: str) -> bytes:
+    doc = {"backend": "mooncake", "session": session, "base": base, "nbytes": nbytes, "protocol": protocol}
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def unpack_metadata(metadata: bytes) -> tuple[str, int, int]:
+    """(session id, base address, length) of a region."""
+    doc = json.loads(metadata)
+    if not isinstance(doc, dict) or doc.get("backend") != "mooncake":
+        raise ValueError("not mooncake region metadata")
+    session, base, nbytes = doc["session"], doc["base"], doc["nbytes"]
+    if not isinstance(session, str) or not isinstance(base, int) or not isinstance(nbytes, int):
+        raise ValueError("malformed mooncake region metadata")
+    return session, base, nbytes

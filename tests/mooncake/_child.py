@@ -1,0 +1,164 @@
+"""A child process for the Mooncake tests: runs one kvconn endpoint and obeys commands.
+
+Started with multiprocessing "spawn"; talks over a Pipe. It leaves with
+os._exit, skipping the ~1 s engine teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+PAGE = 4096
+_PERIOD = (1 << 20) + 4093  # not a multiple of any page size: a misplaced page differs
+
+
+def pattern(seed: int, n: int) -> Any:
+    """Deterministic source bytes, never zero (so landed bytes are countable)."""
+    import numpy as np
+
+    block = np.random.default_rng(seed).integers(1, 256, _PERIOD, dtype=np.uint8)
+    return np.resize(block, n)
+
+
+class _Endpoint:
+    def __init__(self) -> None:
+        import pluggy
+
+        import kvconn.hookspecs
+        from kvconn_mooncake import backend
+
+        self.backend = backend
+        self.hookspecs = kvconn.hookspecs
+        self.pluggy = pluggy
+        self.region: Any = None
+        self.writer: Any = None
+        self.pm: Any = None
+        self.raw_engine: Any = None
+        self.tokens: dict[int, tuple[Any, Any]] = {}
+        self.patterns: dict[tuple[int, int], Any] = {}
+
+    # decode side
+    def region_open(self, nbytes: int) -> bytes:
+        self.region = self.backend.open_region(nbytes, {})
+        return bytes(self.region.metadata)
+
+    def fill(self, value: int) -> None:
+        self.region.array[:] = value
+
+    def count_nonzero(self) -> tuple[float, int]:
+        import numpy as np
+
+        t = time.monotonic()
+        return t, int(np.count_nonzero(self.region.array))
+
+    def verify(self, seed: int, src_size: int, segs: list[tuple[int, int, int]]) -> int:
+        """Bytes in the region that differ from what ``segs`` should have written."""
+        import numpy as np
+
+        key = (seed, src_size)
+        if key not in self.patterns:
+            self.patterns = {key: pattern(seed, src_size)}
+        src = self.patterns[key]
+        arr = self.region.array
+        bad = 0
+        for s, d, n in segs:
+            bad += int(np.count_nonzero(arr[d : d + n] != src[s : s + n]))
+        return bad
+
+    # writer side
+    def writer_open(self, nbytes: int, seed: int, options: dict[str, str]) -> str:
+        self.writer = self.backend.open_writer(nbytes, options)
+        self.writer.array[:] = pattern(seed, nbytes)
+        self.pm = self.pluggy.PluginManager("kvconn")
+        self.pm.add_hookspecs(self.hookspecs)
+        self.pm.register(self.writer)
+        return str(self.writer.session)
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        self.writer.connect(peer, metadata)
+
+    def _chunk(self, peer: str, index: int) -> Any:
+        from kvconn.chunk import Chunk
+
+        return Chunk(room=1, index=index, last=False, rank=0, peer=peer, src_pages=(), dst_pages=())
+
+    def post(self, peer: str, segs: list[tuple[int, int, int]], key: int = 0) -> float:
+        from kvconn.chunk import Segment
+
+        chunk = self._chunk(peer, key)
+        t = time.monotonic()
+        tok = self.pm.hook.on_post(chunk=chunk, segments=[Segment(*s) for s in segs])
+        self.tokens[key] = (chunk, tok)
+        return time.monotonic() - t
+
+    def barrier(self, key: int, timeout_s: float) -> tuple[str, float]:
+        chunk, tok = self.tokens.pop(key)
+        t = time.monotonic()
+        res = self.pm.hook.on_done_barrier(chunk=chunk, posted=tok, deadline=t + timeout_s)
+        return res.value, time.monotonic() - t
+
+    def transfer(self, peer: str, segs: list[tuple[int, int, int]], timeout_s: float) -> tuple[str, float]:
+        t = time.monotonic()
+        self.post(peer, segs, key=-1)
+        res, _ = self.barrier(-1, timeout_s - (time.monotonic() - t))
+        return res, time.monotonic() - t
+
+    def transfer_threads(
+        self, peer: str, chunks: list[list[tuple[int, int, int]]], timeout_s: float
+    ) -> tuple[list[str], float]:
+        """Post and settle several chunks at once, one worker thread each."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvconn.chunk import Segment
+
+        def one(i: int) -> str:
+            chunk = self._chunk(peer, 1000 + i)
+            tok = self.pm.hook.on_post(chunk=chunk, segments=[Segment(*s) for s in chunks[i]])
+            return str(
+                self.pm.hook.on_done_barrier(
+                    chunk=chunk, posted=tok, deadline=time.monotonic() + timeout_s
+                ).value
+            )
+
+        t = time.monotonic()
+        with ThreadPoolExecutor(len(chunks)) as pool:
+            out = list(pool.map(one, range(len(chunks))))
+        return out, time.monotonic() - t
+
+    def raw_transfer(self, metadata: bytes, segs: list[tuple[int, int, int]]) -> tuple[int, float]:
+        """The same writes through kvconn_mooncake.raw (its own engine, same source memory)."""
+        from kvconn_mooncake import raw
+
+        if self.raw_engine is None:
+            from kvconn_mooncake._engine import new_engine
+
+            self.raw_engine = new_engine("127.0.0.1", "tcp", "")
+            assert self.raw_engine.register_memory(self.writer.base, self.writer.nbytes) == 0
+        return raw.write_segments(self.raw_engine, self.writer.base, metadata, segs)
+
+    def fence(self) -> tuple[bool, float, float]:
+        t = time.monotonic()
+        res = self.pm.hook.on_fence()
+        t_end = time.monotonic()
+        return bool(res), t_end - t, t_end
+
+
+def serve(conn: Connection, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    ep = _Endpoint()
+    conn.send(("ok", os.getpid()))
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if op == "exit":
+            break
+        try:
+            conn.send(("ok", getattr(ep, op)(*args)))
+        except Exception as exc:  # reported to the test, which fails on it
+            conn.send(("err", repr(exc)))
+    os._exit(0)
