@@ -79,7 +79,8 @@ def decode(frame: bytes, key: bytes | None = None) -> Message:
         raise FrameError("oversize", f"{len(frame)} bytes")
     if key is not None:
         if len(frame) < _HEADER.size + MAC_BYTES:
-            raise FrameError("short")
+            # too short to carry a MAC: unauthenticated, like a wrong MAC
+            raise FrameError("bad_mac", "frame too short for a MAC")
         frame, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
         if not hmac.compare_digest(mac, hmac.digest(key, frame, hashlib.sha256)):
             raise FrameError("bad_mac")
