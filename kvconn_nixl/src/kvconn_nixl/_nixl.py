@@ -1,0 +1,298 @@
+"""Everything that touches the nixl package: environment, agent factory,
+region metadata and page memory.
+
+nixl is imported lazily (first agent), after the environment below is in
+place, so that merely importing :mod:`kvconn_nixl` (entry-point discovery)
+costs nothing and a user never meets the UCX segfault-at-exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import os
+import struct
+import threading
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+#: Set (if unset) before nixl/UCX is loaded. ``UCX_MODULES=^ib``: without it
+#: every process that made a UCX agent segfaults at exit (bundled libnl-route
+#: destructor). ``NIXL_LOG_LEVEL=WARN``: nixl prints INFO lines to stdout.
+DEFAULT_ENV = {"UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
+
+INSTALL_HINT = (
+    "kvconn-nixl needs nixl 1.5.1 installed without its torch dependency: "
+    "pip install numpy && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+)
+
+_lock = threading.Lock()  # env tweaks + agent construction
+_api: Any = None
+_names = itertools.count()
+
+
+def prepare_env() -> None:
+    for key, value in DEFAULT_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def nixl_api() -> Any:
+    """Import ``nixl._api`` once, with the environment prepared first."""
+    global _api
+    if _api is None:
+        prepare_env()
+        # importing nixl sets logging.raiseExceptions = False process-wide.
+        raise_exc = logging.raiseExceptions
+        try:
+            _api = importlib.import_module("nixl._api")
+        except ImportError as exc:  # pragma: no cover - depends on install
+            raise ImportError(INSTALL_HINT) from exc
+        finally:
+            logging.raiseExceptions = raise_exc
+    return _api
+
+
+def remote_disconnect_error() -> type[BaseException] | None:
+    bind = importlib.import_module("nixl._bindings")
+    err = getattr(bind, "nixlRemoteDisconnectError", None)
+    return err if isinstance(err, type) else None
+
+
+# --------------------------------------------------------------------------
+# options
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+#: The UCX transport selections whose writer-side fence (destroy the agent
+#: after dropping every handle) has been proven by tests/nixl/test_fence.py.
+FENCE_PROVEN_TLS = frozenset({"tcp"})
+
+
+@attrs.frozen
+class Options:
+    """Parsed ``options`` mapping (all values are strings, as the core passes)."""
+
+    #: UCX_TLS for this endpoint's agent. "tcp" (default): data moves over
+    #: sockets, the writer fence is proven. "default": let UCX choose (cma +
+    #: tcp here); "DONE" then means landed, but no fence is claimed.
+    ucx_tls: str = "tcp"
+    #: UCX devices (NIXL UCX backend param ``ucx_devices``), e.g. "lo". Empty:
+    #: UCX decides (needed across hosts).
+    net_devices: str = ""
+    #: "dram" or "vram".
+    memory: str = "dram"
+    #: CUDA device id for memory=vram.
+    device: int = 0
+    #: Progress thread. Page owners need one (a UCX tcp target that nobody
+    #: progresses refuses the connection); writers progress by hand inside
+    #: on_done_barrier unless this is set.
+    progress_thread: bool | None = None
+    #: Progress-thread sleep (NIXL pthrDelay, us). nixl's Python wrapper
+    #: hard-codes 0, which busy-spins a core per idle agent.
+    progress_delay_us: int = 1000
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> Options:
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown nixl backend options: {sorted(unknown)}")
+        memory = options.get("memory", "dram").lower()
+        if memory not in {"dram", "vram"}:
+            raise ValueError(f"memory must be 'dram' or 'vram', got {memory!r}")
+        prog = options.get("progress_thread")
+        return cls(
+            ucx_tls=options.get("ucx_tls", "tcp"),
+            net_devices=options.get("net_devices", ""),
+            memory=memory,
+            device=int(options.get("device", "0")),
+            progress_thread=None if prog is None else _flag(prog),
+            progress_delay_us=int(options.get("progress_delay_us", "1000")),
+        )
+
+    @property
+    def fence_proven(self) -> bool:
+        return self.ucx_tls in FENCE_PROVEN_TLS
+
+    @property
+    def nixl_mem(self) -> str:
+        return "VRAM" if self.memory == "vram" else "DRAM"
+
+    @property
+    def dev_id(self) -> int:
+        return self.device if self.memory == "vram" else 0
+
+
+# --------------------------------------------------------------------------
+# agents
+
+
+def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
+    """Build a ``nixl_agent`` with UCX only, the requested UCX_TLS, a real
+    progress-thread delay and a serialising sync mode (hooks run on several
+    worker threads at once)."""
+    api = nixl_api()
+    bind = api.nixlBind
+    delay = max(0, opts.progress_delay_us)
+
+    class _Config(bind.nixlAgentConfig):  # type: ignore[misc,name-defined]
+        # nixl_agent.__init__ writes pthrDelay = 0; keep ours instead.
+        @property
+        def pthrDelay(self) -> int:
+            return int(bind.nixlAgentConfig.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:
+            bind.nixlAgentConfig.pthrDelay.__set__(self, delay)
+
+    class _Bind:
+        nixlAgentConfig = _Config
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(bind, name)
+
+    name = f"kvconn-{role}-{os.getpid()}-{next(_names)}-{uuid.uuid4().hex[:8]}"
+    conf = api.nixl_agent_config(
+        enable_prog_thread=progress_thread,
+        backends=[],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    params = {"ucx_devices": opts.net_devices} if opts.net_devices else {}
+    with _lock:
+        saved_tls = os.environ.get("UCX_TLS")
+        if opts.ucx_tls != "default":
+            os.environ["UCX_TLS"] = opts.ucx_tls
+        api.nixlBind = _Bind()
+        try:
+            agent = api.nixl_agent(name, conf)
+            # UCX reads UCX_TLS when the backend (its context) is created.
+            agent.create_backend("UCX", params)
+        finally:
+            api.nixlBind = bind
+            if saved_tls is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = saved_tls
+    return agent
+
+
+# --------------------------------------------------------------------------
+# region metadata: b"KVNX" v1, mem, dev, addr, len, name, agent metadata
+
+_MAGIC = b"KVNX"
+_HEAD = struct.Struct("<4sBBHQQII")
+
+
+@attrs.frozen
+class RegionInfo:
+    agent_name: str
+    agent_md: bytes
+    addr: int
+    nbytes: int
+    mem: str  # "DRAM" | "VRAM"
+    dev_id: int
+
+    def encode(self) -> bytes:
+        name = self.agent_name.encode()
+        head = _HEAD.pack(
+            _MAGIC, 1, 1 if self.mem == "VRAM" else 0, self.dev_id,
+            self.addr, self.nbytes, len(name), len(self.agent_md),
+        )
+        return head + name + self.agent_md
+
+    @classmethod
+    def decode(cls, data: bytes) -> RegionInfo:
+        if len(data) < _HEAD.size:
+            raise ValueError("nixl region metadata too short")
+        magic, ver, mem, dev, addr, nbytes, nlen, mlen = _HEAD.unpack_from(data)
+        if magic != _MAGIC or ver != 1:
+            raise ValueError("not kvconn-nixl region metadata (bad magic/version)")
+        if len(data) != _HEAD.size + nlen + mlen:
+            raise ValueError("nixl region metadata has the wrong length")
+        off = _HEAD.size
+        name = data[off : off + nlen].decode()
+        return cls(name, bytes(data[off + nlen :]), addr, nbytes,
+                   "VRAM" if mem else "DRAM", dev)
+
+
+# --------------------------------------------------------------------------
+# memory
+
+
+class Memory:
+    """Page/source memory: numpy in DRAM, cupy or torch in VRAM."""
+
+    def __init__(self, nbytes: int, opts: Options) -> None:
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        self.nbytes = nbytes
+        self.kind = opts.memory
+        self._buf: Any
+        if opts.memory == "dram":
+            self._buf = np.zeros(nbytes, dtype=np.uint8)
+            self.addr = int(self._buf.ctypes.data)
+            return
+        # VRAM: untested on CPU-only machines; keep it minimal.
+        self._lib = ""
+        try:
+            cupy = importlib.import_module("cupy")
+            with cupy.cuda.Device(opts.device):
+                self._buf = cupy.zeros(nbytes, dtype=cupy.uint8)
+            self.addr = int(self._buf.data.ptr)
+            self._lib = "cupy"
+        except ImportError:
+            try:
+                torch = importlib.import_module("torch")
+            except ImportError:
+                raise RuntimeError(
+                    "memory=vram needs cupy or torch (with CUDA) to allocate device memory"
+                ) from None
+            self._buf = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{opts.device}")
+            self.addr = int(self._buf.data_ptr())
+            self._lib = "torch"
+
+    def array(self) -> np.ndarray:
+        """The DRAM buffer itself (no copy); DRAM only."""
+        if self.kind != "dram":
+            raise TypeError("array() is only available for memory=dram")
+        return self._buf  # type: ignore[no-any-return]
+
+    def _check(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) outside 0..{self.nbytes}")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._check(offset, nbytes)
+        part = self._buf[offset : offset + nbytes]
+        if self.kind == "dram":
+            return part.tobytes()  # type: ignore[no-any-return]
+        if self._lib == "cupy":
+            return bytes(part.get().tobytes())
+        return bytes(part.cpu().numpy().tobytes())
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._check(offset, len(data))
+        src = np.frombuffer(data, dtype=np.uint8)
+        if self.kind == "dram":
+            self._buf[offset : offset + len(data)] = src
+        elif self._lib == "cupy":
+            cupy = importlib.import_module("cupy")
+            self._buf[offset : offset + len(data)] = cupy.asarray(src)
+        else:
+            torch = importlib.import_module("torch")
+            self._buf[offset : offset + len(data)] = torch.from_numpy(src.copy()).to(self._buf.device)
+
+    def free(self) -> None:
+        self._buf = None
+
+
+def register(agent: Any, mem: Memory, opts: Options) -> Any:
+    return agent.register_memory([(mem.addr, mem.nbytes, opts.dev_id, "")], opts.nixl_mem)

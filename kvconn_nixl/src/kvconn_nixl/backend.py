@@ -1,0 +1,341 @@
+"""The NIXL backend: a page region on decode, a writer on each prefill rank."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvconn.chunk import Chunk, Segment
+from kvconn.hookspecs import hookimpl
+from kvconn.transport import Capabilities, Settlement
+from kvconn_nixl._nixl import (
+    Memory,
+    Options,
+    RegionInfo,
+    make_agent,
+    register,
+    remote_disconnect_error,
+)
+
+__all__ = ["NixlBackend", "NixlRegion", "NixlWriter", "backend"]
+
+
+class NixlRegion:
+    """Decode's page memory, registered with its own agent.
+
+    The agent runs a progress thread (with a sleep, see ``progress_delay_us``):
+    a UCX tcp target that nobody progresses refuses the writer's connection,
+    so writes land without anyone polling the region from Python.
+    """
+
+    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
+        self.options = Options.parse(options)
+        self.nbytes = nbytes
+        self._mem = Memory(nbytes, self.options)
+        prog = True if self.options.progress_thread is None else self.options.progress_thread
+        self._agent: Any = make_agent("region", self.options, progress_thread=prog)
+        self._reg = register(self._agent, self._mem, self.options)
+        self.metadata = RegionInfo(
+            agent_name=self._agent.name,
+            agent_md=self._agent.get_agent_metadata(),
+            addr=self._mem.addr,
+            nbytes=nbytes,
+            mem=self.options.nixl_mem,
+            dev_id=self.options.dev_id,
+        ).encode()
+
+    def array(self) -> np.ndarray:
+        """The region's DRAM buffer, without a copy (tests, verification)."""
+        return self._mem.array()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self._mem.read(offset, nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._mem.write(offset, data)
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._agent.deregister_memory(self._reg)
+        finally:
+            self._reg = None
+            self._agent = None
+            gc.collect()
+            self._mem.free()
+
+
+@attrs.frozen
+class _Peer:
+    info: RegionInfo
+    metadata: bytes
+
+
+@attrs.frozen
+class Posted:
+    """What ``on_post`` returns: keys into the writer's handle table, never the
+    NIXL handles themselves (a handle referenced from outside would keep the
+    agent alive through a fence)."""
+
+    keys: tuple[int, ...]
+    generation: int
+    nbytes: int
+
+
+class NixlWriter:
+    """A prefill rank's source memory and NIXL agent.
+
+    Registered with the rank's pluggy manager; answers ``on_post``,
+    ``on_done_barrier`` and ``on_fence``.
+    """
+
+    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
+        self.options = Options.parse(options)
+        self.nbytes = nbytes
+        self._mem = Memory(nbytes, self.options)
+        self._prog = bool(self.options.progress_thread)
+        self._lock = threading.Lock()  # handle table, peers, agent swap
+        self._handles: dict[int, Any] = {}
+        self._keys = itertools.count()
+        self._peers: dict[str, _Peer] = {}
+        self._generation = 0
+        self._disconnect = remote_disconnect_error()
+        self._agent: Any = None
+        self._reg: Any = None
+        self._new_agent()
+        #: Seconds the last on_fence took (teardown + new agent + reconnect).
+        self.last_fence_s = 0.0
+
+    # -- memory ----------------------------------------------------------
+    def array(self) -> np.ndarray:
+        return self._mem.array()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self._mem.read(offset, nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._mem.write(offset, data)
+
+    # -- connections -----------------------------------------------------
+    def _new_agent(self) -> None:
+        self._agent = make_agent("writer", self.options, progress_thread=self._prog)
+        self._reg = register(self._agent, self._mem, self.options)
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        info = RegionInfo.decode(metadata)
+        with self._lock:
+            old = self._peers.get(peer)
+            if old is not None and old.info.agent_name != info.agent_name:
+                with contextlib.suppress(Exception):  # best effort, peer may be gone
+                    self._agent.remove_remote_agent(old.info.agent_name)
+            if old is None or old.metadata != metadata:
+                name = self._agent.add_remote_agent(info.agent_md)
+                if isinstance(name, bytes):
+                    name = name.decode()
+                if name != info.agent_name:
+                    raise ValueError(f"metadata names agent {info.agent_name!r}, nixl loaded {name!r}")
+            self._peers[peer] = _Peer(info, metadata)
+
+    # -- hooks -----------------------------------------------------------
+    @hookimpl
+    def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> Posted:
+        peer = self._peers.get(chunk.peer)
+        if peer is None:
+            raise KeyError(f"peer {chunk.peer!r} is not connected")
+        segs = [s for s in segments if s.nbytes]
+        if not segs:
+            return Posted((), self._generation, 0)
+        table = np.array([(s.src, s.dst, s.nbytes) for s in segs], dtype=np.int64)
+        src, dst, lens = table[:, 0], table[:, 1], table[:, 2]
+        if (src < 0).any() or (dst < 0).any() or (lens < 0).any():
+            raise ValueError("negative offset or length in segments")
+        if int((src + lens).max()) > self.nbytes:
+            raise ValueError("segment reads past the writer's source region")
+        if int((dst + lens).max()) > peer.info.nbytes:
+            raise ValueError(f"segment writes past {chunk.peer!r}'s region")
+        n = len(segs)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0] = src.astype(np.uint64) + np.uint64(self._mem.addr)
+        local[:, 1] = lens.astype(np.uint64)
+        local[:, 2] = self.options.dev_id
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0] = dst.astype(np.uint64) + np.uint64(peer.info.addr)
+        remote[:, 1] = local[:, 1]
+        remote[:, 2] = peer.info.dev_id
+        agent = self._agent
+        handle = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(local, self.options.nixl_mem),
+            agent.get_xfer_descs(remote, peer.info.mem),
+            peer.info.agent_name,
+        )
+        with self._lock:
+            key = next(self._keys)
+            self._handles[key] = handle
+            generation = self._generation
+        del handle
+        # May raise (no ERR state in nixl): the core then poisons the room,
+        # and the handle stays in the table until settled or fenced.
+        state = agent.transfer(self._handles[key])
+        if state == "ERR":
+            raise RuntimeError("nixl transfer() returned ERR")
+        return Posted((key,), generation, int(lens.sum()))
+
+    @hookimpl
+    def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement | None:
+        if not isinstance(posted, Posted):
+            return None  # not ours
+        if posted.generation != self._generation:
+            # The agent these handles belonged to was destroyed by on_fence:
+            # nothing of them can land any more.
+            return Settlement.FAILED_SETTLED
+        if posted.keys and time.monotonic() >= deadline:
+            # Past the deadline on arrival (e.g. frozen inside on_post): give
+            # up without progressing the transfer any further.
+            return Settlement.UNSETTLED
+        agent = self._agent
+        pending = list(posted.keys)
+        failed = False
+        unsettled = False
+        spins = 0
+        while pending:
+            for key in list(pending):
+                handle = self._handles.get(key)
+                if handle is None:  # released by someone else: treat as lost
+                    pending.remove(key)
+                    unsettled = True
+                    continue
+                try:
+                    state = agent.check_xfer_state(handle)
+                except BaseException as exc:  # nixl raises instead of ERR
+                    state = "DISC" if self._disconnect and isinstance(exc, self._disconnect) else "ERR"
+                if state == "PROC":
+                    continue
+                pending.remove(key)
+                failed = failed or state != "DONE"
+                if state == "ERR":
+                    # An unknown error does not prove the handle's other
+                    # requests are done; keep it for the fence.
+                    unsettled = True
+                    continue
+                # DONE, or the peer disconnected (UCX purged the endpoint's
+                # requests): settled, release it.
+                self._release(key)
+            del handle
+            if not pending:
+                break
+            spins += 1
+            # Manual progress happens inside check_xfer_state: poll hot for a
+            # while, then back off a little.
+            time.sleep(0.0001 if self._prog or spins >= 2000 else 0)
+            # Checked right before polling again, so a writer that was frozen
+            # past its deadline gives up without moving more data first.
+            if time.monotonic() >= deadline:
+                return Settlement.UNSETTLED
+        if unsettled:
+            return Settlement.UNSETTLED
+        return Settlement.FAILED_SETTLED if failed else Settlement.LANDED
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            handle = self._handles.pop(key, None)
+        if handle is not None:
+            try:
+                handle.release()
+            except Exception:
+                with self._lock:
+                    self._handles[key] = handle
+
+    @hookimpl
+    def on_fence(self) -> bool | None:
+        """Destroy the agent after dropping every handle, then rebuild it.
+
+        Only answered for the UCX transport selections where tests proved it
+        (``ucx_tls=tcp``); otherwise ``None`` (rooms stay poisoned).
+        """
+        if not self.options.fence_proven:
+            return None
+        t0 = time.monotonic()
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._generation += 1
+        while handles:
+            with contextlib.suppress(Exception):  # in flight: destroyed with the agent
+                handles.pop().release()
+        wrapper, self._agent, self._reg = self._agent, None, None
+        binding = wrapper.agent
+        del wrapper
+        gc.collect()
+        # Only our local name (+ getrefcount's argument) may hold the agent;
+        # anything else would keep it, and its connections, alive.
+        if sys.getrefcount(binding) > 2:
+            raise RuntimeError("nixl agent still referenced: cannot fence")
+        del binding  # ~10-30 ms: UCX closes every endpoint and socket
+        self._new_agent()
+        with self._lock:
+            peers = dict(self._peers)
+        for peer in peers.values():
+            self._agent.add_remote_agent(peer.info.agent_md)
+        self.last_fence_s = time.monotonic() - t0
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._peers.clear()
+        while handles:
+            with contextlib.suppress(Exception):
+                handles.pop().release()
+        self._agent = None
+        self._reg = None
+        gc.collect()
+        self._mem.free()
+
+
+class NixlBackend:
+    """The object behind the ``kvconn.backends`` entry point ``nixl``."""
+
+    name = "nixl"
+
+    def __init__(self) -> None:
+        self.capabilities = self.capabilities_for({})
+
+    @staticmethod
+    def capabilities_for(options: Mapping[str, str]) -> Capabilities:
+        """Capabilities of endpoints opened with ``options`` (the class-level
+        ``capabilities`` are those of the defaults, ``ucx_tls=tcp``)."""
+        opts = Options.parse(options)
+        return Capabilities(
+            writer_fence=opts.fence_proven,
+            memory=frozenset({"dram", "vram"}),
+            cross_host=False,
+            max_write_timeout_s=None,
+            notes=(
+                f"NIXL 1.5.1 / UCX, UCX_TLS={opts.ucx_tls}. writer_fence: destroy the "
+                "agent after dropping every handle (proven for tcp only). vram: "
+                "implemented (cupy/torch allocation), untested here. cross_host: "
+                "untested. A frozen peer leaves transfers PROC forever: deadlines "
+                "come from the core."
+            ),
+        )
+
+    def open_region(self, nbytes: int, options: Mapping[str, str]) -> NixlRegion:
+        return NixlRegion(nbytes, options)
+
+    def open_writer(self, nbytes: int, options: Mapping[str, str]) -> NixlWriter:
+        return NixlWriter(nbytes, options)
+
+
+backend = NixlBackend()
