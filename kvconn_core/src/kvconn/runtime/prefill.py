@@ -24,7 +24,15 @@ from kvconn.chunk import Chunk
 from kvconn.config import Config, check_deadlines
 from kvconn.metrics import Metrics
 from kvconn.protocol.ledger import KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
-from kvconn.protocol.messages import Abort, Hello, HelloAck, Message, TransferRequest
+from kvconn.protocol.messages import (
+    Abort,
+    Hello,
+    HelloAck,
+    Message,
+    RoomOutcome,
+    RoomStatus,
+    TransferRequest,
+)
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.layout import PageLayout
 from kvconn.transport import Backend, Settlement
@@ -169,8 +177,21 @@ class PrefillRank:
                 if msg.decode not in self._peers:
                     self._count_drop("unknown_decode")
                     return
-                self._dst_pages.setdefault(msg.room, msg.dst_pages)
+                status = self.ledger.status(msg.room)
+                if status is None or status is KVPoll.SUCCESS:
+                    # A new room, or a concluded one whose id decode reused after
+                    # taking its pages: write into the pages of this request, never
+                    # into the earlier pages, which decode may have handed out again.
+                    self._dst_pages[msg.room] = msg.dst_pages
+                else:
+                    self._dst_pages.setdefault(msg.room, msg.dst_pages)
                 self.ledger.request(msg.room, msg.decode)
+                if status is KVPoll.FAILED:
+                    # Failed or tombstoned here: it will write nothing, say so, or
+                    # decode waits for a transfer that never comes.
+                    reason = "room is failed or tombstoned at this rank (aborted, or its id reused too soon)"
+                    failed = RoomStatus(msg.room, self.rank, RoomOutcome.FAILED, reason)
+                    self._outbox.send(self._peers[msg.decode].reply_to, failed)
             if self.on_request is not None:
                 self.on_request(msg.room, len(msg.dst_pages))
         elif isinstance(msg, Hello):
