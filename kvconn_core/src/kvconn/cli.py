@@ -42,7 +42,19 @@ def _lazy(module: str, parser: argparse.ArgumentParser, argv: Sequence[str] | No
     return run
 
 
+def _add_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+    """Let the chosen subcommand's module declare its options before parsing."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return
+    add = getattr(mod, "add_arguments", None)
+    if add is not None:
+        add(parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvconn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed transport backends").set_defaults(func=_backends)
@@ -53,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         sub_parser = sub.add_parser(name, help=help_text)
         sub_parser.set_defaults(func=_lazy(module, sub_parser, argv))
+        if name in args_in[:1]:
+            _add_arguments(module, sub_parser)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
