@@ -1,0 +1,141 @@
+"""The runtime's own per-chunk cost, over a transport that does nothing.
+
+A null backend (posting returns at once, every barrier says LANDED) isolates
+what kvconn adds to every chunk: the ledger under its lock, the pluggy hook
+calls, segment lowering and metrics. Measured two ways: the worker's
+``_transfer`` called directly (hooks + ledger), and through ``Sender.send``
+and the worker queue (adds the thread hand-off). The control plane is per
+room, not per chunk: its round trip is measured separately.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from kvconn.chunk import Chunk, Segment
+from kvconn.config import Config
+from kvconn.hookspecs import hookimpl
+from kvconn.protocol.ledger import KVPoll
+from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
+from kvconn.transport import Capabilities, Settlement
+
+
+class NullRegion:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.metadata = b"null"
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return bytes(nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NullWriter:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return bytes(nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        pass
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @hookimpl
+    def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> object:
+        return segments
+
+    @hookimpl
+    def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement:
+        return Settlement.LANDED
+
+    @hookimpl
+    def on_fence(self) -> bool:
+        return True
+
+
+class NullBackend:
+    name = "null"
+    capabilities = Capabilities(writer_fence=True, notes="does nothing: for overhead measurement")
+
+    def open_region(self, nbytes: int, options: Mapping[str, str]) -> NullRegion:
+        return NullRegion(nbytes)
+
+    def open_writer(self, nbytes: int, options: Mapping[str, str]) -> NullWriter:
+        return NullWriter(nbytes)
+
+
+@attrs.frozen
+class Overhead:
+    chunks: int
+    direct_us: float  #: per chunk: ledger + hooks + lowering + metrics
+    queued_us: float  #: per chunk through Sender.send and the worker thread
+    control_rtt_ms: float  #: p50, one-chunk room: request -> SUCCESS at decode
+
+    def as_dict(self) -> dict[str, float | int]:
+        return attrs.asdict(self)
+
+
+def _wait_requested(rank: PrefillRank, room: int) -> None:
+    deadline = time.monotonic() + 10
+    while rank.sender(room).poll() < KVPoll.WAITING_FOR_INPUT:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"room {room} never reached the prefill rank")
+        time.sleep(0.0005)
+
+
+def measure(chunks: int = 20000, rooms: int = 100) -> Overhead:
+    backend = NullBackend()
+    page_bytes = 4096
+    rank = PrefillRank(backend, 0, chunks * page_bytes, Config())
+    decode = DecodeEndpoint(backend, chunks, page_bytes, [rank.address], Config())
+    try:
+        pages = tuple(range(chunks))
+        # 1. the worker's path, called directly
+        decode.receiver(1, pages)
+        _wait_requested(rank, 1)
+        work = [Chunk(1, i, i == chunks - 1, 0, decode.name, (i,), (i,)) for i in range(chunks)]
+        t0 = time.perf_counter()
+        for chunk in work:
+            rank._transfer(chunk)
+        direct = (time.perf_counter() - t0) / chunks
+        # 2. through the sender and the worker queue
+        decode.receiver(2, pages)
+        _wait_requested(rank, 2)
+        sender = rank.sender(2)
+        t0 = time.perf_counter()
+        for i in range(chunks):
+            sender.send([i], last=i == chunks - 1)
+        while sender.poll() is not KVPoll.SUCCESS:
+            time.sleep(0.0001)
+        queued = (time.perf_counter() - t0) / chunks
+        # 3. the control plane's per-room round trip
+        rtts = []
+        for room in range(3, 3 + rooms):
+            t0 = time.perf_counter()
+            rx = decode.receiver(room, (room,))
+            _wait_requested(rank, room)
+            rank.sender(room).send([room], last=True)
+            while rx.poll() is not KVPoll.SUCCESS:
+                time.sleep(0.00005)
+            rtts.append(time.perf_counter() - t0)
+            rx.finish()
+        return Overhead(chunks, direct * 1e6, queued * 1e6, statistics.median(rtts) * 1e3)
+    finally:
+        decode.close()
+        rank.close()

@@ -1,0 +1,43 @@
+"""A bench prefill rank: :mod:`kvconn.testing.prefill_proc` plus its metrics.
+
+Same arguments and protocol (prints ``{"address": ...}``, serves until stdin
+closes); before it exits it prints one more JSON line, ``{"metrics": {...}}``,
+so the bench can report prefill-side counters (acks sent, fences, poisoned
+rooms) that live in this process's registry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from kvconn.metrics import Metrics
+from kvconn.testing.prefill_proc import Driver
+
+
+def snapshot(m: Metrics) -> dict[str, float]:
+    return {
+        "acks_sent": m.value("kvconn_acks_sent_total"),
+        "fences_ok": m.value("kvconn_fences_total", result="ok"),
+        "fences_failed": m.value("kvconn_fences_total", result="failed"),
+        "poisoned_rooms_end": m.value("kvconn_poisoned_rooms"),
+        "chunks_landed": m.value("kvconn_chunks_total", outcome="landed"),
+        "chunks_skipped": m.value("kvconn_chunks_total", outcome="skipped"),
+        "chunks_failed_settled": m.value("kvconn_chunks_total", outcome="failed_settled"),
+        "chunks_unsettled": m.value("kvconn_chunks_total", outcome="unsettled"),
+        "chunks_plugin_error": m.value("kvconn_chunks_total", outcome="plugin_error"),
+    }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    driver = Driver(json.loads(sys.argv[1]))
+    print(json.dumps({"address": driver.rank.address}), flush=True)
+    sys.stdin.read()
+    print(json.dumps({"metrics": snapshot(driver.rank.metrics)}), flush=True)
+    driver.rank.close()
+
+
+if __name__ == "__main__":
+    main()

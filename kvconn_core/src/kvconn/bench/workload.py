@@ -1,0 +1,538 @@
+"""One bench mode: a decode endpoint (this process) and N prefill rank
+processes, a stream of requests, some aborted mid-transfer, every byte and
+every released page checked.
+
+Verification:
+* a completed room's pages are compared byte for byte with the pattern;
+* every page that goes back to the free pool (released after an abort, or
+  taken by the engine and done with) gets a canary at once; the canary is
+  checked when the page is handed out again and at the end: a changed canary
+  is a write after release, charged to the room that last owned the page;
+* every aborted room is accounted for: released with a named proof, or still
+  held / quarantined at the end (counted, never freed);
+* pages kvconn holds never exceed the pages of rooms aborted and not released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvconn.config import Config
+from kvconn.protocol.hold import HoldState, Release
+from kvconn.protocol.ledger import KVPoll
+from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.transport import Backend
+
+
+@attrs.frozen
+class Workload:
+    requests: int
+    pages: int
+    page_bytes: int
+    chunk_pages: int
+    ranks: int
+    concurrency: int
+    abort_fraction: float
+    prefill_fail_fraction: float
+    seed: int
+    pool_pages: int
+    stream_requests: int
+
+    @property
+    def shard(self) -> int:
+        return self.page_bytes // self.ranks
+
+
+@attrs.frozen
+class Planned:
+    room: int
+    abort: bool
+    abort_u: float  #: where in the abort window the abort falls, 0..1
+
+
+def plan(wl: Workload) -> tuple[list[Planned], list[int]]:
+    """The workload's rooms and their fate (same seed, same plan), and the
+    streaming phase's rooms: ones no prefill rank is set to fail."""
+    rng = random.Random(wl.seed)
+    seen: set[int] = set()
+
+    def new_room() -> int:
+        while True:
+            room = rng.getrandbits(63)
+            if room and room not in seen:
+                seen.add(room)
+                return room
+
+    work = [Planned(new_room(), rng.random() < wl.abort_fraction, rng.random()) for _ in range(wl.requests)]
+    stream: list[int] = []
+    while len(stream) < wl.stream_requests:
+        room = new_room()
+        # mirrors kvconn.testing.prefill_proc's per-room failure draw
+        if all(
+            random.Random(room ^ (wl.seed << 1) ^ r).random() >= wl.prefill_fail_fraction
+            for r in range(wl.ranks)
+        ):
+            stream.append(room)
+    return work, stream
+
+
+@attrs.define
+class Violation:
+    kind: str
+    room: int | None
+    detail: str
+    page: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class _Active:
+    planned: Planned | None
+    rx: Receiver
+    pages: tuple[int, ...]
+    started: float
+    abort_at: float | None
+
+
+@attrs.define
+class _Aborted:
+    room: int
+    npages: int
+    at: float
+    kind: str  #: "decode" (planned abort) or "prefill_fail"
+
+
+@attrs.define
+class ModeResult:
+    mode: str
+    requests: int = 0
+    completed: int = 0
+    aborted_mid_transfer: int = 0
+    completed_before_abort_point: int = 0
+    prefill_failed: int = 0
+    elapsed_s: float = 0.0
+    bytes_completed: int = 0
+    latencies_ms: list[float] = attrs.Factory(list)
+    prefill_fail_latencies_ms: list[float] = attrs.Factory(list)
+    releases_by_proof: dict[str, int] = attrs.Factory(dict)
+    acks_received: float = 0.0
+    aborts_sent: float = 0.0
+    quarantines: float = 0.0
+    quarantine_seconds: float = 0.0
+    rooms_unreleased_end: int = 0
+    pages_held_end: int = 0
+    pages_quarantined_end: int = 0
+    peak_pages_held: int = 0
+    peak_pages_aborted_unreleased: int = 0
+    prefill: dict[str, float] = attrs.Factory(dict)
+    violations: list[Violation] = attrs.Factory(list)
+    stream: dict[str, float] = attrs.Factory(dict)
+
+    def summary(self) -> dict[str, Any]:
+        d = attrs.asdict(
+            self, filter=lambda a, _: a.name not in ("latencies_ms", "prefill_fail_latencies_ms")
+        )
+        d["violations"] = [v.as_dict() for v in self.violations]
+        d["throughput_gbps"] = self.bytes_completed / self.elapsed_s / 1e9 if self.elapsed_s else 0.0
+        d["requests_per_s"] = self.requests / self.elapsed_s if self.elapsed_s else 0.0
+        d["release_latency_ms"] = stats(self.latencies_ms)
+        d["prefill_fail_release_latency_ms"] = stats(self.prefill_fail_latencies_ms)
+        return d
+
+
+def stats(xs: Sequence[float]) -> dict[str, float]:
+    if not xs:
+        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+    s = sorted(xs)
+    return {
+        "n": len(s),
+        "p50": percentile(s, 50),
+        "p99": percentile(s, 99),
+        "max": s[-1],
+        "mean": statistics.fmean(s),
+    }
+
+
+def percentile(sorted_xs: Sequence[float], q: float) -> float:
+    if not sorted_xs:
+        return 0.0
+    k = (len(sorted_xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
+
+
+class PrefillProcs:
+    """N prefill rank processes (:mod:`kvconn.bench.prefill_worker`)."""
+
+    def __init__(self, args: Sequence[dict[str, Any]]) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.addresses: list[str] = []
+        self.metrics: list[dict[str, float]] = []
+        try:
+            for a in args:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvconn.bench.prefill_worker", json.dumps(a)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            for p in self.procs:
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                if not line:
+                    raise RuntimeError(
+                        f"prefill process exited with {p.wait()} before it printed its address"
+                    )
+                self.addresses.append(json.loads(line)["address"])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin is not None and not p.stdin.closed:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            out = p.stdout.read() if p.stdout is not None else ""
+            if p.stdout is not None:
+                p.stdout.close()
+            for line in (out or "").splitlines():
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(msg, dict) and "metrics" in msg:
+                    self.metrics.append(msg["metrics"])
+        self.procs = []
+
+
+class ModeRun:
+    """Runs one mode: ``legacy`` False = kvconn (ABORT_ACK, quarantine),
+    True = timeout-only (acks off at prefill, unsafe release at decode)."""
+
+    def __init__(
+        self,
+        mode: str,
+        backend_name: str,
+        backend: Backend,
+        wl: Workload,
+        decode_timeout_s: float,
+        write_timeout_s: float,
+        legacy: bool,
+        options: Mapping[str, str],
+        drain_s: float,
+        settle_s: float,
+    ) -> None:
+        self.mode = mode
+        self.wl = wl
+        self.legacy = legacy
+        self.drain_s = drain_s
+        self.settle_s = settle_s
+        self.result = ModeResult(mode)
+        self._lock = threading.RLock()
+        self._free: deque[int] = deque(range(wl.pool_pages))
+        self._owner: dict[int, int] = {}  # page -> room that last owned it
+        self._aborted: dict[int, _Aborted] = {}
+        self._held_expected = 0
+        self._canary = canary(wl.page_bytes)
+        self._now = time.monotonic
+        #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
+        self.poll_s = 0.0005
+        source_pages = max(256, 4 * wl.concurrency * wl.pages, wl.pages)
+        args = [
+            {
+                "backend": backend_name,
+                "rank": r,
+                "page_bytes": wl.page_bytes,
+                "num_ranks": wl.ranks,
+                "chunk_pages": wl.chunk_pages,
+                "source_pages": source_pages,
+                "seed": wl.seed,
+                "prefill_fail_fraction": wl.prefill_fail_fraction,
+                "write_timeout_s": write_timeout_s,
+                "abort_timeout_s": decode_timeout_s,
+                "acks_enabled": not legacy,
+                "backend_options": dict(options),
+            }
+            for r in range(wl.ranks)
+        ]
+        self.procs = PrefillProcs(args)
+        try:
+            config = Config(
+                write_timeout_s=write_timeout_s,
+                abort_timeout_s=decode_timeout_s,
+                unsafe_release_at_deadline=legacy,
+                acks_enabled=not legacy,
+                backend_options=dict(options),
+            )
+            self.decode = DecodeEndpoint(
+                backend,
+                wl.pool_pages,
+                wl.page_bytes,
+                self.procs.addresses,
+                config,
+                on_release=self._on_release,
+            )
+        except BaseException:
+            self.procs.close()
+            raise
+        self._lay_canary(range(wl.pool_pages))
+
+    # -- pages -------------------------------------------------------------
+    def _lay_canary(self, pages: Sequence[int]) -> None:
+        region, pb = self.decode.region, self.wl.page_bytes
+        for page in pages:
+            region.write(page * pb, self._canary)
+
+    def _check_canary(self, page: int, when: str) -> None:
+        data = self.decode.region.read(page * self.wl.page_bytes, self.wl.page_bytes)
+        if data != self._canary:
+            room = self._owner.get(page)
+            changed = sum(1 for a, b in zip(data, self._canary, strict=True) if a != b)
+            self._violation(
+                "write_after_release",
+                room,
+                f"{changed} bytes of free page {page} changed ({when}); last owner room {room}",
+                page,
+            )
+            self.decode.region.write(page * self.wl.page_bytes, self._canary)
+
+    def _alloc(self, n: int) -> tuple[int, ...] | None:
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            pages = tuple(self._free.popleft() for _ in range(n))
+        for page in pages:
+            self._check_canary(page, "before reuse")
+        return pages
+
+    def _give_back(self, room: int, pages: Sequence[int]) -> None:
+        """Pages leave the room: canary first, then the free pool."""
+        self._lay_canary(pages)
+        with self._lock:
+            for page in pages:
+                self._owner[page] = room
+            self._free.extend(pages)
+
+    def _violation(self, kind: str, room: int | None, detail: str, page: int | None = None) -> None:
+        with self._lock:
+            if len(self.result.violations) < 1000:
+                self.result.violations.append(Violation(kind, room, detail, page))
+
+    # -- release callback (listener thread, or ours inside abort()) ---------
+    def _on_release(self, release: Release) -> None:
+        now = self._now()
+        self._give_back(release.room, release.pages)  # canary at once
+        with self._lock:
+            proof = release.proof.value
+            self.result.releases_by_proof[proof] = self.result.releases_by_proof.get(proof, 0) + 1
+            entry = self._aborted.pop(release.room, None)
+            if entry is None:
+                self._violation("unexpected_release", release.room, f"released by {proof}, never aborted")
+                return
+            self._held_expected -= entry.npages
+            ms = (now - entry.at) * 1e3
+            if entry.kind == "prefill_fail":
+                self.result.prefill_fail_latencies_ms.append(ms)
+            elif proof != "completed":
+                self.result.latencies_ms.append(ms)
+
+    def _abort(self, room: int, active: _Active, kind: str) -> None:
+        with self._lock:
+            self._aborted[room] = _Aborted(room, len(active.pages), self._now(), kind)
+            self._held_expected += len(active.pages)
+            active.rx.abort()
+        self._sample()
+
+    def _sample(self) -> None:
+        with self._lock:
+            held = self.decode.held_pages()
+            expected = self._held_expected
+            self.result.peak_pages_held = max(self.result.peak_pages_held, held)
+            self.result.peak_pages_aborted_unreleased = max(
+                self.result.peak_pages_aborted_unreleased, expected
+            )
+            if held > expected:
+                self._violation(
+                    "held_exceeds_aborted", None, f"kvconn holds {held} pages, aborted rooms {expected}"
+                )
+
+    # -- verification --------------------------------------------------------
+    def _verify(self, room: int, pages: Sequence[int]) -> bool:
+        pb, shard = self.wl.page_bytes, self.wl.shard
+        ok = True
+        for i, page in enumerate(pages):
+            data = self.decode.region.read(page * pb, pb)
+            for rank in range(self.wl.ranks):
+                got = data[rank * shard : (rank + 1) * shard]
+                if got != shard_bytes(room, rank, i, shard):
+                    ok = False
+                    self._violation("corrupt_page", room, self._explain(page, i, rank, got), page)
+        return ok
+
+    def _explain(self, page: int, index: int, rank: int, got: bytes) -> str:
+        shard = self.wl.shard
+        base = f"page {page} (#{index}) rank {rank} shard differs"
+        if got == self._canary[:shard]:
+            return base + ": never written (still the canary)"
+        prev = self._owner.get(page)
+        if prev is not None:
+            for j in range(self.wl.pages):
+                if got[:8] == shard_bytes(prev, rank, j, 8):
+                    return base + f": holds room {prev}'s data (a late write of the page's previous owner)"
+        return base
+
+    # -- the run -------------------------------------------------------------
+    def stream(self, rooms: Sequence[int], progress: Callable[[int], None]) -> dict[str, float]:
+        """No aborts, pages never reused during the timing: throughput and
+        the request latency that sizes the abort window."""
+        wl = self.wl
+        todo = deque(rooms)
+        active: dict[int, _Active] = {}
+        done: list[tuple[int, tuple[int, ...]]] = []
+        lat: list[float] = []
+        failed = 0
+        warm = min(wl.concurrency, len(rooms) // 4)
+        t0 = self._now()
+        while todo or active:
+            while todo and len(active) < wl.concurrency:
+                pages = self._alloc(wl.pages)
+                if pages is None:
+                    break
+                room = todo.popleft()
+                active[room] = _Active(None, self.decode.receiver(room, pages), pages, self._now(), None)
+            for room, a in list(active.items()):
+                st = a.rx.poll()
+                if st is KVPoll.SUCCESS:
+                    lat.append(self._now() - a.started)
+                    a.rx.finish()
+                    done.append((room, a.pages))
+                    if len(done) == warm:  # first-touch and connection costs stay out of the timing
+                        t0 = self._now()
+                    del active[room]
+                    progress(1)
+                elif st is KVPoll.FAILED:
+                    failed += 1
+                    self._abort(room, a, "prefill_fail")
+                    del active[room]
+                    progress(1)
+            time.sleep(self.poll_s)
+        elapsed = self._now() - t0
+        for room, pages in done:
+            self._verify(room, pages)
+            self._give_back(room, pages)
+        self.stream_rooms = [(room, pages) for room, pages in done]
+        nbytes = (len(done) - warm) * wl.pages * wl.page_bytes
+        return {
+            "warmup_requests": warm,
+            "requests": len(done),
+            "failed": failed,
+            "elapsed_s": elapsed,
+            "gbps": nbytes / elapsed / 1e9 if elapsed else 0.0,
+            "latency_p50_ms": statistics.median(lat) * 1e3 if lat else 0.0,
+            "nbytes": nbytes,
+        }
+
+    def run(
+        self, work: Sequence[Planned], abort_window_s: float, progress: Callable[[int], None]
+    ) -> ModeResult:
+        wl, res = self.wl, self.result
+        todo = deque(work)
+        active: dict[int, _Active] = {}
+        t0 = self._now()
+        while todo or active:
+            while todo and len(active) < wl.concurrency:
+                pages = self._alloc(wl.pages)
+                if pages is None:
+                    break
+                p = todo.popleft()
+                now = self._now()
+                abort_at = now + p.abort_u * abort_window_s if p.abort else None
+                active[p.room] = _Active(p, self.decode.receiver(p.room, pages), pages, now, abort_at)
+            now = self._now()
+            for room, a in list(active.items()):
+                st = a.rx.poll()
+                if st is KVPoll.SUCCESS:
+                    if a.abort_at is not None:
+                        res.completed_before_abort_point += 1
+                    self._verify(room, a.pages)
+                    a.rx.finish()
+                    self._give_back(room, a.pages)
+                    res.completed += 1
+                    res.bytes_completed += len(a.pages) * wl.page_bytes
+                elif st is KVPoll.FAILED:
+                    res.prefill_failed += 1
+                    self._abort(room, a, "prefill_fail")
+                elif a.abort_at is not None and now >= a.abort_at:
+                    res.aborted_mid_transfer += 1
+                    self._abort(room, a, "decode")
+                else:
+                    continue
+                del active[room]
+                res.requests += 1
+                progress(1)
+            self._sample()
+            time.sleep(self.poll_s)
+        res.elapsed_s = self._now() - t0
+        self._finish()
+        return res
+
+    def _finish(self) -> None:
+        res = self.result
+        deadline = self._now() + self.drain_s
+        while self._now() < deadline:
+            with self._lock:
+                if not self._aborted:
+                    break
+            time.sleep(0.005)
+        time.sleep(self.settle_s)  # late writes of live writers land now, or never
+        with self._lock:
+            free = list(self._free)
+        for page in free:
+            self._check_canary(page, "at the end")
+        m = self.decode.metrics
+        res.acks_received = m.value("kvconn_acks_received_total")
+        res.aborts_sent = m.value("kvconn_aborts_sent_total")
+        res.quarantines = m.value("kvconn_quarantines_total")
+        res.quarantine_seconds = m.value("kvconn_quarantine_seconds_total")
+        tracker = self.decode.tracker
+        with self.decode._lock:
+            res.pages_held_end = tracker.pages_in(HoldState.HELD)
+            res.pages_quarantined_end = tracker.pages_in(HoldState.QUARANTINED)
+            res.rooms_unreleased_end = len(tracker.rooms_in(HoldState.HELD)) + len(
+                tracker.rooms_in(HoldState.QUARANTINED)
+            )
+
+    def close(self) -> None:
+        try:
+            self.decode.close()
+        finally:
+            self.procs.close()
+            totals: Counter[str] = Counter()
+            for m in self.procs.metrics:
+                totals.update(m)
+            self.result.prefill = dict(totals)

@@ -1,0 +1,82 @@
+"""``kvconn bench`` end to end in a subprocess: a clean run passes with the
+documented JSON, a deliberately broken transport is caught as violations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SMALL = [
+    "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",
+    "--stream-requests", "8", "--concurrency", "4", "--overhead-chunks", "500",
+    "--legacy-timeout", "0.5", "--settle-s", "0.5", "--drain-s", "3", "--no-progress",
+]  # fmt: skip
+
+
+def bench(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", "bench", *SMALL, "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return proc.returncode, report, proc.stdout + proc.stderr
+
+
+def test_small_run_passes_and_reports(tmp_path: Path) -> None:
+    code, rep, out = bench(tmp_path, "--compare-raw")
+    assert code == 0, out
+    assert rep["ok"] is True and rep["violations"]["kvconn"] == []
+    assert set(rep["modes"]) == {"kvconn", "legacy"}
+    for mode in rep["modes"].values():
+        assert mode["requests"] == 24
+        assert mode["completed"] + mode["aborted_mid_transfer"] + mode["prefill_failed"] == 24
+        for key in ("throughput_gbps", "requests_per_s", "peak_pages_held", "quarantines", "acks_received"):
+            assert key in mode
+        assert {"p50", "p99", "max", "n"} <= set(mode["release_latency_ms"])
+        assert mode["rooms_unreleased_end"] == 0
+    fast, slow = rep["modes"]["kvconn"], rep["modes"]["legacy"]
+    assert set(fast["releases_by_proof"]) <= {"acks", "completed", "writer_fence"}
+    assert fast["acks_received"] > 0 and slow["acks_received"] == 0
+    assert "unsafe_timeout" in slow["releases_by_proof"]
+    assert fast["peak_pages_held"] <= fast["peak_pages_aborted_unreleased"]
+    assert rep["overhead"]["direct_us"] > 0
+    assert rep["raw"]["available"] is True and rep["raw"]["gbps"] > 0
+    assert {"legacy_timeout_s", "ratio_vs_30s_timeout_p99"} <= set(rep["comparison"])
+    assert any(t["target"].startswith("per-chunk overhead") for t in rep["targets"])
+    assert "kvconn bench: loopback" in out
+
+
+def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
+    code, rep, out = bench(
+        tmp_path,
+        "--modes", "kvconn", "--prefill-fail-fraction", "0", "--abort-fraction", "0",
+        "--backend-option", "linger_after_fail=1", "--backend-option", "fail_every=5",
+        "--backend-option", "piece_bytes=4096",
+    )  # fmt: skip
+    assert code == 1, out
+    kinds = {v["kind"] for v in rep["violations"]["kvconn"]}
+    assert kinds & {"write_after_release", "corrupt_page"}, rep["violations"]
+    assert all(v["room"] is not None for v in rep["violations"]["kvconn"] if v["kind"] != "held_exceeds_aborted")
+    assert "violation" in out
+
+
+def test_early_done_is_a_violation(tmp_path: Path) -> None:
+    code, rep, out = bench(
+        tmp_path,
+        "--modes", "kvconn", "--backend-option", "early_done=1",
+        "--backend-option", "piece_delay_s=0.002", "--backend-option", "piece_bytes=4096",
+    )  # fmt: skip
+    assert code == 1, out
+    assert rep["violations"]["kvconn"], out
+    assert rep["ok"] is False
+
+
+def test_bad_option_exits_2(tmp_path: Path) -> None:
+    code, _, out = bench(tmp_path, "--backend-option", "novalue")
+    assert code == 2 and "KEY=VALUE" in out
