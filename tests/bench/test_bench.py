@@ -62,7 +62,9 @@ def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
     assert code == 1, out
     kinds = {v["kind"] for v in rep["violations"]["kvconn"]}
     assert kinds & {"write_after_release", "corrupt_page"}, rep["violations"]
-    assert all(v["room"] is not None for v in rep["violations"]["kvconn"] if v["kind"] != "held_exceeds_aborted")
+    assert all(
+        v["room"] is not None for v in rep["violations"]["kvconn"] if v["kind"] != "held_exceeds_aborted"
+    )
     assert "violation" in out
 
 
