@@ -265,22 +265,27 @@ class PrefillRank:
             return
         layout = self._peers[chunk.peer].layout
         segments = layout.segments(chunk.rank, chunk.src_pages, chunk.dst_pages)
+        # A failing hook is handled after the gate is left: _fail_chunk fences,
+        # and a fence waits for every shared holder (this worker included).
+        failure: tuple[str, Exception] | None = None
         with self._gate.shared():
             try:
                 posted = hook.on_post(chunk=chunk, segments=segments)
                 if posted is None:
                     raise RuntimeError("no transport answered on_post")
             except Exception as exc:
-                self._fail_chunk(chunk, "on_post", exc)
-                return
-            deadline = time.monotonic() + self.config.write_timeout_s
-            try:
-                settlement = hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
-                if not isinstance(settlement, Settlement):
-                    raise RuntimeError(f"on_done_barrier answered {settlement!r}")
-            except Exception as exc:
-                self._fail_chunk(chunk, "on_done_barrier", exc)
-                return
+                failure = ("on_post", exc)
+            if failure is None:
+                deadline = time.monotonic() + self.config.write_timeout_s
+                try:
+                    settlement = hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
+                    if not isinstance(settlement, Settlement):
+                        raise RuntimeError(f"on_done_barrier answered {settlement!r}")
+                except Exception as exc:
+                    failure = ("on_done_barrier", exc)
+        if failure is not None:
+            self._fail_chunk(chunk, *failure)
+            return
         self.metrics.chunks.labels(settlement.value).inc()
         with self._lock:
             if settlement is Settlement.LANDED:
