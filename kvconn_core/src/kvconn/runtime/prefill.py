@@ -228,6 +228,9 @@ class PrefillRank:
             self._plugin_error("on_abort_notification", exc)
             with self._lock:
                 self._execute(self.ledger.poison(msg.room, "on_abort_notification raised"))
+            # Nothing else would fence this room (no chunk of it need fail): fence
+            # now, off the listener thread (the fence waits for running posts).
+            threading.Thread(target=self._fence, name=f"kvconn-fence-{self.rank}", daemon=True).start()
         with self._lock:
             self._execute(self.ledger.try_ack(msg.room))
 
