@@ -196,12 +196,17 @@ class PrefillProcs:
                 )
             for p in self.procs:
                 assert p.stdout is not None
-                line = p.stdout.readline()
-                if not line:
-                    raise RuntimeError(
-                        f"prefill process exited with {p.wait()} before it printed its address"
-                    )
-                self.addresses.append(json.loads(line)["address"])
+                while True:  # a transport library may print its own lines first
+                    line = p.stdout.readline()
+                    if not line:
+                        raise RuntimeError(
+                            f"prefill process exited with {p.wait()} before it printed its address"
+                        )
+                    with contextlib.suppress(ValueError):
+                        msg = json.loads(line)
+                        if isinstance(msg, dict) and "address" in msg:
+                            self.addresses.append(msg["address"])
+                            break
         except BaseException:
             self.close()
             raise
