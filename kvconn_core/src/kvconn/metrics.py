@@ -33,6 +33,9 @@ class Metrics:
         self.rooms_held = Gauge("kvconn_rooms_held", "Rooms held after abort", registry=r)
         self.pages_held = Gauge("kvconn_pages_held", "Pages held after abort (incl. quarantine)", registry=r)
         self.pages_quarantined = Gauge("kvconn_pages_quarantined", "Pages in quarantine", registry=r)
+        self.quarantine_age = Gauge(
+            "kvconn_quarantine_oldest_seconds", "Time the oldest quarantined room has waited", registry=r
+        )
         self.release_latency = Histogram(
             "kvconn_abort_to_release_seconds",
             "Abort to release, by proof",

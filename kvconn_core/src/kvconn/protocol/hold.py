@@ -119,6 +119,11 @@ class HoldTracker:
     def rooms_in(self, state: HoldState) -> list[int]:
         return [r for r, e in self._rooms.items() if e.state is state]
 
+    def oldest_quarantine(self, now: float) -> float:
+        """Seconds the longest-quarantined room has waited (0: none)."""
+        since = [e.quarantined_at for e in self._rooms.values() if e.state is HoldState.QUARANTINED]
+        return max(0.0, now - min(since)) if since else 0.0
+
     def ranks_of(self, room: int) -> frozenset[int]:
         return self._rooms[room].ranks
 

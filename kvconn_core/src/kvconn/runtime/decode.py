@@ -306,6 +306,7 @@ class DecodeEndpoint:
         self.metrics.rooms_held.set(len(held))
         quarantined = self.tracker.pages_in(HoldState.QUARANTINED)
         self.metrics.pages_quarantined.set(quarantined)
+        self.metrics.quarantine_age.set(self.tracker.oldest_quarantine(self.clock()))
         self.metrics.pages_held.set(self.tracker.pages_in(HoldState.HELD) + quarantined)
         return releases
 
