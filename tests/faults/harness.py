@@ -1,0 +1,273 @@
+"""A decode endpoint in the test process, prefill ranks as real processes,
+and an allocator that lays a canary in every page it hands back, so a write
+that lands after a release is found and counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvconn.config import Config
+from kvconn.plugins import get_backend
+from kvconn.protocol.hold import Release
+from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.faults import AckProxy
+from kvconn.testing.patterns import canary, shard_bytes
+
+CANARY = 0xA5
+LOOPBACK_SLOW = {"piece_bytes": "16384", "piece_delay_s": "0.004"}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") -> float:
+    """Poll ``cond`` until true; fail after ``timeout`` s. Returns the time taken."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+class Rank:
+    """A prefill rank process (``python -m kvconn.testing.faults``)."""
+
+    def __init__(self, args: dict[str, Any], netns: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "kvconn.testing.faults", json.dumps(args)]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_MODULES="^ib", MC_LOG_LEVEL="WARNING")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.address = ""
+        self.killed = False
+
+    def ready(self, timeout: float = 30) -> str:
+        line = self._line(timeout)
+        self.address = json.loads(line)["address"]
+        return self.address
+
+    def _line(self, timeout: float) -> str:
+        out: list[str] = []
+        assert self.proc.stdout is not None
+        t = threading.Thread(target=lambda: out.append(self._json_line()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not out:
+            raise AssertionError(f"rank pid {self.proc.pid} did not answer within {timeout} s")
+        return out[0]
+
+    def _json_line(self) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line or line.startswith("{"):
+                return line
+
+    def metrics(self, timeout: float = 10) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """The rank's Prometheus samples; also proves its listener thread's
+        process is alive and answering."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("metrics\n")
+        self.proc.stdin.flush()
+        samples = json.loads(self._line(timeout))["samples"]
+        return {(n, frozenset(lab.items())): v for n, lab, v in samples}
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, frozenset(labels.items())), 0.0)
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.killed = True
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        else:
+            self.proc.wait(5)
+
+
+class Cluster:
+    """``num_ranks`` prefill processes and one decode endpoint over
+    ``num_pages`` canary-filled pages."""
+
+    def __init__(
+        self,
+        backend: str = "loopback",
+        num_ranks: int = 2,
+        num_pages: int = 256,
+        page_bytes: int = 64 << 10,
+        chunk_pages: int = 4,
+        write_timeout_s: float = 0.5,
+        abort_timeout_s: float = 1.5,
+        backend_options: dict[str, str] | None = None,
+        key: bytes | None = None,
+        rank_key: bytes | str | None = "same",
+        observers: Sequence[Sequence[dict[str, Any]]] = (),
+        proxy: bool = False,
+        decode_host: str = "127.0.0.1",
+        rank_host: str = "127.0.0.1",
+        netns: str | None = None,
+        bootstrap_timeout_s: float = 20.0,
+        start_decode: bool = True,
+    ) -> None:
+        self.backend = get_backend(backend)
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self.num_ranks = num_ranks
+        self.shard = page_bytes // num_ranks
+        self.key = key
+        self.options = dict(LOOPBACK_SLOW if backend == "loopback" and backend_options is None else backend_options or {})
+        self.config = Config(
+            write_timeout_s=write_timeout_s,
+            abort_timeout_s=abort_timeout_s,
+            resend_interval_s=0.25,
+            bootstrap_timeout_s=bootstrap_timeout_s,
+            host=decode_host,
+            auth_key=key,
+            backend_options=self.options,
+        )
+        rk = key if rank_key == "same" else rank_key
+        self.ranks: list[Rank] = []
+        self.lock = threading.Lock()
+        self.releases: list[Release] = []
+        self.free: set[int] = set(range(num_pages))
+        self.freed_once: set[int] = set()
+        self.proxy: AckProxy | None = None
+        self.decode: DecodeEndpoint | None = None
+        try:
+            for r in range(num_ranks):
+                args = {
+                    "backend": backend, "rank": r, "page_bytes": page_bytes, "num_ranks": num_ranks,
+                    "chunk_pages": chunk_pages, "source_pages": num_pages, "write_timeout_s": write_timeout_s,
+                    "abort_timeout_s": abort_timeout_s, "backend_options": self.options, "host": rank_host,
+                    "observers": list(observers[r]) if r < len(observers) else [],
+                }
+                if rk:
+                    assert isinstance(rk, bytes)
+                    args["auth_key"] = rk.hex()
+                self.ranks.append(Rank(args, netns))
+            for rank in self.ranks:
+                rank.ready()
+            if start_decode:
+                self.start_decode(proxy)
+        except BaseException:
+            self.close()
+            raise
+
+    def start_decode(self, proxy: bool = False) -> DecodeEndpoint:
+        with self.lock:
+            self.free = set(range(self.num_pages))
+            self.freed_once = set()
+            self.releases = []
+        self.decode = DecodeEndpoint(
+            self.backend, self.num_pages, self.page_bytes, [r.address for r in self.ranks], self.config,
+            on_release=self._on_release,
+        )
+        self.decode.region.write(0, canary(self.num_pages * self.page_bytes))
+        if proxy:
+            self.proxy = AckProxy(self.decode.address, self.config.host, self.key)
+            # ABORTs name the proxy as the place to ack: every ack crosses it.
+            self.decode.tracker.reply_to = self.proxy.address
+        return self.decode
+
+    @property
+    def dec(self) -> DecodeEndpoint:
+        assert self.decode is not None
+        return self.decode
+
+    # -- the allocator -----------------------------------------------------
+    def alloc(self, n: int, exclude: Sequence[int] = ()) -> list[int]:
+        with self.lock:
+            pages = sorted(self.free - set(exclude))[:n]
+            if len(pages) < n:
+                raise AssertionError(f"only {len(self.free)} free pages")
+            self.free -= set(pages)
+            return pages
+
+    def _give_back(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            self.dec.region.write(p * self.page_bytes, canary(self.page_bytes))
+        with self.lock:
+            self.free |= set(pages)
+            self.freed_once |= set(pages)
+
+    def _on_release(self, rel: Release) -> None:
+        with self.lock:
+            self.releases.append(rel)
+        self._give_back(rel.pages)
+
+    def finish(self, rx: Receiver) -> None:
+        self._give_back(rx.finish())
+
+    def open(
+        self, room: int, npages: int, ranks: frozenset[int] | None = None, exclude: Sequence[int] = ()
+    ) -> tuple[Receiver, list[int]]:
+        pages = self.alloc(npages, exclude)
+        return self.dec.receiver(room, pages, ranks), pages
+
+    def released(self, room: int) -> Release | None:
+        with self.lock:
+            return next((r for r in self.releases if r.room == room), None)
+
+    # -- checks ------------------------------------------------------------
+    def landed_bytes(self, pages: Sequence[int]) -> int:
+        """Bytes of ``pages`` that are not canary any more."""
+        return sum(self._dirty(p) for p in pages)
+
+    def _dirty(self, page: int) -> int:
+        data = np.frombuffer(self.dec.region.read(page * self.page_bytes, self.page_bytes), dtype=np.uint8)
+        return int(np.count_nonzero(data != CANARY))
+
+    def late_bytes(self) -> int:
+        """Bytes written into free pages (pages handed back) after they were
+        given back: must be 0."""
+        with self.lock:
+            pages = sorted(self.free)
+        return sum(self._dirty(p) for p in pages)
+
+    def correct(self, room: int, pages: Sequence[int], ranks: Sequence[int] | None = None) -> bool:
+        ranks = range(self.num_ranks) if ranks is None else ranks
+        for i, p in enumerate(pages):
+            for r in ranks:
+                got = self.dec.region.read(p * self.page_bytes + r * self.shard, self.shard)
+                if got != shard_bytes(room, r, i, self.shard):
+                    return False
+        return True
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.dec.metrics.value(name, **labels)
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        for rank in self.ranks:
+            rank.close()
+        if self.decode is not None:
+            self.decode.close()
+
+
+def total(metric: Callable[..., float], name: str, labels: str, values: Sequence[str]) -> float:
+    return sum(metric(name, **{labels: v}) for v in values)
+
+
+PROOFS = ("acks", "late_acks", "writer_fence", "writer_exit", "completed", "nothing_sent", "unsafe_timeout")
