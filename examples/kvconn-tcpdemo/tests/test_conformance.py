@@ -1,0 +1,5 @@
+from kvconn.conformance import ConformanceSuite
+
+
+class TestTcpdemoConformance(ConformanceSuite):
+    backend_name = "tcpdemo"

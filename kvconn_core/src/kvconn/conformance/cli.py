@@ -1,0 +1,66 @@
+"""``kvconn conformance BACKEND [--strict] [-k EXPR] [-o KEY=VALUE]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import kvconn.conformance._collect as collect
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("backend", help="backend name (see `kvconn backends`)")
+    parser.add_argument("--strict", action="store_true", help="a skip not ruled out by a capability fails")
+    parser.add_argument(
+        "-k", dest="keyword", default=None, help="only checks matching this pytest -k expression"
+    )
+    parser.add_argument(
+        "-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="backend option (repeatable)"
+    )
+    parser.add_argument("--write-timeout", type=float, default=0.5, help="writer deadline in s (0.5)")
+    parser.add_argument("--abort-timeout", type=float, default=2.0, help="decode deadline in s (2.0)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="terse pytest output")
+
+
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import pytest
+
+    if not hasattr(args, "backend"):  # the command line was not parsed with add_arguments
+        add_arguments(parser)
+        parser.error("the conformance arguments were not registered")
+    argv = [
+        collect.__file__,
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+        "--kvconn-backend",
+        args.backend,
+        "--kvconn-write-timeout",
+        str(args.write_timeout),
+        "--kvconn-abort-timeout",
+        str(args.abort_timeout),
+    ]
+    if args.strict:
+        argv.append("--kvconn-strict")
+    if args.keyword:
+        argv += ["-k", args.keyword]
+    for item in args.option:
+        argv += ["--kvconn-option", item]
+    argv.append("-q" if args.quiet else "-v")
+    with tempfile.TemporaryDirectory(prefix="kvconn-conformance-") as rootdir:
+        argv += ["--rootdir", rootdir, "-c", os.devnull]
+        plugins: list[object] = []
+        if "kvconn.conformance.plugin" not in _loaded_plugins():
+            import kvconn.conformance.plugin as plugin
+
+            plugins.append(plugin)
+        return int(pytest.main(argv, plugins=plugins))
+
+
+def _loaded_plugins() -> set[str]:
+    from importlib.metadata import entry_points
+
+    return {ep.value for ep in entry_points(group="pytest11")}

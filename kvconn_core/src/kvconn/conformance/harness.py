@@ -1,0 +1,342 @@
+"""Real processes for the conformance suite: prefill ranks, bare writers, and
+a decode endpoint in the test process that lays a canary in every page it
+gets back and checks it before handing the page out again."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvconn.config import Config
+from kvconn.plugins import get_backend
+from kvconn.protocol.hold import HoldState, Proof, Release
+from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.transport import Backend
+
+#: Proofs that say "acked by a writer that had nothing in flight".
+ACK_PROOFS = frozenset({Proof.ACKS, Proof.LATE_ACKS, Proof.COMPLETED, Proof.NOTHING_SENT})
+
+
+class ConformanceFailure(AssertionError):
+    """A check failed; the message names it."""
+
+
+@attrs.frozen
+class Settings:
+    """What the suite runs against, and with which deadlines."""
+
+    backend_name: str
+    options: Mapping[str, str] = attrs.field(factory=dict)
+    write_timeout_s: float = 0.5
+    abort_timeout_s: float = 2.0
+    strict: bool = False
+
+    @property
+    def backend(self) -> Backend:
+        return get_backend(self.backend_name)
+
+    def effective_abort_timeout(self) -> float:
+        """Decode's deadline: the configured one, or longer than the
+        transport's own write timeout (e.g. Mooncake's engine timeout)."""
+        limit = self.backend.capabilities.max_write_timeout_s
+        base = max(self.abort_timeout_s, self.write_timeout_s + 0.5)
+        return base if limit is None else max(base, limit + 1.0)
+
+    def config(self) -> Config:
+        return Config(
+            write_timeout_s=self.write_timeout_s,
+            abort_timeout_s=self.effective_abort_timeout(),
+            resend_interval_s=0.2,
+            bootstrap_timeout_s=30.0,
+            backend_options=dict(self.options),
+        )
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 0.002) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise ConformanceFailure(f"{what}: not within {timeout:.1f} s")
+        time.sleep(poll)
+
+
+class Child:
+    """A child process that reports JSON lines on stdout."""
+
+    def __init__(self, module: str, args: Mapping[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, json.dumps(dict(args))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.pid = self.proc.pid
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.log: list[dict[str, Any]] = []
+        self._log_lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True, name=f"conformance-read-{self.pid}").start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._log_lock:
+                self.log.append(event)
+            self.events.put(event)
+
+    def history(self) -> list[dict[str, Any]]:
+        with self._log_lock:
+            return list(self.log)
+
+    def expect(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
+        """The next event whose fields equal ``match`` (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.proc.poll() is not None and self.events.empty()):
+                code = self.proc.poll()
+                raise ConformanceFailure(
+                    f"{what}: child {self.pid} did not report {match} within {timeout:.1f} s (exit code {code})"
+                )
+            try:
+                event = self.events.get(timeout=min(left, 0.05))
+            except queue.Empty:
+                continue
+            if all(event.get(k) == v for k, v in match.items()):
+                return event
+
+    def send_line(self, line: str = "go") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stopped(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class RankProc(Child):
+    """A self-driving prefill rank (:mod:`kvconn.conformance.rank_proc`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        rank: int,
+        num_ranks: int,
+        page_bytes: int,
+        chunk_pages: int,
+        source_pages: int,
+        faults: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(
+            "kvconn.conformance.rank_proc",
+            {
+                "backend": settings.backend_name,
+                "backend_options": dict(settings.options),
+                "rank": rank,
+                "num_ranks": num_ranks,
+                "page_bytes": page_bytes,
+                "chunk_pages": chunk_pages,
+                "source_pages": source_pages,
+                "write_timeout_s": settings.write_timeout_s,
+                "abort_timeout_s": settings.effective_abort_timeout(),
+                "faults": {str(room): dict(rule) for room, rule in (faults or {}).items()},
+            },
+        )
+        self.address = ""
+
+    def ready(self, timeout: float = 60.0) -> str:
+        self.address = str(self.expect(timeout, "prefill rank start", event="ready")["address"])
+        return self.address
+
+
+class Cluster:
+    """Decode (in this process) and ``num_ranks`` prefill rank processes."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        num_ranks: int = 1,
+        page_bytes: int = 64 << 10,
+        num_pages: int = 512,
+        chunk_pages: int = 4,
+        source_pages: int = 256,
+        faults: Mapping[int, Mapping[str, Any]] | None = None,
+        rank_faults: Mapping[int, Mapping[int, Mapping[str, Any]]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.page_bytes = page_bytes
+        self.num_ranks = num_ranks
+        self.shard = page_bytes // num_ranks
+        self.num_pages = num_pages
+        self.rng = random.Random(0xC0F)
+        self._room_ids = iter(range(self.rng.randrange(1 << 40, 1 << 41), 1 << 62))
+        self.ranks: list[RankProc] = []
+        self.decode: DecodeEndpoint | None = None
+        self._lock = threading.Lock()
+        self.releases: dict[int, tuple[Release, float]] = {}
+        self.corrupted: list[str] = []
+        self._free: list[int] = list(range(num_pages))
+        self._returned: set[int] = set()
+        try:
+            for r in range(num_ranks):
+                rf = (rank_faults or {}).get(r, faults)
+                self.ranks.append(RankProc(settings, r, num_ranks, page_bytes, chunk_pages, source_pages, rf))
+            addresses = [rank.ready() for rank in self.ranks]
+            self.decode = DecodeEndpoint(
+                settings.backend,
+                num_pages,
+                page_bytes,
+                addresses,
+                settings.config(),
+                on_release=self._on_release,
+            )
+            self.region = self.decode.region
+            self.region.write(0, canary(num_pages * page_bytes))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoint(self) -> DecodeEndpoint:
+        assert self.decode is not None
+        return self.decode
+
+    # -- pages ---------------------------------------------------------------
+    def new_room(self) -> int:
+        return next(self._room_ids)
+
+    def alloc(self, n: int, scattered: bool = False) -> list[int]:
+        """``n`` free pages; a page that came back from a room is checked for
+        its canary first: a change is a write that landed after release."""
+        with self._lock:
+            if len(self._free) < n:
+                raise ConformanceFailure(f"suite bug: {n} pages wanted, {len(self._free)} free")
+            # Pages that never came back first: returned ones cool down, so a
+            # late write into them is seen by the checks of their old room.
+            self._free.sort(key=lambda p: (p in self._returned, p))
+            if scattered:
+                pages = sorted(self.rng.sample(self._free[: max(n, len(self._free) // 2)], n))
+            else:
+                pages = self._free[:n]
+            for p in pages:
+                self._free.remove(p)
+            returned = [p for p in pages if p in self._returned]
+            self._returned.difference_update(pages)
+        bad = self.changed_pages(returned)
+        if bad:
+            raise ConformanceFailure(
+                f"late write after release: pages {bad[:8]} changed after decode released them "
+                f"(found before handing them out again)"
+            )
+        return pages
+
+    def changed_pages(self, pages: Iterable[int]) -> list[int]:
+        pb = self.page_bytes
+        want = canary(pb)
+        return [p for p in pages if self.region.read(p * pb, pb) != want]
+
+    def changed_after_release(self, pages: Iterable[int]) -> list[int]:
+        """Released pages, not handed out again since, whose canary changed."""
+        with self._lock:
+            still = [p for p in pages if p in self._returned]
+        return self.changed_pages(still)
+
+    def bad_pattern_pages(
+        self, room: int, pages: Sequence[int], ranks: Iterable[int] | None = None
+    ) -> list[int]:
+        bad = []
+        for i, page in enumerate(pages):
+            for rank in range(self.num_ranks) if ranks is None else ranks:
+                got = self.region.read(page * self.page_bytes + rank * self.shard, self.shard)
+                if got != shard_bytes(room, rank, i, self.shard):
+                    bad.append(page)
+                    break
+        return bad
+
+    def _on_release(self, release: Release) -> None:
+        """Decode hands the pages back: lay the canary right away."""
+        pb = self.page_bytes
+        for page in release.pages:
+            self.region.write(page * pb, canary(pb))
+        with self._lock:
+            self.releases[release.room] = (release, time.monotonic())
+            self._free.extend(release.pages)
+            self._returned.update(release.pages)
+
+    # -- rooms ----------------------------------------------------------------
+    def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
+        return self.endpoint.receiver(room, pages, ranks)
+
+    def finish(self, receiver: Receiver) -> None:
+        """A completed room: the engine takes the pages, uses them, frees them."""
+        pages = receiver.finish()
+        pb = self.page_bytes
+        for page in pages:
+            self.region.write(page * pb, canary(pb))
+        with self._lock:
+            self._free.extend(pages)
+            self._returned.update(pages)
+
+    def release_of(self, room: int) -> tuple[Release, float] | None:
+        with self._lock:
+            return self.releases.get(room)
+
+    def wait_released(self, room: int, timeout: float, what: str) -> tuple[Release, float]:
+        wait_for(lambda: self.release_of(room) is not None, timeout, f"{what}: room {room} released")
+        found = self.release_of(room)
+        assert found is not None
+        return found
+
+    def wait_done(self, receiver: Receiver, timeout: float, what: str) -> str:
+        wait_for(lambda: receiver.poll().name in ("SUCCESS", "FAILED"), timeout, what)
+        return receiver.poll().name
+
+    def state(self, room: int) -> HoldState | None:
+        with self.endpoint._lock:
+            return self.endpoint.tracker.state(room)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+        if self.decode is not None:
+            self.decode.close()

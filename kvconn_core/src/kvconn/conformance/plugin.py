@@ -1,0 +1,153 @@
+"""The pytest plugin behind the conformance suite (entry point ``pytest11``).
+
+Options: ``--kvconn-backend NAME``, ``--kvconn-option KEY=VALUE`` (repeat),
+``--kvconn-strict``, ``--kvconn-write-timeout``, ``--kvconn-abort-timeout``.
+Fixture: ``kvconn_settings``. A check the backend's capabilities rule out is
+skipped through :func:`require_capability` (a *declared* skip); with
+``--kvconn-strict`` every other skip of a conformance check is a failure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from kvconn.conformance.harness import Settings
+from kvconn.plugins import BackendError, get_backend
+
+DECLARED = "[capability] "
+_MARK = "kvconn_conformance"
+_results_key = pytest.StashKey[list[tuple[str, str, str, str]]]()
+_times_key = pytest.StashKey[dict[str, list[float]]]()
+_reports_key = pytest.StashKey[list[pytest.TestReport]]()
+
+
+def require_capability(declared: bool, reason: str) -> None:
+    """Skip the running check unless the backend declares what it needs."""
+    if not declared:
+        pytest.skip(DECLARED + reason)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvconn", "kvconn transport conformance suite")
+    group.addoption("--kvconn-backend", default=None, help="backend (kvconn.backends entry point) to check")
+    group.addoption(
+        "--kvconn-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option (repeatable)",
+    )
+    group.addoption("--kvconn-strict", action="store_true", help="undeclared skips fail")
+    group.addoption("--kvconn-write-timeout", type=float, default=0.5, help="writer deadline, s (0.5)")
+    group.addoption("--kvconn-abort-timeout", type=float, default=2.0, help="decode deadline, s (2.0)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{_MARK}: a kvconn transport conformance check")
+    config.stash[_results_key] = []
+    config.stash[_times_key] = {}
+
+
+@pytest.fixture(scope="class")
+def kvconn_settings(request: pytest.FixtureRequest) -> Settings:
+    """What the suite runs against: the class's ``backend_name`` or the option."""
+    config = request.config
+    name = getattr(request.cls, "backend_name", None) or config.getoption("--kvconn-backend")
+    if not name:
+        raise pytest.UsageError("kvconn conformance: name a backend (--kvconn-backend or backend_name)")
+    options: dict[str, str] = dict(getattr(request.cls, "backend_options", {}) or {})
+    for item in config.getoption("--kvconn-option"):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise pytest.UsageError(f"--kvconn-option wants KEY=VALUE, got {item!r}")
+        options[key] = value
+    try:
+        get_backend(name)
+    except BackendError as exc:
+        pytest.fail(f"kvconn conformance: {exc}", pytrace=False)
+    return Settings(
+        backend_name=name,
+        options=options,
+        write_timeout_s=config.getoption("--kvconn-write-timeout"),
+        abort_timeout_s=config.getoption("--kvconn-abort-timeout"),
+        strict=bool(config.getoption("--kvconn-strict")),
+    )
+
+
+def _backend_of(item: pytest.Item) -> str:
+    cls = getattr(item, "cls", None)
+    return str(getattr(cls, "backend_name", None) or item.config.getoption("--kvconn-backend") or "?")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    if item.get_closest_marker(_MARK) is None:
+        return report
+    if report.skipped and item.config.getoption("--kvconn-strict"):
+        reason = _skip_reason(report)
+        if not reason.startswith(DECLARED):
+            report.outcome = "failed"
+            report.longrepr = f"strict: undeclared skip of {item.name}: {reason}"
+    item.stash.setdefault(_reports_key, []).append(report)
+    return report
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+    if item.get_closest_marker(_MARK) is None:
+        return (yield)
+    start = time.monotonic()
+    item.stash[_reports_key] = []
+    result = yield
+    reports = item.stash[_reports_key]
+    times = item.config.stash[_times_key].setdefault(_backend_of(item), [start, start])
+    times[1] = time.monotonic()
+    outcome, why = "passed", ""
+    for rep in reports:
+        if rep.failed:
+            outcome = "failed"
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            why = crash.message if crash is not None else str(rep.longrepr)
+            why = why.removeprefix("kvconn.conformance.harness.ConformanceFailure: ").splitlines()[0][:200]
+            break
+        if rep.skipped:
+            outcome, why = "skipped", _skip_reason(rep)
+    item.config.stash[_results_key].append((_backend_of(item), item.name, outcome, why))
+    return result
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    results = config.stash.get(_results_key, [])
+    if not results:
+        return
+    tr = terminalreporter
+    times = config.stash[_times_key]
+    for backend in sorted({r[0] for r in results}):
+        tr.section(f"kvconn conformance: {backend}")
+        rows = [r for r in results if r[0] == backend]
+        for _, name, outcome, why in rows:
+            line = f"{outcome.upper():8} {name}"
+            tr.write_line(
+                line + (f"  ({why})" if why else ""),
+                red=outcome == "failed",
+                green=outcome == "passed",
+                yellow=outcome == "skipped",
+            )
+        counts = {o: sum(1 for r in rows if r[2] == o) for o in ("passed", "skipped", "failed")}
+        start, end = times.get(backend, [0.0, 0.0])
+        tr.write_line(
+            f"{backend}: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed "
+            f"in {end - start:.1f} s wall"
+        )

@@ -1,0 +1,120 @@
+"""A prefill rank process for the conformance suite.
+
+It is :mod:`kvconn.testing.prefill_proc` (a self-driving rank) plus an
+observer plugin that reports, pauses at, stops at or raises from the hook
+points of watched rooms. Every report is one JSON line on stdout carrying
+``time.monotonic()`` (CLOCK_MONOTONIC is shared by the processes of a host),
+so the parent can order a chunk's life against decode's release.
+
+``faults`` in the JSON argument maps a room (as a string) to::
+
+    {"pause": POINT, "pause_s": 0.15,   # sleep at POINT (chunk ``index``)
+     "stop": POINT,                      # SIGSTOP this whole process at POINT
+     "raise": POINT,                     # raise from the hook at POINT
+     "index": 0,                         # which chunk (default: the first)
+     "raise_index": 0}                   # which chunk raises (default: index)
+
+POINT is one of ``dequeue``, ``skip``, ``before_post``, ``after_post``,
+``before_barrier``, ``after_barrier``, ``abort``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from kvconn.chunk import Chunk, Segment
+from kvconn.hookspecs import hookimpl
+from kvconn.protocol.messages import Abort
+from kvconn.testing.prefill_proc import Driver
+from kvconn.transport import Settlement
+
+_out_lock = threading.Lock()
+
+
+def emit(event: dict[str, Any]) -> None:
+    event["t"] = time.monotonic()
+    line = json.dumps(event)
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class Faults:
+    """The observer: watches the rooms named in ``spec``."""
+
+    def __init__(self, spec: dict[str, dict[str, Any]]) -> None:
+        self.spec = {int(room): rule for room, rule in spec.items()}
+
+    def _point(self, point: str, room: int, index: int = -1, **extra: Any) -> None:
+        rule = self.spec.get(room)
+        if rule is None:
+            return
+        emit({"event": point, "room": room, "index": index, **extra})
+
+        def at(index_key: str) -> bool:
+            return index < 0 or index == int(rule.get(index_key, rule.get("index", 0)))
+
+        if rule.get("pause") == point and at("index"):
+            emit({"event": "paused", "point": point, "room": room, "index": index})
+            time.sleep(float(rule.get("pause_s", 0.15)))
+        if rule.get("stop") == point and at("index"):
+            emit({"event": "stopping", "point": point, "room": room, "index": index})
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if rule.get("raise") == point and at("raise_index"):
+            emit({"event": "raising", "point": point, "room": room, "index": index})
+            raise InjectedFault(f"conformance: injected failure at {point} of room {room}")
+
+    @hookimpl
+    def on_dequeue(self, chunk: Chunk) -> None:
+        self._point("dequeue", chunk.room, chunk.index)
+
+    @hookimpl
+    def on_skip(self, chunk: Chunk) -> None:
+        self._point("skip", chunk.room, chunk.index)
+
+    @hookimpl(wrapper=True)
+    def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> Generator[None, object, object]:
+        self._point("before_post", chunk.room, chunk.index)
+        result = yield
+        self._point("after_post", chunk.room, chunk.index)
+        return result
+
+    @hookimpl(wrapper=True)
+    def on_done_barrier(
+        self, chunk: Chunk, posted: object, deadline: float
+    ) -> Generator[None, object, object]:
+        self._point("before_barrier", chunk.room, chunk.index)
+        result = yield
+        settlement = result.value if isinstance(result, Settlement) else repr(result)
+        self._point("after_barrier", chunk.room, chunk.index, settlement=settlement)
+        return result
+
+    @hookimpl
+    def on_abort_notification(self, abort: Abort, known: bool) -> None:
+        self._point("abort", abort.room, -1, generation=abort.generation)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    args = json.loads(sys.argv[1])
+    driver = Driver(args)
+    driver.rank.pm.register(Faults(args.get("faults", {})), name="conformance-faults")
+    emit({"event": "ready", "address": driver.rank.address, "pid": os.getpid()})
+    sys.stdin.read()  # serve until the parent closes our stdin
+    driver.rank.close()
+
+
+if __name__ == "__main__":
+    main()

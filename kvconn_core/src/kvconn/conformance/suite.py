@@ -1,0 +1,536 @@
+"""The conformance checks, as a pytest class a plugin's tests subclass::
+
+    from kvconn.conformance import ConformanceSuite
+
+    class TestMyTransport(ConformanceSuite):
+        backend_name = "mytransport"
+
+(or leave ``backend_name`` unset and pass ``--kvconn-backend NAME``). Every
+check runs real processes: decode's endpoint lives in the test process, each
+prefill rank or bare writer is a child process using the plugin's transport.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import pytest
+import zmq
+
+from kvconn.conformance.harness import (
+    ACK_PROOFS,
+    Child,
+    Cluster,
+    ConformanceFailure,
+    Settings,
+    wait_for,
+)
+from kvconn.conformance.plugin import require_capability
+from kvconn.protocol.hold import HoldState, Proof
+from kvconn.protocol.messages import AbortAck
+from kvconn.runtime.control import Outbox
+from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.transport import Settlement
+
+MiB = 1 << 20
+
+#: Where an ABORT meets a chunk (the second chunk of a three-chunk room).
+RACE_POINTS = ("dequeue", "before_post", "after_post", "before_barrier", "after_barrier")
+RACE_ROOMS = {point: 0x5EED_0000 + i for i, point in enumerate(RACE_POINTS)}
+#: Hooks that raise, and the room each one raises for.
+RAISE_POINTS = ("dequeue", "skip", "before_post", "after_post", "before_barrier", "after_barrier", "abort")
+RAISE_ROOMS = {point: 0x0BAD_0000 + i for i, point in enumerate(RAISE_POINTS)}
+FANOUT_ROOM = 0xFA_0001
+FROZEN_ROOM = 0xF0_0001
+KILLED_ROOM = 0xDEAD_0001
+FORGED_ROOM = 0xF06_0001
+
+
+@contextmanager
+def _cluster(request: pytest.FixtureRequest, settings: Settings, **kwargs: Any) -> Iterator[Cluster]:
+    cluster = Cluster(settings, **kwargs)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _settled_before(cluster: Cluster, room: int, released_at: float) -> None:
+    """S1 seen from outside: every chunk of ``room`` that any rank posted had
+    settled (its DONE barrier returned) before decode got the room back."""
+    for rank in cluster.ranks:
+
+        def seen(rank: Any = rank) -> tuple[set[int], dict[int, dict[str, Any]]]:
+            events = [e for e in rank.history() if e.get("room") == room]
+            posted = {e["index"] for e in events if e["event"] == "before_post"}
+            return posted, {e["index"]: e for e in events if e["event"] == "after_barrier"}
+
+        # The child reports before it acks, but its pipe may lag decode's socket.
+        deadline = time.monotonic() + 1.0
+        posted, settled = seen()
+        while not posted <= settled.keys() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            posted, settled = seen()
+        for index in sorted(posted):
+            done = settled.get(index)
+            if done is None or done["t"] > released_at:
+                when = "never" if done is None else f"{done['t'] - released_at:+.4f} s after the release"
+                raise ConformanceFailure(
+                    f"S1 violated: room {room} was released while chunk {index} of rank "
+                    f"{rank.address} could still land (its DONE barrier settled {when})"
+                )
+
+
+def _no_late_bytes(cluster: Cluster, room: int, pages: list[int], settle_s: float) -> None:
+    time.sleep(settle_s)
+    bad = cluster.changed_after_release(pages)
+    if bad:
+        raise ConformanceFailure(
+            f"late write after release: {len(bad)} pages of aborted room {room} changed after "
+            f"decode released them (pages {bad[:8]})"
+        )
+
+
+@pytest.mark.kvconn_conformance
+class ConformanceSuite:
+    """Subclass it (named ``Test...``) in a plugin's tests."""
+
+    #: The backend under test; ``None``: the ``--kvconn-backend`` option.
+    backend_name: ClassVar[str | None] = None
+    #: Backend options (``Config.backend_options``) for every endpoint.
+    backend_options: ClassVar[dict[str, str]] = {}
+
+    # -- shared clusters --------------------------------------------------
+    @pytest.fixture(scope="class")
+    @classmethod
+    def healthy(cls, request: pytest.FixtureRequest, kvconn_settings: Settings) -> Iterator[Cluster]:
+        with _cluster(request, kvconn_settings, num_ranks=2, num_pages=1024, chunk_pages=2) as cluster:
+            yield cluster
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def wide(cls, request: pytest.FixtureRequest, kvconn_settings: Settings) -> Iterator[Cluster]:
+        stop = {FANOUT_ROOM: {"stop": "after_post"}}
+        with _cluster(
+            request, kvconn_settings, num_ranks=3, page_bytes=3 * (16 << 10), rank_faults={2: stop}
+        ) as cluster:
+            yield cluster
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def racing(cls, request: pytest.FixtureRequest, kvconn_settings: Settings) -> Iterator[Cluster]:
+        faults = {room: {"pause": p, "index": 1, "pause_s": 0.15} for p, room in RACE_ROOMS.items()}
+        with _cluster(request, kvconn_settings, num_ranks=1, chunk_pages=2, faults=faults) as cluster:
+            yield cluster
+
+    # -- data integrity -----------------------------------------------------
+    @pytest.mark.parametrize("shape", ["one_page", "scattered", "many_rooms"])
+    def test_integrity(self, healthy: Cluster, shape: str) -> None:
+        """Chunked writes by two ranks land byte-exact (shapes of page lists)."""
+        plans = {
+            "one_page": [(1, False)],
+            "scattered": [(40, True)],
+            "many_rooms": [(n, n % 2 == 0) for n in (3, 8, 17, 24, 5, 12, 31, 2)],
+        }[shape]
+        self._integrity(healthy, plans)
+
+    def test_integrity_large_pages(self, request: pytest.FixtureRequest, kvconn_settings: Settings) -> None:
+        """1 MiB pages, 4 MiB chunks."""
+        with _cluster(request, kvconn_settings, page_bytes=MiB, num_pages=48, source_pages=48) as cluster:
+            self._integrity(cluster, [(16, False), (20, True)])
+
+    def test_integrity_several_ranks(self, wide: Cluster) -> None:
+        """Three ranks write their shards of every page."""
+        self._integrity(wide, [(6, False), (13, True), (1, False)])
+
+    def _integrity(self, cluster: Cluster, plans: list[tuple[int, bool]]) -> None:
+        rooms = []
+        for n, scattered in plans:
+            pages = cluster.alloc(n, scattered)
+            room = cluster.new_room()
+            rooms.append((room, pages, cluster.receiver(room, pages)))
+        for room, pages, rx in rooms:
+            state = cluster.wait_done(rx, 30, f"integrity: room of {len(pages)} pages completes")
+            if state != "SUCCESS":
+                raise ConformanceFailure(f"integrity: room {room} ended {state}: {rx.failure()}")
+            bad = cluster.bad_pattern_pages(room, pages)
+            if bad:
+                raise ConformanceFailure(
+                    f"integrity: {len(bad)} of {len(pages)} pages of room {room} hold wrong bytes "
+                    f"after SUCCESS (pages {bad[:8]})"
+                )
+            cluster.finish(rx)
+
+    # -- the DONE barrier ------------------------------------------------------
+    @pytest.mark.parametrize("memory", ["dram", "vram"])
+    def test_done_barrier_means_landed(self, kvconn_settings: Settings, memory: str) -> None:
+        """Right after on_done_barrier answers LANDED, every byte is there."""
+        backend = kvconn_settings.backend
+        require_capability(memory in backend.capabilities.memory, f"memory kind {memory!r} not declared")
+        options = dict(kvconn_settings.options)
+        if memory != "dram":
+            options["memory"] = memory
+        size = 40 * MiB
+        try:
+            region = backend.open_region(size, options)
+        except Exception as exc:
+            pytest.skip(f"cannot open a {memory} region on this host: {exc}")
+        rounds: list[list[tuple[int, int, int]]] = [
+            [(0, 0, 4096)],
+            [(i * 65536, (37 * i % 61) * 262144 + 4096, 65536) for i in range(24)],
+            [(0, 8 * MiB, 24 * MiB)],
+            [(0, 3, 1), (8, 4100, 7), (4096, 9000, 4097), (20000, 30000, 65537)],
+            [(MiB, 33 * MiB, 4 * MiB), (6 * MiB, MiB, 2 * MiB)],
+            [(0, 0, 32 * MiB)],
+        ]
+        child = Child(
+            "kvconn.conformance.writer_proc",
+            {
+                "backend": kvconn_settings.backend_name,
+                "options": options,
+                "src_bytes": size,
+                "metadata": region.metadata.hex(),
+                "write_timeout_s": max(kvconn_settings.write_timeout_s, 5.0),
+                "mode": "barrier",
+                "rounds": rounds,
+            },
+        )
+        try:
+            child.expect(60, "DONE barrier: writer start", event="ready")
+            for i, segments in enumerate(rounds, start=1):
+                child.send_line()
+                event = child.expect(30, f"DONE barrier: round {i} settles", event="settled", round=i)
+                # Check tails first: a transport still writing is caught there.
+                for j, (_, dst, n) in reversed(list(enumerate(segments))):
+                    want = shard_bytes(i, 0, j, n)
+                    tail = min(n, 4096)
+                    if region.read(dst + n - tail, tail) != want[n - tail :] or region.read(dst, n) != want:
+                        raise ConformanceFailure(
+                            f"DONE barrier answered {event['settlement']!r} for round {i} but segment {j} "
+                            f"({n} bytes at {dst}) had not landed: the barrier does not mean landed"
+                        )
+                if event["settlement"] != Settlement.LANDED.value:
+                    raise ConformanceFailure(f"DONE barrier: a healthy write settled {event['settlement']!r}")
+        finally:
+            child.close()
+            region.close()
+
+    # -- the writer fence ------------------------------------------------------
+    def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
+        """A writer frozen mid-write, resumed past its deadline, fences: 0 bytes land after."""
+        backend = kvconn_settings.backend
+        require_capability(backend.capabilities.writer_fence, "writer_fence not declared")
+        size = 32 * MiB
+        region = backend.open_region(size, kvconn_settings.options)
+        region.write(0, canary(size))
+        child = Child(
+            "kvconn.conformance.writer_proc",
+            {
+                "backend": kvconn_settings.backend_name,
+                "options": dict(kvconn_settings.options),
+                "src_bytes": size,
+                "metadata": region.metadata.hex(),
+                "write_timeout_s": kvconn_settings.write_timeout_s,
+                "mode": "fence",
+                "rounds": [[(0, 0, size)]],
+            },
+        )
+        try:
+            child.expect(60, "writer fence: writer start", event="ready")
+            child.expect(30, "writer fence: write posted", event="posted")
+            wait_for(child.stopped, 5, "writer fence: writer froze itself")
+            time.sleep(kvconn_settings.write_timeout_s + 0.1)
+            child.signal(signal.SIGCONT)
+            limit = backend.capabilities.max_write_timeout_s or 0.0
+            event = child.expect(limit + 30, "writer fence: barrier and fence return", event="settled")
+            if event["fenced"] is not True:
+                raise ConformanceFailure(
+                    f"writer fence: the backend declares writer_fence but on_fence answered {event['fenced']!r}"
+                )
+            snapshot = region.read(0, size)
+            time.sleep(max(0.5, 2 * kvconn_settings.write_timeout_s))
+            after = region.read(0, size)
+            if after != snapshot:
+                changed = sum(1 for a, b in zip(after[::4096], snapshot[::4096], strict=True) if a != b)
+                raise ConformanceFailure(
+                    f"writer fence: bytes landed after on_fence returned True (~{changed * 4096} bytes "
+                    f"in sampled pages): the fence does not stop a resumed writer"
+                )
+        finally:
+            child.close()
+            region.close()
+
+    # -- aborts: S1 at every point of a chunk's life -------------------------
+    @pytest.mark.parametrize("point", RACE_POINTS)
+    def test_abort_races_chunk(self, racing: Cluster, kvconn_settings: Settings, point: str) -> None:
+        """An ABORT arriving while the second chunk is at ``point``: the ack comes
+        only after every posted chunk settled, and nothing lands after release."""
+        room = RACE_ROOMS[point]
+        pages = racing.alloc(6)
+        rx = racing.receiver(room, pages)
+        racing.ranks[0].expect(10, f"abort race at {point}: chunk reaches it", event="paused", room=room)
+        rx.abort()
+        release, released_at = racing.wait_released(
+            room, kvconn_settings.write_timeout_s + 2.0, f"L1 at {point}: healthy writer acks"
+        )
+        if release.proof not in ACK_PROOFS:
+            raise ConformanceFailure(
+                f"abort race at {point}: healthy writer, released by {release.proof.value}"
+            )
+        _settled_before(racing, room, released_at)
+        _no_late_bytes(racing, room, pages, 2 * kvconn_settings.write_timeout_s)
+
+    def test_abort_before_request_arrives(self, racing: Cluster) -> None:
+        """An ABORT right behind the transfer request: tombstone, nothing written."""
+        for _ in range(5):
+            room = racing.new_room()
+            pages = racing.alloc(4)
+            rx = racing.receiver(room, pages)
+            rx.abort()
+            _, released_at = racing.wait_released(room, 3.0, "abort before request: acked")
+            _settled_before(racing, room, released_at)
+
+    def test_random_aborts_leave_no_late_write(self, healthy: Cluster, kvconn_settings: Settings) -> None:
+        """Many rooms aborted at random points: every one leaves hold by acks
+        within the deadline, and no byte of its pages changes after release."""
+        rng = healthy.rng
+        watched: list[tuple[int, list[int]]] = []
+        deadline = healthy.settings.effective_abort_timeout()
+        for _wave in range(4):
+            wave = []
+            for _ in range(10):
+                pages = healthy.alloc(rng.randrange(4, 24), scattered=rng.random() < 0.5)
+                room = healthy.new_room()
+                wave.append(
+                    (room, pages, healthy.receiver(room, pages), time.monotonic() + rng.uniform(0, 0.03))
+                )
+            for room, pages, rx, at in sorted(wave, key=lambda w: w[3]):
+                time.sleep(max(0.0, at - time.monotonic()))
+                rx.abort()
+                watched.append((room, pages))
+            for room, _, _, _ in wave:
+                release, released_at = healthy.wait_released(
+                    room, deadline + 2.0, "L2: aborted room leaves hold"
+                )
+                if release.proof not in ACK_PROOFS | {Proof.WRITER_FENCE}:
+                    raise ConformanceFailure(
+                        f"healthy writers, room {room} released by {release.proof.value}"
+                    )
+                if release.quarantined_for > 0:
+                    raise ConformanceFailure(f"L1: healthy writers, room {room} was quarantined")
+                _settled_before(healthy, room, released_at)
+        time.sleep(2 * kvconn_settings.write_timeout_s)
+        for room, pages in watched:
+            _no_late_bytes(healthy, room, pages, 0)
+
+    # -- unhealthy writers ------------------------------------------------------
+    def test_killed_writer_proves_exit(
+        self, request: pytest.FixtureRequest, kvconn_settings: Settings
+    ) -> None:
+        """A rank killed with a write in flight: held until its exit is proven, then released."""
+        faults = {1: {KILLED_ROOM: {"stop": "after_post"}}}
+        with _cluster(request, kvconn_settings, num_ranks=2, chunk_pages=8, rank_faults=faults) as cluster:
+            pages = cluster.alloc(32)
+            rx = cluster.receiver(KILLED_ROOM, pages)
+            victim = cluster.ranks[1]
+            victim.expect(10, "killed writer: rank 1 posts", event="stopping")
+            wait_for(victim.stopped, 5, "killed writer: rank 1 froze")
+            rx.abort()
+            time.sleep(0.3)
+            if cluster.release_of(KILLED_ROOM) is not None:
+                raise ConformanceFailure(
+                    "S2 violated: released while rank 1 (frozen, write in flight) had not acked"
+                )
+            victim.kill()
+            release, _ = cluster.wait_released(KILLED_ROOM, 3.0, "writer exit: killed rank proven gone")
+            if release.proof is not Proof.WRITER_EXIT:
+                raise ConformanceFailure(
+                    f"killed writer: released by {release.proof.value}, expected writer_exit"
+                )
+            _no_late_bytes(cluster, KILLED_ROOM, pages, 0.2)
+
+    def test_frozen_writer_quarantine_then_proof(
+        self, request: pytest.FixtureRequest, kvconn_settings: Settings
+    ) -> None:
+        """A writer frozen mid-chunk past decode's deadline: quarantined, never
+        released on the timeout; once it resumes, a proof (fence or late ack) frees it."""
+        faults = {FROZEN_ROOM: {"stop": "after_post"}}
+        with _cluster(
+            request, kvconn_settings, page_bytes=256 << 10, num_pages=96, chunk_pages=16, faults=faults
+        ) as cluster:
+            pages = cluster.alloc(64)
+            rx = cluster.receiver(FROZEN_ROOM, pages)
+            writer = cluster.ranks[0]
+            writer.expect(10, "frozen writer: posts", event="stopping")
+            wait_for(writer.stopped, 5, "frozen writer: froze")
+            rx.abort()
+            deadline = cluster.settings.effective_abort_timeout()
+            wait_for(
+                lambda: (
+                    cluster.state(FROZEN_ROOM) is HoldState.QUARANTINED
+                    or cluster.release_of(FROZEN_ROOM) is not None
+                ),
+                deadline + 1.0,
+                "L2: held room quarantined at the deadline",
+            )
+            if cluster.release_of(FROZEN_ROOM) is not None:
+                raise ConformanceFailure("S2 violated: released while the writer was frozen (timeout alone)")
+            time.sleep(0.3)  # a few re-sent ABORTs reach a frozen writer's socket
+            resumed = time.monotonic()
+            writer.signal(signal.SIGCONT)
+            limit = kvconn_settings.backend.capabilities.max_write_timeout_s or 0.0
+            try:
+                release, released_at = cluster.wait_released(
+                    FROZEN_ROOM,
+                    kvconn_settings.write_timeout_s + limit + 3.0,
+                    "L2: resumed writer proves quiescence",
+                )
+            except ConformanceFailure:
+                if kvconn_settings.backend.capabilities.writer_fence:
+                    raise
+                writer.kill()  # no fence declared: only the writer's exit proves it
+                release, released_at = cluster.wait_released(FROZEN_ROOM, 3.0, "L2: writer exit")
+            if released_at < resumed:
+                raise ConformanceFailure("S2 violated: released before the frozen writer resumed")
+            if release.proof not in {Proof.WRITER_FENCE, Proof.LATE_ACKS, Proof.WRITER_EXIT}:
+                raise ConformanceFailure(f"quarantined room released by {release.proof.value}")
+            _settled_before(cluster, FROZEN_ROOM, released_at)
+            _no_late_bytes(cluster, FROZEN_ROOM, pages, max(0.5, 2 * kvconn_settings.write_timeout_s))
+
+    def test_fanout_needs_every_rank(self, wide: Cluster, kvconn_settings: Settings) -> None:
+        """A room written by three ranks is released only after all three acked."""
+        pages = wide.alloc(12)
+        rx = wide.receiver(FANOUT_ROOM, pages)
+        straggler = wide.ranks[2]
+        straggler.expect(10, "fan-out: rank 2 posts", event="stopping")
+        wait_for(straggler.stopped, 5, "fan-out: rank 2 froze")
+        rx.abort()
+        time.sleep(min(0.5, wide.settings.effective_abort_timeout() / 3))
+        if wide.release_of(FANOUT_ROOM) is not None:
+            raise ConformanceFailure("fan-out: released before rank 2 acked (2 of 3 ranks)")
+        resumed = time.monotonic()
+        straggler.signal(signal.SIGCONT)
+        release, released_at = wide.wait_released(
+            FANOUT_ROOM, wide.settings.effective_abort_timeout() + 3.0, "fan-out: all three ranks ack"
+        )
+        if released_at < resumed:
+            raise ConformanceFailure("fan-out: released before the third rank resumed")
+        if release.proof not in ACK_PROOFS | {Proof.WRITER_FENCE}:
+            raise ConformanceFailure(f"fan-out: released by {release.proof.value}")
+        _settled_before(wide, FANOUT_ROOM, released_at)
+        _no_late_bytes(wide, FANOUT_ROOM, pages, 2 * kvconn_settings.write_timeout_s)
+
+    # -- acks that prove nothing ------------------------------------------------
+    def test_forged_late_duplicate_acks_release_nothing(
+        self, request: pytest.FixtureRequest, kvconn_settings: Settings
+    ) -> None:
+        """S3: late, duplicate, wrong-generation, stranger and malformed acks
+        never release a room, nor stop the listener."""
+        faults = {0: {FORGED_ROOM: {}}, 1: {FORGED_ROOM: {"stop": "after_post"}}}
+        with _cluster(request, kvconn_settings, num_ranks=2, rank_faults=faults) as cluster:
+            early = cluster.new_room()
+            rx = cluster.receiver(early, cluster.alloc(4))
+            cluster.wait_done(rx, 10, "S3: first room completes")
+            rx.abort()  # completed: released at once, no ABORT sent
+            pages = cluster.alloc(8)
+            rx_held = cluster.receiver(FORGED_ROOM, pages)
+            writer = cluster.ranks[1]
+            writer.expect(10, "S3: rank 1 posts", event="stopping")
+            wait_for(writer.stopped, 5, "S3: rank 1 froze")
+            rx_held.abort()  # the first ABORT of this endpoint: generation 1
+            # Rank 0 acks now (or already reported the room complete).
+            outbox = Outbox(cluster.endpoint.config.auth_key)
+            raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+            raw.setsockopt(zmq.LINGER, 0)
+            address = cluster.endpoint.address
+            raw.connect(address)
+            try:
+                time.sleep(0.2)
+                forged = [AbortAck(FORGED_ROOM, 0, gen, False) for gen in range(0, 6)]  # duplicates
+                forged += [
+                    AbortAck(FORGED_ROOM, 1, 10**9, False),  # a generation never sent
+                    AbortAck(FORGED_ROOM, 1, 0, True),
+                    AbortAck(FORGED_ROOM, 7, 1, False),  # a rank that does not write the room
+                    AbortAck(early, 1, 1, False),  # a room no longer held
+                    AbortAck(FORGED_ROOM + 1, 1, 1, False),  # a room never held
+                ]
+                for ack in forged:
+                    outbox.send(address, ack)
+                for frame in (b"", b"\x00", b"\xff" * 64, bytes(range(256))):
+                    raw.send(frame)
+                time.sleep(0.3)
+                found = cluster.release_of(FORGED_ROOM)
+                if found is not None:
+                    raise ConformanceFailure(
+                        "S3 violated: a duplicate, stranger or wrong-generation ack released a room "
+                        f"whose rank 1 never acked ({found[0]})"
+                    )
+                resumed = time.monotonic()
+                writer.signal(signal.SIGCONT)
+                _, released_at = cluster.wait_released(
+                    FORGED_ROOM,
+                    cluster.settings.effective_abort_timeout() + 3.0,
+                    "S3: the real ack still releases",
+                )
+                if released_at < resumed:
+                    raise ConformanceFailure("S3 violated: released before rank 1 resumed and acked")
+                for gen in range(0, 6):  # late acks of a released room
+                    outbox.send(address, AbortAck(FORGED_ROOM, 1, gen, False))
+                # The listener still works: a fresh room completes and its abort releases it.
+                last = cluster.new_room()
+                rx = cluster.receiver(last, cluster.alloc(2))
+                cluster.wait_done(rx, 10, "S3: the listener survives forged frames")
+                rx.abort()
+                cluster.wait_released(last, 3.0, "S3: a completed room is released after forged frames")
+            finally:
+                outbox.close()
+                raw.close()
+
+    # -- plugins that raise -------------------------------------------------------
+    def test_raising_hooks_fail_safe(self, request: pytest.FixtureRequest, kvconn_settings: Settings) -> None:
+        """A hook that raises leaves the pages held: released only by the
+        writer's fence or its exit, never by a plain ack."""
+        faults: dict[int, dict[str, Any]] = {room: {"raise": p} for p, room in RAISE_ROOMS.items()}
+        faults[RAISE_ROOMS["skip"]] = {"pause": "before_post", "index": 0, "raise": "skip", "raise_index": 1}
+        faults[RAISE_ROOMS["abort"]] = {"pause": "before_post", "index": 0, "raise": "abort"}
+        deadline = kvconn_settings.effective_abort_timeout()
+        with _cluster(request, kvconn_settings, chunk_pages=2, faults=faults) as cluster:
+            writer = cluster.ranks[0]
+            pages: dict[str, list[int]] = {}
+            for point, room in RAISE_ROOMS.items():
+                pages[point] = cluster.alloc(6)
+                rx = cluster.receiver(room, pages[point])
+                if point in ("skip", "abort"):
+                    writer.expect(10, f"raising {point}: first chunk paused", event="paused", room=room)
+                    rx.abort()
+                else:
+                    writer.expect(10, f"raising {point}: hook reached", event="raising", room=room)
+                    rx.abort()
+            wait_for(
+                lambda: all(
+                    cluster.release_of(r) is not None or cluster.state(r) is HoldState.QUARANTINED
+                    for r in RAISE_ROOMS.values()
+                ),
+                deadline + 1.5,
+                "L2: rooms with a raising hook are released or quarantined by the deadline",
+            )
+            writer.kill()
+            raised_at = {e["room"]: e["t"] for e in writer.history() if e["event"] == "raising"}
+            for point, room in RAISE_ROOMS.items():
+                release, released_at = cluster.wait_released(room, 3.0, f"raising at {point}: writer exit")
+                # An ack that went out before the hook raised (nothing counted then) is
+                # sound; a skipped chunk is uncounted until it raises, so its room may be
+                # acked before (its raise only has to leave nothing behind).
+                late = point != "skip" and released_at > raised_at.get(room, float("inf"))
+                if late and release.proof not in {Proof.WRITER_FENCE, Proof.WRITER_EXIT}:
+                    raise ConformanceFailure(
+                        f"a hook raising at {point} was followed by a release by {release.proof.value}: "
+                        "acked without a fence or the writer's exit"
+                    )
+                if release.proof in ACK_PROOFS:
+                    _settled_before(cluster, room, released_at)
+                _no_late_bytes(cluster, room, pages[point], 0)
