@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from faults.harness import PROOFS, Cluster, total, wait_for
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import Abort, AbortAck, Message
 from kvconn.runtime.control import Outbox
+from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 from kvconn.testing.faults import only_acks
 
 ROOM_PAGES = 16

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from faults.harness import PROOFS, Cluster, total, wait_for
 from kvconn.protocol.hold import HoldState
+from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 
 DECODE_IP, PREFILL_IP = "10.213.7.1", "10.213.7.2"
 ROOM_PAGES = 16

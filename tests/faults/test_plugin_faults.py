@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from faults.harness import PROOFS, Cluster, total, wait_for
 from kvconn.protocol.ledger import KVPoll
+from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 
 ROOM_PAGES = 16
 BAD, GOOD, AFTER = 8000, 8001, 8002

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from faults.harness import PROOFS, Cluster, total, wait_for
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
+from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 
 ROOM_PAGES = 16
 

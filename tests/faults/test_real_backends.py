@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from faults.harness import PROOFS, Cluster, total, wait_for
 from kvconn.plugins import get_backend
 from kvconn.protocol.ledger import KVPoll
+from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 
 ROOM_PAGES = 32
 # mooncake may take 10 s to fail a write: decode's deadline must be longer

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
@@ -235,8 +233,8 @@ class Cluster:
         return sum(self._dirty(p) for p in pages)
 
     def _dirty(self, page: int) -> int:
-        data = np.frombuffer(self.dec.region.read(page * self.page_bytes, self.page_bytes), dtype=np.uint8)
-        return int(np.count_nonzero(data != CANARY))
+        data = self.dec.region.read(page * self.page_bytes, self.page_bytes)
+        return len(data) - data.count(CANARY)
 
     def late_bytes(self) -> int:
         """Bytes written into free pages (pages handed back) after they were
