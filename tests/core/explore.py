@@ -22,10 +22,10 @@ It checks, in every reachable state:
 from __future__ import annotations
 
 import copy
-
-import attrs
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import attrs
 
 from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
 from kvconn.protocol.hold import _Room as HoldRoom
@@ -94,18 +94,45 @@ class World:
 
 def _rank_key(rank: Rank) -> tuple[object, ...]:
     rooms = tuple(
-        (k, e.status, e.outstanding, e.stuck, tuple(sorted(e.targets.items())), tuple(sorted(e.acked)),
-         e.cleared, e.fenced, e.expires is None)
+        (
+            k,
+            e.status,
+            e.outstanding,
+            e.stuck,
+            tuple(sorted(e.targets.items())),
+            tuple(sorted(e.acked)),
+            e.cleared,
+            e.fenced,
+            e.expires is None,
+        )
         for k, e in sorted(rank.ledger._rooms.items())
     )
     inbox = tuple((a.room, a.generation) for a in rank.inbox)
-    return (rooms, rank.requested, rank.next_chunk, rank.phase, rank.landed, tuple(sorted(rank.in_flight)),
-            inbox, rank.cleared, rank.errors, rank.must_try, getattr(rank.ledger, "mutant_state", None))
+    return (
+        rooms,
+        rank.requested,
+        rank.next_chunk,
+        rank.phase,
+        rank.landed,
+        tuple(sorted(rank.in_flight)),
+        inbox,
+        rank.cleared,
+        rank.errors,
+        rank.must_try,
+        getattr(rank.ledger, "mutant_state", None),
+    )
 
 
 def _tracker_key(tracker: HoldTracker) -> tuple[object, ...]:
     rooms = tuple(
-        (k, e.state, tuple(sorted(e.succeeded)), tuple(sorted(e.generations)), tuple(sorted(e.proven)), e.fenced)
+        (
+            k,
+            e.state,
+            tuple(sorted(e.succeeded)),
+            tuple(sorted(e.generations)),
+            tuple(sorted(e.proven)),
+            e.fenced,
+        )
         for k, e in sorted(tracker._rooms.items())
     )
     return (rooms, tracker._generations.__reduce__()[1])
@@ -115,7 +142,15 @@ def _clone_rank(rank: Rank) -> Rank:
     ledger = copy.copy(rank.ledger)
     ledger._rooms = {
         k: LedgerRoom(
-            v.status, v.decode, v.outstanding, v.stuck, dict(v.targets), set(v.acked), v.cleared, v.fenced, v.expires
+            v.status,
+            v.decode,
+            v.outstanding,
+            v.stuck,
+            dict(v.targets),
+            set(v.acked),
+            v.cleared,
+            v.fenced,
+            v.expires,
         )
         for k, v in rank.ledger._rooms.items()
     }
@@ -138,8 +173,18 @@ def _clone_tracker(tracker: HoldTracker) -> HoldTracker:
     new._generations = copy.copy(tracker._generations)
     new._rooms = {
         k: HoldRoom(
-            v.pages, v.ranks, v.state, set(v.succeeded), set(v.generations), set(v.proven), v.fenced,
-            v.held_at, v.deadline, v.quarantined_at, v.resend_at, v.resend_every,
+            v.pages,
+            v.ranks,
+            v.state,
+            set(v.succeeded),
+            set(v.generations),
+            set(v.proven),
+            v.fenced,
+            v.held_at,
+            v.deadline,
+            v.quarantined_at,
+            v.resend_at,
+            v.resend_every,
         )
         for k, v in tracker._rooms.items()
     }
@@ -171,7 +216,9 @@ def _ack_out(world: World, r: int, actions: list[object]) -> None:
     for action in actions:
         if isinstance(action, SendAck):
             if rank.in_flight or rank.phase == "write":
-                raise Violation(f"S1: rank {r} acked generation {action.ack.generation} with a write that can land")
+                raise Violation(
+                    f"S1: rank {r} acked generation {action.ack.generation} with a write that can land"
+                )
             world.acks.append(action.ack)
 
 
@@ -185,7 +232,9 @@ def _release(world: World, actions: list[object]) -> None:
             world.ranks[action.rank].inbox.append(action.abort)
 
 
-def steps(world: World, chunks: int, errors: int, deadline: bool = True) -> Iterator[tuple[str, Callable[[World], None]]]:
+def steps(
+    world: World, chunks: int, errors: int, deadline: bool = True
+) -> Iterator[tuple[str, Callable[[World], None]]]:
     """Every step enabled in ``world``, each as (label, mutate-a-copy)."""
     for r, rank in enumerate(world.ranks):
         if not rank.requested:

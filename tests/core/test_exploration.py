@@ -18,11 +18,15 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{ranks}r{chunks}c{errors}e{deadline}".format(**c))
-def test_core_is_safe_in_every_interleaving(config: dict[str, int | bool], capsys: pytest.CaptureFixture[str]) -> None:
+def test_core_is_safe_in_every_interleaving(
+    config: dict[str, int | bool], capsys: pytest.CaptureFixture[str]
+) -> None:
     report = explore.explore(**config)  # type: ignore[arg-type]
     with capsys.disabled():
-        print(f"\n  explored {config}: {report.states} states, {report.transitions} transitions, "
-              f"{report.terminals} terminal interleavings")
+        print(
+            f"\n  explored {config}: {report.states} states, {report.transitions} transitions, "
+            f"{report.terminals} terminal interleavings"
+        )
     assert report.terminals > 0 and report.states > 1000
 
 

@@ -37,7 +37,11 @@ def test_bogus_acks_are_dropped_with_a_reason() -> None:
         t.ack(AbortAck(1, 5, gen, False), now=0)[0],  # not a rank of this room
         t.ack(AbortAck(2, 0, gen, False), now=0)[0],  # not a held room
     ]
-    assert [r.reason for r in reasons if isinstance(r, Dropped)] == ["stale_generation", "stranger_rank", "not_held"]
+    assert [r.reason for r in reasons if isinstance(r, Dropped)] == [
+        "stale_generation",
+        "stranger_rank",
+        "not_held",
+    ]
     t.ack(AbortAck(1, 0, gen, False), now=0)
     [dup] = t.ack(AbortAck(1, 0, gen, False), now=0)
     assert isinstance(dup, Dropped) and dup.reason == "duplicate"

@@ -79,8 +79,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         else:
             raise AssertionError("the world never drained")
         explore._check_terminal(self.world)
-        event(f"aborted={self.world.aborted} released={self.world.released} "
-              f"unsettled_errors={self.world.unsettled_errors > 0}")
+        event(
+            f"aborted={self.world.aborted} released={self.world.released} "
+            f"unsettled_errors={self.world.unsettled_errors > 0}"
+        )
 
 
 ProtocolMachine.TestCase.settings = settings(

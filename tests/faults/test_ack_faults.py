@@ -82,13 +82,22 @@ def test_ack_faults(fault: str) -> None:
             assert proofs == {"acks"} and quarantines == 0
         assert _total_releases(c) == NROOMS
         assert c.metric("kvconn_acks_received_total") == NROOMS * c.num_ranks
-        drops = {r: c.metric("kvconn_dropped_messages_total", reason=r)
-                 for r in ("duplicate", "not_held", "stale_generation", "stranger_rank", "bad_mac")}
+        drops = {
+            r: c.metric("kvconn_dropped_messages_total", reason=r)
+            for r in ("duplicate", "not_held", "stale_generation", "stranger_rank", "bad_mac")
+        }
         if fault == "duplicate":
             dups = 2 * NROOMS * c.num_ranks
             wait_for(lambda: proxy.stats.forwarded == 3 * NROOMS * c.num_ranks, 5, "every copy forwarded")
-            wait_for(lambda: c.metric("kvconn_dropped_messages_total", reason="duplicate")
-                     + c.metric("kvconn_dropped_messages_total", reason="not_held") == dups, 5, "dup drops")
+            wait_for(
+                lambda: (
+                    c.metric("kvconn_dropped_messages_total", reason="duplicate")
+                    + c.metric("kvconn_dropped_messages_total", reason="not_held")
+                    == dups
+                ),
+                5,
+                "dup drops",
+            )
         elif fault == "drop":
             assert proxy.stats.dropped == NROOMS * c.num_ranks
         else:
@@ -135,8 +144,11 @@ def test_room_reused_after_abort_release_and_old_acks_replayed() -> None:
         wait_for(lambda: proxy.stats.held == c.num_ranks, 5, "new acks held")
         for frame in old:
             proxy.replay(frame)  # old generation against the new hold
-        wait_for(lambda: c.metric("kvconn_dropped_messages_total", reason="stale_generation") == len(old), 5,
-                 "stale drops")
+        wait_for(
+            lambda: c.metric("kvconn_dropped_messages_total", reason="stale_generation") == len(old),
+            5,
+            "stale drops",
+        )
         assert rx2.state() is HoldState.HELD
         with c.lock:
             assert len(c.releases) == 1
@@ -194,8 +206,15 @@ def test_forged_and_unkeyed_frames_are_dropped_and_counted() -> None:
                 out.send(c.dec.address, msg)
             out.close()
         n = 2 * len(forged)
-        wait_for(lambda: c.metric("kvconn_dropped_messages_total", reason="bad_mac")
-                 + c.metric("kvconn_dropped_messages_total", reason="short") >= n, 5, "bad_mac drops")
+        wait_for(
+            lambda: (
+                c.metric("kvconn_dropped_messages_total", reason="bad_mac")
+                + c.metric("kvconn_dropped_messages_total", reason="short")
+                >= n
+            ),
+            5,
+            "bad_mac drops",
+        )
         assert c.metric("kvconn_dropped_messages_total", reason="bad_mac") == n
         assert c.metric("kvconn_acks_received_total") == 0
         assert rx.state() is HoldState.HELD
@@ -203,15 +222,20 @@ def test_forged_and_unkeyed_frames_are_dropped_and_counted() -> None:
         insider = Outbox(key)
         insider.send(c.dec.address, AbortAck(7000, 7, gens[0], False))
         insider.close()
-        wait_for(lambda: c.metric("kvconn_dropped_messages_total", reason="stranger_rank") == 1, 5, "stranger")
+        wait_for(
+            lambda: c.metric("kvconn_dropped_messages_total", reason="stranger_rank") == 1, 5, "stranger"
+        )
         assert rx.state() is HoldState.HELD
         # unkeyed and wrong-key ABORTs to a prefill rank are dropped there too
         for sender_key in (None, secrets.token_bytes(32)):
             out = Outbox(sender_key)
             out.send(c.ranks[0].address, Abort(7001, 1, "forged", c.dec.address))
             out.close()
-        wait_for(lambda: c.ranks[0].value("kvconn_dropped_messages_total", reason="bad_mac") == 2, 5,
-                 "prefill drops")
+        wait_for(
+            lambda: c.ranks[0].value("kvconn_dropped_messages_total", reason="bad_mac") == 2,
+            5,
+            "prefill drops",
+        )
         assert c.ranks[0].value("kvconn_messages_total", type="Abort") == 1  # only the real one
         proxy.flush()
         wait_for(lambda: c.released(7000) is not None, 5, "release by the real acks")

@@ -57,7 +57,11 @@ def netns() -> Iterator[tuple[str, str]]:
 def test_partition_mid_transfer(netns: tuple[str, str]) -> None:
     ns, host_if = netns
     c = Cluster(
-        write_timeout_s=0.4, abort_timeout_s=1.2, decode_host=DECODE_IP, rank_host=PREFILL_IP, netns=ns,
+        write_timeout_s=0.4,
+        abort_timeout_s=1.2,
+        decode_host=DECODE_IP,
+        rank_host=PREFILL_IP,
+        netns=ns,
         backend_options={"piece_bytes": "16384", "piece_delay_s": "0.02"},
     )
     try:
@@ -69,7 +73,9 @@ def test_partition_mid_transfer(netns: tuple[str, str]) -> None:
         t_cut = time.monotonic()
         for rx, _ in rooms.values():
             rx.abort()
-        wait_for(lambda: all(rx.state() is HoldState.QUARANTINED for rx, _ in rooms.values()), 5, "quarantine")
+        wait_for(
+            lambda: all(rx.state() is HoldState.QUARANTINED for rx, _ in rooms.values()), 5, "quarantine"
+        )
         # partitioned: nothing is released although the deadline passed
         time.sleep(0.5)
         assert not any(c.released(r) for r in rooms)
@@ -82,8 +88,10 @@ def test_partition_mid_transfer(netns: tuple[str, str]) -> None:
         assert c.metric("kvconn_quarantines_total") == NROOMS
         assert total(c.metric, "kvconn_releases_total", "proof", PROOFS) == NROOMS
         assert c.metric("kvconn_pages_quarantined") == 0 and c.metric("kvconn_pages_held") == 0
-        print(f"\ncut {cut_s:.2f} s; quarantined for "
-              f"{[round(r.quarantined_for, 2) for r in rels if r is not None]} s")
+        print(
+            f"\ncut {cut_s:.2f} s; quarantined for "
+            f"{[round(r.quarantined_for, 2) for r in rels if r is not None]} s"
+        )
         # both ranks alive and reachable again
         for rank in c.ranks:
             assert rank.value("kvconn_messages_total", type="Abort") >= NROOMS

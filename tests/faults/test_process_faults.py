@@ -42,8 +42,11 @@ def test_sigkill_mid_transfer_releases_by_proven_exit() -> None:
         assert "writer_exit" in proofs and proofs <= {"writer_exit", "completed", "acks"}
         assert c.metric("kvconn_quarantines_total") == 0
         assert _releases(c) == len(rooms)
-        assert c.metric("kvconn_released_pages_total", proof="writer_exit") + c.metric(
-            "kvconn_released_pages_total", proof="completed") == len(rooms) * ROOM_PAGES
+        assert (
+            c.metric("kvconn_released_pages_total", proof="writer_exit")
+            + c.metric("kvconn_released_pages_total", proof="completed")
+            == len(rooms) * ROOM_PAGES
+        )
         assert c.metric("kvconn_rooms_held") == 0 and c.metric("kvconn_pages_held") == 0
         # the survivor and decode's listener keep working
         rx, pages = c.open(2000, ROOM_PAGES, frozenset({1}))

@@ -24,8 +24,14 @@ def _cluster(backend: str) -> Cluster:
     except Exception as exc:  # not installed, or it does not import here
         pytest.skip(f"{backend} plugin unavailable: {exc}")
     wt, at = TIMEOUTS[backend]
-    return Cluster(backend=backend, page_bytes=256 << 10, num_pages=128, write_timeout_s=wt, abort_timeout_s=at,
-                   chunk_pages=2)
+    return Cluster(
+        backend=backend,
+        page_bytes=256 << 10,
+        num_pages=128,
+        write_timeout_s=wt,
+        abort_timeout_s=at,
+        chunk_pages=2,
+    )
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])

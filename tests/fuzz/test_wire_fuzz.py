@@ -30,7 +30,16 @@ from kvconn.protocol.messages import (
 from kvconn.runtime.control import Listener
 
 KEY = b"k" * 32
-REASONS = {"oversize", "short", "bad_mac", "bad_magic", "bad_version", "unknown_tag", "bad_body", "trailing_bytes"}
+REASONS = {
+    "oversize",
+    "short",
+    "bad_mac",
+    "bad_magic",
+    "bad_version",
+    "unknown_tag",
+    "bad_body",
+    "trailing_bytes",
+}
 CI_EXAMPLES = int(os.environ.get("KVCONN_FUZZ_EXAMPLES", "1500"))
 SLOW_EXAMPLES = 100_000
 COUNT: Counter[str] = Counter()
@@ -65,7 +74,7 @@ def _mutate(frame: bytes, rnd: random.Random) -> bytes:
             i = rnd.randrange(len(b))
             b[i] ^= 1 << rnd.randrange(8)
     elif kind == 1:  # truncation
-        del b[rnd.randrange(len(b) + 1):]
+        del b[rnd.randrange(len(b) + 1) :]
     elif kind == 2:  # trailing bytes
         b += rnd.randbytes(rnd.randint(1, 16))
     elif kind == 3 and len(b) > 2:  # wrong version
@@ -74,7 +83,7 @@ def _mutate(frame: bytes, rnd: random.Random) -> bytes:
         b[3] = rnd.randrange(256)
     elif kind == 5 and len(b) > 8:  # a huge length prefix somewhere
         i = rnd.randrange(4, len(b) - 3)
-        b[i:i + 4] = struct.pack(">I", rnd.choice([0xFFFFFFFF, 1 << 21, len(b) * 2]))
+        b[i : i + 4] = struct.pack(">I", rnd.choice([0xFFFFFFFF, 1 << 21, len(b) * 2]))
     else:  # splice random bytes in
         i = rnd.randrange(len(b) + 1)
         b[i:i] = rnd.randbytes(rnd.randint(1, 8))

@@ -150,7 +150,9 @@ def writer_main(conn: Connection, nbytes: int, options: Mapping[str, str]) -> No
 class Child:
     """A spawned child serving commands; stopped only by its own pid."""
 
-    def __init__(self, target: Any, nbytes: int, options: Mapping[str, str], start_timeout: float = 30) -> None:
+    def __init__(
+        self, target: Any, nbytes: int, options: Mapping[str, str], start_timeout: float = 30
+    ) -> None:
         self.conn, child_conn = SPAWN.Pipe()
         self.proc = SPAWN.Process(target=target, args=(child_conn, nbytes, dict(options)), daemon=True)
         self.proc.start()

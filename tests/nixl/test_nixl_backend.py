@@ -61,7 +61,9 @@ def shapes() -> dict[str, list[Segment]]:
     dst_pages = rng.permutation(REGION // PAGE)[:1024]
     return {
         "one_page": [Segment(5 * PAGE, 17 * PAGE, PAGE)],
-        "scattered_1024x4k": [Segment(int(s) * PAGE, int(d) * PAGE, PAGE) for s, d in zip(src_pages, dst_pages, strict=False)],
+        "scattered_1024x4k": [
+            Segment(int(s) * PAGE, int(d) * PAGE, PAGE) for s, d in zip(src_pages, dst_pages, strict=False)
+        ],
         "1mib": [Segment(3 * MiB, 90 * MiB, MiB)],
         "64mib": [Segment(8 * MiB, 20 * MiB, 64 * MiB)],
         "odd_sizes": [Segment(1, 3, 1), Segment(100, 10_000, 12_345), Segment(SRC - 777, REGION - 777, 777)],
@@ -160,7 +162,8 @@ def test_concurrent_workers(decode: Child, writer: Any) -> None:
     decode.call("fill", 0)
     pm = manager(writer)
     rows: list[list[Segment]] = [
-        [Segment((t * 64 + i) * PAGE * 4, (t * 64 + i) * PAGE * 5, PAGE * 4) for i in range(64)] for t in range(4)
+        [Segment((t * 64 + i) * PAGE * 4, (t * 64 + i) * PAGE * 5, PAGE * 4) for i in range(64)]
+        for t in range(4)
     ]
     results: list[Settlement | None] = [None] * 4
 
@@ -239,7 +242,9 @@ def test_decode_killed_mid_transfer() -> None:
                 w.connect("decode", dec.hello)
                 pm = manager(w)
                 c = chunk()
-                posted = pm.hook.on_post(chunk=c, segments=[Segment(i * MiB, i * MiB, MiB) for i in range(256)])
+                posted = pm.hook.on_post(
+                    chunk=c, segments=[Segment(i * MiB, i * MiB, MiB) for i in range(256)]
+                )
                 dec.signal(signal.SIGKILL)
                 dec.proc.join(5)
                 t0 = time.monotonic()

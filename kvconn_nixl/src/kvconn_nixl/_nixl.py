@@ -203,8 +203,14 @@ class RegionInfo:
     def encode(self) -> bytes:
         name = self.agent_name.encode()
         head = _HEAD.pack(
-            _MAGIC, 1, 1 if self.mem == "VRAM" else 0, self.dev_id,
-            self.addr, self.nbytes, len(name), len(self.agent_md),
+            _MAGIC,
+            1,
+            1 if self.mem == "VRAM" else 0,
+            self.dev_id,
+            self.addr,
+            self.nbytes,
+            len(name),
+            len(self.agent_md),
         )
         return head + name + self.agent_md
 
@@ -219,8 +225,7 @@ class RegionInfo:
             raise ValueError("nixl region metadata has the wrong length")
         off = _HEAD.size
         name = data[off : off + nlen].decode()
-        return cls(name, bytes(data[off + nlen :]), addr, nbytes,
-                   "VRAM" if mem else "DRAM", dev)
+        return cls(name, bytes(data[off + nlen :]), addr, nbytes, "VRAM" if mem else "DRAM", dev)
 
 
 # --------------------------------------------------------------------------

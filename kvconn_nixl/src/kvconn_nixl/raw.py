@@ -33,7 +33,9 @@ def raw_write(
     reg = agent.register_memory([(base, source.nbytes, 0, "")], "DRAM")
     peer = agent.add_remote_agent(info.agent_md)
     local = np.stack([rows[:, 0] + np.uint64(base), rows[:, 2], np.zeros_like(rows[:, 2])], axis=1)
-    remote = np.stack([rows[:, 1] + np.uint64(info.addr), rows[:, 2], np.full_like(rows[:, 2], info.dev_id)], axis=1)
+    remote = np.stack(
+        [rows[:, 1] + np.uint64(info.addr), rows[:, 2], np.full_like(rows[:, 2], info.dev_id)], axis=1
+    )
     seconds = 0.0
     try:
         for _ in range(repeat):

@@ -134,7 +134,9 @@ class Cluster:
         self.num_ranks = num_ranks
         self.shard = page_bytes // num_ranks
         self.key = key
-        self.options = dict(LOOPBACK_SLOW if backend == "loopback" and backend_options is None else backend_options or {})
+        self.options = dict(
+            LOOPBACK_SLOW if backend == "loopback" and backend_options is None else backend_options or {}
+        )
         self.config = Config(
             write_timeout_s=write_timeout_s,
             abort_timeout_s=abort_timeout_s,
@@ -155,9 +157,16 @@ class Cluster:
         try:
             for r in range(num_ranks):
                 args = {
-                    "backend": backend, "rank": r, "page_bytes": page_bytes, "num_ranks": num_ranks,
-                    "chunk_pages": chunk_pages, "source_pages": num_pages, "write_timeout_s": write_timeout_s,
-                    "abort_timeout_s": abort_timeout_s, "backend_options": self.options, "host": rank_host,
+                    "backend": backend,
+                    "rank": r,
+                    "page_bytes": page_bytes,
+                    "num_ranks": num_ranks,
+                    "chunk_pages": chunk_pages,
+                    "source_pages": num_pages,
+                    "write_timeout_s": write_timeout_s,
+                    "abort_timeout_s": abort_timeout_s,
+                    "backend_options": self.options,
+                    "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
                 }
                 if rk:
@@ -178,7 +187,11 @@ class Cluster:
             self.freed_once = set()
             self.releases = []
         self.decode = DecodeEndpoint(
-            self.backend, self.num_pages, self.page_bytes, [r.address for r in self.ranks], self.config,
+            self.backend,
+            self.num_pages,
+            self.page_bytes,
+            [r.address for r in self.ranks],
+            self.config,
             on_release=self._on_release,
         )
         self.decode.region.write(0, canary(self.num_pages * self.page_bytes))

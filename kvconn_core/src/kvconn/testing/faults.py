@@ -238,7 +238,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     host = str(args.get("host", "127.0.0.1"))
     observers = [
-        RaisingObserver(o["hook"], o.get("rooms", ()), int(o.get("times", 0))) for o in args.get("observers", ())
+        RaisingObserver(o["hook"], o.get("rooms", ()), int(o.get("times", 0)))
+        for o in args.get("observers", ())
     ]
 
     class _Rank(PrefillRank):

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up everything kvconn's tests need on a fresh Debian/Ubuntu machine, then
+# run lint, types and every test (except the long `slow` ones: pass -m slow).
+# Usage: bash scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages: Mooncake's engine links libibverbs even without RDMA;
+# the partition test builds network namespaces with iproute2.
+missing=()
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] || missing+=(libibverbs1)
+command -v ip >/dev/null || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" -U pip
+"${PIP[@]}" -e './kvconn_core[test,plot]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./examples/kvconn-tcpdemo \
+    pytest-timeout numpy ruff mypy
+# nixl 1.5.1 declares torch and CUDA wheels it does not need at run time on
+# DRAM: install its two wheels alone (kvconn_nixl's README explains).
+"${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+
+.venv/bin/kvconn backends
+.venv/bin/ruff check .
+.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src
+.venv/bin/python -m pytest -m "not slow" --durations=15 "$@"
