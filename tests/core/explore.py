@@ -140,6 +140,7 @@ def _tracker_key(tracker: HoldTracker) -> tuple[object, ...]:
 
 def _clone_rank(rank: Rank) -> Rank:
     ledger = copy.copy(rank.ledger)
+    ledger._poisoned = set(rank.ledger._poisoned)
     ledger._rooms = {
         k: LedgerRoom(
             v.status,

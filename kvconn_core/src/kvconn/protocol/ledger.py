@@ -74,6 +74,7 @@ class RoomLedger:
         self.rank = rank
         self.tombstone_ttl = tombstone_ttl
         self._rooms: dict[int, _Room] = {}
+        self._poisoned: set[int] = set()
 
     # -- queries -----------------------------------------------------------
     def status(self, room: int) -> KVPoll | None:
@@ -94,7 +95,10 @@ class RoomLedger:
         return entry.outstanding - entry.stuck if entry is not None else 0
 
     def poisoned(self) -> frozenset[int]:
-        return frozenset(r for r, e in self._rooms.items() if e.stuck)
+        return frozenset(self._poisoned)
+
+    def poisoned_count(self) -> int:
+        return len(self._poisoned)
 
     def rooms(self) -> int:
         return len(self._rooms)
@@ -132,7 +136,9 @@ class RoomLedger:
         way the chunk is counted; the worker reports back with
         :meth:`landed`, :meth:`skipped` or :meth:`failed`.
         """
-        entry = self._rooms.setdefault(room, _Room(cleared=True))
+        entry = self._rooms.get(room)
+        if entry is None:  # unknown here: counted, then skipped
+            entry = self._rooms[room] = _Room(cleared=True)
         entry.outstanding += 1  # invariant D: before any status check
         if entry.status == KVPoll.FAILED or entry.cleared or entry.status < KVPoll.WAITING_FOR_INPUT:
             return False
@@ -163,13 +169,16 @@ class RoomLedger:
             entry.outstanding -= 1
         else:
             entry.stuck += 1
+            self._poisoned.add(room)
         return self._settle(room, entry, actions)
 
     def fenced(self) -> list[LedgerAction]:
         """The writer's fence returned: nothing posted before it can land, so
         the stuck chunks of every poisoned room are settled now."""
         actions: list[LedgerAction] = []
-        for room, entry in list(self._rooms.items()):
+        poisoned, self._poisoned = self._poisoned, set()
+        for room in sorted(poisoned):
+            entry = self._rooms[room]
             if entry.stuck:
                 entry.outstanding -= entry.stuck
                 entry.stuck = 0
@@ -209,6 +218,7 @@ class RoomLedger:
         entry = self._rooms.setdefault(room, _Room())
         entry.outstanding += 1
         entry.stuck += 1
+        self._poisoned.add(room)
         return self._mark_failed(room, entry, reason)
 
     def expire(self, now: float) -> None:
