@@ -101,3 +101,14 @@ def test_poison_without_a_chunk_holds_the_room() -> None:
     ledger.poison(1, "a hook raised")
     assert abort(ledger, 1, gen=1) == []
     assert acks(ledger.fenced()) == [(f"tcp://{D}", 1, 1)]
+
+
+def test_a_concluded_room_id_reused_by_decode_starts_a_new_room() -> None:
+    ledger = RoomLedger(rank=0)
+    ledger.request(1, D)
+    ledger.dequeue(1)
+    ledger.landed(1, last=True)
+    assert ledger.status(1) is KVPoll.SUCCESS
+    ledger.request(1, D)
+    assert ledger.status(1) is KVPoll.WAITING_FOR_INPUT
+    assert ledger.dequeue(1) is True

@@ -109,7 +109,14 @@ class RoomLedger:
 
         A tombstoned or Failed room stays Failed and will write nothing.
         """
-        entry = self._rooms.setdefault(room, _Room())
+        entry = self._rooms.get(room)
+        if entry is not None and entry.status == KVPoll.SUCCESS and _idle(entry):
+            # A concluded room's id reused by decode: a new room, whose status
+            # starts over (statuses only move forward within one room).
+            del self._rooms[room]
+            entry = None
+        if entry is None:
+            entry = self._rooms[room] = _Room()
         entry.decode = entry.decode or decode
         if entry.status == KVPoll.BOOTSTRAPPING:
             entry.status = KVPoll.WAITING_FOR_INPUT
