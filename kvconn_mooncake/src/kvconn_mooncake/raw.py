@@ -1,29 +1,121 @@
-"""The same chunked writes through the raw Mooncake API, without kvconn (for benchmarks).
+"""The same chunked writes through the raw Mooncake API, without kvconn (no
+hooks, no ledger, no control plane), for side-by-side benchmarks.
 
-Usage: ``engine, src = open_source(n)`` (or any engine with the source
-registered), then ``write_segments(engine, src.ctypes.data, region_metadata,
-segments)`` -> (bytes, seconds).
+The API matches :mod:`kvconn_nixl.raw`::
+
+    w = RawWriter(nbytes, options)     # source memory + its own engine
+    w.write(offset, data)              # fill the source
+    w.connect(peer, region_metadata)   # a kvconn-mooncake region's metadata
+    w.transfer(peer, segments)         # batched async writes, wait for each batch
+    w.close()
+
+``segments`` are ``(src, dst, nbytes)`` byte offsets (tuples, kvconn
+``Segment`` s, or an ``(n, 3)`` integer array). ``options`` are the backend's
+(``host``, ``protocol``, ``device``).
+
+The older functional form stays: ``engine, src = open_engine(n)`` then
+``write_segments(engine, src_base, region_metadata, segments)``.
 """
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_mooncake._engine import new_engine, unpack_metadata
+from kvconn_mooncake._engine import engine_settings, new_engine, unpack_metadata
+
+__all__ = ["MAX_BATCH", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
 
 #: Requests per batch: the engine rejects more than ~1024 queued per peer.
 MAX_BATCH = 512
 
 
-def open_source(
+def segment_lists(segments: Iterable[Any]) -> tuple[list[int], list[int], list[int]]:
+    """(srcs, dsts, lens) from tuples, Segments or an ``(n, 3)`` array."""
+    if isinstance(segments, np.ndarray):
+        rows = segments.reshape(-1, 3)
+        return rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2].tolist()
+    segs: Sequence[tuple[int, int, int]] = [
+        s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments
+    ]
+    return [s for s, _, _ in segs], [d for _, d, _ in segs], [n for _, _, n in segs]
+
+
+def _write(
+    engine: Any, session: str, src_base: int, dst_base: int, segments: Iterable[Any], max_batch: int
+) -> int:
+    srcs, dsts, lens = segment_lists(segments)
+    for i in range(0, len(lens), max_batch):
+        bid = engine.batch_transfer_async_write(
+            session,
+            [src_base + s for s in srcs[i : i + max_batch]],
+            [dst_base + d for d in dsts[i : i + max_batch]],
+            lens[i : i + max_batch],
+        )
+        if bid == 0:  # get_batch_transfer_status([0]) would segfault
+            raise RuntimeError("batch_transfer_async_write failed")
+        if engine.get_batch_transfer_status([bid]) != 0:
+            raise RuntimeError("batch failed or timed out (its bytes may still land)")
+    return sum(lens)
+
+
+class RawWriter:
+    """DRAM source memory registered with its own engine (P2P handshake)."""
+
+    def __init__(self, nbytes: int, options: Mapping[str, str] | None = None) -> None:
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        host, protocol, device = engine_settings(options or {})
+        self.max_batch = int((options or {}).get("max_batch", MAX_BATCH))
+        self.nbytes = nbytes
+        self.array: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+        self._engine: Any = new_engine(host, protocol, device)
+        if self._engine.register_memory(self.base, nbytes) != 0:
+            raise RuntimeError("register_memory failed")
+        self._peers: dict[str, tuple[str, int, int]] = {}
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.array[offset : offset + nbytes].tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        if offset < 0 or offset + len(data) > self.nbytes:
+            raise ValueError(f"range [{offset}, {offset + len(data)}) outside 0..{self.nbytes}")
+        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        self._peers[peer] = unpack_metadata(metadata)
+
+    def transfer(self, peer: str, segments: Iterable[Any]) -> int:
+        """``batch_transfer_async_write`` of at most ``max_batch`` requests at a
+        time, each awaited with ``get_batch_transfer_status``. Returns the bytes
+        written; raises RuntimeError on a failed batch (whose bytes may land)."""
+        session, dst_base, _ = self._peers[peer]
+        return _write(self._engine, session, self.base, dst_base, segments, self.max_batch)
+
+    def close(self) -> None:
+        if self._engine is None:
+            return
+        self._engine.unregister_memory(self.base)
+        self._engine = None
+        self._peers.clear()
+        gc.collect()  # engine teardown: ~1 s
+
+
+def open_source(nbytes: int, options: Mapping[str, str] | None = None) -> RawWriter:
+    """A :class:`RawWriter` with ``nbytes`` of zeroed source memory."""
+    return RawWriter(nbytes, options)
+
+
+def open_engine(
     nbytes: int, host: str = "127.0.0.1", protocol: str = "tcp"
 ) -> tuple[Any, npt.NDArray[np.uint8]]:
-    """A new engine with ``nbytes`` of zeroed source memory registered."""
+    """A new bare engine with ``nbytes`` of zeroed source memory registered."""
     engine = new_engine(host, protocol, "")
     src = np.zeros(nbytes, dtype=np.uint8)
     if engine.register_memory(int(src.ctypes.data), nbytes) != 0:
@@ -34,27 +126,8 @@ def open_source(
 def write_segments(
     engine: Any, src_base: int, metadata: bytes, segments: Iterable[Any], max_batch: int = MAX_BATCH
 ) -> tuple[int, float]:
-    """Write ``segments`` ((src, dst, nbytes) offsets, or kvconn Segments) and wait.
-
-    One ``batch_transfer_async_write`` of at most ``max_batch`` requests at a
-    time, each awaited with ``get_batch_transfer_status``. Returns (bytes,
-    seconds); raises RuntimeError on a failed batch (whose bytes may still land).
-    """
+    """Write ``segments`` through ``engine`` and wait. Returns (bytes, seconds)."""
     session, dst_base, _ = unpack_metadata(metadata)
-    segs: Sequence[tuple[int, int, int]] = [
-        s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments
-    ]
     start = time.monotonic()
-    for i in range(0, len(segs), max_batch):
-        part = segs[i : i + max_batch]
-        bid = engine.batch_transfer_async_write(
-            session,
-            [src_base + s for s, _, _ in part],
-            [dst_base + d for _, d, _ in part],
-            [n for _, _, n in part],
-        )
-        if bid == 0:  # get_batch_transfer_status([0]) would segfault
-            raise RuntimeError("batch_transfer_async_write failed")
-        if engine.get_batch_transfer_status([bid]) != 0:
-            raise RuntimeError("batch failed or timed out (its bytes may still land)")
-    return sum(n for _, _, n in segs), time.monotonic() - start
+    nbytes = _write(engine, session, src_base, dst_base, segments, max_batch)
+    return nbytes, time.monotonic() - start

@@ -1,14 +1,130 @@
 """The same chunked writes through the raw nixl API, without kvconn (no hooks,
-no Chunk/Segment, no handle table), for side-by-side benchmarks."""
+no ledger, no control plane, no handle table), for side-by-side benchmarks.
+
+The API matches :mod:`kvconn_mooncake.raw`::
+
+    w = RawWriter(nbytes, options)     # source memory + its own agent
+    w.write(offset, data)              # fill the source
+    w.connect(peer, region_metadata)   # a kvconn-nixl region's metadata
+    w.transfer(peer, segments)         # post every segment, wait until DONE
+    w.close()
+
+``segments`` are ``(src, dst, nbytes)`` byte offsets (tuples, kvconn
+``Segment`` s, or an ``(n, 3)`` integer array). ``options`` are the nixl
+backend's own (``ucx_tls`` etc.), so the raw path runs on the same UCX
+transport as kvconn's writer.
+"""
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvconn_nixl._nixl import Options, RegionInfo, make_agent
+
+__all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
+
+
+def segment_rows(segments: Iterable[Any]) -> npt.NDArray[np.int64]:
+    """``(n, 3)`` int64 rows (src, dst, nbytes) from tuples, Segments or an array."""
+    if isinstance(segments, np.ndarray):
+        return segments.astype(np.int64, copy=False).reshape(-1, 3)
+    rows = [s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+class RawWriter:
+    """DRAM source memory registered with its own nixl agent (no progress
+    thread unless ``progress_thread`` is set: progress happens inside
+    ``check_xfer_state``, as in kvconn's writer)."""
+
+    def __init__(self, nbytes: int, options: Mapping[str, str] | None = None) -> None:
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        self.options = Options.parse(options or {})
+        if self.options.memory != "dram":
+            raise ValueError("kvconn_nixl.raw writes from DRAM only")
+        self.nbytes = nbytes
+        self.array: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
+        self.base = int(self.array.ctypes.data)
+        self._agent: Any = make_agent("raw", self.options, progress_thread=bool(self.options.progress_thread))
+        self._reg: Any = self._agent.register_memory([(self.base, nbytes, 0, "")], "DRAM")
+        self._peers: dict[str, RegionInfo] = {}
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.array[offset : offset + nbytes].tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        if offset < 0 or offset + len(data) > self.nbytes:
+            raise ValueError(f"range [{offset}, {offset + len(data)}) outside 0..{self.nbytes}")
+        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        info = RegionInfo.decode(metadata)
+        known = {i.agent_name for i in self._peers.values()}
+        if info.agent_name not in known:
+            self._agent.add_remote_agent(info.agent_md)
+        self._peers[peer] = info
+
+    def transfer(self, peer: str, segments: Iterable[Any], timeout_s: float = 60.0) -> int:
+        """One WRITE transfer of every segment; poll ``check_xfer_state`` until
+        DONE. Returns the bytes written; raises on an error or the timeout."""
+        info = self._peers[peer]
+        rows = segment_rows(segments)
+        if not len(rows):
+            return 0
+        n = len(rows)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(self.base)
+        local[:, 1] = rows[:, 2].astype(np.uint64)
+        local[:, 2] = 0
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0] = rows[:, 1].astype(np.uint64) + np.uint64(info.addr)
+        remote[:, 1] = local[:, 1]
+        remote[:, 2] = info.dev_id
+        agent = self._agent
+        handle = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs(remote, info.mem),
+            info.agent_name,
+        )
+        try:
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            spins = 0
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+                spins += 1
+                if spins % 4096 == 0 and time.monotonic() > deadline:
+                    raise TimeoutError(f"nixl transfer still PROC after {timeout_s} s")
+            if state != "DONE":
+                raise RuntimeError(f"nixl transfer ended {state}")
+        finally:
+            agent.release_xfer_handle(handle)
+            del handle
+        return int(rows[:, 2].sum())
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._agent.deregister_memory(self._reg)
+        finally:
+            self._reg = None
+            self._agent = None
+            self._peers.clear()
+            gc.collect()
+
+
+def open_source(nbytes: int, options: Mapping[str, str] | None = None) -> RawWriter:
+    """A :class:`RawWriter` with ``nbytes`` of zeroed source memory."""
+    return RawWriter(nbytes, options)
 
 
 def raw_write(
@@ -18,42 +134,18 @@ def raw_write(
     options: Mapping[str, str] | None = None,
     repeat: int = 1,
 ) -> tuple[int, float]:
-    """Write ``segments`` ((src, dst, nbytes) byte offsets) from ``source``
-    (a contiguous uint8 DRAM array) into the region, ``repeat`` times, one
-    transfer per repetition, polling ``check_xfer_state`` until DONE.
-
-    Returns (bytes written, seconds spent posting and waiting). Agent creation,
-    registration and connection are not timed. Raises on any nixl error.
-    """
-    opts = Options.parse(options or {})
-    info = RegionInfo.decode(region_metadata)
-    rows = np.asarray(segments, dtype=np.uint64).reshape(-1, 3)
-    agent = make_agent("raw", opts, progress_thread=bool(opts.progress_thread))
-    base = int(source.ctypes.data)
-    reg = agent.register_memory([(base, source.nbytes, 0, "")], "DRAM")
-    peer = agent.add_remote_agent(info.agent_md)
-    local = np.stack([rows[:, 0] + np.uint64(base), rows[:, 2], np.zeros_like(rows[:, 2])], axis=1)
-    remote = np.stack(
-        [rows[:, 1] + np.uint64(info.addr), rows[:, 2], np.full_like(rows[:, 2], info.dev_id)], axis=1
-    )
-    seconds = 0.0
+    """Write ``segments`` from ``source`` (a contiguous uint8 DRAM array) into
+    the region ``repeat`` times, one transfer each. Returns (bytes written,
+    seconds spent posting and waiting); setup is not timed."""
+    writer = RawWriter(source.nbytes, options)
     try:
+        writer.array[:] = source.reshape(-1).view(np.uint8)
+        writer.connect("region", region_metadata)
+        total, seconds = 0, 0.0
         for _ in range(repeat):
             t0 = time.perf_counter()
-            handle = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, info.mem),
-                peer,
-            )
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
+            total += writer.transfer("region", segments)
             seconds += time.perf_counter() - t0
-            if state != "DONE":
-                raise RuntimeError(f"nixl transfer ended {state}")
-            agent.release_xfer_handle(handle)
-            del handle
+        return total, seconds
     finally:
-        agent.deregister_memory(reg)
-    return int(rows[:, 2].sum()) * repeat, seconds
+        writer.close()

@@ -5,6 +5,11 @@ process) and N prefill rank processes: once with ABORT_ACK (kvconn: fast
 release, quarantine on timeout) and once timeout-only (legacy: acks off,
 pages freed at the deadline without proof). Exit code 1 if kvconn's mode
 showed any violation, 2 if the bench could not run.
+
+``kvconn bench --transport [--backend a,b] [--repeat N]`` instead compares
+bytes/s of the same chunked writes through kvconn and through each
+transport's raw API (see :mod:`kvconn.bench.transport`); exit code 1 if a
+spot-checked page came out wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvconn.bench import overhead as overhead_mod
+from kvconn.bench import transport as transport_mod
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.workload import ModeResult, ModeRun, Workload, plan, stats
 from kvconn.plugins import get_backend
@@ -85,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--overhead-chunks", type=int, default=10000, help="chunks of the null-transport micro-measure"
     )
     p.add_argument("--no-progress", action="store_true")
+    transport_mod.add_arguments(p)
 
 
 def _options(items: list[str]) -> dict[str, str]:
@@ -105,6 +112,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     console = Console(stderr=to_stdout)
     err = Console(stderr=True)
     try:
+        if args.transport:
+            return transport_mod.main(args, console, err)
         return _run(args, console, err)
     except (ValueError, RuntimeError, OSError, KeyError, LookupError) as exc:
         err.print(f"[red]kvconn bench: {exc}[/red]")

@@ -2,7 +2,7 @@
 
 loopback: the writer's own post/barrier path (its NIC thread and memmove),
 called directly, no ledger, no hooks manager, no control plane.
-nixl / mooncake: the plugin's ``kvconn_<name>.raw`` module, if it has one.
+nixl / mooncake: the plugin's ``kvconn_<name>.raw.RawWriter``, if it has one.
 Either way each rank fills its source pages with the pattern before every
 chunk, as the bench's prefill processes do, so both sides do the same work.
 """
@@ -71,29 +71,24 @@ def _loopback_io(
     return _RankIO(writer.write, write, writer.close)
 
 
-def _module_io(name: str, backend: Backend, region: PageRegion, source_bytes: int) -> _RankIO:
+def _module_io(
+    name: str, backend: Backend, region: PageRegion, source_bytes: int, options: Mapping[str, str]
+) -> _RankIO:
     try:
         mod = importlib.import_module(f"kvconn_{name}.raw")
     except ImportError as exc:
         raise Unavailable(f"kvconn_{name}.raw is not available ({exc})") from exc
-    if not (hasattr(mod, "open_source") and hasattr(mod, "write_segments")):
-        raise Unavailable(f"kvconn_{name}.raw has no open_source/write_segments")
-    engine, src = mod.open_source(source_bytes)
-    base = int(src.ctypes.data)
-
-    def fill(offset: int, data: bytes) -> None:
-        src[offset : offset + len(data)] = memoryview(data)
+    if not hasattr(mod, "RawWriter"):
+        raise Unavailable(f"kvconn_{name}.raw has no RawWriter")
+    # The plugins' shared raw API: RawWriter(nbytes, options) with write (fill),
+    # connect(peer, metadata), transfer(peer, segments) and close.
+    writer = mod.RawWriter(source_bytes, options)
+    writer.connect("raw", region.metadata)
 
     def write(chunk: Chunk, segments: list[Segment]) -> None:
-        mod.write_segments(engine, base, region.metadata, segments)
+        writer.transfer("raw", segments)
 
-    def close() -> None:
-        for attr in ("close", "shutdown"):
-            if hasattr(engine, attr):
-                getattr(engine, attr)()
-                break
-
-    return _RankIO(fill, write, close)
+    return _RankIO(writer.write, write, writer.close)
 
 
 def run_raw(
@@ -118,7 +113,7 @@ def run_raw(
             if name == "loopback":
                 ios.append(_loopback_io(backend, region, source_bytes, options))
             else:
-                ios.append(_module_io(name, backend, region, source_bytes))
+                ios.append(_module_io(name, backend, region, source_bytes, options))
     except Unavailable as exc:
         for io in ios:
             io.close()

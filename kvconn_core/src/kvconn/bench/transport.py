@@ -1,0 +1,826 @@
+"""``kvconn bench --transport``: bytes/s of the same chunked writes through
+kvconn and through the transport's raw API, side by side in one run.
+
+For every shape (by default 1024 scattered 4 KiB pages per chunk, one 1 MiB
+page per chunk, one 64 MiB page per chunk) and every repetition, two
+measurements run back to back, in alternating order so machine noise hits
+both alike:
+
+* **kvconn**: this process is the page owner (one :class:`DecodeEndpoint`
+  per shape, so each has its own page size), a child process is the prefill
+  rank (:class:`PrefillRank`, one worker). Decode asks for rooms (at most
+  ``inflight`` at a time); the child's engine stand-in sends each room's
+  chunks with ``Sender.send`` from ``on_request``; the worker posts them
+  through the hooks, waits at the DONE barrier, the ledger concludes the
+  room and the rank sends its status; a room counts when ``Receiver.poll()``
+  says SUCCESS here. Timed from the first request to the last SUCCESS.
+* **raw**: a second child process writes the very same segments (the same
+  source and destination offsets, lowered by the same :class:`PageLayout`)
+  into the same regions through the transport's raw API, one chunk at a
+  time, each waited for before the next (``kvconn_<name>.raw.RawWriter``:
+  nixl ``initialize_xfer`` + ``transfer`` + ``check_xfer_state``, Mooncake
+  ``batch_transfer_async_write`` + ``get_batch_transfer_status``; a backend
+  without such a module, e.g. loopback, has its writer's own post/barrier
+  path called directly: no pluggy, ledger or control plane). Timed here
+  from the command to the child's reply.
+
+Neither side fills source pages while timed (the source holds a fixed
+pattern, written once): the comparison is of the transfer paths. After every
+measurement a few destination pages (zeroed first) are checked against the
+source.
+
+Run as a module, this file is also the two child processes:
+``python -m kvconn.bench.transport rank|raw`` with a JSON config on stdin's
+first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import itertools
+import json
+import logging
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from typing import IO, Any
+
+import attrs
+from rich.console import Console
+from rich.table import Table
+
+from kvconn.chunk import Chunk, Segment
+from kvconn.config import Config
+from kvconn.hookspecs import hookimpl
+from kvconn.plugins import get_backend
+from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.messages import Message, RoomStatus
+from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.runtime.layout import PageLayout
+from kvconn.runtime.prefill import PrefillRank
+from kvconn.transport import Backend, Settlement
+
+KiB, MiB = 1 << 10, 1 << 20
+TARGET = 0.95  #: kvconn's bytes/s at least this fraction of raw's
+DEFAULT_SHAPES = ("4096x1024:scattered", "1048576x1", "67108864x1")
+_SHAPE_SHIFT, _RUN_SHIFT = 40, 20
+_SPREAD = 4  #: scattered shapes draw a room's pages from a slot 4x its size
+
+
+# --------------------------------------------------------------------------
+# shapes and plans
+
+
+@attrs.frozen
+class Shape:
+    """``chunk_pages`` pages of ``page_bytes`` per chunk; ``scattered``: the
+    pages of a chunk are random, non-adjacent pages on both sides."""
+
+    page_bytes: int
+    chunk_pages: int = 1
+    scattered: bool = False
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.page_bytes * self.chunk_pages
+
+    @property
+    def name(self) -> str:
+        size = _size(self.page_bytes)
+        if self.chunk_pages == 1:
+            return f"1 x {size}"
+        kind = " scattered" if self.scattered else ""
+        return f"{self.chunk_pages} x {size}{kind}"
+
+    @classmethod
+    def parse(cls, spec: str) -> Shape:
+        """``PAGE_BYTES[xCHUNK_PAGES][:scattered]``, e.g. ``4096x1024:scattered``."""
+        body, _, flag = spec.partition(":")
+        if flag not in ("", "scattered"):
+            raise ValueError(f"shape {spec!r}: the only flag is ':scattered'")
+        page, _, pages = body.lower().partition("x")
+        try:
+            shape = cls(int(page), int(pages or 1), flag == "scattered")
+        except ValueError:
+            raise ValueError(f"shape {spec!r} is not PAGE_BYTES[xCHUNK_PAGES][:scattered]") from None
+        if shape.page_bytes < 8 or shape.chunk_pages < 1:
+            raise ValueError(f"shape {spec!r}: page_bytes >= 8 and chunk pages >= 1")
+        return shape
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+@attrs.frozen
+class Plan:
+    """One shape's rooms: the same for kvconn and raw, in every repetition."""
+
+    shape: Shape
+    room_chunks: int
+    inflight: int
+    pool_pages: int  #: decode pages
+    source_pages: int  #: source pages (shard-sized, one rank)
+    src: list[list[int]]  #: per room j: its source pages, in chunk order
+    dst: list[list[int]]  #: per room j: its destination pages
+
+    @property
+    def rooms(self) -> int:
+        return len(self.src)
+
+    @property
+    def room_bytes(self) -> int:
+        return self.room_chunks * self.shape.chunk_bytes
+
+    @property
+    def run_bytes(self) -> int:
+        return self.rooms * self.room_bytes
+
+    def chunks(self, j: int) -> Iterator[tuple[list[int], list[int]]]:
+        cp = self.shape.chunk_pages
+        for first in range(0, len(self.src[j]), cp):
+            yield self.src[j][first : first + cp], self.dst[j][first : first + cp]
+
+
+def make_plan(shape: Shape, run_bytes: int, room_bytes: int, inflight: int, seed: int) -> Plan:
+    room_chunks = max(1, room_bytes // shape.chunk_bytes)
+    rooms = max(1, run_bytes // (room_chunks * shape.chunk_bytes))
+    inflight = max(1, min(inflight, rooms))
+    room_pages = room_chunks * shape.chunk_pages
+    spread = _SPREAD if shape.scattered else 1
+    slot_pages = room_pages * spread
+    rng = random.Random(seed ^ shape.page_bytes ^ (shape.chunk_pages << 32))
+    src: list[list[int]] = []
+    dst: list[list[int]] = []
+    for j in range(rooms):
+        # Room j uses slot j % inflight of decode's pool: rooms in flight
+        # together never share a page (room j + inflight starts after j ends).
+        base = (j % inflight) * slot_pages
+        if shape.scattered:
+            src.append(rng.sample(range(slot_pages), room_pages))
+            dst.append([base + p for p in rng.sample(range(slot_pages), room_pages)])
+        else:
+            src.append(list(range(room_pages)))
+            dst.append(list(range(base, base + room_pages)))
+    return Plan(shape, room_chunks, inflight, inflight * slot_pages, slot_pages, src, dst)
+
+
+def source_pattern(nbytes: int, seed: int) -> bytes:
+    """The bytes both children hold in their source memory."""
+    return random.Random(seed).randbytes(nbytes)
+
+
+def room_id(shape_index: int, run: int, j: int) -> int:
+    return (shape_index << _SHAPE_SHIFT) | (run << _RUN_SHIFT) | j
+
+
+# --------------------------------------------------------------------------
+# children
+
+
+def _read_config() -> dict[str, Any]:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit("no config on stdin")
+    cfg: dict[str, Any] = json.loads(line)
+    return cfg
+
+
+def _rank_child() -> None:
+    """A prefill rank whose 'engine' sends a room's chunks as soon as decode asks."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = _read_config()
+    backend = get_backend(cfg["backend"])
+    src_plans: list[list[list[int]]] = cfg["src"]
+    chunk_pages: list[int] = cfg["chunk_pages"]
+    config = Config(
+        write_timeout_s=float(cfg["write_timeout_s"]),
+        abort_timeout_s=float(cfg["abort_timeout_s"]),
+        backend_options=dict(cfg["options"]),
+    )
+    senders: deque[Any] = deque()
+    profiler = _Profiler() if cfg.get("profile") else None
+
+    def on_request(room: int, npages: int) -> None:
+        if profiler is not None:
+            profiler.requests[room] = time.monotonic()
+        shape, j = room >> _SHAPE_SHIFT, room & ((1 << _RUN_SHIFT) - 1)
+        src, cp = src_plans[shape][j], chunk_pages[shape]
+        sender = rank.sender(room)
+        for first in range(0, len(src), cp):
+            sender.send(src[first : first + cp], last=first + cp >= len(src))
+        senders.append(sender)
+        while senders and senders[0].settled():
+            senders.popleft().clear()
+
+    observers = [profiler] if profiler is not None else []
+    rank = PrefillRank(backend, 0, int(cfg["source_bytes"]), config, observers, on_request=on_request)
+    rank.writer.write(0, source_pattern(int(cfg["source_bytes"]), int(cfg["seed"])))
+    print(json.dumps({"address": rank.address}), flush=True)
+    sys.stdin.read()  # serve until the parent closes stdin
+    if profiler is not None:
+        doc = {"chunks": profiler.chunks, "requests": list(profiler.requests.items())}
+        print(json.dumps({"profile": doc}), flush=True)
+    rank.close()
+
+
+class _Profiler:
+    """``--profile``: when each chunk entered on_post and left on_done_barrier,
+    and when each room's request reached the rank (CLOCK_MONOTONIC, which
+    every process on the host shares)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[int, int, float, float]] = []  # room, index, post start, barrier end
+        self.requests: dict[int, float] = {}
+        self._post: dict[tuple[int, int], float] = {}
+
+    @hookimpl(wrapper=True)
+    def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> Generator[None, object, object]:
+        self._post[chunk.room, chunk.index] = time.monotonic()
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def on_done_barrier(
+        self, chunk: Chunk, posted: object, deadline: float
+    ) -> Generator[None, Settlement | None, Settlement | None]:
+        result = yield
+        t0 = self._post.pop((chunk.room, chunk.index))
+        self.chunks.append((chunk.room, chunk.index, t0, time.monotonic()))
+        return result
+
+
+class _HookRaw:
+    """A backend's own writer, its post/barrier hooks called directly: the raw
+    path of a backend without a ``kvconn_<name>.raw`` module (loopback)."""
+
+    def __init__(self, backend: Backend, nbytes: int, options: Mapping[str, str]) -> None:
+        self._w: Any = backend.open_writer(nbytes, options)
+        self.write = self._w.write
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        self._w.connect(peer, metadata)
+
+    def transfer(self, peer: str, segments: Sequence[Segment]) -> int:
+        chunk = Chunk(0, 0, True, 0, peer, (), ())
+        posted = self._w.on_post(chunk=chunk, segments=segments)
+        settled = self._w.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 60)
+        if settled is not Settlement.LANDED:
+            raise RuntimeError(f"raw write settled {settled}")
+        return sum(s.nbytes for s in segments)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def _open_raw(name: str, nbytes: int, options: Mapping[str, str]) -> tuple[Any, str]:
+    try:
+        mod = importlib.import_module(f"kvconn_{name}.raw")
+    except ImportError:
+        mod = None
+    if mod is not None and hasattr(mod, "RawWriter"):
+        return mod.RawWriter(nbytes, options), f"kvconn_{name}.raw.RawWriter"
+    return _HookRaw(get_backend(name), nbytes, options), f"{name} writer's post/barrier, called directly"
+
+
+def _raw_child() -> None:
+    """Writes the same segments through the raw API on command."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = _read_config()
+    writer, how = _open_raw(cfg["backend"], int(cfg["source_bytes"]), dict(cfg["options"]))
+    writer.write(0, source_pattern(int(cfg["source_bytes"]), int(cfg["seed"])))
+    native = not isinstance(writer, _HookRaw)
+    chunks: list[list[list[Any]]] = []  # [shape][room] -> per chunk: segments
+    for i, sh in enumerate(cfg["shapes"]):
+        writer.connect(f"s{i}", bytes.fromhex(sh["metadata"]))
+        layout = PageLayout(int(sh["page_bytes"]), 1)
+        cp = int(sh["chunk_pages"])
+        rooms = []
+        for src, dst in zip(sh["src"], sh["dst"], strict=True):
+            segs: list[Any] = []
+            for first in range(0, len(src), cp):
+                lowered = layout.segments(0, src[first : first + cp], dst[first : first + cp])
+                segs.append(_native(lowered) if native else lowered)
+            rooms.append(segs)
+        chunks.append(rooms)
+    print(json.dumps({"ready": how}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") != "run":
+            break
+        i = int(cmd["shape"])
+        t0 = time.perf_counter()
+        total = 0
+        for room in chunks[i][: int(cmd["rooms"])]:
+            for segs in room:
+                total += writer.transfer(f"s{i}", segs)
+        seconds = time.perf_counter() - t0
+        print(json.dumps({"bytes": total, "seconds": seconds}), flush=True)
+    writer.close()
+
+
+def _native(segments: Sequence[Segment]) -> Any:
+    """Segments as the ``(n, 3)`` array a raw API user would hold (numpy comes
+    with every plugin that has a raw module)."""
+    np = importlib.import_module("numpy")
+    return np.array([(s.src, s.dst, s.nbytes) for s in segments], dtype=np.int64)
+
+
+class _Child:
+    def __init__(self, role: str, config: Mapping[str, Any], key: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvconn.bench.transport", role],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.role = role
+        self.send(config)
+        self.hello = self.recv(key, timeout_s=120)
+
+    def send(self, msg: Mapping[str, Any]) -> None:
+        stdin: IO[str] | None = self.proc.stdin
+        assert stdin is not None
+        stdin.write(json.dumps(msg) + "\n")
+        stdin.flush()
+
+    def recv(self, key: str, timeout_s: float = 300) -> Any:
+        """The next JSON line with ``key``; a transport library's own lines
+        (nixl prints to stdout) are skipped."""
+        stdout = self.proc.stdout
+        assert stdout is not None
+        timer = threading.Timer(timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            while True:
+                line = stdout.readline()
+                if not line:
+                    raise RuntimeError(f"transport bench {self.role} child exited with {self.proc.wait()}")
+                with contextlib.suppress(ValueError):
+                    msg = json.loads(line)
+                    if isinstance(msg, dict) and key in msg:
+                        return msg[key] if len(msg) == 1 else msg
+        finally:
+            timer.cancel()
+
+    def close(self) -> dict[str, Any]:
+        """Close stdin, wait for the exit; the JSON objects it printed last."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        out = ""
+        if self.proc.stdout is not None:
+            timer = threading.Timer(60, self.proc.kill)
+            timer.start()
+            try:
+                out = self.proc.stdout.read()
+            finally:
+                timer.cancel()
+                self.proc.stdout.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        last: dict[str, Any] = {}
+        for line in out.splitlines():
+            with contextlib.suppress(ValueError):
+                msg = json.loads(line)
+                if isinstance(msg, dict):
+                    last.update(msg)
+        return last
+
+
+# --------------------------------------------------------------------------
+# the page owner and the measurements
+
+
+class _Endpoint(DecodeEndpoint):
+    """A decode endpoint that also wakes the bench on every room status, so
+    it waits for SUCCESS without a busy poll stealing the transport's core."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.changed = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _on_message(self, msg: Message) -> None:
+        super()._on_message(msg)
+        if isinstance(msg, RoomStatus):
+            self.changed.set()
+
+
+def _kvconn_run(
+    ep: _Endpoint,
+    plan: Plan,
+    shape_index: int,
+    run: int,
+    rooms: int,
+    log: dict[int, list[float]] | None = None,
+) -> float:
+    """Rooms ``0..rooms-1`` of ``plan`` through kvconn; seconds from the first
+    request to the last SUCCESS. ``log``: room -> [requested, seen SUCCESS]."""
+    t0 = time.perf_counter()
+    active: deque[Receiver] = deque()
+    issued = done = 0
+    last_progress = time.monotonic()
+    while done < rooms:
+        ep.changed.clear()  # before looking: a status arriving later wakes the wait
+        while active:
+            state = active[0].poll()
+            if state is KVPoll.FAILED:
+                raise RuntimeError(f"room {active[0].room} failed: {active[0].failure()}")
+            if state is not KVPoll.SUCCESS:
+                break
+            rx = active.popleft()
+            rx.finish()
+            if log is not None:
+                log[rx.room].append(time.monotonic())
+            done += 1
+            last_progress = time.monotonic()
+        while issued < rooms and len(active) < plan.inflight:
+            room = room_id(shape_index, run, issued)
+            if log is not None:
+                log[room] = [time.monotonic()]
+            active.append(ep.receiver(room, plan.dst[issued]))
+            issued += 1
+        if done < rooms:
+            ep.changed.wait(1.0)
+            if time.monotonic() - last_progress > 60:
+                raise RuntimeError(f"no room concluded for 60 s ({done}/{rooms} done)")
+    return time.perf_counter() - t0
+
+
+@attrs.define
+class ShapeResult:
+    plan: Plan
+    kvconn_s: list[float] = attrs.Factory(list)
+    raw_s: list[float] = attrs.Factory(list)
+    raw_child_s: list[float] = attrs.Factory(list)
+    bad_pages: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        n = self.plan.run_bytes
+        kv = [n / s / 1e9 for s in self.kvconn_s]
+        raw = [n / s / 1e9 for s in self.raw_s]
+        kv_med, raw_med = statistics.median(kv), statistics.median(raw)
+        pair = [k / r for k, r in zip(kv, raw, strict=True)]
+        ratio = kv_med / raw_med if raw_med else 0.0
+        sh = self.plan.shape
+        return {
+            "shape": sh.name,
+            "page_bytes": sh.page_bytes,
+            "chunk_pages": sh.chunk_pages,
+            "chunk_bytes": sh.chunk_bytes,
+            "scattered": sh.scattered,
+            "room_chunks": self.plan.room_chunks,
+            "rooms_per_run": self.plan.rooms,
+            "rooms_in_flight": self.plan.inflight,
+            "bytes_per_run": n,
+            "repeats": len(kv),
+            "kvconn_gbps": kv_med,
+            "raw_gbps": raw_med,
+            "ratio": ratio,
+            "ratio_pairwise_median": statistics.median(pair),
+            "target_met": ratio >= TARGET,
+            "kvconn_gbps_all": kv,
+            "raw_gbps_all": raw,
+            "raw_child_gbps": statistics.median(n / s / 1e9 for s in self.raw_child_s),
+            "kvconn_ms_per_chunk": statistics.median(self.kvconn_s)
+            * 1e3
+            / (self.plan.rooms * self.plan.room_chunks),
+            "raw_ms_per_chunk": statistics.median(self.raw_s)
+            * 1e3
+            / (self.plan.rooms * self.plan.room_chunks),
+            "verify_bad_pages": self.bad_pages,
+        }
+
+
+def _check_pages(plan: Plan) -> list[tuple[int, int]]:
+    """(src page, dst page) pairs spot-checked after each run."""
+    last = plan.rooms - 1
+    pairs = {(plan.src[0][0], plan.dst[0][0]), (plan.src[last][-1], plan.dst[last][-1])}
+    return sorted(pairs)
+
+
+def run_backend(
+    name: str,
+    options: Mapping[str, str],
+    shapes: Sequence[Shape],
+    repeat: int,
+    run_bytes: int,
+    room_bytes: int,
+    inflight: int,
+    seed: int,
+    step: Callable[[str], None] = lambda _: None,
+    profile: bool = False,
+) -> dict[str, Any]:
+    """Measure every shape ``repeat`` times on backend ``name``; the report dict."""
+    backend = get_backend(name)
+    plans = [make_plan(s, run_bytes, room_bytes, inflight, seed) for s in shapes]
+    source_bytes = max(p.source_pages * p.shape.page_bytes for p in plans)
+    source = source_pattern(source_bytes, seed)
+    limit = backend.capabilities.max_write_timeout_s
+    abort_s = max(30.0, (limit or 0) + 5)
+    common = {"backend": name, "options": dict(options), "source_bytes": source_bytes, "seed": seed}
+    step("starting the prefill rank process")
+    rank = _Child(
+        "rank",
+        {
+            **common,
+            "src": [p.src for p in plans],
+            "chunk_pages": [p.shape.chunk_pages for p in plans],
+            "write_timeout_s": min(20.0, abort_s / 2),
+            "abort_timeout_s": abort_s,
+            "profile": profile,
+        },
+        "address",
+    )
+    room_log: dict[int, list[float]] | None = {} if profile else None
+    child_profile: dict[str, Any] = {}
+    endpoints: list[_Endpoint] = []
+    raw: _Child | None = None
+    try:
+        config = Config(
+            write_timeout_s=min(20.0, abort_s / 2), abort_timeout_s=abort_s, backend_options=options
+        )
+        for p in plans:
+            endpoints.append(_Endpoint(backend, p.pool_pages, p.shape.page_bytes, [rank.hello], config))
+        step("starting the raw writer process")
+        shapes_cfg = [
+            {
+                "metadata": ep.region.metadata.hex(),
+                "page_bytes": p.shape.page_bytes,
+                "chunk_pages": p.shape.chunk_pages,
+                "src": p.src,
+                "dst": p.dst,
+            }
+            for p, ep in zip(plans, endpoints, strict=True)
+        ]
+        raw = _Child("raw", {**common, "shapes": shapes_cfg}, "ready")
+        raw_how = str(raw.hello)
+        results = [ShapeResult(p) for p in plans]
+
+        def measure_raw(i: int, rooms: int) -> tuple[float, float]:
+            assert raw is not None
+            t0 = time.perf_counter()
+            raw.send({"op": "run", "shape": i, "rooms": rooms})
+            reply = raw.recv("seconds")
+            return time.perf_counter() - t0, float(reply["seconds"])
+
+        # warm-up: connections, first-touch page faults, caches
+        for i, (p, ep) in enumerate(zip(plans, endpoints, strict=True)):
+            step(f"warm-up {p.shape.name}")
+            _kvconn_run(ep, p, i, 0, min(p.rooms, p.inflight + 1))
+            measure_raw(i, min(p.rooms, p.inflight + 1))
+        for r in range(repeat):
+            for i, (p, ep, res) in enumerate(zip(plans, endpoints, results, strict=True)):
+                step(f"repeat {r + 1}/{repeat}: {p.shape.name}")
+                checks = _check_pages(p)
+                for first_kvconn in (True, False) if r % 2 == 0 else (False, True):
+                    pb = p.shape.page_bytes
+                    for _, d in checks:
+                        ep.region.write(d * pb, bytes(pb))
+                    if first_kvconn:
+                        res.kvconn_s.append(_kvconn_run(ep, p, i, r + 1, p.rooms, room_log))
+                    else:
+                        wall, child = measure_raw(i, p.rooms)
+                        res.raw_s.append(wall)
+                        res.raw_child_s.append(child)
+                    for s, d in checks:
+                        if ep.region.read(d * pb, pb) != source[s * pb : (s + 1) * pb]:
+                            res.bad_pages += 1
+    finally:
+        if raw is not None:
+            raw.close()
+        for ep in endpoints:
+            ep.close()
+        child_profile = rank.close().get("profile", {})
+    rows = [res.summary() for res in results]
+    if room_log is not None and child_profile:
+        for i, row in enumerate(rows):
+            row["profile"] = breakdown(i, results[i], room_log, child_profile)
+    return {
+        "backend": name,
+        "backend_options": dict(options),
+        "raw_path": raw_how,
+        "shapes": rows,
+        "target": f"kvconn >= {TARGET:.0%} of raw bytes/s (median of {repeat})",
+        "target_met": all(r["target_met"] for r in rows),
+        "verified": all(r["verify_bad_pages"] == 0 for r in rows),
+    }
+
+
+#: ``--profile`` components, in the order they add up to kvconn's wall time.
+PROFILE_PARTS = (
+    ("transport", "in the transport's hooks (on_post entry to on_done_barrier exit)"),
+    ("gap_in_room", "worker between two chunks of a room (ledger, hooks, lowering, queue)"),
+    ("gap_between_rooms", "worker between rooms (conclusion, status, next room's first chunk)"),
+    ("run_start", "first request to first post (control plane in, on_request, queue)"),
+    ("run_end", "last barrier to SUCCESS seen at decode (ledger, status message)"),
+)
+
+
+def breakdown(
+    shape_index: int, res: ShapeResult, room_log: Mapping[int, list[float]], prof: Mapping[str, Any]
+) -> dict[str, float]:
+    """Where one shape's kvconn wall time went, in ms per chunk (measured runs).
+
+    One worker writes the chunks one after another, so a run's wall time is
+    exactly the sum of :data:`PROFILE_PARTS`. Also the medians of one room's
+    ``request_ms`` (decode's request to the rank's on_request) and
+    ``status_ms`` (the room's last barrier to decode seeing SUCCESS)."""
+    runs: dict[int, list[tuple[int, float, float]]] = {}
+    for room, _, t0, t1 in prof.get("chunks", []):
+        room = int(room)
+        run = (room >> _RUN_SHIFT) & ((1 << (_SHAPE_SHIFT - _RUN_SHIFT)) - 1)
+        if room >> _SHAPE_SHIFT == shape_index and run >= 1:
+            runs.setdefault(run, []).append((room, float(t0), float(t1)))
+    requests = {int(room): float(t) for room, t in prof.get("requests", [])}
+    parts = dict.fromkeys((name for name, _ in PROFILE_PARTS), 0.0)
+    nchunks = 0
+    req: list[float] = []
+    status: list[float] = []
+    for chunks in runs.values():
+        chunks.sort(key=lambda c: c[1])
+        rooms = {c[0] for c in chunks}
+        if not all(r in room_log and len(room_log[r]) == 2 for r in rooms):
+            continue
+        nchunks += len(chunks)
+        parts["transport"] += sum(t1 - t0 for _, t0, t1 in chunks)
+        for a, b in itertools.pairwise(chunks):
+            parts["gap_in_room" if a[0] == b[0] else "gap_between_rooms"] += b[1] - a[2]
+        parts["run_start"] += chunks[0][1] - min(room_log[r][0] for r in rooms)
+        parts["run_end"] += max(room_log[r][1] for r in rooms) - chunks[-1][2]
+        last = {room: t1 for room, _, t1 in chunks}
+        req += [requests[r] - room_log[r][0] for r in rooms if r in requests]
+        status += [room_log[r][1] - last[r] for r in rooms]
+    if not nchunks:
+        return {}
+    out = {f"{name}_ms_per_chunk": v * 1e3 / nchunks for name, v in parts.items()}
+    out["sum_ms_per_chunk"] = sum(parts.values()) * 1e3 / nchunks
+    out["request_ms"] = statistics.median(req) * 1e3 if req else 0.0
+    out["status_ms"] = statistics.median(status) * 1e3 if status else 0.0
+    out["raw_child_ms_per_chunk"] = (
+        statistics.median(res.raw_child_s) * 1e3 / (res.plan.rooms * res.plan.room_chunks)
+    )
+    return out
+
+
+# --------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The transport bench's options (``--backend`` and ``--json`` are the bench's)."""
+    g = p.add_argument_group("--transport: kvconn vs raw transport bytes/s")
+    g.add_argument(
+        "--transport",
+        action="store_true",
+        help="run the transport throughput bench instead (--backend takes a comma list)",
+    )
+    g.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
+    g.add_argument(
+        "--shape",
+        action="append",
+        default=None,
+        metavar="PAGE_BYTES[xCHUNK_PAGES][:scattered]",
+        help=f"chunk shape (repeatable; default {', '.join(DEFAULT_SHAPES)})",
+    )
+    g.add_argument("--bytes-per-run", type=int, default=256 * MiB, help="bytes per measurement and shape")
+    g.add_argument("--room-bytes", type=int, default=16 * MiB, help="room size (at least one chunk)")
+    g.add_argument("--inflight", type=int, default=2, help="rooms decode keeps requested at once")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="time kvconn's phases per chunk and room (adds a hook wrapper: ~2 us a chunk)",
+    )
+
+
+def main(args: argparse.Namespace, console: Console, err: Console) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kvconn.bench.cli import _options
+
+    if args.repeat < 1 or args.inflight < 1:
+        raise ValueError("--repeat and --inflight must be >= 1")
+    shapes = [Shape.parse(s) for s in (args.shape or DEFAULT_SHAPES)]
+    options = _options(args.backend_option)
+    names = [n.strip() for n in args.backend.split(",") if n.strip()]
+    reports = []
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        disable=args.no_progress,
+        transient=True,
+    ) as progress:
+        for name in names:
+            task = progress.add_task(name, total=None)
+
+            def step(what: str, task: Any = task, name: str = name) -> None:
+                progress.update(task, description=f"{name}: {what}")
+
+            reports.append(
+                run_backend(
+                    name,
+                    options,
+                    shapes,
+                    args.repeat,
+                    args.bytes_per_run,
+                    args.room_bytes,
+                    args.inflight,
+                    args.seed,
+                    step,
+                    args.profile,
+                )
+            )
+            progress.remove_task(task)
+    for rep in reports:
+        print_report(console, rep)
+    if args.json:
+        text = json.dumps({"transport": reports}, indent=2)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0 if all(r["verified"] for r in reports) else 1
+
+
+def print_report(console: Console, rep: dict[str, Any]) -> None:
+    opts = ", ".join(f"{k}={v}" for k, v in rep["backend_options"].items())
+    t = Table(title=f"kvconn bench --transport: {rep['backend']}" + (f" ({opts})" if opts else ""))
+    for col, just in (
+        ("shape (per chunk)", "left"),
+        ("room / run", "right"),
+        ("kvconn GB/s", "right"),
+        ("raw GB/s", "right"),
+        ("kvconn / raw", "right"),
+        (f">= {TARGET:.0%}", "center"),
+    ):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rep["shapes"]:
+        ok = "[green]yes[/green]" if r["target_met"] else "[red]NO[/red]"
+        if r["verify_bad_pages"]:
+            ok += f" [red]({r['verify_bad_pages']} pages WRONG)[/red]"
+        t.add_row(
+            r["shape"],
+            f"{_size(r['chunk_bytes'] * r['room_chunks'])} / {_size(r['bytes_per_run'])}",
+            f"{r['kvconn_gbps']:.3f}  [{min(r['kvconn_gbps_all']):.2f}-{max(r['kvconn_gbps_all']):.2f}]",
+            f"{r['raw_gbps']:.3f}  [{min(r['raw_gbps_all']):.2f}-{max(r['raw_gbps_all']):.2f}]",
+            f"{r['ratio']:.1%}",
+            ok,
+        )
+    console.print(t)
+    prof = [r for r in rep["shapes"] if r.get("profile")]
+    if prof:
+        pt = Table(title=f"--profile: where kvconn's time goes on {rep['backend']} (ms per chunk)")
+        pt.add_column("")
+        for r in prof:
+            pt.add_column(r["shape"], justify="right")
+
+        def prow(label: str, fn: Callable[[dict[str, Any]], float]) -> None:
+            pt.add_row(label, *(f"{fn(r):.3f}" for r in prof))
+
+        prow("kvconn wall", lambda r: r["kvconn_ms_per_chunk"])
+        for name, _ in PROFILE_PARTS:
+            key = f"{name}_ms_per_chunk"
+            pt.add_row(f"  {name}", *(f"{r['profile'][key]:.3f}" for r in prof))
+        prow("raw wall", lambda r: r["raw_ms_per_chunk"])
+        prow("  raw in child", lambda r: r["profile"]["raw_child_ms_per_chunk"])
+        prow("request (ms/room)", lambda r: r["profile"]["request_ms"])
+        prow("status (ms/room)", lambda r: r["profile"]["status_ms"])
+        console.print(pt)
+        for name, what in PROFILE_PARTS:
+            console.print(f"  {name}: {what}")
+    missed = [r["shape"] for r in rep["shapes"] if not r["target_met"]]
+    if missed:
+        console.print(
+            f"[red]5% target NOT met[/red] on {rep['backend']} for: {', '.join(missed)} "
+            f"(median of {rep['shapes'][0]['repeats']}; raw path: {rep['raw_path']})"
+        )
+    else:
+        console.print(
+            f"[green]5% target met[/green] on {rep['backend']} for every shape "
+            f"(median of {rep['shapes'][0]['repeats']}; raw path: {rep['raw_path']})"
+        )
+
+
+if __name__ == "__main__":
+    role = sys.argv[1] if len(sys.argv) > 1 else ""
+    if role == "rank":
+        _rank_child()
+    elif role == "raw":
+        _raw_child()
+    else:
+        raise SystemExit("usage: python -m kvconn.bench.transport rank|raw  (config JSON on stdin)")

@@ -1,0 +1,56 @@
+"""``kvconn bench --transport`` on loopback with tiny sizes: the table and the
+JSON carry every field (no timing asserts: this is a benchmark, not a test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = [
+    "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
+    "--shape", "4096x16:scattered", "--shape", "65536",
+    "--bytes-per-run", "262144", "--room-bytes", "65536", "--profile",
+]  # fmt: skip
+
+
+def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
+    out = tmp_path / "transport.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", "bench", *TINY, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},  # rich wraps the table to the terminal
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "kvconn bench --transport: loopback" in text
+    assert "5% target" in text and "kvconn / raw" in text
+    (rep,) = json.loads(out.read_text())["transport"]
+    assert rep["backend"] == "loopback" and rep["verified"] is True
+    assert isinstance(rep["target_met"], bool) and rep["raw_path"]
+    assert [s["shape"] for s in rep["shapes"]] == ["16 x 4 KiB scattered", "1 x 64 KiB"]
+    for s in rep["shapes"]:
+        for key in ("kvconn_gbps", "raw_gbps", "ratio", "raw_child_gbps", "kvconn_ms_per_chunk"):
+            assert s[key] > 0, key
+        assert isinstance(s["target_met"], bool)
+        assert s["repeats"] == 2 and len(s["kvconn_gbps_all"]) == len(s["raw_gbps_all"]) == 2
+        assert s["bytes_per_run"] == 262144 and s["verify_bad_pages"] == 0
+        assert {"transport_ms_per_chunk", "gap_in_room_ms_per_chunk", "request_ms", "status_ms"} <= set(
+            s["profile"]
+        )
+    assert rep["shapes"][0]["scattered"] is True and rep["shapes"][0]["chunk_pages"] == 16
+
+
+def test_bad_shape_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", "bench", "--transport", "--shape", "4096x:bogus"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "shape" in proc.stderr
