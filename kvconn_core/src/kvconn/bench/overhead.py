@@ -111,8 +111,9 @@ def measure(chunks: int = 20000, rooms: int = 100) -> Overhead:
         _wait_requested(rank, 1)
         work = [Chunk(1, i, i == chunks - 1, 0, decode.name, (i,), (i,)) for i in range(chunks)]
         t0 = time.perf_counter()
+        layout = rank._peers[decode.name].layout
         for chunk in work:
-            rank._transfer(chunk)
+            rank._transfer(chunk, layout.segments(0, chunk.src_pages, chunk.dst_pages))
         direct = (time.perf_counter() - t0) / chunks
         # 2. through the sender and the worker queue
         decode.receiver(2, pages)
