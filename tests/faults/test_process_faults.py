@@ -28,9 +28,12 @@ def _releases(c: Cluster) -> float:
 def test_sigkill_mid_transfer_releases_by_proven_exit() -> None:
     c = Cluster(write_timeout_s=0.5, abort_timeout_s=3.0)
     try:
-        rooms = {1000 + i: c.open(1000 + i, ROOM_PAGES) for i in range(4)}
+        # The last room is still unwritten when the first one shows bytes (each
+        # rank writes its rooms in order, ~0.13 s each): rank 0 dies mid-work.
+        rooms = {1000 + i: c.open(1000 + i, ROOM_PAGES) for i in range(8)}
         _mid_transfer(c, rooms[1000][1])
         c.ranks[0].signal(signal.SIGKILL)
+        assert not c.correct(1007, rooms[1007][1], ranks=[0]), "rank 0 finished every room before the kill"
         t0 = time.monotonic()
         for rx, _ in rooms.values():
             rx.abort()
