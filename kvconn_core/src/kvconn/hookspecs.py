@@ -61,7 +61,10 @@ def on_post(chunk: Chunk, segments: Sequence[Segment]) -> object | None:
 
     ``segments`` are byte ranges in the writer's source and the peer's region.
     The transport returns an opaque token (its handles) that the core hands
-    back to ``on_done_barrier``. It must not wait for the data to land.
+    back to ``on_done_barrier``. It must not wait for the data to land, and
+    the token must not keep transport resources alive on its own (the core
+    drops it before a fence; a NIXL handle that pins its agent defeats the
+    fence): keep handles in the writer and hand out keys.
     Raising means "some writes may have been posted": the core poisons the
     room. The transport answers; observers return ``None``.
     """
@@ -71,8 +74,10 @@ def on_post(chunk: Chunk, segments: Sequence[Segment]) -> object | None:
 def on_done_barrier(chunk: Chunk, posted: object, deadline: float) -> Settlement | None:
     """Wait until the writes behind ``posted`` settle, or ``deadline`` passes.
 
-    ``deadline`` is a ``time.monotonic()`` instant, shorter than decode's
-    abort deadline by configuration. Return:
+    ``deadline`` is a ``time.monotonic()`` instant, fixed before ``on_post``
+    (``write_timeout_s`` covers post and write) and shorter than decode's
+    abort deadline by configuration; it may already have passed (a writer
+    frozen inside ``on_post``). Return:
 
     * ``Settlement.LANDED`` only when every byte is in the destination;
     * ``Settlement.FAILED_SETTLED`` when a handle failed *and* every sibling
