@@ -186,6 +186,7 @@ def _clone_tracker(tracker: HoldTracker) -> HoldTracker:
             v.quarantined_at,
             v.resend_at,
             v.resend_every,
+            v.exited,
         )
         for k, v in tracker._rooms.items()
     }

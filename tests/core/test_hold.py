@@ -105,3 +105,11 @@ def test_next_deadline_tracks_the_earliest_hold() -> None:
     assert t.next_deadline() is None
     t.abort(1, now=5.0)
     assert t.next_deadline() == 15.0
+
+
+def test_a_release_names_the_writer_exit_even_when_an_ack_comes_last() -> None:
+    t = tracker()
+    [(_, gen), _] = sent(t.abort(1, now=0.0))
+    assert t.writer_exited(0, now=0.5) == []  # rank 1 still owes its proof
+    [release] = t.ack(AbortAck(1, 1, gen, False), now=1.0)
+    assert isinstance(release, Release) and release.proof is Proof.WRITER_EXIT

@@ -85,6 +85,8 @@ class _Room:
     quarantined_at: float = 0.0
     resend_at: float = 0.0
     resend_every: float = 0.0
+    #: Some rank was proven by its process's exit rather than an ack.
+    exited: bool = False
 
 
 class HoldTracker:
@@ -179,11 +181,7 @@ class HoldTracker:
         entry.fenced = entry.fenced or msg.fenced
         if entry.proven < entry.ranks:
             return []
-        if entry.fenced:
-            proof = Proof.WRITER_FENCE
-        else:
-            proof = Proof.LATE_ACKS if entry.state is HoldState.QUARANTINED else Proof.ACKS
-        return [self._release(msg.room, entry, proof, now)]
+        return [self._release(msg.room, entry, self._proof(entry), now)]
 
     def writer_exited(self, rank: int, now: float) -> list[HoldAction]:
         """``rank``'s process is proven gone: it can write nothing more."""
@@ -191,9 +189,12 @@ class HoldTracker:
         for room, entry in list(self._rooms.items()):
             if entry.state is HoldState.OPEN or rank not in entry.ranks:
                 continue
+            if rank in entry.proven:
+                continue
             entry.proven.add(rank)
+            entry.exited = True
             if entry.proven >= entry.ranks:
-                actions.append(self._release(room, entry, Proof.WRITER_EXIT, now))
+                actions.append(self._release(room, entry, self._proof(entry), now))
         return actions
 
     def tick(self, now: float) -> list[HoldAction]:
@@ -231,6 +232,16 @@ class HoldTracker:
         entry.generations.add(generation)
         abort = Abort(room, generation, self.decode, self.reply_to)
         return [SendAbort(rank, abort) for rank in sorted(entry.ranks - entry.proven)]
+
+    @staticmethod
+    def _proof(entry: _Room) -> Proof:
+        """A release names the strongest claim it rests on: a writer's exit,
+        then a writer's fence, then acks (late ones if quarantined)."""
+        if entry.exited:
+            return Proof.WRITER_EXIT
+        if entry.fenced:
+            return Proof.WRITER_FENCE
+        return Proof.LATE_ACKS if entry.state is HoldState.QUARANTINED else Proof.ACKS
 
     def _release(self, room: int, entry: _Room, proof: Proof, now: float) -> Release:
         del self._rooms[room]
