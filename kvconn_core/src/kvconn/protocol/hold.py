@@ -127,7 +127,9 @@ class HoldTracker:
         return max(0.0, now - min(since)) if since else 0.0
 
     def ranks_of(self, room: int) -> frozenset[int]:
-        return self._rooms[room].ranks
+        """The ranks writing ``room``; none for a room not tracked."""
+        entry = self._rooms.get(room)
+        return entry.ranks if entry is not None else frozenset()
 
     # -- stimuli -----------------------------------------------------------
     def open(self, room: int, pages: tuple[int, ...], ranks: frozenset[int]) -> None:

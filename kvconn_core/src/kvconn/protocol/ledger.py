@@ -100,9 +100,6 @@ class RoomLedger:
     def poisoned_count(self) -> int:
         return len(self._poisoned)
 
-    def rooms(self) -> int:
-        return len(self._rooms)
-
     # -- room lifecycle ----------------------------------------------------
     def request(self, room: int, decode: str) -> None:
         """Decode asked for ``room``: its pages are known, input may flow.

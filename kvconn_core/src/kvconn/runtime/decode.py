@@ -39,7 +39,7 @@ from kvconn.protocol.messages import (
     TransferRequest,
 )
 from kvconn.runtime.control import Listener, Outbox
-from kvconn.runtime.prefill import process_start_time
+from kvconn.runtime.procs import proc_stat
 from kvconn.transport import Backend
 
 log = logging.getLogger(__name__)
@@ -68,15 +68,12 @@ class WriterIdentity:
         if self.host != socket.gethostname():
             return False  # across hosts only a closed transport connection proves it
         try:
-            if process_start_time(self.pid) != self.start_time:
-                return True
-            with open(f"/proc/{self.pid}/stat", "rb") as f:
-                stat = f.read()
-            return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
-        except (FileNotFoundError, ProcessLookupError):
+            state, start_time = proc_stat(self.pid)
+        except FileNotFoundError:
             return True
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return False
+        return start_time != self.start_time or state in ("Z", "X")
 
 
 class DecodeEndpoint:
@@ -218,7 +215,7 @@ class DecodeEndpoint:
                     self.metrics.acks_received.inc()
             elif isinstance(msg, RoomStatus):
                 actions = []
-                if msg.rank not in self.tracker_ranks(msg.room):
+                if msg.rank not in self.tracker.ranks_of(msg.room):
                     self._count_drop("stranger_status")
                 elif msg.outcome is RoomOutcome.SUCCESS:
                     if self.tracker.succeeded(msg.room, msg.rank):
@@ -233,12 +230,6 @@ class DecodeEndpoint:
                 return
             releases = self._execute(actions)
         self._notify(releases)
-
-    def tracker_ranks(self, room: int) -> frozenset[int]:
-        try:
-            return self.tracker.ranks_of(room)
-        except KeyError:
-            return frozenset()
 
     def _on_hello_ack(self, msg: HelloAck) -> None:
         # called with the lock held

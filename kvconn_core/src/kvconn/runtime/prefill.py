@@ -35,19 +35,12 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.layout import PageLayout
+from kvconn.runtime.procs import proc_stat
 from kvconn.transport import Backend, Settlement
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-def process_start_time(pid: int) -> int:
-    """The kernel's start time of ``pid`` (clock ticks since boot): with the
-    pid it names one process for good, so a reused pid is not mistaken for it."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 class FenceGate:
@@ -219,7 +212,7 @@ class PrefillRank:
             log.warning("refusing bootstrap from %s: %s", msg.decode, exc)
             error = str(exc) or type(exc).__name__
         pid = os.getpid()
-        ack = HelloAck(self.rank, self.address, socket.gethostname(), pid, process_start_time(pid), error)
+        ack = HelloAck(self.rank, self.address, socket.gethostname(), pid, proc_stat(pid)[1], error)
         self._outbox.send(msg.reply_to, ack)
 
     def _on_abort(self, msg: Abort) -> None:
@@ -339,12 +332,6 @@ class PrefillRank:
             self.metrics.fences.labels("ok").inc()
             with self._lock:
                 self._execute(self.ledger.fenced())
-
-    def fence(self) -> bool:
-        """Fence now (operators, tests): True if poisoned rooms were cleared."""
-        self._fence()
-        with self._lock:
-            return not self.ledger.poisoned()
 
     # -- helpers -----------------------------------------------------------
     def _execute(self, actions: Sequence[LedgerAction]) -> None:
