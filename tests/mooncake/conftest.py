@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from kvconn.runtime.procs import wait_until_stopped
+
 # The engine's minimum timeout, so frozen-peer tests take ~5 s, not 30 s.
 ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_TCP_STATUS_TIMEOUT_SEC": "5", "MC_LOG_LEVEL": "WARNING"}
 STARTUP_S = 60.0
@@ -52,6 +54,8 @@ class Child:
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
+        if sig == signal.SIGSTOP:
+            wait_until_stopped(self.pid)
 
     def stop(self) -> None:
         if self.proc.is_alive():

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvconn.runtime.procs import wait_until_stopped
+
 SPAWN = mp.get_context("spawn")
 PAGE = 4096
 
@@ -181,6 +183,8 @@ class Child:
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
+        if sig == signal.SIGSTOP:
+            wait_until_stopped(self.pid)
 
     def stop(self) -> None:
         if not self.proc.is_alive():

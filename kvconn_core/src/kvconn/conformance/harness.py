@@ -22,6 +22,7 @@ from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.runtime.procs import all_threads_stopped
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend
 
@@ -126,12 +127,7 @@ class Child:
         self.proc.stdin.flush()
 
     def stopped(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return False
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
+        return all_threads_stopped(self.pid)
 
     def signal(self, sig: signal.Signals) -> None:
         if self.proc.poll() is None:

@@ -47,6 +47,18 @@ def emit(event: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
+def stop_self() -> None:
+    """SIGSTOP this whole process, the calling thread included, before this returns.
+
+    ``kill(getpid())`` would not do: the kernel may hand a process-directed
+    SIGSTOP to another thread (the main one, blocked on stdin), and the caller
+    runs on, writing, until that thread is scheduled. A thread-directed
+    SIGSTOP stops the caller on its way out of the system call, and the group
+    stop then takes every other thread.
+    """
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
 class InjectedFault(RuntimeError):
     pass
 
@@ -71,7 +83,7 @@ class Faults:
             time.sleep(float(rule.get("pause_s", 0.15)))
         if rule.get("stop") == point and at("index"):
             emit({"event": "stopping", "point": point, "room": room, "index": index})
-            os.kill(os.getpid(), signal.SIGSTOP)
+            stop_self()
         if rule.get("raise") == point and at("raise_index"):
             emit({"event": "raising", "point": point, "room": room, "index": index})
             raise InjectedFault(f"conformance: injected failure at {point} of room {room}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -24,7 +23,7 @@ import pluggy
 
 from kvconn import hookspecs
 from kvconn.chunk import Chunk, Segment
-from kvconn.conformance.rank_proc import emit
+from kvconn.conformance.rank_proc import emit, stop_self
 from kvconn.plugins import get_backend
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Settlement
@@ -58,7 +57,7 @@ def main() -> None:
             deadline = time.monotonic() + timeout
             if args["mode"] == "fence":
                 emit({"event": "posted", "round": i})
-                os.kill(os.getpid(), signal.SIGSTOP)
+                stop_self()
             settlement = pm.hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
             value = settlement.value if isinstance(settlement, Settlement) else repr(settlement)
             event: dict[str, Any] = {"event": "settled", "round": i, "settlement": value}

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+import os
+import time
 
-def proc_stat(pid: int) -> tuple[str, int]:
-    """``pid``'s state letter and kernel start time (clock ticks since boot).
+
+def proc_stat(pid: int, task_of: int | None = None) -> tuple[str, int]:
+    """``pid``'s state letter and kernel start time (clock ticks since boot);
+    with ``task_of``, those of thread ``pid`` of process ``task_of``.
 
     With the pid, the start time names one process for good, so a reused pid
     is not mistaken for it. Raises ``FileNotFoundError`` if no such pid runs.
     """
-    with open(f"/proc/{pid}/stat", "rb") as f:
+    path = f"/proc/{pid}/stat" if task_of is None else f"/proc/{task_of}/task/{pid}/stat"
+    with open(path, "rb") as f:
         stat = f.read()
     # comm (field 2) may hold spaces and parentheses: fields resume after the last ")"
     fields = stat[stat.rindex(b")") + 2 :].split()
     return fields[0].decode(), int(fields[19])
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped. A SIGSTOP stops the threads
+    of a process one by one: the leader's state alone can say "stopped" while
+    another thread still runs."""
+    try:
+        states = [proc_stat(int(tid), task_of=pid)[0] for tid in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def wait_until_stopped(pid: int, timeout: float = 5.0) -> None:
+    """After a SIGSTOP: return once every thread of ``pid`` is stopped."""
+    deadline = time.monotonic() + timeout
+    while not all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped within {timeout} s")
+        time.sleep(0.001)

@@ -18,6 +18,7 @@ from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.runtime.procs import wait_until_stopped
 from kvconn.testing.faults import AckProxy
 from kvconn.testing.patterns import canary, shard_bytes
 
@@ -84,6 +85,8 @@ class Rank:
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
+            if sig == signal.SIGSTOP:
+                wait_until_stopped(self.proc.pid)
         if sig == signal.SIGKILL:
             self.killed = True
 
