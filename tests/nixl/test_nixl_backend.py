@@ -82,7 +82,10 @@ def test_entry_point_and_capabilities() -> None:
     assert backend.capabilities.writer_fence is True  # default ucx_tls=tcp
     assert backend.capabilities.memory == frozenset({"dram", "vram"})
     assert backend.capabilities_for({"ucx_tls": "default"}).writer_fence is False
-    assert frozenset({"tcp"}) == FENCE_PROVEN_TLS
+    assert Options.parse({"ucx_tls": "tcp"}).fence_proven
+    assert Options.parse({"ucx_tls": "cuda_copy, tcp"}).fence_proven
+    assert not Options.parse({"ucx_tls": "tcp,cma"}).fence_proven
+    assert frozenset({"tcp"}) in FENCE_PROVEN_TLS
     with pytest.raises(ValueError):
         Options.parse({"bogus": "1"})
     with pytest.raises(ValueError):

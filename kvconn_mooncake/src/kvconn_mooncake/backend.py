@@ -47,6 +47,7 @@ from kvconn_mooncake._engine import (
     shared_engine,
     unpack_metadata,
 )
+from kvconn_mooncake._memory import MEMORY_KINDS, Memory, MemoryOptions, cuda_engine_installed
 
 configure_env()
 
@@ -61,15 +62,17 @@ def _check_range(offset: int, nbytes: int, size: int, what: str) -> None:
 
 
 class MooncakeRegion:
-    """Decode's page memory (DRAM), registered with the process's shared engine."""
+    """Decode's page memory (DRAM, or VRAM with ``memory=vram``), registered
+    with the process's shared engine."""
 
     def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
         if nbytes <= 0:
             raise ValueError("region size must be positive")
         host, protocol, device = engine_settings(options)
         self.nbytes = nbytes
-        self.array: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
-        self.base: int = int(self.array.ctypes.data)
+        self.memory = MemoryOptions.parse(options)
+        self._mem = Memory(nbytes, self.memory)
+        self.base: int = self._mem.addr
         self._engine = shared_engine(host, protocol, device)
         rc = self._engine.register_memory(self.base, nbytes)
         if rc != 0:
@@ -78,13 +81,16 @@ class MooncakeRegion:
         self.metadata: bytes = pack_metadata(self.session, self.base, nbytes, protocol)
         self._closed = False
 
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The region's DRAM buffer, without a copy (DRAM only). A method, not
+        a property: pluggy reads every attribute of a registered plugin."""
+        return self._mem.array()
+
     def read(self, offset: int, nbytes: int) -> bytes:
-        _check_range(offset, nbytes, self.nbytes, "read")
-        return self.array[offset : offset + nbytes].tobytes()
+        return self._mem.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
-        _check_range(offset, len(data), self.nbytes, "write")
-        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._mem.write(offset, data)
 
     def close(self) -> None:
         if not self._closed:
@@ -133,8 +139,9 @@ class MooncakeWriter:
         if not 0 < self.max_inflight <= 1000:
             raise ValueError("max_inflight must be in 1..1000 (the engine rejects ~1024 per peer)")
         self.nbytes = nbytes
-        self.array: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
-        self.base: int = int(self.array.ctypes.data)
+        self.memory = MemoryOptions.parse(options)
+        self._mem = Memory(nbytes, self.memory)
+        self.base: int = self._mem.addr
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[int, Posted] = {}
@@ -148,13 +155,16 @@ class MooncakeWriter:
 
     # -- memory -------------------------------------------------------------
 
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The source's DRAM buffer, without a copy (DRAM only). A method, not
+        a property: pluggy reads every attribute of a registered plugin."""
+        return self._mem.array()
+
     def read(self, offset: int, nbytes: int) -> bytes:
-        _check_range(offset, nbytes, self.nbytes, "read")
-        return self.array[offset : offset + nbytes].tobytes()
+        return self._mem.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
-        _check_range(offset, len(data), self.nbytes, "write")
-        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._mem.write(offset, data)
 
     # -- engine ---------------------------------------------------------------
 
@@ -320,15 +330,18 @@ class MooncakeBackend:
     capabilities: Capabilities = attrs.field(
         factory=lambda: Capabilities(
             writer_fence=True,
-            memory=frozenset({"dram"}),
+            memory=frozenset(MEMORY_KINDS if cuda_engine_installed() else ("dram",)),
             cross_host=False,
             max_write_timeout_s=engine_timeout_s(),
             notes=(
                 "Mooncake TE 0.3.13 over P2PHANDSHAKE; tcp tested (loopback), rdma untested. "
                 "Failed writes count as UNSETTLED (a failed call may still write). Fence = destroy "
-                "and re-create the writer's engine (~1 s); proven for a stalled writer, NOT for a stalled "
-                "page owner: bytes already in a frozen decode's socket buffers land on resume (8 MiB "
-                "measured). Engine timeout from MC_TRANSFER_TIMEOUT / MC_TCP_STATUS_TIMEOUT_SEC (min 5 s)."
+                "and re-create the writer's engine (~1 s); proven for a stalled writer; for a stalled "
+                "page owner the core waits for decode's ends of the closed connections to drain (8 MiB "
+                "measured in its socket buffers). Engine timeout from MC_TRANSFER_TIMEOUT / MC_TCP_STATUS_TIMEOUT_SEC (min 5 s). "
+                "vram (memory=vram, gpu_device=N; cupy/torch allocation): declared only with the CUDA "
+                "wheel, whose tcp transport stages device memory through host buffers; conformance passed "
+                "on VRAM on an H200 host."
             ),
         )
     )

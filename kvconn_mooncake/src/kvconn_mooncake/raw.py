@@ -11,7 +11,7 @@ The API matches :mod:`kvconn_nixl.raw`::
 
 ``segments`` are ``(src, dst, nbytes)`` byte offsets (tuples, kvconn
 ``Segment`` s, or an ``(n, 3)`` integer array). ``options`` are the backend's
-(``host``, ``protocol``, ``device``).
+(``host``, ``protocol``, ``device``, ``memory``, ``gpu_device``).
 
 The older functional form stays: ``engine, src = open_engine(n)`` then
 ``write_segments(engine, src_base, region_metadata, segments)``.
@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvconn_mooncake._engine import engine_settings, new_engine, unpack_metadata
+from kvconn_mooncake._memory import Memory, MemoryOptions
 
 __all__ = ["MAX_BATCH", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
 
@@ -65,7 +66,8 @@ def _write(
 
 
 class RawWriter:
-    """DRAM source memory registered with its own engine (P2P handshake)."""
+    """Source memory (DRAM, or VRAM with ``memory=vram``) registered with its
+    own engine (P2P handshake)."""
 
     def __init__(self, nbytes: int, options: Mapping[str, str] | None = None) -> None:
         if nbytes <= 0:
@@ -73,20 +75,23 @@ class RawWriter:
         host, protocol, device = engine_settings(options or {})
         self.max_batch = int((options or {}).get("max_batch", MAX_BATCH))
         self.nbytes = nbytes
-        self.array: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
-        self.base = int(self.array.ctypes.data)
+        self._mem = Memory(nbytes, MemoryOptions.parse(options or {}))
+        self.base = self._mem.addr
         self._engine: Any = new_engine(host, protocol, device)
         if self._engine.register_memory(self.base, nbytes) != 0:
             raise RuntimeError("register_memory failed")
         self._peers: dict[str, tuple[str, int, int]] = {}
 
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The DRAM source itself (no copy); DRAM only."""
+        return self._mem.array()
+
     def read(self, offset: int, nbytes: int) -> bytes:
-        return self.array[offset : offset + nbytes].tobytes()
+        return self._mem.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
-        if offset < 0 or offset + len(data) > self.nbytes:
-            raise ValueError(f"range [{offset}, {offset + len(data)}) outside 0..{self.nbytes}")
-        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._mem.write(offset, data)
 
     def connect(self, peer: str, metadata: bytes) -> None:
         self._peers[peer] = unpack_metadata(metadata)

@@ -8,6 +8,7 @@ costs nothing and a user never meets the UCX segfault-at-exit.
 
 from __future__ import annotations
 
+import glob
 import importlib
 import itertools
 import logging
@@ -72,18 +73,32 @@ def _flag(value: str) -> bool:
 
 
 #: The UCX transport selections whose writer-side fence (destroy the agent
-#: after dropping every handle) has been proven by tests/nixl/test_fence.py.
-FENCE_PROVEN_TLS = frozenset({"tcp"})
+#: after dropping every handle) has been proven by tests/nixl/test_nixl_fence.py
+#: (tcp) and by the conformance suite on an H200 host (tcp,cuda_copy: bytes
+#: still cross only tcp; cuda_copy stages device memory inside one process).
+FENCE_PROVEN_TLS = frozenset({frozenset({"tcp"}), frozenset({"tcp", "cuda_copy"})})
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU is visible. NIXL then refuses UCX_TLS without a CUDA
+    transport ("NVIDIA GPU(s) are present, but this setting does not enable
+    CUDA memory support"), even for DRAM."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def default_ucx_tls() -> str:
+    return "tcp,cuda_copy" if gpu_present() else "tcp"
 
 
 @attrs.frozen
 class Options:
     """Parsed ``options`` mapping (all values are strings, as the core passes)."""
 
-    #: UCX_TLS for this endpoint's agent. "tcp" (default): data moves over
-    #: sockets, the writer fence is proven. "default": let UCX choose (cma +
-    #: tcp here); "DONE" then means landed, but no fence is claimed.
-    ucx_tls: str = "tcp"
+    #: UCX_TLS for this endpoint's agent. "tcp" (default; "tcp,cuda_copy" on a
+    #: host with an NVIDIA GPU): data moves over sockets, the writer fence is
+    #: proven. "default": let UCX choose (cma + tcp here); "DONE" then means
+    #: landed, but no fence is claimed.
+    ucx_tls: str = attrs.field(factory=default_ucx_tls)
     #: UCX devices (NIXL UCX backend param ``ucx_devices``), e.g. "lo". Empty:
     #: UCX decides (needed across hosts).
     net_devices: str = ""
@@ -110,7 +125,7 @@ class Options:
             raise ValueError(f"memory must be 'dram' or 'vram', got {memory!r}")
         prog = options.get("progress_thread")
         return cls(
-            ucx_tls=options.get("ucx_tls", "tcp"),
+            ucx_tls=options.get("ucx_tls") or default_ucx_tls(),
             net_devices=options.get("net_devices", ""),
             memory=memory,
             device=int(options.get("device", "0")),
@@ -120,7 +135,7 @@ class Options:
 
     @property
     def fence_proven(self) -> bool:
-        return self.ucx_tls in FENCE_PROVEN_TLS
+        return frozenset(t.strip() for t in self.ucx_tls.split(",")) in FENCE_PROVEN_TLS
 
     @property
     def nixl_mem(self) -> str:
@@ -251,6 +266,7 @@ class Memory:
             cupy = importlib.import_module("cupy")
             with cupy.cuda.Device(opts.device):
                 self._buf = cupy.zeros(nbytes, dtype=cupy.uint8)
+                cupy.cuda.Device().synchronize()  # the zero fill, before UCX writes
             self.addr = int(self._buf.data.ptr)
             self._lib = "cupy"
         except ImportError:
@@ -261,6 +277,7 @@ class Memory:
                     "memory=vram needs cupy or torch (with CUDA) to allocate device memory"
                 ) from None
             self._buf = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{opts.device}")
+            torch.cuda.synchronize(self._buf.device)
             self.addr = int(self._buf.data_ptr())
             self._lib = "torch"
 
@@ -290,10 +307,13 @@ class Memory:
             self._buf[offset : offset + len(data)] = src
         elif self._lib == "cupy":
             cupy = importlib.import_module("cupy")
-            self._buf[offset : offset + len(data)] = cupy.asarray(src)
+            with self._buf.device:
+                self._buf[offset : offset + len(data)] = cupy.asarray(src)
+            self._buf.device.synchronize()  # UCX reads/writes this memory on its own streams
         else:
             torch = importlib.import_module("torch")
             self._buf[offset : offset + len(data)] = torch.from_numpy(src.copy()).to(self._buf.device)
+            torch.cuda.synchronize(self._buf.device)
 
     def free(self) -> None:
         self._buf = None

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_nixl._nixl import Options, RegionInfo, make_agent
+from kvconn_nixl._nixl import Memory, Options, RegionInfo, make_agent, register
 
 __all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
 
@@ -39,30 +39,31 @@ def segment_rows(segments: Iterable[Any]) -> npt.NDArray[np.int64]:
 
 
 class RawWriter:
-    """DRAM source memory registered with its own nixl agent (no progress
-    thread unless ``progress_thread`` is set: progress happens inside
-    ``check_xfer_state``, as in kvconn's writer)."""
+    """Source memory (DRAM, or VRAM with ``memory=vram``) registered with its
+    own nixl agent (no progress thread unless ``progress_thread`` is set:
+    progress happens inside ``check_xfer_state``, as in kvconn's writer)."""
 
     def __init__(self, nbytes: int, options: Mapping[str, str] | None = None) -> None:
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
         self.options = Options.parse(options or {})
-        if self.options.memory != "dram":
-            raise ValueError("kvconn_nixl.raw writes from DRAM only")
         self.nbytes = nbytes
-        self.array: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
-        self.base = int(self.array.ctypes.data)
+        self._mem = Memory(nbytes, self.options)
+        self.base = self._mem.addr
         self._agent: Any = make_agent("raw", self.options, progress_thread=bool(self.options.progress_thread))
-        self._reg: Any = self._agent.register_memory([(self.base, nbytes, 0, "")], "DRAM")
+        self._reg: Any = register(self._agent, self._mem, self.options)
         self._peers: dict[str, RegionInfo] = {}
 
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The DRAM source itself (no copy); DRAM only."""
+        return self._mem.array()
+
     def read(self, offset: int, nbytes: int) -> bytes:
-        return self.array[offset : offset + nbytes].tobytes()
+        return self._mem.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
-        if offset < 0 or offset + len(data) > self.nbytes:
-            raise ValueError(f"range [{offset}, {offset + len(data)}) outside 0..{self.nbytes}")
-        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._mem.write(offset, data)
 
     def connect(self, peer: str, metadata: bytes) -> None:
         info = RegionInfo.decode(metadata)
@@ -82,7 +83,7 @@ class RawWriter:
         local = np.empty((n, 3), dtype=np.uint64)
         local[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(self.base)
         local[:, 1] = rows[:, 2].astype(np.uint64)
-        local[:, 2] = 0
+        local[:, 2] = self.options.dev_id
         remote = np.empty((n, 3), dtype=np.uint64)
         remote[:, 0] = rows[:, 1].astype(np.uint64) + np.uint64(info.addr)
         remote[:, 1] = local[:, 1]
@@ -90,7 +91,7 @@ class RawWriter:
         agent = self._agent
         handle = agent.initialize_xfer(
             "WRITE",
-            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs(local, self.options.nixl_mem),
             agent.get_xfer_descs(remote, info.mem),
             info.agent_name,
         )
