@@ -25,6 +25,7 @@ from kvconn.protocol.messages import (
     Message,
     RoomOutcome,
     RoomStatus,
+    TcpConnection,
     TransferRequest,
 )
 from kvconn.runtime.control import Listener
@@ -45,13 +46,21 @@ SLOW_EXAMPLES = 100_000
 COUNT: Counter[str] = Counter()
 
 u64 = st.integers(0, (1 << 64) - 1)
+u32 = st.integers(0, (1 << 32) - 1)
 text = st.text(max_size=40)
 messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, text, text, text, u64, u64, u64, st.binary(max_size=64)),
     st.builds(HelloAck, u64, text, text, u64, u64, text),
     st.builds(TransferRequest, u64, text, st.lists(st.integers(0, (1 << 32) - 1), max_size=64).map(tuple)),
     st.builds(Abort, u64, u64, text, text),
-    st.builds(AbortAck, u64, u64, u64, st.booleans()),
+    st.builds(
+        AbortAck,
+        u64,
+        u64,
+        u64,
+        st.booleans(),
+        st.lists(st.builds(TcpConnection, text, u32, text, u32), max_size=4).map(tuple),
+    ),
     st.builds(RoomStatus, u64, u64, st.sampled_from(list(RoomOutcome)), text),
 )
 
@@ -176,12 +185,12 @@ def test_oversized_frames_bounded() -> None:
     big = wire.MAX_FRAME + 1
     for key in (None, KEY):
         with pytest.raises(wire.FrameError) as exc:
-            wire.decode(b"KV\x01\x05" + b"\0" * big, key)
+            wire.decode(b"KV" + bytes([wire.VERSION, 5]) + b"\0" * big, key)
         assert exc.value.reason == "oversize"
     with pytest.raises(ValueError):
         wire.encode(TransferRequest(1, "d", tuple(range(wire.MAX_FRAME // 4 + 1))))
     # a length prefix claiming far more than the frame holds is refused, not allocated
-    frame = b"KV\x01" + bytes([3]) + struct.pack(">Q", 1) + struct.pack(">I", 0xFFFFFFF0)
+    frame = b"KV" + bytes([wire.VERSION, 3]) + struct.pack(">Q", 1) + struct.pack(">I", 0xFFFFFFF0)
     with pytest.raises(wire.FrameError) as exc:
         wire.decode(frame)
     assert exc.value.reason == "bad_body"

@@ -46,13 +46,13 @@ class _Endpoint:
         return bytes(self.region.metadata)
 
     def fill(self, value: int) -> None:
-        self.region.array[:] = value
+        self.region.array()[:] = value
 
     def count_nonzero(self) -> tuple[float, int]:
         import numpy as np
 
         t = time.monotonic()
-        return t, int(np.count_nonzero(self.region.array))
+        return t, int(np.count_nonzero(self.region.array()))
 
     def verify(self, seed: int, src_size: int, segs: list[tuple[int, int, int]]) -> int:
         """Bytes in the region that differ from what ``segs`` should have written."""
@@ -62,7 +62,7 @@ class _Endpoint:
         if key not in self.patterns:
             self.patterns = {key: pattern(seed, src_size)}
         src = self.patterns[key]
-        arr = self.region.array
+        arr = self.region.array()
         bad = 0
         for s, d, n in segs:
             bad += int(np.count_nonzero(arr[d : d + n] != src[s : s + n]))
@@ -71,7 +71,7 @@ class _Endpoint:
     # writer side
     def writer_open(self, nbytes: int, seed: int, options: dict[str, str]) -> str:
         self.writer = self.backend.open_writer(nbytes, options)
-        self.writer.array[:] = pattern(seed, nbytes)
+        self.writer.array()[:] = pattern(seed, nbytes)
         self.pm = self.pluggy.PluginManager("kvconn")
         self.pm.add_hookspecs(self.hookspecs)
         self.pm.register(self.writer)
@@ -138,6 +138,29 @@ class _Endpoint:
             self.raw_engine = new_engine("127.0.0.1", "tcp", "")
             assert self.raw_engine.register_memory(self.writer.base, self.writer.nbytes) == 0
         return raw.write_segments(self.raw_engine, self.writer.base, metadata, segs)
+
+    def fence_closing(self) -> tuple[bool, list[tuple[str, int, str, int]]]:
+        """Fence as the core does: name the TCP connections the fence closed."""
+        import attrs
+
+        from kvconn.runtime.sockets import own_connections
+
+        before = own_connections()
+        ok = bool(self.pm.hook.on_fence())
+        return ok, [attrs.astuple(c) for c in before - own_connections()]
+
+    def wait_drained(self, closed: list[tuple[str, int, str, int]], timeout_s: float) -> float:
+        """Seconds until this (decode) process's ends of ``closed`` drained."""
+        from kvconn.protocol.messages import TcpConnection
+        from kvconn.runtime.sockets import undrained
+
+        conns = [TcpConnection(*c) for c in closed]
+        t0 = time.monotonic()
+        while undrained(conns):
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"not drained within {timeout_s} s: {undrained(conns)}")
+            time.sleep(0.001)
+        return time.monotonic() - t0
 
     def fence(self) -> tuple[bool, float, float]:
         t = time.monotonic()

@@ -111,4 +111,10 @@ def on_fence() -> bool | None:
     the transport has proven quiescence (e.g. destroyed its agent or engine)
     and can write again; the core then acks the poisoned rooms. A transport
     that cannot fence does not implement it (``None``): rooms stay poisoned.
+
+    "Unable to land" is about the writer: bytes already sent on a TCP
+    connection still arrive. The core lists this process's TCP connections
+    before and after the call, names the ones that closed in its fenced
+    acks, and decode waits for its ends of them to drain. So a fence should
+    close the connections its writes travelled on, not leave them open.
     """

@@ -31,6 +31,11 @@ class Metrics:
         self.released_pages = Counter("kvconn_released_pages", "Held pages released", ["proof"], registry=r)
         self.quarantines = Counter("kvconn_quarantines", "Rooms moved to quarantine", registry=r)
         self.rooms_held = Gauge("kvconn_rooms_held", "Rooms held after abort", registry=r)
+        self.acks_draining = Gauge(
+            "kvconn_acks_awaiting_drain",
+            "Fenced acks waiting for decode's ends of the connections the fence closed to drain",
+            registry=r,
+        )
         self.pages_held = Gauge("kvconn_pages_held", "Pages held after abort (incl. quarantine)", registry=r)
         self.pages_quarantined = Gauge("kvconn_pages_quarantined", "Pages in quarantine", registry=r)
         self.quarantine_age = Gauge(

@@ -185,6 +185,36 @@ class RankProc(Child):
         return self.address
 
 
+class OwnerProc(Child):
+    """A decode endpoint in its own process (:mod:`kvconn.conformance.decode_proc`),
+    which the suite can freeze while writes to it are in flight."""
+
+    def __init__(self, settings: Settings, prefill: Sequence[str], num_pages: int, page_bytes: int) -> None:
+        config = settings.config()
+        super().__init__(
+            "kvconn.conformance.decode_proc",
+            {
+                "backend": settings.backend_name,
+                "prefill": list(prefill),
+                "num_pages": num_pages,
+                "page_bytes": page_bytes,
+                "config": {
+                    "write_timeout_s": config.write_timeout_s,
+                    "abort_timeout_s": config.abort_timeout_s,
+                    "resend_interval_s": config.resend_interval_s,
+                    "bootstrap_timeout_s": config.bootstrap_timeout_s,
+                    "backend_options": dict(config.backend_options),
+                },
+            },
+        )
+
+    def command(self, timeout: float, what: str, op: str, **args: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer (the event named ``op``'s past)."""
+        self.send_line(json.dumps({"op": op, **args}))
+        answer = {"open": "opened", "abort": "aborted", "changed": "changed"}[op]
+        return self.expect(timeout, what, event=answer)
+
+
 class Cluster:
     """Decode (in this process) and ``num_ranks`` prefill rank processes."""
 

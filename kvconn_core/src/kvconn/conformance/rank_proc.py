@@ -117,6 +117,13 @@ class Faults:
     def on_abort_notification(self, abort: Abort, known: bool) -> None:
         self._point("abort", abort.room, -1, generation=abort.generation)
 
+    @hookimpl(wrapper=True)
+    def on_fence(self) -> Generator[None, object, object]:
+        emit({"event": "fencing"})
+        result = yield
+        emit({"event": "fenced", "result": result is True})
+        return result
+
 
 def main() -> None:
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)

@@ -12,6 +12,7 @@ prefill rank or bare writer is a child process using the plugin's transport.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from kvconn.conformance.harness import (
     Child,
     Cluster,
     ConformanceFailure,
+    OwnerProc,
+    RankProc,
     Settings,
     wait_for,
 )
@@ -48,6 +51,7 @@ FANOUT_ROOM = 0xFA_0001
 FROZEN_ROOM = 0xF0_0001
 KILLED_ROOM = 0xDEAD_0001
 FORGED_ROOM = 0xF06_0001
+OWNER_ROOM = 0x0F0_0001
 
 
 @contextmanager
@@ -400,6 +404,57 @@ class ConformanceSuite:
                 raise ConformanceFailure(f"quarantined room released by {release.proof.value}")
             _settled_before(cluster, FROZEN_ROOM, released_at)
             _no_late_bytes(cluster, FROZEN_ROOM, pages, max(0.5, 2 * kvconn_settings.write_timeout_s))
+
+    def test_frozen_owner_gets_pages_back_only_after_drain(self, kvconn_settings: Settings) -> None:
+        """A frozen page owner: the writer misses its deadline, fences and acks,
+        but bytes it had already sent wait in the owner's socket buffers. Once
+        the owner resumes, it must not hand the pages out before they drained."""
+        backend = kvconn_settings.backend
+        require_capability(backend.capabilities.writer_fence, "no writer fence declared")
+        page_bytes, npages = MiB, 64  # one chunk of 64 MiB
+        warm = OWNER_ROOM + 1
+        faults = {OWNER_ROOM: {"pause": "before_post", "pause_s": 0.3}, warm: {}}
+        rank = RankProc(kvconn_settings, 0, 1, page_bytes, npages, npages, faults)
+        owner: OwnerProc | None = None
+        try:
+            owner = OwnerProc(kvconn_settings, [rank.ready()], npages + 1, page_bytes)
+            owner.expect(60, "frozen owner: decode start", event="ready")
+            # Connect first: a transport's handshake with a frozen peer may wait a minute.
+            owner.command(10, "frozen owner: open a first room", "open", room=warm, pages=[npages])
+            rank.expect(30, "frozen owner: the first room lands", event="after_barrier", room=warm)
+            pages = list(range(npages))
+            owner.command(10, "frozen owner: open", "open", room=OWNER_ROOM, pages=pages)
+            rank.expect(10, "frozen owner: the writer is about to post", event="paused")
+            owner.command(5, "frozen owner: abort", "abort", room=OWNER_ROOM)
+            rank.expect(5, "frozen owner: the ABORT reached the writer", event="abort")
+            owner.signal(signal.SIGSTOP)  # the writer posts 64 MiB into a frozen owner
+            wait_for(owner.stopped, 5, "frozen owner: decode froze")
+            deadline = kvconn_settings.write_timeout_s + 10
+            settled = rank.expect(deadline, "frozen owner: the writer settles", event="after_barrier")
+            if settled["settlement"] != Settlement.LANDED.value:
+                rank.expect(10, "frozen owner: the writer fences", event="fencing")
+                # A fence of the writer's own (agent or engine teardown) ends
+                # while the owner is frozen, and its ack waits in the owner's
+                # socket: the case to check. A fence that needs the owner's
+                # answer (tcpdemo's in-band marker) ends after the resume.
+                with contextlib.suppress(ConformanceFailure):
+                    rank.expect(5, "frozen owner: the fence ends", event="fenced")
+            owner.signal(signal.SIGCONT)
+            release = owner.expect(
+                kvconn_settings.effective_abort_timeout() + 10, "frozen owner: released", event="released"
+            )
+            time.sleep(max(0.5, 2 * kvconn_settings.write_timeout_s))
+            changed = owner.command(10, "frozen owner: check pages", "changed", pages=pages)["pages"]
+            if changed:
+                raise ConformanceFailure(
+                    f"frozen owner: {len(changed)} of {npages} pages changed after decode released them "
+                    f"({release['proof']}) and handed them out again: bytes sent before the writer's "
+                    "fence drained from decode's socket buffers after the release"
+                )
+        finally:
+            if owner is not None:
+                owner.close()
+            rank.close()
 
     def test_fanout_needs_every_rank(self, wide: Cluster, kvconn_settings: Settings) -> None:
         """A room written by three ranks is released only after all three acked."""

@@ -73,15 +73,32 @@ class Abort:
     reply_to: str
 
 
+@attrs.frozen(slots=True, order=True)
+class TcpConnection:
+    """One TCP connection, as the writer's end sees it."""
+
+    local_host: str
+    local_port: int
+    remote_host: str
+    remote_port: int
+
+
 @attrs.frozen(slots=True)
 class AbortAck:
     """Prefill rank -> decode: no write of ``room`` by ``rank`` can land.
-    ``fenced`` says the proof came from the writer's fence."""
+
+    ``fenced`` says the proof came from the writer's fence, and ``closed``
+    names the TCP connections that fence closed. Closing a connection does
+    not take back the bytes already sent on it: decode counts the ack only
+    once its own end of each has drained (a frozen decode resumes with
+    megabytes in its socket buffers).
+    """
 
     room: int
     rank: int
     generation: int
     fenced: bool
+    closed: tuple[TcpConnection, ...] = ()
 
 
 @attrs.frozen(slots=True)

@@ -28,13 +28,15 @@ from kvconn.protocol.messages import (
     RoomOutcome,
     RoomStatus,
     Tag,
+    TcpConnection,
     TransferRequest,
 )
 
 MAGIC = b"KV"
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 4 << 20
 MAX_PAGES = 1 << 20
+MAX_CONNECTIONS = 1 << 16
 MAC_BYTES = 32
 
 _HEADER = struct.Struct(">2sBB")
@@ -42,13 +44,13 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 
 #: Field codes: u = u64 int, s = utf-8 str, b = bytes, p = tuple of u32 pages,
-#: ? = bool, o = RoomOutcome.
+#: ? = bool, o = RoomOutcome, c = tuple of TcpConnection.
 _SCHEMA: dict[type[Message], str] = {
     Hello: "sssuuub",
     HelloAck: "ussuus",
     TransferRequest: "usp",
     Abort: "uuss",
-    AbortAck: "uuu?",
+    AbortAck: "uuu?c",
     RoomStatus: "uuos",
 }
 _BY_TAG: dict[int, type[Message]] = {int(tag): cls for cls, tag in TAGS.items()}
@@ -140,6 +142,33 @@ def _dec_pages(r: _Reader) -> tuple[int, ...]:
     return struct.unpack(f">{n}I", r.take(4 * n))
 
 
+def _enc_str(value: str) -> bytes:
+    return _enc_bytes(value.encode())
+
+
+def _dec_str(r: _Reader) -> str:
+    return str(r.take(r.u32()), "utf-8")
+
+
+def _enc_connections(conns: tuple[TcpConnection, ...]) -> bytes:
+    parts = [_U32.pack(len(conns))]
+    for c in conns:
+        parts += [
+            _enc_str(c.local_host),
+            _U32.pack(c.local_port),
+            _enc_str(c.remote_host),
+            _U32.pack(c.remote_port),
+        ]
+    return b"".join(parts)
+
+
+def _dec_connections(r: _Reader) -> tuple[TcpConnection, ...]:
+    n = r.u32()
+    if n > MAX_CONNECTIONS:
+        raise ValueError(f"{n} connections")
+    return tuple(TcpConnection(_dec_str(r), r.u32(), _dec_str(r), r.u32()) for _ in range(n))
+
+
 def _dec_bool(r: _Reader) -> bool:
     b = r.take(1)[0]
     if b > 1:
@@ -149,19 +178,21 @@ def _dec_bool(r: _Reader) -> bool:
 
 _ENCODERS: dict[str, Callable[[Any], bytes]] = {
     "u": _U64.pack,
-    "s": lambda v: _enc_bytes(v.encode()),
+    "s": _enc_str,
     "b": _enc_bytes,
     "p": _enc_pages,
     "?": lambda v: b"\x01" if v else b"\x00",
     "o": lambda v: bytes([int(v)]),
+    "c": _enc_connections,
 }
 _DECODERS: dict[str, Callable[[_Reader], Any]] = {
     "u": _Reader.u64,
-    "s": lambda r: str(r.take(r.u32()), "utf-8"),
+    "s": _dec_str,
     "b": lambda r: bytes(r.take(r.u32())),
     "p": _dec_pages,
     "?": _dec_bool,
     "o": lambda r: RoomOutcome(r.take(1)[0]),
+    "c": _dec_connections,
 }
 
 __all__ = ["FrameError", "Tag", "decode", "encode", "MAX_FRAME", "VERSION"]

@@ -40,6 +40,7 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import proc_stat
+from kvconn.runtime.sockets import undrained
 from kvconn.transport import Backend
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class DecodeEndpoint:
     """One decode process's kvconn endpoint over ``num_pages`` pages."""
 
     EXIT_CHECK_S = 0.05
+    DRAIN_CHECK_S = 0.005
+    MAX_DRAINING = 4096
 
     def __init__(
         self,
@@ -117,6 +120,9 @@ class DecodeEndpoint:
         self._failed: dict[int, str] = {}
         self._aborted: set[int] = set()
         self._next_exit_check = 0.0
+        #: Fenced acks held back until decode's ends of the connections the
+        #: fence closed have drained (see runtime/sockets.py).
+        self._draining: dict[tuple[int, int, int], AbortAck] = {}
         self._addresses: frozenset[str] = frozenset()
         self._listener = Listener(
             self.name,
@@ -210,9 +216,11 @@ class DecodeEndpoint:
         now = self.clock()
         with self._lock:
             if isinstance(msg, AbortAck):
-                actions = self.tracker.ack(msg, now)
-                if not any(isinstance(a, Dropped) for a in actions):
-                    self.metrics.acks_received.inc()
+                if msg.closed and undrained(msg.closed):
+                    self._hold_back(msg)
+                    actions = []
+                else:
+                    actions = self._ack(msg, now)
             elif isinstance(msg, RoomStatus):
                 actions = []
                 if msg.rank not in self.tracker.ranks_of(msg.room):
@@ -247,14 +255,45 @@ class DecodeEndpoint:
     def _on_idle(self) -> float | None:
         now = self.clock()
         with self._lock:
-            actions = self.tracker.tick(now)
+            actions = self._drained_acks(now) + self.tracker.tick(now)
             if now >= self._next_exit_check:
                 self._next_exit_check = now + self.EXIT_CHECK_S
                 actions += self._check_exits(now)
             releases = self._execute(actions)
             next_deadline = self.tracker.next_deadline()
+            draining = bool(self._draining)
         self._notify(releases)
-        return None if next_deadline is None else max(0.0, next_deadline - now)
+        wait = None if next_deadline is None else max(0.0, next_deadline - now)
+        if draining:
+            wait = self.DRAIN_CHECK_S if wait is None else min(wait, self.DRAIN_CHECK_S)
+        return wait
+
+    def _ack(self, ack: AbortAck, now: float) -> list[HoldAction]:
+        # called with the lock held
+        actions = self.tracker.ack(ack, now)
+        if not any(isinstance(a, Dropped) for a in actions):
+            self.metrics.acks_received.inc()
+        return actions
+
+    def _hold_back(self, ack: AbortAck) -> None:
+        # called with the lock held
+        key = (ack.room, ack.rank, ack.generation)
+        if key not in self._draining and len(self._draining) >= self.MAX_DRAINING:
+            self._count_drop("drain_backlog_full")
+            return
+        self._draining[key] = ack
+        self.metrics.acks_draining.set(len(self._draining))
+
+    def _drained_acks(self, now: float) -> list[HoldAction]:
+        """Feed the held-back acks whose connections have drained to the tracker."""
+        # called with the lock held
+        actions: list[HoldAction] = []
+        for key, ack in list(self._draining.items()):
+            if not undrained(ack.closed):
+                del self._draining[key]
+                actions += self._ack(ack, now)
+        self.metrics.acks_draining.set(len(self._draining))
+        return actions
 
     def _check_exits(self, now: float) -> list[HoldAction]:
         rooms = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)

@@ -13,10 +13,12 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 import pluggy
 
 from kvconn import hookspecs
@@ -31,16 +33,21 @@ from kvconn.protocol.messages import (
     Message,
     RoomOutcome,
     RoomStatus,
+    TcpConnection,
     TransferRequest,
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.procs import proc_stat
+from kvconn.runtime.sockets import own_connections
 from kvconn.transport import Backend, Settlement
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+#: Fences whose closed connections a fenced ack still names: a room fenced
+#: by an older one is acked late only after decode's ends drained long ago.
+FENCES_REMEMBERED = 16
 
 
 class FenceGate:
@@ -119,6 +126,9 @@ class PrefillRank:
         self._lock = threading.Lock()
         self._gate = FenceGate()
         self._poisoned_shown = 0
+        #: The TCP connections recent fences closed: every fenced ack names
+        #: them, so decode can wait for its ends to drain (runtime/sockets.py).
+        self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
         self.writer = backend.open_writer(source_bytes, self.config.backend_options)
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
@@ -320,6 +330,7 @@ class PrefillRank:
             with self._lock:
                 if not self.ledger.poisoned():
                     return
+            before = own_connections()
             try:
                 fenced = self.pm.hook.on_fence()
             except Exception as exc:
@@ -331,6 +342,7 @@ class PrefillRank:
                 return
             self.metrics.fences.labels("ok").inc()
             with self._lock:
+                self._fence_closed.append(before - own_connections())
                 self._execute(self.ledger.fenced())
 
     # -- helpers -----------------------------------------------------------
@@ -339,7 +351,10 @@ class PrefillRank:
         for action in actions:
             if isinstance(action, SendAck):
                 if self.config.acks_enabled:
-                    self._outbox.send(action.reply_to, action.ack)
+                    ack = action.ack
+                    if ack.fenced and self._fence_closed:
+                        ack = attrs.evolve(ack, closed=tuple(sorted(frozenset().union(*self._fence_closed))))
+                    self._outbox.send(action.reply_to, ack)
                     self.metrics.acks_sent.inc()
             elif isinstance(action, NotifyDecode):
                 peer = self._peers.get(action.decode)

@@ -1,0 +1,70 @@
+"""A decode endpoint in its own process, so the suite can freeze the page
+owner (SIGSTOP) while writes to it are in flight.
+
+It lays a canary in every page it owns and, like an engine, hands released
+pages out again at once: the release callback writes a fresh canary. Driven
+by JSON lines on stdin, it reports JSON lines on stdout (``emit``)::
+
+    {"op": "open", "room": R, "pages": [...]}   -> {"event": "opened"}
+    {"op": "abort", "room": R}                  -> {"event": "aborted"}
+    {"op": "changed", "pages": [...]}           -> {"event": "changed", "pages": [...]}
+    (on every release)                          -> {"event": "released", "room": R, "proof": ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from kvconn.config import Config
+from kvconn.conformance.rank_proc import emit
+from kvconn.plugins import get_backend
+from kvconn.protocol.hold import Release
+from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.patterns import canary
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    args = json.loads(sys.argv[1])
+    page_bytes = int(args["page_bytes"])
+    fresh = canary(page_bytes)
+    endpoint: DecodeEndpoint | None = None
+
+    def on_release(release: Release) -> None:
+        assert endpoint is not None
+        for page in release.pages:  # handed out again at once
+            endpoint.region.write(page * page_bytes, fresh)
+        emit({"event": "released", "room": release.room, "proof": release.proof.value})
+
+    endpoint = DecodeEndpoint(
+        get_backend(args["backend"]),
+        int(args["num_pages"]),
+        page_bytes,
+        list(args["prefill"]),
+        Config(**args["config"]),
+        on_release=on_release,
+    )
+    endpoint.region.write(0, canary(int(args["num_pages"]) * page_bytes))
+    receivers: dict[int, Receiver] = {}
+    emit({"event": "ready", "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd: dict[str, Any] = json.loads(line)
+        op = cmd["op"]
+        if op == "open":
+            receivers[cmd["room"]] = endpoint.receiver(cmd["room"], cmd["pages"])
+            emit({"event": "opened", "room": cmd["room"]})
+        elif op == "abort":
+            receivers[cmd["room"]].abort()
+            emit({"event": "aborted", "room": cmd["room"]})
+        elif op == "changed":
+            bad = [p for p in cmd["pages"] if endpoint.region.read(p * page_bytes, page_bytes) != fresh]
+            emit({"event": "changed", "pages": bad})
+    endpoint.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Which TCP connections a fence closed, and whether decode's ends drained.
+
+A writer's fence (destroying its NIXL agent or Mooncake engine) closes its
+TCP connections, but the bytes it had already sent stay on their way: in the
+writer's send queue, in flight, in decode's receive queue, or in a connection
+decode's transport has not even accepted yet. If decode was frozen (SIGSTOP,
+a swap or GC stall) or cut off, its transport writes them into the pages when
+it runs again. TCP delivers a connection's FIN after all of its data, so once
+decode's end of every connection the fence closed has seen the FIN and been
+closed by decode's transport (which reads up to end-of-stream first), nothing
+sent before the fence can land. Read from ``/proc`` (Linux); elsewhere no
+connection is named and a fence is taken as it is.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterable
+
+import attrs
+
+from kvconn.protocol.messages import TcpConnection
+
+# /proc/net/tcp state codes
+_LISTEN = 0x0A
+#: Decode's end can still receive or still be read: ESTABLISHED, SYN_SENT,
+#: SYN_RECV, CLOSE_WAIT (FIN received, but the transport has not read to the
+#: end and closed). Every other state means decode's transport closed it.
+_UNDRAINED = frozenset({0x01, 0x02, 0x03, 0x08})
+
+
+@attrs.frozen(slots=True)
+class _Row:
+    conn: TcpConnection
+    state: int
+    inode: int
+
+
+def _host(hex_ip: str) -> str:
+    if len(hex_ip) == 8:
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hex_ip, 16)))
+    raw = b"".join(struct.pack("<I", int(hex_ip[i : i + 8], 16)) for i in range(0, 32, 8))
+    ip = ipaddress.IPv6Address(raw)
+    return str(ip.ipv4_mapped or ip)
+
+
+def _endpoint(field: str) -> tuple[str, int]:
+    hex_ip, hex_port = field.split(":")
+    return _host(hex_ip), int(hex_port, 16)
+
+
+def _rows() -> list[_Row]:
+    """This network namespace's TCP sockets."""
+    rows = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            (lh, lp), (rh, rp) = _endpoint(fields[1]), _endpoint(fields[2])
+            rows.append(_Row(TcpConnection(lh, lp, rh, rp), int(fields[3], 16), int(fields[9])))
+    return rows
+
+
+def _own_inodes() -> set[int]:
+    inodes: set[int] = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def own_connections() -> frozenset[TcpConnection]:
+    """The TCP connections this process holds open (listening sockets aside)."""
+    inodes = _own_inodes()
+    return frozenset(r.conn for r in _rows() if r.inode in inodes and r.state != _LISTEN)
+
+
+def undrained(closed: Iterable[TcpConnection]) -> list[TcpConnection]:
+    """Of the connections a writer's fence ``closed`` (the writer's view),
+    those whose end in this process may still deliver bytes to it.
+
+    An end counts while it is open, or waits unaccepted on one of this
+    process's listening sockets (the transport reads it once it accepts it).
+    A connection whose other end is not here (another host, another process,
+    or gone) is not listed.
+    """
+    wanted = {TcpConnection(c.remote_host, c.remote_port, c.local_host, c.local_port): c for c in closed}
+    if not wanted:
+        return []
+    rows = _rows()
+    inodes = _own_inodes()
+    listening = {r.conn.local_port for r in rows if r.state == _LISTEN and r.inode in inodes}
+    return [
+        wanted[r.conn]
+        for r in rows
+        if r.conn in wanted
+        and r.state in _UNDRAINED
+        and (r.inode in inodes or (r.inode == 0 and r.conn.local_port in listening))
+    ]

@@ -1,0 +1,56 @@
+"""runtime/sockets.py on real sockets of this process (127.0.0.1)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvconn.protocol import wire
+from kvconn.protocol.messages import AbortAck, TcpConnection
+from kvconn.runtime.sockets import own_connections, undrained
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+
+
+@pytest.fixture
+def server() -> Iterator[socket.socket]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    yield srv
+    srv.close()
+
+
+def _writer_view(client: socket.socket) -> TcpConnection:
+    (lh, lp), (rh, rp) = client.getsockname(), client.getpeername()
+    return TcpConnection(lh, lp, rh, rp)
+
+
+def test_a_closed_connection_drains_only_when_the_owner_closes_its_end(server: socket.socket) -> None:
+    client = socket.create_connection(server.getsockname())
+    conn = _writer_view(client)
+    assert conn in own_connections()
+    assert undrained([conn]) == [conn]  # not accepted yet: waits on our listener
+    accepted, _ = server.accept()
+    client.sendall(b"x" * 1000)
+    client.close()  # the writer's fence
+    assert conn not in own_connections()
+    assert undrained([conn]) == [conn]  # FIN received, 1000 bytes unread: CLOSE_WAIT
+    assert accepted.recv(4096)
+    assert undrained([conn]) == [conn]  # read, but the owner has not closed its end
+    accepted.close()
+    assert undrained([conn]) == []
+
+
+def test_connections_of_other_hosts_or_gone_are_not_waited_for() -> None:
+    gone = TcpConnection("127.0.0.1", 1, "127.0.0.1", 2)
+    elsewhere = TcpConnection("10.255.0.1", 40000, "10.255.0.2", 5000)
+    assert undrained([gone, elsewhere]) == []
+    assert undrained([]) == []
+
+
+def test_an_ack_carries_its_closed_connections_on_the_wire() -> None:
+    ack = AbortAck(7, 1, 3, True, (TcpConnection("127.0.0.1", 5, "::1", 6),))
+    assert wire.decode(wire.encode(ack, b"k"), b"k") == ack
+    assert wire.decode(wire.encode(AbortAck(7, 1, 3, False))).closed == ()
