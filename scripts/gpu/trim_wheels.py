@@ -4,7 +4,17 @@ drop everything else; rewrite RECORD (hashes of kept files); recompress (deflate
 
 usage: python trim_wheels.py IN.whl OUT_DIR ROOT_REGEX [ROOT_REGEX ...]
 """
-import base64, csv, hashlib, io, os, re, subprocess, sys, tempfile, zipfile
+
+import base64
+import csv
+import hashlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
 
 src, outdir, *roots = sys.argv[1:]
 zin = zipfile.ZipFile(src)
@@ -13,23 +23,31 @@ by_base = {}
 for n in names:
     by_base.setdefault(os.path.basename(n), []).append(n)
 
+
 def is_elf(data: bytes) -> bool:
     return data[:4] == b"\x7fELF"
+
 
 def needed(name: str) -> list[str]:
     data = zin.read(name)
     if not is_elf(data):
         return []
     with tempfile.NamedTemporaryFile() as f:
-        f.write(data); f.flush()
+        f.write(data)
+        f.flush()
         out = subprocess.run(["readelf", "-d", f.name], capture_output=True, text=True).stdout
     return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out)
 
+
 keep = set()
 for n in names:
-    if n.endswith(".py") or n.endswith(".pyi") or n.endswith("py.typed") or ".dist-info/" in n:
-        keep.add(n)
-    elif any(re.search(r, n) for r in roots):
+    if (
+        n.endswith(".py")
+        or n.endswith(".pyi")
+        or n.endswith("py.typed")
+        or ".dist-info/" in n
+        or any(re.search(r, n) for r in roots)
+    ):
         keep.add(n)
 todo = [n for n in keep]
 while todo:
@@ -37,7 +55,8 @@ while todo:
     for lib in needed(n):
         for cand in by_base.get(lib, []):
             if cand not in keep:
-                keep.add(cand); todo.append(cand)
+                keep.add(cand)
+                todo.append(cand)
 record = next(n for n in names if n.endswith(".dist-info/RECORD"))
 os.makedirs(outdir, exist_ok=True)
 dst = os.path.join(outdir, os.path.basename(src))
@@ -59,8 +78,10 @@ with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
     csv.writer(buf, lineterminator="\n").writerows(rows)
     zout.writestr(record, buf.getvalue())
 dropped = sorted(set(names) - keep)
-print(f"{dst}: kept {len(keep)} of {len(names)} files, {os.path.getsize(dst)/2**20:.1f} MiB "
-      f"(was {os.path.getsize(src)/2**20:.1f} MiB)")
+print(
+    f"{dst}: kept {len(keep)} of {len(names)} files, {os.path.getsize(dst) / 2**20:.1f} MiB "
+    f"(was {os.path.getsize(src) / 2**20:.1f} MiB)"
+)
 for n in sorted(keep):
     if zin.getinfo(n).file_size > 200_000:
         print("  keep", n, zin.getinfo(n).file_size)

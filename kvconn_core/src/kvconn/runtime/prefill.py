@@ -19,9 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
-import pluggy
 
-from kvconn import hookspecs
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config, check_deadlines
 from kvconn.metrics import Metrics
@@ -37,6 +35,7 @@ from kvconn.protocol.messages import (
     TransferRequest,
 )
 from kvconn.runtime.control import Listener, Outbox
+from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.procs import proc_stat
 from kvconn.runtime.sockets import own_connections
@@ -130,12 +129,12 @@ class PrefillRank:
         #: them, so decode can wait for its ends to drain (runtime/sockets.py).
         self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
         self.writer = backend.open_writer(source_bytes, self.config.backend_options)
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self.pm.add_hookspecs(hookspecs)
+        self.pm = HookManager()
         self.pm.register(self.writer, name="transport")
         for i, observer in enumerate(observers):
             self.pm.register(observer, name=f"observer-{i}")
         self.pm.check_pending()
+        self._hooks = ChunkHooks(self.pm)
         outcomes = [s.value for s in Settlement] + ["skipped", "plugin_error"]
         self._chunk_outcomes = {name: self.metrics.chunks.labels(name) for name in outcomes}
         self._peers: dict[str, _Peer] = {}
@@ -257,16 +256,14 @@ class PrefillRank:
             self._transfer(*item)
 
     def _transfer(self, chunk: Chunk, segments: list[Segment]) -> None:
-        hook = self.pm.hook
+        hooks = self._hooks.current()
         with self._lock:
             write = self.ledger.dequeue(chunk.room)  # invariant D: counted here
         try:
-            # A hook call costs ~1 us even with nobody listening; asking costs
-            # a fifth of that (observers may be registered at any time).
-            if hook.on_dequeue.get_hookimpls():
-                hook.on_dequeue(chunk=chunk)
-            if not write and hook.on_skip.get_hookimpls():
-                hook.on_skip(chunk=chunk)
+            if hooks.has_dequeue:
+                hooks.dequeue(chunk)
+            if not write and hooks.has_skip:
+                hooks.skip(chunk)
         except Exception as exc:
             self._fail_chunk(chunk, "on_dequeue/on_skip", exc)
             return
@@ -284,14 +281,14 @@ class PrefillRank:
         self._gate.enter()
         try:
             try:
-                posted = hook.on_post(chunk=chunk, segments=segments)
+                posted = hooks.post(chunk, segments)
                 if posted is None:
                     raise RuntimeError("no transport answered on_post")
             except Exception as exc:
                 failure = ("on_post", exc)
             if failure is None:
                 try:
-                    settlement = hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
+                    settlement = hooks.done_barrier(chunk, posted, deadline)
                     if not isinstance(settlement, Settlement):
                         raise RuntimeError(f"on_done_barrier answered {settlement!r}")
                 except Exception as exc:
