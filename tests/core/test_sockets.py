@@ -10,7 +10,7 @@ import pytest
 
 from kvconn.protocol import wire
 from kvconn.protocol.messages import AbortAck, TcpConnection
-from kvconn.runtime.sockets import own_connections, undrained
+from kvconn.runtime.sockets import dead_peer_ends, own_connections, undrained
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -54,3 +54,17 @@ def test_an_ack_carries_its_closed_connections_on_the_wire() -> None:
     ack = AbortAck(7, 1, 3, True, (TcpConnection("127.0.0.1", 5, "::1", 6),))
     assert wire.decode(wire.encode(ack, b"k"), b"k") == ack
     assert wire.decode(wire.encode(AbortAck(7, 1, 3, False))).closed == ()
+
+
+def test_an_end_whose_peer_closed_is_waited_for_until_closed(server: socket.socket) -> None:
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    ours = _writer_view(accepted)
+    assert ours not in dead_peer_ends()  # the peer end is held (by us, here)
+    client.sendall(b"late")
+    client.close()  # the peer's process lets go (closed, or died)
+    assert ours in dead_peer_ends()  # CLOSE_WAIT with 4 bytes unread
+    assert accepted.recv(16) == b"late"
+    assert ours in dead_peer_ends()  # read, but still open
+    accepted.close()
+    assert ours not in dead_peer_ends()

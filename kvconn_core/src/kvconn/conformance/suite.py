@@ -99,6 +99,52 @@ def _no_late_bytes(cluster: Cluster, room: int, pages: list[int], settle_s: floa
         )
 
 
+@contextmanager
+def _frozen_owner(settings: Settings) -> Iterator[tuple[RankProc, OwnerProc, list[int]]]:
+    """One rank writing a 64 MiB chunk into a decode process that aborted the
+    room and was then frozen (SIGSTOP) just before the writer posted."""
+    page_bytes, npages = MiB, 64  # one chunk of 64 MiB
+    warm = OWNER_ROOM + 1
+    faults = {OWNER_ROOM: {"pause": "before_post", "pause_s": 0.3}, warm: {}}
+    rank = RankProc(settings, 0, 1, page_bytes, npages, npages, faults)
+    owner: OwnerProc | None = None
+    try:
+        owner = OwnerProc(settings, [rank.ready()], npages + 1, page_bytes)
+        owner.expect(60, "frozen owner: decode start", event="ready")
+        # Connect first: a transport's handshake with a frozen peer may wait a minute.
+        owner.command(10, "frozen owner: open a first room", "open", room=warm, pages=[npages])
+        rank.expect(30, "frozen owner: the first room lands", event="after_barrier", room=warm)
+        pages = list(range(npages))
+        owner.command(10, "frozen owner: open", "open", room=OWNER_ROOM, pages=pages)
+        rank.expect(10, "frozen owner: the writer is about to post", event="paused")
+        owner.command(5, "frozen owner: abort", "abort", room=OWNER_ROOM)
+        rank.expect(5, "frozen owner: the ABORT reached the writer", event="abort")
+        owner.signal(signal.SIGSTOP)  # the writer posts 64 MiB into a frozen owner
+        wait_for(owner.stopped, 5, "frozen owner: decode froze")
+        yield rank, owner, pages
+    finally:
+        if owner is not None:
+            owner.close()
+        rank.close()
+
+
+def _resume_and_check(settings: Settings, owner: OwnerProc, pages: list[int], proof: str) -> None:
+    """Resume the owner; once it released the room (and wrote fresh canaries
+    into its pages), no byte of the old write may change them."""
+    owner.signal(signal.SIGCONT)
+    release = owner.expect(
+        settings.effective_abort_timeout() + 10, "frozen owner: released", event="released"
+    )
+    time.sleep(max(0.5, 2 * settings.write_timeout_s))
+    changed = owner.command(10, "frozen owner: check pages", "changed", pages=pages)["pages"]
+    if changed:
+        raise ConformanceFailure(
+            f"frozen owner: {len(changed)} of {len(pages)} pages changed after decode released them "
+            f"({release['proof']}, after {proof}) and handed them out again: bytes sent before drained "
+            "from decode's socket buffers after the release"
+        )
+
+
 @pytest.mark.kvconn_conformance
 class ConformanceSuite:
     """Subclass it (named ``Test...``) in a plugin's tests."""
@@ -409,28 +455,13 @@ class ConformanceSuite:
         """A frozen page owner: the writer misses its deadline, fences and acks,
         but bytes it had already sent wait in the owner's socket buffers. Once
         the owner resumes, it must not hand the pages out before they drained."""
-        backend = kvconn_settings.backend
-        require_capability(backend.capabilities.writer_fence, "no writer fence declared")
-        page_bytes, npages = MiB, 64  # one chunk of 64 MiB
-        warm = OWNER_ROOM + 1
-        faults = {OWNER_ROOM: {"pause": "before_post", "pause_s": 0.3}, warm: {}}
-        rank = RankProc(kvconn_settings, 0, 1, page_bytes, npages, npages, faults)
-        owner: OwnerProc | None = None
-        try:
-            owner = OwnerProc(kvconn_settings, [rank.ready()], npages + 1, page_bytes)
-            owner.expect(60, "frozen owner: decode start", event="ready")
-            # Connect first: a transport's handshake with a frozen peer may wait a minute.
-            owner.command(10, "frozen owner: open a first room", "open", room=warm, pages=[npages])
-            rank.expect(30, "frozen owner: the first room lands", event="after_barrier", room=warm)
-            pages = list(range(npages))
-            owner.command(10, "frozen owner: open", "open", room=OWNER_ROOM, pages=pages)
-            rank.expect(10, "frozen owner: the writer is about to post", event="paused")
-            owner.command(5, "frozen owner: abort", "abort", room=OWNER_ROOM)
-            rank.expect(5, "frozen owner: the ABORT reached the writer", event="abort")
-            owner.signal(signal.SIGSTOP)  # the writer posts 64 MiB into a frozen owner
-            wait_for(owner.stopped, 5, "frozen owner: decode froze")
-            deadline = kvconn_settings.write_timeout_s + 10
-            settled = rank.expect(deadline, "frozen owner: the writer settles", event="after_barrier")
+        require_capability(kvconn_settings.backend.capabilities.writer_fence, "no writer fence declared")
+        with _frozen_owner(kvconn_settings) as (rank, owner, pages):
+            settled = rank.expect(
+                kvconn_settings.write_timeout_s + 10,
+                "frozen owner: the writer settles",
+                event="after_barrier",
+            )
             if settled["settlement"] != Settlement.LANDED.value:
                 rank.expect(10, "frozen owner: the writer fences", event="fencing")
                 # A fence of the writer's own (agent or engine teardown) ends
@@ -439,22 +470,19 @@ class ConformanceSuite:
                 # answer (tcpdemo's in-band marker) ends after the resume.
                 with contextlib.suppress(ConformanceFailure):
                     rank.expect(5, "frozen owner: the fence ends", event="fenced")
-            owner.signal(signal.SIGCONT)
-            release = owner.expect(
-                kvconn_settings.effective_abort_timeout() + 10, "frozen owner: released", event="released"
-            )
-            time.sleep(max(0.5, 2 * kvconn_settings.write_timeout_s))
-            changed = owner.command(10, "frozen owner: check pages", "changed", pages=pages)["pages"]
-            if changed:
-                raise ConformanceFailure(
-                    f"frozen owner: {len(changed)} of {npages} pages changed after decode released them "
-                    f"({release['proof']}) and handed them out again: bytes sent before the writer's "
-                    "fence drained from decode's socket buffers after the release"
-                )
-        finally:
-            if owner is not None:
-                owner.close()
-            rank.close()
+            _resume_and_check(kvconn_settings, owner, pages, "the writer's fence")
+
+    def test_frozen_owner_killed_writer_gets_pages_back_only_after_drain(
+        self, kvconn_settings: Settings
+    ) -> None:
+        """A frozen page owner, and the writer killed with its write in flight:
+        the dead writer's kernel still delivers what it had sent. The writer's
+        exit proves nothing until the owner's ends of its connections drained."""
+        with _frozen_owner(kvconn_settings) as (rank, owner, pages):
+            rank.expect(10, "frozen owner: the writer posts", event="after_post")
+            time.sleep(0.2)  # the transport fills the socket buffers towards the frozen owner
+            rank.kill()
+            _resume_and_check(kvconn_settings, owner, pages, "the writer's exit")
 
     def test_fanout_needs_every_rank(self, wide: Cluster, kvconn_settings: Settings) -> None:
         """A room written by three ranks is released only after all three acked."""

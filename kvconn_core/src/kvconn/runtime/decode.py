@@ -40,7 +40,7 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import proc_stat
-from kvconn.runtime.sockets import undrained
+from kvconn.runtime.sockets import dead_peer_ends, undrained
 from kvconn.transport import Backend
 
 log = logging.getLogger(__name__)
@@ -299,8 +299,11 @@ class DecodeEndpoint:
         rooms = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
         waiting = {rank for room in rooms for rank in self.tracker.ranks_of(room)}
         actions: list[HoldAction] = []
-        for rank in sorted(waiting):
-            if self._writers[rank].proven_gone():
+        gone = [rank for rank in sorted(waiting) if self._writers[rank].proven_gone()]
+        # A dead writer's kernel still delivers what it had sent: its exit
+        # proves nothing until our ends of its connections drained.
+        if gone and not dead_peer_ends():
+            for rank in gone:
                 actions += self.tracker.writer_exited(rank, now)
         return actions
 

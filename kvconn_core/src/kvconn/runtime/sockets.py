@@ -30,6 +30,8 @@ _LISTEN = 0x0A
 #: SYN_RECV, CLOSE_WAIT (FIN received, but the transport has not read to the
 #: end and closed). Every other state means decode's transport closed it.
 _UNDRAINED = frozenset({0x01, 0x02, 0x03, 0x08})
+#: Ends that can still take bytes in: ESTABLISHED, SYN_RECV, CLOSE_WAIT.
+_RECEIVING = frozenset({0x01, 0x03, 0x08})
 
 
 @attrs.frozen(slots=True)
@@ -88,6 +90,41 @@ def own_connections() -> frozenset[TcpConnection]:
     """The TCP connections this process holds open (listening sockets aside)."""
     inodes = _own_inodes()
     return frozenset(r.conn for r in _rows() if r.inode in inodes and r.state != _LISTEN)
+
+
+def _is_local(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def dead_peer_ends() -> list[TcpConnection]:
+    """This process's ends, still open, of same-host connections whose other
+    end no process holds any more (it closed, or its process died): what
+    that process sent before it went may still be on its way here.
+
+    The writer-exit proof waits for these: a killed writer's kernel goes on
+    delivering its send queue. Only peers on this host are judged (loopback,
+    or the connection's own address at both ends); a peer elsewhere is
+    invisible here and not waited for.
+    """
+    rows = _rows()
+    inodes = _own_inodes()
+    listening = {r.conn.local_port for r in rows if r.state == _LISTEN and r.inode in inodes}
+    owner = {r.conn: r.inode for r in rows}
+    ends = []
+    for r in rows:
+        c = r.conn
+        if r.state not in _RECEIVING:
+            continue
+        if not (r.inode in inodes or (r.inode == 0 and c.local_port in listening)):
+            continue
+        if not (_is_local(c.remote_host) or c.remote_host == c.local_host):
+            continue
+        if not owner.get(TcpConnection(c.remote_host, c.remote_port, c.local_host, c.local_port)):
+            ends.append(c)
+    return ends
 
 
 def undrained(closed: Iterable[TcpConnection]) -> list[TcpConnection]:
