@@ -52,7 +52,7 @@ from kvconn_mooncake._engine import (
     shared_engine,
     unpack_metadata,
 )
-from kvconn_mooncake._memory import MEMORY_KINDS, Memory, MemoryOptions, cuda_engine_installed
+from kvconn_mooncake._memory import MEMORY_KINDS, MemoryOptions, cuda_engine_installed, open_memory
 
 configure_env()
 
@@ -76,7 +76,7 @@ class MooncakeRegion:
         host, protocol, device = engine_settings(options)
         self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
-        self._mem = Memory(nbytes, self.memory)
+        self._mem = open_memory(nbytes, self.memory)
         self.base: int = self._mem.addr
         self._engine = shared_engine(host, protocol, device)
         rc = self._engine.register_memory(self.base, nbytes)
@@ -145,7 +145,7 @@ class MooncakeWriter:
             raise ValueError("max_inflight must be in 1..1000 (the engine rejects ~1024 per peer)")
         self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
-        self._mem = Memory(nbytes, self.memory)
+        self._mem = open_memory(nbytes, self.memory)
         self.base: int = self._mem.addr
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvconn_mooncake._engine import engine_settings, new_engine, unpack_metadata
-from kvconn_mooncake._memory import Memory, MemoryOptions
+from kvconn_mooncake._memory import MemoryOptions, open_memory
 
 __all__ = ["MAX_BATCH", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
 
@@ -75,7 +75,7 @@ class RawWriter:
         host, protocol, device = engine_settings(options or {})
         self.max_batch = int((options or {}).get("max_batch", MAX_BATCH))
         self.nbytes = nbytes
-        self._mem = Memory(nbytes, MemoryOptions.parse(options or {}))
+        self._mem = open_memory(nbytes, MemoryOptions.parse(options or {}))
         self.base = self._mem.addr
         self._engine: Any = new_engine(host, protocol, device)
         if self._engine.register_memory(self.base, nbytes) != 0:

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import numpy as np
+
+from kvconn.memory import Memory
 
 #: Set (if unset) before nixl/UCX is loaded. ``UCX_MODULES=^ib``: without it
 #: every process that made a UCX agent segfaults at exit (bundled libnl-route
@@ -247,76 +248,9 @@ class RegionInfo:
 # memory
 
 
-class Memory:
-    """Page/source memory: numpy in DRAM, cupy or torch in VRAM."""
-
-    def __init__(self, nbytes: int, opts: Options) -> None:
-        if nbytes <= 0:
-            raise ValueError("nbytes must be positive")
-        self.nbytes = nbytes
-        self.kind = opts.memory
-        self._buf: Any
-        if opts.memory == "dram":
-            self._buf = np.zeros(nbytes, dtype=np.uint8)
-            self.addr = int(self._buf.ctypes.data)
-            return
-        # VRAM: untested on CPU-only machines; keep it minimal.
-        self._lib = ""
-        try:
-            cupy = importlib.import_module("cupy")
-            with cupy.cuda.Device(opts.device):
-                self._buf = cupy.zeros(nbytes, dtype=cupy.uint8)
-                cupy.cuda.Device().synchronize()  # the zero fill, before UCX writes
-            self.addr = int(self._buf.data.ptr)
-            self._lib = "cupy"
-        except ImportError:
-            try:
-                torch = importlib.import_module("torch")
-            except ImportError:
-                raise RuntimeError(
-                    "memory=vram needs cupy or torch (with CUDA) to allocate device memory"
-                ) from None
-            self._buf = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{opts.device}")
-            torch.cuda.synchronize(self._buf.device)
-            self.addr = int(self._buf.data_ptr())
-            self._lib = "torch"
-
-    def array(self) -> np.ndarray:
-        """The DRAM buffer itself (no copy); DRAM only."""
-        if self.kind != "dram":
-            raise TypeError("array() is only available for memory=dram")
-        return self._buf  # type: ignore[no-any-return]
-
-    def _check(self, offset: int, nbytes: int) -> None:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"range [{offset}, {offset + nbytes}) outside 0..{self.nbytes}")
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        self._check(offset, nbytes)
-        part = self._buf[offset : offset + nbytes]
-        if self.kind == "dram":
-            return part.tobytes()  # type: ignore[no-any-return]
-        if self._lib == "cupy":
-            return bytes(part.get().tobytes())
-        return bytes(part.cpu().numpy().tobytes())
-
-    def write(self, offset: int, data: bytes) -> None:
-        self._check(offset, len(data))
-        src = np.frombuffer(data, dtype=np.uint8)
-        if self.kind == "dram":
-            self._buf[offset : offset + len(data)] = src
-        elif self._lib == "cupy":
-            cupy = importlib.import_module("cupy")
-            with self._buf.device:
-                self._buf[offset : offset + len(data)] = cupy.asarray(src)
-            self._buf.device.synchronize()  # UCX reads/writes this memory on its own streams
-        else:
-            torch = importlib.import_module("torch")
-            self._buf[offset : offset + len(data)] = torch.from_numpy(src.copy()).to(self._buf.device)
-            torch.cuda.synchronize(self._buf.device)
-
-    def free(self) -> None:
-        self._buf = None
+def open_memory(nbytes: int, opts: Options) -> Memory:
+    """Zeroed page or source memory of the kind ``opts`` names."""
+    return Memory(nbytes, opts.memory, opts.device)
 
 
 def register(agent: Any, mem: Memory, opts: Options) -> Any:

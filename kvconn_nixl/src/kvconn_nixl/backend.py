@@ -18,10 +18,10 @@ from kvconn.chunk import Chunk, Segment
 from kvconn.hookspecs import hookimpl
 from kvconn.transport import Capabilities, Settlement
 from kvconn_nixl._nixl import (
-    Memory,
     Options,
     RegionInfo,
     make_agent,
+    open_memory,
     register,
     remote_disconnect_error,
 )
@@ -40,7 +40,7 @@ class NixlRegion:
     def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
         self.options = Options.parse(options)
         self.nbytes = nbytes
-        self._mem = Memory(nbytes, self.options)
+        self._mem = open_memory(nbytes, self.options)
         prog = True if self.options.progress_thread is None else self.options.progress_thread
         self._agent: Any = make_agent("region", self.options, progress_thread=prog)
         self._reg = register(self._agent, self._mem, self.options)
@@ -102,7 +102,7 @@ class NixlWriter:
     def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
         self.options = Options.parse(options)
         self.nbytes = nbytes
-        self._mem = Memory(nbytes, self.options)
+        self._mem = open_memory(nbytes, self.options)
         self._prog = bool(self.options.progress_thread)
         self._lock = threading.Lock()  # handle table, peers, agent swap
         self._handles: dict[int, Any] = {}

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_nixl._nixl import Memory, Options, RegionInfo, make_agent, register
+from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, register
 
 __all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
 
@@ -48,7 +48,7 @@ class RawWriter:
             raise ValueError("nbytes must be positive")
         self.options = Options.parse(options or {})
         self.nbytes = nbytes
-        self._mem = Memory(nbytes, self.options)
+        self._mem = open_memory(nbytes, self.options)
         self.base = self._mem.addr
         self._agent: Any = make_agent("raw", self.options, progress_thread=bool(self.options.progress_thread))
         self._reg: Any = register(self._agent, self._mem, self.options)
