@@ -260,10 +260,10 @@ step conf-mooncake-all-vram 200 "${KV[@]}" conformance mooncake -q -o memory=vra
 BENCH=(bench --transport --repeat 3 --bytes-per-run $((128 << 20)) --no-progress)
 maybe 40 bench-vram-mooncake 100 "${KV[@]}" "${BENCH[@]}" --backend mooncake --backend-option memory=vram \
     --json "$OUT/bench-vram-mooncake.json"
-maybe 40 bench-dram-nixl 100 "${KV[@]}" "${BENCH[@]}" --backend nixl --json "$OUT/bench-dram-nixl.json"
+maybe 40 bench-dram-mooncake 100 "${KV[@]}" "${BENCH[@]}" --backend mooncake --json "$OUT/bench-dram-mooncake.json"
 maybe 40 bench-vram-nixl 100 "${KV[@]}" "${BENCH[@]}" --backend nixl --backend-option memory=vram \
     --json "$OUT/bench-vram-nixl.json"
-maybe 40 bench-dram-mooncake 100 "${KV[@]}" "${BENCH[@]}" --backend mooncake --json "$OUT/bench-dram-mooncake.json"
+maybe 40 bench-dram-nixl 100 "${KV[@]}" "${BENCH[@]}" --backend nixl --json "$OUT/bench-dram-nixl.json"
 
 # ---------------------------------------------------------------------------
 {
