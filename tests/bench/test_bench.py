@@ -29,7 +29,9 @@ def bench(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
 
 
 def test_small_run_passes_and_reports(tmp_path: Path) -> None:
-    code, rep, out = bench(tmp_path, "--compare-raw")
+    # 60% aborts: with 24 requests, 30% could all land after their room completed
+    # (no abort->release latency to report; seen once in CI under load).
+    code, rep, out = bench(tmp_path, "--compare-raw", "--abort-fraction", "0.6")
     assert code == 0, out
     assert rep["ok"] is True and rep["violations"]["kvconn"] == []
     assert set(rep["modes"]) == {"kvconn", "legacy"}

@@ -57,6 +57,8 @@ from kvconn_mooncake._memory import MEMORY_KINDS, MemoryOptions, cuda_engine_ins
 configure_env()
 
 DEFAULT_MAX_INFLIGHT = 512
+#: How long a DONE barrier polls without sleeping before it backs off.
+HOT_POLL_S = 0.002
 DEFAULT_POLL_INTERVAL_S = 0.0001  # a longer cap noticed completion late: 78% of raw at 1 MiB
 _BAD_IDS = (0, 2**64 - 1, -1)
 
@@ -269,6 +271,9 @@ class MooncakeWriter:
         if not isinstance(posted, Posted):
             return None
         sleep = min(5e-5, self.poll_interval_s)
+        # Poll hot first (yielding the GIL): a 1 MiB piece lands in ~0.4 ms,
+        # and sleeps of 50 us doubling found it ~0.3 ms late (70-80% of raw).
+        hot_until = time.monotonic() + HOT_POLL_S
         while True:
             with self._lock:
                 if posted.generation != self._generation:
@@ -290,6 +295,9 @@ class MooncakeWriter:
                     posted.abandoned = True
                     posted.pending.clear()
                     return Settlement.UNSETTLED
+            if now < hot_until:
+                time.sleep(0)
+                continue
             time.sleep(min(sleep, max(0.0, deadline - now)))
             sleep = min(sleep * 2, self.poll_interval_s)
 
