@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import attrs
@@ -38,6 +39,12 @@ class Config:
     #: Shared deployment key: every control frame carries an HMAC-SHA256.
     auth_key: bytes | None = attrs.field(default=None, repr=False)
     backend_options: Mapping[str, str] = attrs.field(factory=dict)
+    #: ``sys.setswitchinterval`` for this process, or ``None`` to leave it.
+    #: kvconn's control plane runs on Python threads: while another thread of
+    #: the process computes, a listener waits up to the switch interval (5 ms
+    #: by default) for the GIL, at each hop of an abort (decode, rank,
+    #: decode). Process-wide, hence opt-in; ``kvconn bench`` sets 0.5 ms.
+    gil_switch_interval_s: float | None = None
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)
@@ -45,6 +52,13 @@ class Config:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.host in ("", "*", "0.0.0.0", "::"):
             raise ValueError(f"bind to an explicit address, not {self.host!r}")
+        if self.gil_switch_interval_s is not None and self.gil_switch_interval_s <= 0:
+            raise ValueError(f"gil_switch_interval_s must be > 0, got {self.gil_switch_interval_s}")
+
+    def apply_to_process(self) -> None:
+        """Apply the process-wide settings (called by each endpoint)."""
+        if self.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.gil_switch_interval_s)
 
 
 def check_deadlines(write_timeout_s: float, abort_timeout_s: float, what: str = "write_timeout_s") -> None:

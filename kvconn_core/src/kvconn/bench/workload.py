@@ -251,6 +251,7 @@ class ModeRun:
         options: Mapping[str, str],
         drain_s: float,
         settle_s: float,
+        gil_switch_interval_s: float | None = None,
     ) -> None:
         self.mode = mode
         self.wl = wl
@@ -282,6 +283,7 @@ class ModeRun:
                 "abort_timeout_s": decode_timeout_s,
                 "acks_enabled": not legacy,
                 "backend_options": dict(options),
+                "gil_switch_interval_s": gil_switch_interval_s,
             }
             for r in range(wl.ranks)
         ]
@@ -293,6 +295,7 @@ class ModeRun:
                 unsafe_release_at_deadline=legacy,
                 acks_enabled=not legacy,
                 backend_options=dict(options),
+                gil_switch_interval_s=gil_switch_interval_s,
             )
             self.decode = DecodeEndpoint(
                 backend,

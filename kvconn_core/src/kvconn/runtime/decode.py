@@ -97,6 +97,7 @@ class DecodeEndpoint:
         if not prefill:
             raise ValueError("a decode endpoint needs at least one prefill rank address")
         self.config = config or Config()
+        self.config.apply_to_process()
         limit = backend.capabilities.max_write_timeout_s
         if limit is not None and limit >= self.config.abort_timeout_s:
             raise ValueError(

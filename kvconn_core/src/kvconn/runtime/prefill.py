@@ -116,6 +116,7 @@ class PrefillRank:
         """``on_request(room, npages)`` runs on the listener thread when decode
         asks for a room: an engine may start filling and sending it."""
         self.config = config or Config()
+        self.config.apply_to_process()
         self.on_request = on_request
         self.rank = rank
         self.backend = backend

@@ -43,6 +43,7 @@ class Driver:
             workers=int(args.get("workers", 1)),
             auth_key=bytes.fromhex(args["auth_key"]) if args.get("auth_key") else None,
             backend_options=dict(args.get("backend_options", {})),
+            gil_switch_interval_s=args.get("gil_switch_interval_s"),
         )
         self._jobs: list[tuple[int, int]] = []
         self._cond = threading.Condition()
