@@ -62,3 +62,33 @@ def test_check_pending_rejects_a_misspelled_hook() -> None:
     pm.register(Typo())
     with pytest.raises(pluggy.PluginValidationError, match="on_done_barier"):
         pm.check_pending()
+
+
+def test_capabilities_follow_the_options_where_a_backend_says_how() -> None:
+    from kvconn.transport import Capabilities, capabilities_of
+
+    fenced, plain = Capabilities(writer_fence=True), Capabilities(writer_fence=False)
+
+    class Static:
+        name = "static"
+        capabilities = fenced
+
+    class ByOptions(Static):
+        name = "by-options"
+
+        @staticmethod
+        def capabilities_for(options: dict[str, str]) -> Capabilities:
+            return plain if options.get("tls") == "cma" else fenced
+
+    class Broken(Static):
+        name = "broken"
+
+        @staticmethod
+        def capabilities_for(options: dict[str, str]) -> object:
+            return "yes"
+
+    assert capabilities_of(Static(), {"tls": "cma"}) is fenced  # type: ignore[arg-type]
+    assert capabilities_of(ByOptions(), {"tls": "cma"}) is plain  # type: ignore[arg-type]
+    assert capabilities_of(ByOptions(), {}) is fenced  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="capabilities_for returned"):
+        capabilities_of(Broken(), {})  # type: ignore[arg-type]

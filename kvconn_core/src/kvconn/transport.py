@@ -103,7 +103,12 @@ class Writer(Protocol):
 
 
 class Backend(Protocol):
-    """What the ``kvconn.backends`` entry point yields."""
+    """What the ``kvconn.backends`` entry point yields.
+
+    ``capabilities`` are those of the default options. A backend whose
+    claims depend on its options (NIXL's fence holds for some UCX transports
+    only) also defines ``capabilities_for(options)``; the core asks that.
+    """
 
     name: str
     capabilities: Capabilities
@@ -113,3 +118,14 @@ class Backend(Protocol):
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> Writer:
         """Allocate and register ``nbytes`` of source memory on a prefill rank."""
+
+
+def capabilities_of(backend: Backend, options: Mapping[str, str]) -> Capabilities:
+    """What ``backend`` claims with these ``options``."""
+    for_options = getattr(backend, "capabilities_for", None)
+    if for_options is None:
+        return backend.capabilities
+    caps = for_options(options)
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{backend.name}.capabilities_for returned {caps!r}")
+    return caps

@@ -29,6 +29,7 @@ from kvconn.bench import transport as transport_mod
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.workload import ModeResult, ModeRun, Workload, plan, stats
 from kvconn.plugins import get_backend
+from kvconn.transport import capabilities_of
 
 KVCONN, LEGACY = "kvconn", "legacy"
 
@@ -134,7 +135,7 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     backend = get_backend(args.backend)
     if args.page_bytes % args.ranks or args.page_bytes % 8:
         raise ValueError("--page-bytes must split evenly over --ranks (in 8-byte words)")
-    limit = backend.capabilities.max_write_timeout_s
+    limit = capabilities_of(backend, options).max_write_timeout_s
     legacy_timeout = args.legacy_timeout
     notes: list[str] = []
     if limit is not None and legacy_timeout <= limit:

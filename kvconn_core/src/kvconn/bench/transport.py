@@ -65,7 +65,7 @@ from kvconn.protocol.messages import Message, RoomStatus
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.transport import Backend, Settlement
+from kvconn.transport import Backend, Settlement, capabilities_of
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGET = 0.95  #: kvconn's bytes/s at least this fraction of raw's
@@ -528,7 +528,7 @@ def run_backend(
     plans = [make_plan(s, run_bytes, room_bytes, inflight, seed) for s in shapes]
     source_bytes = max(p.source_pages * p.shape.page_bytes for p in plans)
     source = source_pattern(source_bytes, seed)
-    limit = backend.capabilities.max_write_timeout_s
+    limit = capabilities_of(backend, options).max_write_timeout_s
     abort_s = max(30.0, (limit or 0) + 5)
     common = {"backend": name, "options": dict(options), "source_bytes": source_bytes, "seed": seed}
     step("starting the prefill rank process")

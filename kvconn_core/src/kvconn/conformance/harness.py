@@ -24,7 +24,7 @@ from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.procs import all_threads_stopped
 from kvconn.testing.patterns import canary, shard_bytes
-from kvconn.transport import Backend
+from kvconn.transport import Backend, Capabilities, capabilities_of
 
 #: Proofs that say "acked by a writer that had nothing in flight".
 ACK_PROOFS = frozenset({Proof.ACKS, Proof.LATE_ACKS, Proof.COMPLETED, Proof.NOTHING_SENT})
@@ -48,10 +48,15 @@ class Settings:
     def backend(self) -> Backend:
         return get_backend(self.backend_name)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the backend claims with these options."""
+        return capabilities_of(self.backend, self.options)
+
     def effective_abort_timeout(self) -> float:
         """Decode's deadline: the configured one, or longer than the
         transport's own write timeout (e.g. Mooncake's engine timeout)."""
-        limit = self.backend.capabilities.max_write_timeout_s
+        limit = self.capabilities.max_write_timeout_s
         base = max(self.abort_timeout_s, self.write_timeout_s + 0.5)
         return base if limit is None else max(base, limit + 1.0)
 

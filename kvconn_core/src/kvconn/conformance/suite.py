@@ -220,7 +220,9 @@ class ConformanceSuite:
     def test_done_barrier_means_landed(self, kvconn_settings: Settings, memory: str) -> None:
         """Right after on_done_barrier answers LANDED, every byte is there."""
         backend = kvconn_settings.backend
-        require_capability(memory in backend.capabilities.memory, f"memory kind {memory!r} not declared")
+        require_capability(
+            memory in kvconn_settings.capabilities.memory, f"memory kind {memory!r} not declared"
+        )
         options = dict(kvconn_settings.options)
         if memory != "dram":
             options["memory"] = memory
@@ -273,7 +275,7 @@ class ConformanceSuite:
     def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
         """A writer frozen mid-write, resumed past its deadline, fences: 0 bytes land after."""
         backend = kvconn_settings.backend
-        require_capability(backend.capabilities.writer_fence, "writer_fence not declared")
+        require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
         size = 32 * MiB
         region = backend.open_region(size, kvconn_settings.options)
         region.write(0, canary(size))
@@ -295,7 +297,7 @@ class ConformanceSuite:
             wait_for(child.stopped, 5, "writer fence: writer froze itself")
             time.sleep(kvconn_settings.write_timeout_s + 0.1)
             child.signal(signal.SIGCONT)
-            limit = backend.capabilities.max_write_timeout_s or 0.0
+            limit = kvconn_settings.capabilities.max_write_timeout_s or 0.0
             event = child.expect(limit + 30, "writer fence: barrier and fence return", event="settled")
             if event["fenced"] is not True:
                 raise ConformanceFailure(
@@ -432,7 +434,7 @@ class ConformanceSuite:
             time.sleep(0.3)  # a few re-sent ABORTs reach a frozen writer's socket
             resumed = time.monotonic()
             writer.signal(signal.SIGCONT)
-            limit = kvconn_settings.backend.capabilities.max_write_timeout_s or 0.0
+            limit = kvconn_settings.capabilities.max_write_timeout_s or 0.0
             try:
                 release, released_at = cluster.wait_released(
                     FROZEN_ROOM,
@@ -440,7 +442,7 @@ class ConformanceSuite:
                     "L2: resumed writer proves quiescence",
                 )
             except ConformanceFailure:
-                if kvconn_settings.backend.capabilities.writer_fence:
+                if kvconn_settings.capabilities.writer_fence:
                     raise
                 writer.kill()  # no fence declared: only the writer's exit proves it
                 release, released_at = cluster.wait_released(FROZEN_ROOM, 3.0, "L2: writer exit")
@@ -455,7 +457,7 @@ class ConformanceSuite:
         """A frozen page owner: the writer misses its deadline, fences and acks,
         but bytes it had already sent wait in the owner's socket buffers. Once
         the owner resumes, it must not hand the pages out before they drained."""
-        require_capability(kvconn_settings.backend.capabilities.writer_fence, "no writer fence declared")
+        require_capability(kvconn_settings.capabilities.writer_fence, "no writer fence declared")
         with _frozen_owner(kvconn_settings) as (rank, owner, pages):
             settled = rank.expect(
                 kvconn_settings.write_timeout_s + 10,

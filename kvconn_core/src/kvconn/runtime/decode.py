@@ -41,7 +41,7 @@ from kvconn.protocol.messages import (
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import proc_stat
 from kvconn.runtime.sockets import dead_peer_ends, undrained
-from kvconn.transport import Backend
+from kvconn.transport import Backend, capabilities_of
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DecodeEndpoint:
             raise ValueError("a decode endpoint needs at least one prefill rank address")
         self.config = config or Config()
         self.config.apply_to_process()
-        limit = backend.capabilities.max_write_timeout_s
+        limit = capabilities_of(backend, self.config.backend_options).max_write_timeout_s
         if limit is not None and limit >= self.config.abort_timeout_s:
             raise ValueError(
                 f"{backend.name} may take {limit} s to fail a write; abort_timeout_s "

@@ -39,7 +39,7 @@ from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.procs import proc_stat
 from kvconn.runtime.sockets import own_connections
-from kvconn.transport import Backend, Settlement
+from kvconn.transport import Backend, Settlement, capabilities_of
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class PrefillRank:
         self.on_request = on_request
         self.rank = rank
         self.backend = backend
+        self.capabilities = capabilities_of(backend, self.config.backend_options)
         self.clock = clock
         self.metrics = Metrics("prefill")
         self.ledger = RoomLedger(rank, self.config.tombstone_ttl_s)
@@ -211,7 +212,7 @@ class PrefillRank:
             if msg.backend != self.backend.name:
                 raise ValueError(f"decode uses backend {msg.backend!r}, this rank {self.backend.name!r}")
             check_deadlines(self.config.write_timeout_s, msg.abort_timeout_ms / 1000)
-            limit = self.backend.capabilities.max_write_timeout_s
+            limit = self.capabilities.max_write_timeout_s
             if limit is not None:
                 check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
             layout = PageLayout(msg.page_bytes, msg.num_ranks)
@@ -321,7 +322,7 @@ class PrefillRank:
 
     def _fence(self) -> None:
         """Un-poison rooms through the writer's fence, if it has one."""
-        if not self.backend.capabilities.writer_fence:
+        if not self.capabilities.writer_fence:
             self._update_poisoned()
             return
         with self._gate.exclusive():
