@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from kvconn.conformance import ConformanceSuite
@@ -25,3 +27,11 @@ class TestNixlConformance(ConformanceSuite):
 @pytest.mark.skipif(not _installed("mooncake"), reason="kvconn-mooncake (and its engine) not installed")
 class TestMooncakeConformance(ConformanceSuite):
     backend_name = "mooncake"
+
+
+@pytest.mark.skipif(not _installed("nixl"), reason="kvconn-nixl (and nixl) not installed")
+class TestNixlCmaConformance(ConformanceSuite):
+    """UCX's own choice (cma on one host): no fence claimed, the rest holds."""
+
+    backend_name = "nixl"
+    backend_options: ClassVar[dict[str, str]] = {"ucx_tls": "default"}

@@ -191,6 +191,16 @@ class NixlWriter:
             raise RuntimeError("nixl transfer() returned ERR")
         return Posted((key,), generation, int(lens.sum()))
 
+    def _all_done(self, agent: Any, keys: Sequence[int]) -> bool:
+        for key in keys:
+            handle = self._handles.get(key)
+            try:
+                if handle is None or agent.check_xfer_state(handle) != "DONE":
+                    return False
+            except Exception:  # nixl raises instead of ERR
+                return False
+        return True
+
     @hookimpl
     def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement | None:
         if not isinstance(posted, Posted):
@@ -199,11 +209,17 @@ class NixlWriter:
             # The agent these handles belonged to was destroyed by on_fence:
             # nothing of them can land any more.
             return Settlement.FAILED_SETTLED
+        agent = self._agent
         if posted.keys and time.monotonic() >= deadline:
             # Past the deadline on arrival (e.g. frozen inside on_post): give
-            # up without progressing the transfer any further.
+            # up without progressing the transfer any further. Over cma,
+            # transfer() copied in this thread before it returned: a handle
+            # already DONE landed, and saying so spares a fence nobody has.
+            if not self.options.fence_proven and self._all_done(agent, posted.keys):
+                for key in posted.keys:
+                    self._release(key)
+                return Settlement.LANDED
             return Settlement.UNSETTLED
-        agent = self._agent
         pending = list(posted.keys)
         failed = False
         unsettled = False
