@@ -82,9 +82,9 @@ class RawWriter:
             raise RuntimeError("register_memory failed")
         self._peers: dict[str, tuple[str, int, int]] = {}
 
-    @property
     def array(self) -> npt.NDArray[np.uint8]:
-        """The DRAM source itself (no copy); DRAM only."""
+        """The DRAM source itself (no copy); DRAM only. A method, as on the
+        plugins' writers: a property that raises for VRAM trips attribute scans."""
         return self._mem.array()
 
     def read(self, offset: int, nbytes: int) -> bytes:

@@ -54,9 +54,9 @@ class RawWriter:
         self._reg: Any = register(self._agent, self._mem, self.options)
         self._peers: dict[str, RegionInfo] = {}
 
-    @property
     def array(self) -> npt.NDArray[np.uint8]:
-        """The DRAM source itself (no copy); DRAM only."""
+        """The DRAM source itself (no copy); DRAM only. A method, as on the
+        plugins' writers: a property that raises for VRAM trips attribute scans."""
         return self._mem.array()
 
     def read(self, offset: int, nbytes: int) -> bytes:
@@ -140,7 +140,7 @@ def raw_write(
     seconds spent posting and waiting); setup is not timed."""
     writer = RawWriter(source.nbytes, options)
     try:
-        writer.array[:] = source.reshape(-1).view(np.uint8)
+        writer.array()[:] = source.reshape(-1).view(np.uint8)
         writer.connect("region", region_metadata)
         total, seconds = 0, 0.0
         for _ in range(repeat):

@@ -40,7 +40,7 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import proc_stat
-from kvconn.runtime.sockets import dead_peer_ends, undrained
+from kvconn.runtime.sockets import TcpTable, dead_peer_ends, undrained
 from kvconn.transport import Backend, capabilities_of
 
 log = logging.getLogger(__name__)
@@ -288,9 +288,12 @@ class DecodeEndpoint:
     def _drained_acks(self, now: float) -> list[HoldAction]:
         """Feed the held-back acks whose connections have drained to the tracker."""
         # called with the lock held
+        if not self._draining:
+            return []
+        table = TcpTable()  # one reading of /proc for every held-back ack
         actions: list[HoldAction] = []
         for key, ack in list(self._draining.items()):
-            if not undrained(ack.closed):
+            if not table.undrained(ack.closed):
                 del self._draining[key]
                 actions += self._ack(ack, now)
         self.metrics.acks_draining.set(len(self._draining))

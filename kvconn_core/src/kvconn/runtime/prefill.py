@@ -44,8 +44,8 @@ from kvconn.transport import Backend, Settlement, capabilities_of
 log = logging.getLogger(__name__)
 
 _STOP = object()
-#: Fences whose closed connections a fenced ack still names: a room fenced
-#: by an older one is acked late only after decode's ends drained long ago.
+#: How many fences' closed connections a fenced ack names: a room fenced by
+#: one fence may be acked after later ones (its ABORT came late).
 FENCES_REMEMBERED = 16
 
 
@@ -130,6 +130,7 @@ class PrefillRank:
         #: The TCP connections recent fences closed: every fenced ack names
         #: them, so decode can wait for its ends to drain (runtime/sockets.py).
         self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
+        self._closed_by_fences: tuple[TcpConnection, ...] = ()  # their union, as acks carry it
         self.writer = backend.open_writer(source_bytes, self.config.backend_options)
         self.pm = HookManager()
         self.pm.register(self.writer, name="transport")
@@ -342,6 +343,7 @@ class PrefillRank:
             self.metrics.fences.labels("ok").inc()
             with self._lock:
                 self._fence_closed.append(before - own_connections())
+                self._closed_by_fences = tuple(sorted(frozenset().union(*self._fence_closed)))
                 self._execute(self.ledger.fenced())
 
     # -- helpers -----------------------------------------------------------
@@ -351,8 +353,8 @@ class PrefillRank:
             if isinstance(action, SendAck):
                 if self.config.acks_enabled:
                     ack = action.ack
-                    if ack.fenced and self._fence_closed:
-                        ack = attrs.evolve(ack, closed=tuple(sorted(frozenset().union(*self._fence_closed))))
+                    if ack.fenced and self._closed_by_fences:
+                        ack = attrs.evolve(ack, closed=self._closed_by_fences)
                     self._outbox.send(action.reply_to, ack)
                     self.metrics.acks_sent.inc()
             elif isinstance(action, NotifyDecode):

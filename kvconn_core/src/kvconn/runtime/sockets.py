@@ -86,10 +86,9 @@ def _own_inodes() -> set[int]:
     return inodes
 
 
-def own_connections() -> frozenset[TcpConnection]:
-    """The TCP connections this process holds open (listening sockets aside)."""
-    inodes = _own_inodes()
-    return frozenset(r.conn for r in _rows() if r.inode in inodes and r.state != _LISTEN)
+def _reversed(conn: TcpConnection) -> TcpConnection:
+    """The same connection seen from its other end."""
+    return TcpConnection(conn.remote_host, conn.remote_port, conn.local_host, conn.local_port)
 
 
 def _is_local(host: str) -> bool:
@@ -99,53 +98,69 @@ def _is_local(host: str) -> bool:
         return False
 
 
-def dead_peer_ends() -> list[TcpConnection]:
-    """This process's ends, still open, of same-host connections whose other
-    end no process holds any more (it closed, or its process died): what
-    that process sent before it went may still be on its way here.
+class TcpTable:
+    """One reading of this network namespace's TCP sockets, seen from this
+    process: read once, then asked as often as needed."""
 
-    The writer-exit proof waits for these: a killed writer's kernel goes on
-    delivering its send queue. Only peers on this host are judged (loopback,
-    or the connection's own address at both ends); a peer elsewhere is
-    invisible here and not waited for.
-    """
-    rows = _rows()
-    inodes = _own_inodes()
-    listening = {r.conn.local_port for r in rows if r.state == _LISTEN and r.inode in inodes}
-    owner = {r.conn: r.inode for r in rows}
-    ends = []
-    for r in rows:
-        c = r.conn
-        if r.state not in _RECEIVING:
-            continue
-        if not (r.inode in inodes or (r.inode == 0 and c.local_port in listening)):
-            continue
-        if not (_is_local(c.remote_host) or c.remote_host == c.local_host):
-            continue
-        if not owner.get(TcpConnection(c.remote_host, c.remote_port, c.local_host, c.local_port)):
-            ends.append(c)
-    return ends
+    def __init__(self) -> None:
+        self.rows = _rows()
+        self._inodes = _own_inodes()
+        self._listening = {
+            r.conn.local_port for r in self.rows if r.state == _LISTEN and r.inode in self._inodes
+        }
+
+    def _ours(self, row: _Row) -> bool:
+        """Held by this process, or waiting unaccepted on one of its listening
+        sockets (the transport reads it once it accepts it)."""
+        return row.inode in self._inodes or (row.inode == 0 and row.conn.local_port in self._listening)
+
+    def own_connections(self) -> frozenset[TcpConnection]:
+        """The TCP connections this process holds open (listening sockets aside)."""
+        return frozenset(r.conn for r in self.rows if r.inode in self._inodes and r.state != _LISTEN)
+
+    def undrained(self, closed: Iterable[TcpConnection]) -> list[TcpConnection]:
+        """Of the connections a writer's fence ``closed`` (the writer's view),
+        those whose end in this process may still deliver bytes to it. A
+        connection whose other end is not here (another host, another
+        process, or gone) is not listed."""
+        wanted = {_reversed(c): c for c in closed}
+        if not wanted:
+            return []
+        return [
+            wanted[r.conn] for r in self.rows if r.conn in wanted and r.state in _UNDRAINED and self._ours(r)
+        ]
+
+    def dead_peer_ends(self) -> list[TcpConnection]:
+        """This process's ends, still open, of same-host connections whose
+        other end no process holds any more (it closed, or its process died):
+        what that process sent before it went may still be on its way here.
+
+        The writer-exit proof waits for these: a killed writer's kernel goes
+        on delivering its send queue. Only peers on this host are judged
+        (loopback, or the connection's own address at both ends); a peer
+        elsewhere is invisible here and not waited for.
+        """
+        owner = {r.conn: r.inode for r in self.rows}
+        return [
+            r.conn
+            for r in self.rows
+            if r.state in _RECEIVING
+            and self._ours(r)
+            and (_is_local(r.conn.remote_host) or r.conn.remote_host == r.conn.local_host)
+            and not owner.get(_reversed(r.conn))
+        ]
+
+
+def own_connections() -> frozenset[TcpConnection]:
+    """The TCP connections this process holds open (listening sockets aside)."""
+    return TcpTable().own_connections()
 
 
 def undrained(closed: Iterable[TcpConnection]) -> list[TcpConnection]:
-    """Of the connections a writer's fence ``closed`` (the writer's view),
-    those whose end in this process may still deliver bytes to it.
+    """:meth:`TcpTable.undrained` on a fresh reading."""
+    return TcpTable().undrained(closed)
 
-    An end counts while it is open, or waits unaccepted on one of this
-    process's listening sockets (the transport reads it once it accepts it).
-    A connection whose other end is not here (another host, another process,
-    or gone) is not listed.
-    """
-    wanted = {TcpConnection(c.remote_host, c.remote_port, c.local_host, c.local_port): c for c in closed}
-    if not wanted:
-        return []
-    rows = _rows()
-    inodes = _own_inodes()
-    listening = {r.conn.local_port for r in rows if r.state == _LISTEN and r.inode in inodes}
-    return [
-        wanted[r.conn]
-        for r in rows
-        if r.conn in wanted
-        and r.state in _UNDRAINED
-        and (r.inode in inodes or (r.inode == 0 and r.conn.local_port in listening))
-    ]
+
+def dead_peer_ends() -> list[TcpConnection]:
+    """:meth:`TcpTable.dead_peer_ends` on a fresh reading."""
+    return TcpTable().dead_peer_ends()
