@@ -48,6 +48,8 @@ def test_plugin_raises(hook: str) -> None:
         wait_for(lambda: c.released(BAD) is not None, 10, "release of the faulty room")
         rel = c.released(BAD)
         assert rel is not None
+        if hook not in ("on_skip", "on_abort_notification"):
+            assert "raised" in (rx.failure() or "")  # the receiver keeps the reason past the release
         expected = {
             "on_fence": {"writer_exit"},
             "on_abort_notification": {"writer_fence"},

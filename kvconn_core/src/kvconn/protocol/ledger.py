@@ -18,6 +18,7 @@ The two invariants are properties of this module's shape, not of its callers:
 from __future__ import annotations
 
 import enum
+import heapq
 
 import attrs
 
@@ -65,6 +66,8 @@ class _Room:
     fenced: bool = False
     #: Tombstone for a room aborted before it was known here; None = live.
     expires: float | None = None
+    #: In the ledger's expiry heap (at most once: a touched room is not pushed again).
+    scheduled: bool = False
 
 
 class RoomLedger:
@@ -75,6 +78,12 @@ class RoomLedger:
         self.tombstone_ttl = tombstone_ttl
         self._rooms: dict[int, _Room] = {}
         self._poisoned: set[int] = set()
+        #: Rooms changed since the last expire(): only they can have become
+        #: expirable, so expire() never walks the thousands of acked rooms
+        #: that wait out their TTL (it runs on every control message).
+        self._touched: set[int] = set()
+        self._expiry: list[tuple[float, int, int, _Room]] = []  # (expires, seq, room, entry)
+        self._seq = 0
 
     # -- queries -----------------------------------------------------------
     def status(self, room: int) -> KVPoll | None:
@@ -125,6 +134,7 @@ class RoomLedger:
         if entry is None:
             return
         entry.cleared = True
+        self._touched.add(room)
         self._forget_if_idle(room, entry)
 
     def fail(self, room: int, reason: str) -> list[LedgerAction]:
@@ -205,6 +215,7 @@ class RoomLedger:
         if entry is None:
             entry = self._rooms[msg.room] = _Room(expires=now + self.tombstone_ttl)
         self._mark_failed(msg.room, entry, "aborted by decode", notify=False)
+        self._touched.add(msg.room)
         if (msg.decode, msg.generation) not in entry.acked:
             current = entry.targets.get(msg.decode)
             if current is None or current[1] < msg.generation:
@@ -225,15 +236,31 @@ class RoomLedger:
         self._poisoned.add(room)
         return self._mark_failed(room, entry, reason)
 
-    def expire(self, now: float) -> None:
-        """Forget tombstones and cleared rooms once idle for ``tombstone_ttl``."""
-        for room, entry in list(self._rooms.items()):
-            if not _idle(entry) or not (entry.cleared or entry.expires is not None):
+    def expire(self, now: float) -> list[int]:
+        """Forget tombstones and cleared rooms once idle for ``tombstone_ttl``;
+        returns the rooms forgotten.
+
+        Cost: the rooms touched since the last call plus those due, not every
+        room the ledger remembers."""
+        for room in self._touched:
+            entry = self._rooms.get(room)
+            if entry is None or entry.scheduled or not _expirable(entry):
                 continue
             if entry.expires is None:
                 entry.expires = now + self.tombstone_ttl
-            elif entry.expires <= now:
+            entry.scheduled = True
+            self._seq += 1
+            heapq.heappush(self._expiry, (entry.expires, self._seq, room, entry))
+        self._touched.clear()
+        forgotten = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, room, entry = heapq.heappop(self._expiry)
+            entry.scheduled = False
+            if self._rooms.get(room) is entry and _expirable(entry):
                 del self._rooms[room]
+                forgotten.append(room)
+            # else: replaced, or busy again; a busy one is touched when it settles
+        return forgotten
 
     # -- internals ---------------------------------------------------------
     def _mark_failed(self, room: int, entry: _Room, reason: str, notify: bool = True) -> list[LedgerAction]:
@@ -250,6 +277,7 @@ class RoomLedger:
         return actions
 
     def _try_ack(self, room: int, entry: _Room) -> list[LedgerAction]:
+        self._touched.add(room)  # every path that can make a room idle passes here
         if entry.status != KVPoll.FAILED or entry.outstanding or entry.stuck or not entry.targets:
             return []
         actions: list[LedgerAction] = []
@@ -268,3 +296,8 @@ class RoomLedger:
 
 def _idle(entry: _Room) -> bool:
     return not entry.outstanding and not entry.stuck and not entry.targets
+
+
+def _expirable(entry: _Room) -> bool:
+    """Idle, and either cleared by the engine or a tombstone."""
+    return _idle(entry) and (entry.cleared or entry.expires is not None)

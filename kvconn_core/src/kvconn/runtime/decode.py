@@ -119,7 +119,6 @@ class DecodeEndpoint:
         self._bootstrapped = threading.Condition(self._lock)
         self._succeeded: set[int] = set()
         self._failed: dict[int, str] = {}
-        self._aborted: set[int] = set()
         self._next_exit_check = 0.0
         #: Fenced acks held back until decode's ends of the connections the
         #: fence closed have drained (see runtime/sockets.py).
@@ -166,7 +165,6 @@ class DecodeEndpoint:
             self.tracker.open(room, pages, ranks)
             self._succeeded.discard(room)
             self._failed.pop(room, None)
-            self._aborted.discard(room)
         for rank in sorted(ranks):
             self._outbox.send(self._writers[rank].address, TransferRequest(room, self.name, pages))
         return Receiver(self, room)
@@ -313,7 +311,6 @@ class DecodeEndpoint:
 
     def _abort(self, room: int) -> None:
         with self._lock:
-            self._aborted.add(room)
             releases = self._execute(self.tracker.abort(room, self.clock()))
         self._notify(releases)
 
@@ -327,6 +324,10 @@ class DecodeEndpoint:
                 self.metrics.aborts_sent.inc()
             elif isinstance(action, Release):
                 releases.append(action)
+                # Released rooms leave every table (a serving decode sees millions);
+                # their receivers keep what they need.
+                self._failed.pop(action.room, None)
+                self._succeeded.discard(action.room)
                 proof = action.proof.value
                 self.metrics.releases.labels(proof).inc()
                 self.metrics.released_pages.labels(proof).inc(len(action.pages))
@@ -366,11 +367,15 @@ class Receiver:
     def __init__(self, endpoint: DecodeEndpoint, room: int) -> None:
         self._endpoint = endpoint
         self.room = room
+        self._aborted = False
+        self._failure: str | None = None
 
     def poll(self) -> KVPoll:
+        if self._aborted:
+            return KVPoll.FAILED
         ep = self._endpoint
         with ep._lock:
-            if self.room in ep._aborted or self.room in ep._failed:
+            if self.room in ep._failed:
                 return KVPoll.FAILED
             if self.room in ep._succeeded:
                 return KVPoll.SUCCESS
@@ -378,11 +383,14 @@ class Receiver:
 
     def failure(self) -> str | None:
         with self._endpoint._lock:
-            return self._endpoint._failed.get(self.room)
+            return self._endpoint._failed.get(self.room, self._failure)
 
     def abort(self) -> None:
         """Give the room up. Its pages come back through ``on_release`` once
         proven free (at once if every rank already completed)."""
+        with self._endpoint._lock:
+            self._failure = self._endpoint._failed.get(self.room)  # forgotten there at release
+        self._aborted = True
         self._endpoint._abort(self.room)
 
     def finish(self) -> tuple[int, ...]:

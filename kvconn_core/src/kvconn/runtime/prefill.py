@@ -244,7 +244,8 @@ class PrefillRank:
 
     def _on_idle(self) -> float | None:
         with self._lock:
-            self.ledger.expire(self.clock())
+            for room in self.ledger.expire(self.clock()):
+                self._dst_pages.pop(room, None)
         return None
 
     # -- transfer workers --------------------------------------------------
