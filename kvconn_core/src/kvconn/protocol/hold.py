@@ -108,6 +108,11 @@ class HoldTracker:
         self.max_resend_interval = max_resend_interval
         self.unsafe_release_at_deadline = unsafe_release_at_deadline
         self._rooms: dict[int, _Room] = {}
+        #: The rooms not OPEN, and pages per state: every control message and
+        #: tick asks about holds, and a serving decode has hundreds of open
+        #: rooms for each held one.
+        self._holds: dict[int, _Room] = {}
+        self._pages = dict.fromkeys(HoldState, 0)
         self._generations = itertools.count(1)
 
     # -- queries -----------------------------------------------------------
@@ -116,14 +121,15 @@ class HoldTracker:
         return entry.state if entry is not None else None
 
     def pages_in(self, state: HoldState) -> int:
-        return sum(len(e.pages) for e in self._rooms.values() if e.state is state)
+        return self._pages[state]
 
     def rooms_in(self, state: HoldState) -> list[int]:
-        return [r for r, e in self._rooms.items() if e.state is state]
+        rooms = self._rooms if state is HoldState.OPEN else self._holds
+        return [r for r, e in rooms.items() if e.state is state]
 
     def oldest_quarantine(self, now: float) -> float:
         """Seconds the longest-quarantined room has waited (0: none)."""
-        since = [e.quarantined_at for e in self._rooms.values() if e.state is HoldState.QUARANTINED]
+        since = [e.quarantined_at for e in self._holds.values() if e.state is HoldState.QUARANTINED]
         return max(0.0, now - min(since)) if since else 0.0
 
     def ranks_of(self, room: int) -> frozenset[int]:
@@ -139,6 +145,7 @@ class HoldTracker:
         if not ranks:
             raise ValueError("a room needs at least one writing rank")
         self._rooms[room] = _Room(pages=pages, ranks=ranks)
+        self._pages[HoldState.OPEN] += len(pages)
 
     def succeeded(self, room: int, rank: int) -> bool:
         """``rank`` reported every chunk of ``room`` landed. True once all have."""
@@ -154,6 +161,7 @@ class HoldTracker:
         if entry.state is not HoldState.OPEN or not entry.succeeded >= entry.ranks:
             raise ValueError(f"room {room} is not completed")
         del self._rooms[room]
+        self._pages[HoldState.OPEN] -= len(entry.pages)
         return entry.pages
 
     def abort(self, room: int, now: float) -> list[HoldAction]:
@@ -164,7 +172,8 @@ class HoldTracker:
         entry.proven = set(entry.succeeded)
         if entry.proven >= entry.ranks:
             return [self._release(room, entry, Proof.COMPLETED, now)]
-        entry.state = HoldState.HELD
+        self._move(entry, HoldState.HELD)
+        self._holds[room] = entry
         entry.held_at = now
         entry.deadline = now + self.abort_timeout
         return self._send_aborts(room, entry)
@@ -188,8 +197,8 @@ class HoldTracker:
     def writer_exited(self, rank: int, now: float) -> list[HoldAction]:
         """``rank``'s process is proven gone: it can write nothing more."""
         actions: list[HoldAction] = []
-        for room, entry in list(self._rooms.items()):
-            if entry.state is HoldState.OPEN or rank not in entry.ranks:
+        for room, entry in list(self._holds.items()):
+            if rank not in entry.ranks:
                 continue
             if rank in entry.proven:
                 continue
@@ -203,12 +212,12 @@ class HoldTracker:
         """Move held rooms past their deadline to quarantine (or, in the
         legacy unsafe mode, free them), and re-send ABORTs while quarantined."""
         actions: list[HoldAction] = []
-        for room, entry in list(self._rooms.items()):
+        for room, entry in list(self._holds.items()):
             if entry.state is HoldState.HELD and now >= entry.deadline:
                 if self.unsafe_release_at_deadline:
                     actions.append(self._release(room, entry, Proof.UNSAFE_TIMEOUT, now))
                     continue
-                entry.state = HoldState.QUARANTINED
+                self._move(entry, HoldState.QUARANTINED)
                 entry.quarantined_at = now
                 entry.resend_every = self.resend_interval
                 entry.resend_at = now
@@ -221,11 +230,7 @@ class HoldTracker:
 
     def next_deadline(self) -> float | None:
         """The earliest instant at which :meth:`tick` has something to do."""
-        times = [
-            e.deadline if e.state is HoldState.HELD else e.resend_at
-            for e in self._rooms.values()
-            if e.state is not HoldState.OPEN
-        ]
+        times = [e.deadline if e.state is HoldState.HELD else e.resend_at for e in self._holds.values()]
         return min(times, default=None)
 
     # -- internals ---------------------------------------------------------
@@ -245,8 +250,15 @@ class HoldTracker:
             return Proof.WRITER_FENCE
         return Proof.LATE_ACKS if entry.state is HoldState.QUARANTINED else Proof.ACKS
 
+    def _move(self, entry: _Room, state: HoldState) -> None:
+        self._pages[entry.state] -= len(entry.pages)
+        self._pages[state] += len(entry.pages)
+        entry.state = state
+
     def _release(self, room: int, entry: _Room, proof: Proof, now: float) -> Release:
         del self._rooms[room]
+        self._holds.pop(room, None)
+        self._pages[entry.state] -= len(entry.pages)
         held = now - entry.held_at if entry.state is not HoldState.OPEN else 0.0
         quarantined = now - entry.quarantined_at if entry.state is HoldState.QUARANTINED else 0.0
         return Release(room, entry.pages, proof, held, quarantined)
