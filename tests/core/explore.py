@@ -152,9 +152,12 @@ def _clone_rank(rank: Rank) -> Rank:
             v.cleared,
             v.fenced,
             v.expires,
+            v.scheduled,
         )
         for k, v in rank.ledger._rooms.items()
     }
+    ledger._touched = set(rank.ledger._touched)
+    ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in rank.ledger._expiry]
     return Rank(
         ledger,
         rank.requested,
@@ -190,6 +193,8 @@ def _clone_tracker(tracker: HoldTracker) -> HoldTracker:
         )
         for k, v in tracker._rooms.items()
     }
+    new._holds = {k: new._rooms[k] for k in tracker._holds}
+    new._pages = dict(tracker._pages)
     return new
 
 
