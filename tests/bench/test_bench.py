@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",
     "--stream-requests", "8", "--concurrency", "4", "--overhead-chunks", "500",
@@ -42,6 +44,9 @@ def test_small_run_passes_and_reports(tmp_path: Path) -> None:
             assert key in mode
         assert {"p50", "p99", "max", "n"} <= set(mode["release_latency_ms"])
         assert mode["rooms_unreleased_end"] == 0
+        if sys.platform == "linux":  # the machine's CPU shares while the mode ran
+            assert set(mode["cpu"]) == {"busy", "steal", "idle"}
+            assert sum(mode["cpu"].values()) == pytest.approx(100)
     fast, slow = rep["modes"]["kvconn"], rep["modes"]["legacy"]
     assert set(fast["releases_by_proof"]) <= {"acks", "completed", "writer_fence"}
     assert fast["acks_received"] > 0 and slow["acks_received"] == 0

@@ -32,6 +32,8 @@ from kvconn.plugins import get_backend
 from kvconn.transport import capabilities_of
 
 KVCONN, LEGACY = "kvconn", "legacy"
+#: Steal (percent of CPU time) above which the report warns that latencies include it.
+STEAL_NOTE_PCT = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -329,6 +331,12 @@ def _report(
         f"timeout-only mode ran with a {legacy_timeout:g} s deadline to keep the run short; the ratio against it "
         "is measured, the one against the default 30 s deadline is 30 s / kvconn's p99"
     )
+    steal = max((m["cpu"].get("steal", 0.0) for m in modes.values()), default=0.0)
+    if steal >= STEAL_NOTE_PCT:
+        notes.append(
+            f"the hypervisor took up to {steal:.0f}% of this machine's CPU time during a mode (steal): "
+            "every hop of an abort waited for it, so latencies here overstate kvconn's own"
+        )
     if args.requests < 10000:
         notes.append("the 0-violation target is stated for 10,000 requests: run with --requests 10000")
     return {
@@ -418,6 +426,10 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
     row(
         "unreleased at end: rooms / held / quarantined pages",
         lambda d: f"{d['rooms_unreleased_end']} / {d['pages_held_end']} / {d['pages_quarantined_end']}",
+    )
+    row(
+        "machine CPU: busy / stolen by the hypervisor",
+        lambda d: f"{d['cpu']['busy']:.0f}% / {d['cpu']['steal']:.0f}%" if d["cpu"] else "-",
     )
     row(
         "violations",

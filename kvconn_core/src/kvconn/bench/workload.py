@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from kvconn.bench import cpu
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
@@ -142,6 +143,8 @@ class ModeResult:
     prefill: dict[str, float] = attrs.Factory(dict)
     violations: list[Violation] = attrs.Factory(list)
     stream: dict[str, float] = attrs.Factory(dict)
+    #: This machine's CPU shares while the mode ran (kvconn.bench.cpu).
+    cpu: dict[str, float] = attrs.Factory(dict)
 
     def summary(self) -> dict[str, Any]:
         d = attrs.asdict(
@@ -472,6 +475,7 @@ class ModeRun:
         todo = deque(work)
         active: dict[int, _Active] = {}
         t0 = self._now()
+        cpu_before = cpu.sample()
         while todo or active:
             while todo and len(active) < wl.concurrency:
                 pages = self._alloc(wl.pages)
@@ -506,6 +510,7 @@ class ModeRun:
             self._sample()
             time.sleep(self.poll_s)
         res.elapsed_s = self._now() - t0
+        res.cpu = cpu.shares(cpu_before, cpu.sample())
         self._finish()
         return res
 

@@ -1,0 +1,40 @@
+"""What this machine's CPUs did during a measurement (Linux ``/proc/stat``).
+
+On a shared VM the hypervisor runs other guests on our virtual CPUs ("steal");
+every thread of an abort's path then waits for a CPU it was promised, and the
+release latency grows for reasons no code of ours has. The bench reports the
+shares beside its latency figures so a reader can tell the two apart.
+"""
+
+from __future__ import annotations
+
+FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def sample() -> tuple[int, ...] | None:
+    """Cumulative ticks of every CPU, in :data:`FIELDS` order (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    if len(first) < len(FIELDS) + 1 or first[0] != "cpu":
+        return None
+    return tuple(int(x) for x in first[1 : len(FIELDS) + 1])
+
+
+def shares(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> dict[str, float]:
+    """Percent of CPU time between two samples: ``busy`` (our guest's work),
+    ``steal`` (taken by the hypervisor) and ``idle``. Empty if unknown."""
+    if before is None or after is None:
+        return {}
+    d = dict(zip(FIELDS, (b - a for a, b in zip(before, after, strict=True)), strict=True))
+    total = sum(d.values())
+    if total <= 0:
+        return {}
+    busy = d["user"] + d["nice"] + d["system"] + d["irq"] + d["softirq"]
+    return {
+        "busy": 100 * busy / total,
+        "steal": 100 * d["steal"] / total,
+        "idle": 100 * (d["idle"] + d["iowait"]) / total,
+    }
