@@ -84,6 +84,7 @@ def test_entry_point_and_capabilities() -> None:
     assert backend.capabilities_for({"ucx_tls": "default"}).writer_fence is False
     assert Options.parse({"ucx_tls": "tcp"}).fence_proven
     assert Options.parse({"ucx_tls": "cuda_copy, tcp"}).fence_proven
+    assert not Options.parse({"ucx_tls": "tcp,cuda_copy", "memory": "vram"}).fence_proven
     assert not Options.parse({"ucx_tls": "tcp,cma"}).fence_proven
     assert frozenset({"tcp"}) in FENCE_PROVEN_TLS
     with pytest.raises(ValueError):

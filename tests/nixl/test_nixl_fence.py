@@ -122,3 +122,38 @@ def test_no_fence_with_cma_frozen_writer_finishes() -> None:
     r = fence_run("default", 256 * MiB, freeze_after=0.05)
     assert r["fenced"] is None
     assert r["landed_after_fence"] == 0 or r["settlement"] != "landed"
+
+
+@pytest.mark.parametrize("end", ["fence", "kill"])
+def test_frozen_owner_survives_writer_teardown_with_tcp_put_disabled(
+    monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """With UCX_TCP_PUT_ENABLE=n, UCX emulates a tcp PUT (put/am/bcopy, as for
+    VRAM over tcp): the owner acks each fragment with a request of its own, and
+    an owner resumed after the writer's agent vanished (fence or kill) was
+    aborted by UCX 1.23 (ucp_request.inl:356 "unexpected error: Endpoint
+    timeout"). The plugin forces UCX_TCP_PUT_ENABLE=y for its agents."""
+    monkeypatch.setenv("UCX_TCP_PUT_ENABLE", "n")  # inherited by the spawned children
+    nbytes = 64 * MiB
+    opts = {"ucx_tls": "tcp"}
+    segs = [(i * MiB, i * MiB, MiB) for i in range(nbytes // MiB)]
+    with children((decode_main, nbytes, opts), (writer_main, nbytes, opts)) as (dec, wr):
+        wr.call("fill", 0xAB)
+        wr.call("connect", "decode", dec.hello)
+        assert wr.call("write", "decode", [(0, 0, PAGE)], 10)[0] == "landed"
+        dec.signal(signal.SIGSTOP)
+        try:
+            wr.send("write_then_fence", "decode", segs, 0.3 if end == "fence" else 60)
+            assert wr.recv(30)[0] == "posted"
+            if end == "fence":
+                settlement, fenced, _ = wr.recv(30)
+                assert (settlement, fenced) == ("unsettled", True)
+            else:
+                time.sleep(0.2)  # fill the sockets towards the frozen owner
+                os.kill(wr.pid, signal.SIGKILL)
+                wr.proc.join(5)
+        finally:
+            dec.signal(signal.SIGCONT)
+        time.sleep(1.0)  # the owner drains what was sent
+        assert dec.proc.is_alive(), f"owner died on resume (exit code {dec.proc.exitcode})"
+        assert 0 < dec.call("count", 0xAB) <= nbytes + PAGE  # and still serves

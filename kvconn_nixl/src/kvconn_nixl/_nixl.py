@@ -75,9 +75,20 @@ def _flag(value: str) -> bool:
 
 #: The UCX transport selections whose writer-side fence (destroy the agent
 #: after dropping every handle) has been proven by tests/nixl/test_nixl_fence.py
-#: (tcp) and by the conformance suite on an H200 host (tcp,cuda_copy: bytes
-#: still cross only tcp; cuda_copy stages device memory inside one process).
+#: (tcp) and by the conformance suite on an H200 host (tcp,cuda_copy), for DRAM
+#: pages only: see :attr:`Options.fence_proven`.
 FENCE_PROVEN_TLS = frozenset({frozenset({"tcp"}), frozenset({"tcp", "cuda_copy"})})
+
+#: Set (overriding the environment) while an agent's UCX context is created.
+#: ``UCX_TCP_PUT_ENABLE=y`` (UCX's default): a NIXL WRITE between host buffers
+#: is then a tcp PUT zcopy (``put/offload/zcopy``), which the page owner's UCT
+#: layer receives and acks by itself. With ``n`` UCX emulates it
+#: (``put/am/bcopy``): the owner's UCP acks every fragment with a request of
+#: its own (``ucp_put_handler`` -> ``ucp_rma_sw_send_cmpl``), and once the
+#: writer's agent is gone (fence, or killed) that request meets a failed
+#: endpoint and UCX 1.23 aborts the owner (ucp_request.inl:356 "Fatal:
+#: unexpected error: Endpoint timeout"; tests/nixl/test_nixl_fence.py).
+FORCED_UCX_ENV = {"UCX_TCP_PUT_ENABLE": "y"}
 
 
 def gpu_present() -> bool:
@@ -136,7 +147,13 @@ class Options:
 
     @property
     def fence_proven(self) -> bool:
-        return frozenset(t.strip() for t in self.ucx_tls.split(",")) in FENCE_PROVEN_TLS
+        # Not for VRAM: tcp registers host memory only, so UCX emulates a PUT
+        # to or from device memory (put/am/bcopy or put/rndv) and the owner
+        # acks every fragment itself (see FORCED_UCX_ENV). After the writer's
+        # agent is destroyed, UCX aborts the resumed owner (seen on an H200):
+        # the teardown is no fence there.
+        tls = frozenset(t.strip() for t in self.ucx_tls.split(","))
+        return self.memory == "dram" and tls in FENCE_PROVEN_TLS
 
     @property
     def nixl_mem(self) -> str:
@@ -182,21 +199,24 @@ def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
         sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     params = {"ucx_devices": opts.net_devices} if opts.net_devices else {}
+    env = dict(FORCED_UCX_ENV)
+    if opts.ucx_tls != "default":
+        env["UCX_TLS"] = opts.ucx_tls
     with _lock:
-        saved_tls = os.environ.get("UCX_TLS")
-        if opts.ucx_tls != "default":
-            os.environ["UCX_TLS"] = opts.ucx_tls
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         api.nixlBind = _Bind()
         try:
             agent = api.nixl_agent(name, conf)
-            # UCX reads UCX_TLS when the backend (its context) is created.
+            # UCX reads its UCX_* variables when the backend (its context) is created.
             agent.create_backend("UCX", params)
         finally:
             api.nixlBind = bind
-            if saved_tls is None:
-                os.environ.pop("UCX_TLS", None)
-            else:
-                os.environ["UCX_TLS"] = saved_tls
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return agent
 
 

@@ -340,7 +340,9 @@ class NixlBackend:
             max_write_timeout_s=None,
             notes=(
                 f"NIXL 1.5.1 / UCX, UCX_TLS={opts.ucx_tls}. writer_fence: destroy the "
-                "agent after dropping every handle (proven for tcp only). vram: "
+                "agent after dropping every handle (proven for tcp and DRAM only: over "
+                "tcp UCX emulates a PUT to or from VRAM, the owner acks each fragment, "
+                "and UCX 1.23 aborts an owner whose writer vanished). vram: "
                 "implemented (cupy/torch allocation), untested here. cross_host: "
                 "untested. A frozen peer leaves transfers PROC forever: deadlines "
                 "come from the core."
