@@ -80,6 +80,10 @@ class _Endpoint:
     def connect(self, peer: str, metadata: bytes) -> None:
         self.writer.connect(peer, metadata)
 
+    def writer_batched(self) -> bool:
+        """Whether the writer sends many-task batches (else one transfer per segment)."""
+        return bool(self.writer.batched)
+
     def _chunk(self, peer: str, index: int) -> Any:
         from kvconn.chunk import Chunk
 

@@ -2,26 +2,38 @@
 
 Design (measured on 0.3.13.post1, tcp over loopback):
 
-* Every segment is posted with ``transfer_submit_write`` (an async one-task
-  batch) and polled with ``transfer_check_status`` (non-blocking: 1 done,
-  0 pending, -1 failed, -2 timeout). No thread ever sits inside a blocking
-  engine call (``get_batch_transfer_status`` busy-waits, cannot honour a
-  deadline, frees its batches and segfaults on a second call), so the DONE
-  barrier honours its deadline exactly and ``on_fence`` can destroy the engine.
-* At most ``max_inflight`` (default 512) transfers are queued per peer: the
+* A chunk's segments go as many-task batches (``batch_transfer_async_write``,
+  at most ``max_batch`` segments each, default ``max_inflight``) polled with
+  ``mooncake::TransferEngine::getBatchTransferStatus`` through ctypes
+  (:mod:`kvconn_mooncake._batch_status`): one non-blocking pass over the
+  batch's tasks, COMPLETED / FAILED (a task failed or timed out) / WAITING.
+  A completed batch is freed with ``freeBatchID`` and never looked at again;
+  a failed one is left alone for good (tasks of it may still be writing;
+  freeing could free memory the transport threads still use): a small leak
+  per failed batch. The hack is guarded (x86-64 Linux, wheel 0.3.13.x, the
+  symbols and the known prologues of the ``Status``-returning wrappers, a
+  self-test per engine); ``batch_status=auto`` (default) falls back to the
+  per-segment path below when a guard fails, ``on`` requires the batch path,
+  ``off`` never uses it.
+* Fallback, one transfer per segment: ``transfer_submit_write`` (an async
+  one-task batch) polled with ``transfer_check_status`` (non-blocking: 1 done,
+  0 pending, -1 failed, -2 timeout), because that call reads only task 0 of a
+  batch.
+* Either way no thread ever sits inside a blocking engine call
+  (``get_batch_transfer_status`` busy-waits, cannot honour a deadline, frees
+  its batches and segfaults on a second call), so the DONE barrier honours
+  its deadline exactly and ``on_fence`` can destroy the engine.
+* At most ``max_inflight`` (default 512) segments are queued per peer: the
   engine rejects pieces beyond ~1024 per peer (``queue-full``) and poisons the
   next calls. Segments beyond the cap stay in the posted token and are
   submitted by whichever barrier drives progress next (any waiting thread
-  polls the in-flight transfers of every peer, oldest first, stopping at a
+  polls the in-flight batches of every peer, oldest first, stopping at a
   peer's first pending one, so no chunk waits on a credit held by a chunk
   whose barrier has not started).
-* Why one transfer per segment: the only non-blocking status call,
-  ``transfer_check_status``, reads task 0 of a batch, so a many-task batch
-  cannot be polled; that costs scattered 4 KiB pages ~15-25% against the raw
-  path's blocking ``get_batch_transfer_status`` on two cores.
 * A failed or timed-out transfer may still have written (measured): the
   chunk is ``UNSETTLED``. ``FAILED_SETTLED`` only when nothing of the chunk
-  was ever handed to the engine.
+  was ever handed to the engine (a batch whose submission failed counts as
+  handed: the engine may have queued part of it).
 * ``on_fence`` destroys the writer's engine (closes every connection its late
   pieces would travel on), creates a new one and registers the source again.
 """
@@ -42,6 +54,7 @@ import numpy.typing as npt
 from kvconn.chunk import Chunk, Segment
 from kvconn.hookspecs import hookimpl
 from kvconn.transport import Capabilities, Settlement
+from kvconn_mooncake._batch_status import DONE, PENDING, BatchPoller, bind
 from kvconn_mooncake._engine import (
     configure_env,
     engine_settings,
@@ -57,6 +70,7 @@ from kvconn_mooncake._memory import MEMORY_KINDS, MemoryOptions, cuda_engine_ins
 configure_env()
 
 DEFAULT_MAX_INFLIGHT = 512
+BATCH_STATUS_MODES = ("auto", "on", "off")
 #: How long a DONE barrier polls without sleeping before it backs off.
 HOT_POLL_S = 0.002
 DEFAULT_POLL_INTERVAL_S = 0.0001  # a longer cap noticed completion late: 78% of raw at 1 MiB
@@ -145,16 +159,26 @@ class MooncakeWriter:
         self.poll_interval_s = float(options.get("poll_interval_s", DEFAULT_POLL_INTERVAL_S))
         if not 0 < self.max_inflight <= 1000:
             raise ValueError("max_inflight must be in 1..1000 (the engine rejects ~1024 per peer)")
+        self.max_batch = int(options.get("max_batch", self.max_inflight))
+        if self.max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self.batch_status = options.get("batch_status", "auto")
+        if self.batch_status not in BATCH_STATUS_MODES:
+            raise ValueError(f"batch_status must be one of {BATCH_STATUS_MODES}, not {self.batch_status!r}")
         self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
         self._mem = open_memory(nbytes, self.memory)
         self.base: int = self._mem.addr
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
-        #: Per peer session, transfer ids in submission order. A peer's pieces
-        #: complete in order, so a poll stops at the first one still pending:
-        #: O(completed) engine calls per poll, not O(in flight).
-        self._inflight: dict[str, collections.deque[tuple[int, Posted]]] = {}
+        #: Per peer session, (batch id, segments in it, token) in submission
+        #: order. A peer's pieces complete in order, so a poll stops at the
+        #: first one still pending: O(completed) engine calls per poll.
+        self._inflight: dict[str, collections.deque[tuple[int, int, Posted]]] = {}
+        #: Per peer session, segments in flight (the engine's per-peer cap).
+        self._inflight_n: dict[str, int] = {}
+        #: Non-blocking many-task batch status (None: one transfer per segment).
+        self._poller: BatchPoller | None = None
         self._queued: collections.deque[Posted] = collections.deque()
         self._generation = 0
         self._engine: Any = None
@@ -182,7 +206,27 @@ class MooncakeWriter:
         rc = engine.register_memory(self.base, self.nbytes)
         if rc != 0:
             raise RuntimeError(f"mooncake register_memory({self.nbytes} bytes) returned {rc}")
+        self._poller = None if self.batch_status == "off" else bind(engine)
+        if self._poller is None and self.batch_status == "on":
+            raise RuntimeError(
+                "mooncake batch_status=on, but the batch status check is unavailable (see log)"
+            )
         self._engine = engine
+
+    @property
+    def batched(self) -> bool:
+        """Whether segments go as many-task batches (else one transfer each)."""
+        return self._poller is not None
+
+    def _drop_engine(self) -> None:
+        """Forget every in-flight id and destroy the engine (call with the lock)."""
+        self._inflight.clear()
+        self._inflight_n.clear()
+        self._queued.clear()
+        self._poller = None  # holds a reference to the engine: drop it first
+        engine, self._engine = self._engine, None
+        del engine  # the only reference: the destructor joins the transport threads
+        gc.collect()
 
     @property
     def session(self) -> str:
@@ -201,32 +245,57 @@ class MooncakeWriter:
     def _submit(self, tok: Posted) -> None:
         engine = self._engine
         inflight = self._inflight.setdefault(tok.session, collections.deque())
-        while tok.pending and len(inflight) < self.max_inflight:
-            src, dst, n = tok.pending.popleft()
-            tid = engine.transfer_submit_write(tok.session, src, dst, n)
-            if tid in _BAD_IDS:
+        used = self._inflight_n.get(tok.session, 0)
+        while tok.pending and used < self.max_inflight:
+            if self._poller is None:
+                src, dst, n = tok.pending.popleft()
+                bid = engine.transfer_submit_write(tok.session, src, dst, n)
+                count = 1
+            else:
+                count = min(len(tok.pending), self.max_inflight - used, self.max_batch)
+                pieces = [tok.pending.popleft() for _ in range(count)]
+                bid = engine.batch_transfer_async_write(
+                    tok.session, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+                )
+            if bid in _BAD_IDS:
+                # 2**64-1: the segment could not be opened, nothing was sent. 0 (a
+                # batch): submitTransfer failed, perhaps after enqueueing part of it.
+                if self._poller is not None and bid == 0:
+                    tok.submitted += count
                 tok.failed = True
                 tok.pending.clear()
-                return
-            inflight.append((tid, tok))
-            tok.inflight += 1
-            tok.submitted += 1
+                break
+            inflight.append((bid, count, tok))
+            used += count
+            tok.inflight += count
+            tok.submitted += count
+        self._inflight_n[tok.session] = used
+
+    def _check(self, bid: int) -> int:
+        """1 done (freed), 0 pending, else failed or timed out (never look at it again)."""
+        if self._poller is not None:
+            return self._poller.poll(bid)
+        # transfer_check_status: 1 and -1 freed the batch inside the engine; -2
+        # (timeout) did not.
+        rc: int = self._engine.transfer_check_status(bid)
+        return rc
 
     def _progress(self) -> None:
-        engine = self._engine
-        for inflight in self._inflight.values():
+        for session, inflight in self._inflight.items():
+            done = 0
             while inflight:
-                tid, tok = inflight[0]
-                rc = engine.transfer_check_status(tid)
-                if rc == 0:
+                bid, count, tok = inflight[0]
+                rc = self._check(bid)
+                if rc == PENDING:
                     break
-                # 1 and -1 freed the batch inside the engine; -2 (timeout) did not:
-                # never look at this id again either way.
                 inflight.popleft()
-                tok.inflight -= 1
-                if rc != 1:
+                done += count
+                tok.inflight -= count
+                if rc != DONE:
                     tok.failed = True
                     tok.pending.clear()
+            if done:
+                self._inflight_n[session] -= done
         while self._queued:
             tok = self._queued[0]
             if tok.abandoned or tok.failed:
@@ -312,14 +381,10 @@ class MooncakeWriter:
         start = time.monotonic()
         with self._lock:
             self._generation += 1
-            for tok in [tok for q in self._inflight.values() for _, tok in q] + list(self._queued):
+            for tok in [tok for q in self._inflight.values() for _, _, tok in q] + list(self._queued):
                 tok.abandoned = True
                 tok.pending.clear()
-            self._inflight.clear()
-            self._queued.clear()
-            engine, self._engine = self._engine, None
-            del engine  # the only reference: the destructor joins the transport threads
-            gc.collect()
+            self._drop_engine()
             self._open_engine()  # same targets: a new engine reaches the same session ids
         self.last_fence_s = time.monotonic() - start
         return True
@@ -330,11 +395,7 @@ class MooncakeWriter:
                 return
             self._closed = True
             self._generation += 1
-            self._inflight.clear()
-            self._queued.clear()
-            engine, self._engine = self._engine, None
-            del engine
-            gc.collect()
+            self._drop_engine()
 
 
 @attrs.frozen
