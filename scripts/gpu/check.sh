@@ -254,6 +254,11 @@ step smoke-mooncake-vram 90 "$PY" /tmp/kvconn_smoke.py mooncake memory=vram
 # default UCX_TLS on a GPU host is tcp,cuda_copy: its fence is checked here too)
 step conf-nixl-all-vram 200 "${KV[@]}" conformance nixl -q -o memory=vram
 step conf-mooncake-all-vram 200 "${KV[@]}" conformance mooncake -q -o memory=vram
+# (e2) untried so far (docs/gpu.md, "Why NIXL claims no fence for VRAM"): with cuda_ipc,
+# same-host VRAM should be copied by the writer alone, so a frozen owner whose writer
+# was killed mid-write has no fragment of its own to ack, and should survive.
+maybe 60 conf-nixl-vram-cuda-ipc 200 "${KV[@]}" conformance nixl -q -o memory=vram \
+    -o ucx_tls=tcp,cuda_copy,cuda_ipc
 
 # ---------------------------------------------------------------------------
 # (f) transport bench (kvconn vs raw API), one backend per command
