@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from kvconn.memory import Memory
 
@@ -275,3 +277,24 @@ def open_memory(nbytes: int, opts: Options) -> Memory:
 
 def register(agent: Any, mem: Memory, opts: Options) -> Any:
     return agent.register_memory([(mem.addr, mem.nbytes, opts.dev_id, "")], opts.nixl_mem)
+
+
+def write_xfer(agent: Any, opts: Options, base: int, peer: RegionInfo, rows: npt.NDArray[np.int64]) -> Any:
+    """A prepared WRITE handle for ``rows`` (``(n, 3)`` int64: source offset,
+    destination offset, bytes) from ``agent``'s memory at ``base`` into
+    ``peer``'s region: one transfer of every row."""
+    n = len(rows)
+    local = np.empty((n, 3), dtype=np.uint64)
+    local[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(base)
+    local[:, 1] = rows[:, 2].astype(np.uint64)
+    local[:, 2] = opts.dev_id
+    remote = np.empty((n, 3), dtype=np.uint64)
+    remote[:, 0] = rows[:, 1].astype(np.uint64) + np.uint64(peer.addr)
+    remote[:, 1] = local[:, 1]
+    remote[:, 2] = peer.dev_id
+    return agent.initialize_xfer(
+        "WRITE",
+        agent.get_xfer_descs(local, opts.nixl_mem),
+        agent.get_xfer_descs(remote, peer.mem),
+        peer.agent_name,
+    )

@@ -24,6 +24,7 @@ from kvconn_nixl._nixl import (
     open_memory,
     register,
     remote_disconnect_error,
+    write_xfer,
 )
 
 __all__ = ["NixlBackend", "NixlRegion", "NixlWriter", "backend"]
@@ -163,22 +164,8 @@ class NixlWriter:
             raise ValueError("segment reads past the writer's source region")
         if int((dst + lens).max()) > peer.info.nbytes:
             raise ValueError(f"segment writes past {chunk.peer!r}'s region")
-        n = len(segs)
-        local = np.empty((n, 3), dtype=np.uint64)
-        local[:, 0] = src.astype(np.uint64) + np.uint64(self._mem.addr)
-        local[:, 1] = lens.astype(np.uint64)
-        local[:, 2] = self.options.dev_id
-        remote = np.empty((n, 3), dtype=np.uint64)
-        remote[:, 0] = dst.astype(np.uint64) + np.uint64(peer.info.addr)
-        remote[:, 1] = local[:, 1]
-        remote[:, 2] = peer.info.dev_id
         agent = self._agent
-        handle = agent.initialize_xfer(
-            "WRITE",
-            agent.get_xfer_descs(local, self.options.nixl_mem),
-            agent.get_xfer_descs(remote, peer.info.mem),
-            peer.info.agent_name,
-        )
+        handle = write_xfer(agent, self.options, self._mem.addr, peer.info, table)
         with self._lock:
             key = next(self._keys)
             self._handles[key] = handle

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, register
+from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, register, write_xfer
 
 __all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
 
@@ -79,22 +79,8 @@ class RawWriter:
         rows = segment_rows(segments)
         if not len(rows):
             return 0
-        n = len(rows)
-        local = np.empty((n, 3), dtype=np.uint64)
-        local[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(self.base)
-        local[:, 1] = rows[:, 2].astype(np.uint64)
-        local[:, 2] = self.options.dev_id
-        remote = np.empty((n, 3), dtype=np.uint64)
-        remote[:, 0] = rows[:, 1].astype(np.uint64) + np.uint64(info.addr)
-        remote[:, 1] = local[:, 1]
-        remote[:, 2] = info.dev_id
         agent = self._agent
-        handle = agent.initialize_xfer(
-            "WRITE",
-            agent.get_xfer_descs(local, self.options.nixl_mem),
-            agent.get_xfer_descs(remote, info.mem),
-            info.agent_name,
-        )
+        handle = write_xfer(agent, self.options, self.base, info, rows)
         try:
             state = agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
