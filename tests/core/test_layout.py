@@ -9,16 +9,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvconn.runtime.layout import PageLayout
+from kvconn.chunk import Segment, SegmentTable
+from kvconn.runtime.layout import VECTOR_MIN_PAGES, PageLayout
 
 
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[PageLayout, int, list[int], list[int]]:
     ranks = draw(st.integers(1, 4))
     layout = PageLayout(ranks * draw(st.sampled_from([1, 8, 4096])), ranks)
-    n = draw(st.integers(0, 40))
-    src = draw(st.lists(st.integers(0, 63), min_size=n, max_size=n, unique=True))
-    dst = draw(st.lists(st.integers(0, 63), min_size=n, max_size=n, unique=True))
+    # both sides of VECTOR_MIN_PAGES: the per-page loop and the numpy lowering
+    n = draw(st.integers(0, 2 * VECTOR_MIN_PAGES))
+    src = draw(st.lists(st.integers(0, 4 * VECTOR_MIN_PAGES), min_size=n, max_size=n, unique=True))
+    dst = draw(st.lists(st.integers(0, 4 * VECTOR_MIN_PAGES), min_size=n, max_size=n, unique=True))
     if draw(st.booleans()):  # contiguous runs, as a fresh pool hands them out
         src, dst = sorted(src), sorted(dst)
     return layout, draw(st.integers(0, ranks - 1)), src, dst
@@ -40,6 +42,30 @@ def test_segments_cover_exactly_each_shard(case: tuple[PageLayout, int, list[int
     # merged as far as possible: no two consecutive segments continue each other
     for a, b in itertools.pairwise(segments):
         assert not (b.src == a.src + a.nbytes and b.dst == a.dst + a.nbytes)
+
+
+@given(layouts())
+def test_loop_and_numpy_lowering_agree(case: tuple[PageLayout, int, list[int], list[int]]) -> None:
+    layout, rank, src_pages, dst_pages = case
+    loop = layout._segments_loop(rank, src_pages, dst_pages)
+    vector = layout._segments_vector(rank, src_pages, dst_pages)
+    assert loop.rows.shape == vector.rows.shape
+    assert loop == vector
+
+
+def test_segment_table_is_a_read_only_sequence_of_segments() -> None:
+    table = PageLayout(4096, 1).segments(0, [3, 4, 9], [7, 8, 1])
+    assert list(table) == [Segment(3 * 4096, 7 * 4096, 8192), Segment(9 * 4096, 4096, 4096)]
+    assert table[-1] == Segment(9 * 4096, 4096, 4096)
+    assert table.nbytes == 3 * 4096
+    assert table[1:] == [table[1]]
+    assert SegmentTable.of(table) is table
+    assert SegmentTable.of(list(table)) == table
+    with pytest.raises(ValueError):
+        table.rows[0, 0] = 0
+    with pytest.raises(ValueError):
+        SegmentTable([[1, 2]])
+    assert len(SegmentTable(())) == 0
 
 
 def test_mismatched_lengths_and_uneven_shards_are_refused() -> None:

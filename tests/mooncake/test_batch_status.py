@@ -151,6 +151,8 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
     w.close()
     with pytest.raises(ValueError, match="batch_status"):
         be.open_writer(MiB, {"batch_status": "maybe"})
+    with pytest.raises(ValueError, match="hot_poll_s"):
+        be.open_writer(MiB, {"hot_poll_s": "-1"})
     monkeypatch.setattr(bs, "_installed_version", lambda: "9.9.9")
     monkeypatch.setattr(bs, "_api", None)
     monkeypatch.setattr(bs, "_api_problem", None)
@@ -161,11 +163,13 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
         be.open_writer(MiB, {"batch_status": "on"})
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_writer_respects_inflight_cap(mode: str) -> None:
-    """1000 pages through a cap of 300 in flight, batches of at most 128: all land."""
+@pytest.mark.parametrize(("mode", "hot_poll_s"), [("on", "none"), ("off", "none"), ("on", "0")])
+def test_writer_respects_inflight_cap(mode: str, hot_poll_s: str) -> None:
+    """1000 pages through a cap of 300 in flight, batches of at most 128: all
+    land, whether the barrier polls hot or (hot_poll_s=0) sleeps between polls."""
     region = be.open_region(REGION, {})
-    w = be.open_writer(REGION, {"batch_status": mode, "max_inflight": "300", "max_batch": "128"})
+    options = {"batch_status": mode, "max_inflight": "300", "max_batch": "128", "hot_poll_s": hot_poll_s}
+    w = be.open_writer(REGION, options)
     try:
         w.connect("d", region.metadata)
         w.array()[:] = np.random.default_rng(5).integers(1, 256, REGION, dtype=np.uint8)

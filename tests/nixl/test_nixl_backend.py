@@ -91,6 +91,11 @@ def test_entry_point_and_capabilities() -> None:
         Options.parse({"bogus": "1"})
     with pytest.raises(ValueError):
         Options.parse({"memory": "hbm"})
+    assert Options.parse({}).hot_poll_s is None
+    assert Options.parse({"hot_poll_s": "none"}).hot_poll_s is None
+    assert Options.parse({"hot_poll_s": "0.25"}).hot_poll_s == 0.25
+    with pytest.raises(ValueError):
+        Options.parse({"hot_poll_s": "-1"})
 
 
 def test_metadata_roundtrip_and_rejects_garbage() -> None:
@@ -118,6 +123,24 @@ def test_writer_rejects_out_of_range_and_unknown_peer() -> None:
         writer.write(0, b"hello")
         assert write(pm, [Segment(0, 42, 5)]) is Settlement.LANDED
         assert region.read(42, 5) == b"hello"
+    finally:
+        writer.close()
+        region.close()
+
+
+def test_a_barrier_that_sleeps_between_polls_still_lands_every_byte() -> None:
+    """hot_poll_s=0: no hot polling, the barrier sleeps 0.1 ms between polls
+    (and without a progress thread, moves the data only when it polls)."""
+    region = backend.open_region(16 * MiB, {})
+    writer = backend.open_writer(8 * MiB, {"hot_poll_s": "0"})
+    try:
+        writer.connect("decode", region.metadata)
+        data = np.random.default_rng(5).integers(0, 256, 8 * MiB, dtype=np.uint8).tobytes()
+        writer.write(0, data)
+        segs = [Segment(i * MiB, (15 - 2 * i) * MiB, MiB) for i in range(8)]
+        assert write(manager(writer), segs) is Settlement.LANDED
+        for i in range(8):
+            assert region.read((15 - 2 * i) * MiB, MiB) == data[i * MiB : (i + 1) * MiB]
     finally:
         writer.close()
         region.close()

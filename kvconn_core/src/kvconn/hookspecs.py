@@ -60,6 +60,10 @@ def on_post(chunk: Chunk, segments: Sequence[Segment]) -> object | None:
     """Post the writes of ``chunk`` to its peer (``chunk.peer``).
 
     ``segments`` are byte ranges in the writer's source and the peer's region.
+    The core passes a :class:`~kvconn.chunk.SegmentTable`: a transport that
+    takes arrays reads ``SegmentTable.of(segments).rows`` (``(n, 3)`` int64:
+    src, dst, nbytes) instead of building a request per Segment object;
+    ``of`` returns a table unchanged and builds one from any other sequence.
     The transport returns an opaque token (its handles) that the core hands
     back to ``on_done_barrier``. It must not wait for the data to land, and
     the token must not keep transport resources alive on its own (the core

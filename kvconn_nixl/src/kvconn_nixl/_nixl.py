@@ -75,6 +75,15 @@ def _flag(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _seconds_or_none(value: str | None) -> float | None:
+    if value is None or value.strip().lower() in {"", "none"}:
+        return None
+    seconds = float(value)
+    if seconds < 0:
+        raise ValueError(f"hot_poll_s must be >= 0, got {value!r}")
+    return seconds
+
+
 #: The UCX transport selections whose writer-side fence (destroy the agent
 #: after dropping every handle) has been proven by tests/nixl/test_nixl_fence.py
 #: (tcp) and by the conformance suite on an H200 host (tcp,cuda_copy), for DRAM
@@ -127,6 +136,12 @@ class Options:
     #: Progress-thread sleep (NIXL pthrDelay, us). nixl's Python wrapper
     #: hard-codes 0, which busy-spins a core per idle agent.
     progress_delay_us: int = 1000
+    #: How long (s) a writer's DONE barrier polls without sleeping before it
+    #: polls every 0.1 ms; ``None``: until the chunk settles (its deadline
+    #: still ends the wait). Without a progress thread the data moves only
+    #: while check_xfer_state is called, as in the raw API's own wait loop:
+    #: a sleeping barrier stalls its transfer.
+    hot_poll_s: float | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -145,6 +160,7 @@ class Options:
             device=int(options.get("device", "0")),
             progress_thread=None if prog is None else _flag(prog),
             progress_delay_us=int(options.get("progress_delay_us", "1000")),
+            hot_poll_s=_seconds_or_none(options.get("hot_poll_s")),
         )
 
     @property

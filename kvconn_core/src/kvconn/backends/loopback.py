@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
 
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
 from kvconn.transport import Capabilities, Settlement
 
@@ -147,12 +147,12 @@ class LoopbackWriter:
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> _Handle:
         peer = self._peers[chunk.peer]
         pieces = []
-        for seg in segments:
-            _check(seg.src, seg.nbytes, self.nbytes)
-            _check(seg.dst, seg.nbytes, peer.nbytes)
-            for off in range(0, seg.nbytes, self.piece_bytes):
-                n = min(self.piece_bytes, seg.nbytes - off)
-                pieces.append((self._src_base + seg.src + off, peer.base + seg.dst + off, n))
+        for src, dst, nbytes in SegmentTable.of(segments).rows.tolist():
+            _check(src, nbytes, self.nbytes)
+            _check(dst, nbytes, peer.nbytes)
+            for off in range(0, nbytes, self.piece_bytes):
+                n = min(self.piece_bytes, nbytes - off)
+                pieces.append((self._src_base + src + off, peer.base + dst + off, n))
         with self._lock:
             self._posted += 1
             fail = (chunk.room, chunk.index) in self.fail_chunks or (

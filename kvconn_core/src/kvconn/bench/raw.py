@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk, SegmentTable
 from kvconn.runtime.layout import PageLayout
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Backend, PageRegion
@@ -44,7 +44,7 @@ class Unavailable(Exception):
 
 
 # A per-rank writer: (chunk, segments) -> None, writing and waiting; plus fill and close.
-WriteFn = Callable[[Chunk, list[Segment]], None]
+WriteFn = Callable[[Chunk, SegmentTable], None]
 
 
 @attrs.define
@@ -64,7 +64,7 @@ def _loopback_io(
     # process, so register it back or the owner's unlink warns.
     resource_tracker.register("/" + region.metadata.decode().lstrip("/"), "shared_memory")
 
-    def write(chunk: Chunk, segments: list[Segment]) -> None:
+    def write(chunk: Chunk, segments: SegmentTable) -> None:
         handle = writer.on_post(chunk=chunk, segments=segments)
         writer.on_done_barrier(chunk=chunk, posted=handle, deadline=time.monotonic() + 30)
 
@@ -85,8 +85,8 @@ def _module_io(
     writer = mod.RawWriter(source_bytes, options)
     writer.connect("raw", region.metadata)
 
-    def write(chunk: Chunk, segments: list[Segment]) -> None:
-        writer.transfer("raw", segments)
+    def write(chunk: Chunk, segments: SegmentTable) -> None:
+        writer.transfer("raw", segments.rows)  # the array a raw API user holds
 
     return _RankIO(writer.write, write, writer.close)
 

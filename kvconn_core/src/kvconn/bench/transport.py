@@ -56,7 +56,7 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
 from kvconn.plugins import get_backend
@@ -328,11 +328,9 @@ def _raw_child() -> None:
     writer.close()
 
 
-def _native(segments: Sequence[Segment]) -> Any:
-    """Segments as the ``(n, 3)`` array a raw API user would hold (numpy comes
-    with every plugin that has a raw module)."""
-    np = importlib.import_module("numpy")
-    return np.array([(s.src, s.dst, s.nbytes) for s in segments], dtype=np.int64)
+def _native(segments: SegmentTable) -> Any:
+    """Segments as the ``(n, 3)`` int64 array a raw API user would hold."""
+    return segments.rows
 
 
 class _Child:

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config, check_deadlines
 from kvconn.metrics import Metrics
 from kvconn.protocol.ledger import KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
@@ -249,7 +249,7 @@ class PrefillRank:
         return None
 
     # -- transfer workers --------------------------------------------------
-    def _enqueue(self, chunk: Chunk, segments: list[Segment]) -> None:
+    def _enqueue(self, chunk: Chunk, segments: SegmentTable) -> None:
         self._queues[chunk.room % len(self._queues)].put((chunk, segments))
 
     def _work(self, q: queue.Queue[Any]) -> None:
@@ -259,7 +259,7 @@ class PrefillRank:
                 return
             self._transfer(*item)
 
-    def _transfer(self, chunk: Chunk, segments: list[Segment]) -> None:
+    def _transfer(self, chunk: Chunk, segments: SegmentTable) -> None:
         hooks = self._hooks.current()
         with self._lock:
             write = self.ledger.dequeue(chunk.room)  # invariant D: counted here
@@ -409,7 +409,7 @@ class Sender:
             raise ValueError(f"room {self.room} has {left} pages left, got {len(src_pages)}")
         chunk = Chunk(self.room, self._index, last, rank.rank, entry_decode, tuple(src_pages), tuple(dst))
         # Lowered here, on the engine's thread, while the worker writes the
-        # previous chunk (~1 ms for 1024 pages, off the transfer's path).
+        # previous chunk (1024 scattered pages: ~0.08 ms).
         segments = rank._peers[entry_decode].layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
         self._sent += len(src_pages)
         self._index += 1
