@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,3 +32,29 @@ def test_sample_reads_this_machine() -> None:
     sum(range(10**6))  # some CPU time passes
     second = cpu.sample()
     assert second is not None and all(b >= a for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/<pid>/stat is Linux's")
+def test_process_seconds_counts_a_child_and_forgets_it_once_reaped() -> None:
+    assert cpu.process_seconds() == pytest.approx(time.process_time(), abs=0.05)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nsys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        used = cpu.process_seconds(child.pid)
+        while (used is None or used < 0.3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            used = cpu.process_seconds(child.pid)
+        assert used is not None and 0.3 <= used < 30
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert cpu.process_seconds(child.pid) is None

@@ -43,6 +43,14 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
             s["profile"]
         )
     assert rep["shapes"][0]["scattered"] is True and rep["shapes"][0]["chunk_pages"] == 16
+    if sys.platform == "linux":  # CPU time per process from /proc
+        assert "CPU per chunk on loopback" in text
+        for s in rep["shapes"]:
+            for side, procs in (("kvconn", ("decode", "rank")), ("raw", ("decode", "raw_writer"))):
+                c = s["cpu"][side]
+                assert all(c[f"{p}_ms_per_chunk"] >= 0 for p in procs), c
+                # machine shares only when a clock tick passed (tiny runs may fit in one)
+                assert all(0 <= c[k] <= 100 for k in ("busy", "steal", "idle") if k in c)
 
 
 def test_bad_shape_exits_2() -> None:

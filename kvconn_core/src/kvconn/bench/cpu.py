@@ -8,6 +8,9 @@ shares beside its latency figures so a reader can tell the two apart.
 
 from __future__ import annotations
 
+import os
+import time
+
 FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
@@ -38,3 +41,17 @@ def shares(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> dic
         "steal": 100 * d["steal"] / total,
         "idle": 100 * (d["idle"] + d["iowait"]) / total,
     }
+
+
+def process_seconds(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so
+    far; this process if ``None``. ``None`` if unknown (exited, not Linux)."""
+    if pid is None or pid == os.getpid():
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the command name (field 2) may hold spaces: split after its ')'
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

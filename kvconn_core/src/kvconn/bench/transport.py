@@ -56,6 +56,7 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
+from kvconn.bench import cpu
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
@@ -463,6 +464,9 @@ class ShapeResult:
     kvconn_s: list[float] = attrs.Factory(list)
     raw_s: list[float] = attrs.Factory(list)
     raw_child_s: list[float] = attrs.Factory(list)
+    #: per measurement: CPU seconds of each process, and the machine's shares
+    kvconn_cpu: list[dict[str, float]] = attrs.Factory(list)
+    raw_cpu: list[dict[str, float]] = attrs.Factory(list)
     bad_pages: int = 0
 
     def summary(self) -> dict[str, Any]:
@@ -499,7 +503,49 @@ class ShapeResult:
             * 1e3
             / (self.plan.rooms * self.plan.room_chunks),
             "verify_bad_pages": self.bad_pages,
+            "cpu": {
+                "kvconn": _cpu_summary(self.kvconn_cpu, self.plan),
+                "raw": _cpu_summary(self.raw_cpu, self.plan),
+            },
         }
+
+
+def _cpu_summary(samples: Sequence[Mapping[str, float]], plan: Plan) -> dict[str, float]:
+    """Medians over measurements: ``<process>_ms_per_chunk`` for each process,
+    and the machine's ``busy`` / ``steal`` / ``idle`` percent."""
+    chunks = plan.rooms * plan.room_chunks
+    out = {}
+    for k in sorted({k for s in samples for k in s}):
+        median = statistics.median(s[k] for s in samples if k in s)
+        if k in ("busy", "steal", "idle"):
+            out[k] = median
+        else:
+            out[f"{k}_ms_per_chunk"] = median * 1e3 / chunks
+    return out
+
+
+class _CpuMeter:
+    """CPU used by the bench's processes (this one: decode's page owner; the
+    rank child; the raw child) and the machine's shares, around one measurement."""
+
+    def __init__(self, pids: Mapping[str, int | None]) -> None:
+        self._pids = dict(pids)
+        self._start: dict[str, float | None] = {}
+        self._machine: tuple[int, ...] | None = None
+        self.result: dict[str, float] = {}
+
+    def __enter__(self) -> _CpuMeter:
+        self._start = {name: cpu.process_seconds(pid) for name, pid in self._pids.items()}
+        self._machine = cpu.sample()
+        self.result = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.result = dict(cpu.shares(self._machine, cpu.sample()))
+        for name, pid in self._pids.items():
+            t0, t1 = self._start.get(name), cpu.process_seconds(pid)
+            if t0 is not None and t1 is not None:
+                self.result[name] = t1 - t0
 
 
 def _check_pages(plan: Plan) -> list[tuple[int, int]]:
@@ -566,6 +612,7 @@ def run_backend(
         raw = _Child("raw", {**common, "shapes": shapes_cfg}, "ready")
         raw_how = str(raw.hello)
         results = [ShapeResult(p) for p in plans]
+        meter = _CpuMeter({"decode": None, "rank": rank.proc.pid, "raw_writer": raw.proc.pid})
 
         def measure_raw(i: int, rooms: int) -> tuple[float, float]:
             assert raw is not None
@@ -587,12 +634,14 @@ def run_backend(
                     pb = p.shape.page_bytes
                     for _, d in checks:
                         ep.region.write(d * pb, bytes(pb))
-                    if first_kvconn:
-                        res.kvconn_s.append(_kvconn_run(ep, p, i, r + 1, p.rooms, room_log))
-                    else:
-                        wall, child = measure_raw(i, p.rooms)
-                        res.raw_s.append(wall)
-                        res.raw_child_s.append(child)
+                    with meter as m:
+                        if first_kvconn:
+                            res.kvconn_s.append(_kvconn_run(ep, p, i, r + 1, p.rooms, room_log))
+                        else:
+                            wall, child = measure_raw(i, p.rooms)
+                            res.raw_s.append(wall)
+                            res.raw_child_s.append(child)
+                    (res.kvconn_cpu if first_kvconn else res.raw_cpu).append(m.result)
                     for s, d in checks:
                         if ep.region.read(d * pb, pb) != source[s * pb : (s + 1) * pb]:
                             res.bad_pages += 1
@@ -755,6 +804,55 @@ def main(args: argparse.Namespace, console: Console, err: Console) -> int:
     return 0 if all(r["verified"] for r in reports) else 1
 
 
+#: Above this machine-wide busy share during kvconn's runs the report warns:
+#: the CPUs were saturated, so kvconn's control plane took its CPU time from
+#: a transport that copies with the CPU.
+SATURATED_BUSY = 90.0
+
+
+def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
+    parts = {"kvconn": ("decode", "rank"), "raw": ("decode", "raw_writer")}
+    rows = [
+        r
+        for r in rep["shapes"]
+        if all(f"{p}_ms_per_chunk" in r["cpu"][side] for side, ps in parts.items() for p in ps)
+    ]
+    if not rows:
+        return  # not Linux: no /proc
+    t = Table(title=f"CPU per chunk on {rep['backend']}, every process (ms; medians)")
+    for col in (
+        "shape",
+        "kvconn: decode + rank",
+        "raw: owner + writer",
+        "machine busy kvconn / raw",
+        "steal",
+    ):
+        t.add_column(col, justify="left" if col == "shape" else "right")
+    saturated = []
+    for r in rows:
+        kv, raw = r["cpu"]["kvconn"], r["cpu"]["raw"]
+        cells = []
+        for side, c in (("kvconn", kv), ("raw", raw)):
+            a, b = (c[f"{p}_ms_per_chunk"] for p in parts[side])
+            cells.append(f"{a + b:.3f} = {a:.3f} + {b:.3f}")
+        t.add_row(
+            r["shape"],
+            *cells,
+            f"{kv.get('busy', 0):.0f}% / {raw.get('busy', 0):.0f}%",
+            f"{kv.get('steal', 0):.0f}% / {raw.get('steal', 0):.0f}%",
+        )
+        if kv.get("busy", 0) >= SATURATED_BUSY and not r["target_met"]:
+            saturated.append(r["shape"])
+    console.print(t)
+    if saturated:
+        console.print(
+            f"[yellow]CPUs saturated[/yellow] during kvconn's runs of {', '.join(saturated)}: its control "
+            "plane (decode + rank, above) took CPU time from a transport that copies with the CPU, and "
+            "threads waited for a core. More cores, or a transport whose copies the NIC does, "
+            "narrow that gap (docs/bench.md)."
+        )
+
+
 def print_report(console: Console, rep: dict[str, Any]) -> None:
     opts = ", ".join(f"{k}={v}" for k, v in rep["backend_options"].items())
     t = Table(title=f"kvconn bench --transport: {rep['backend']}" + (f" ({opts})" if opts else ""))
@@ -780,6 +878,7 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
             ok,
         )
     console.print(t)
+    _print_cpu(console, rep)
     prof = [r for r in rep["shapes"] if r.get("profile")]
     if prof:
         pt = Table(title=f"--profile: where kvconn's time goes on {rep['backend']} (ms per chunk)")
