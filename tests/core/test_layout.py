@@ -66,6 +66,13 @@ def test_segment_table_is_a_read_only_sequence_of_segments() -> None:
     with pytest.raises(ValueError):
         SegmentTable([[1, 2]])
     assert len(SegmentTable(())) == 0
+    flat = SegmentTable.from_flat([1, 2, 3, 4, 5, 6])
+    assert len(flat) == 2 and flat[-1] == Segment(4, 5, 6) and flat.nbytes == 9
+    assert flat == SegmentTable([[1, 2, 3], [4, 5, 6]]) and flat.rows.tolist() == [[1, 2, 3], [4, 5, 6]]
+    with pytest.raises(IndexError):
+        flat[2]
+    with pytest.raises(ValueError):
+        SegmentTable.from_flat([1, 2])
 
 
 def test_mismatched_lengths_and_uneven_shards_are_refused() -> None:

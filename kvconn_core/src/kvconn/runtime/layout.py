@@ -60,7 +60,7 @@ class PageLayout:
             src0, dst0, length = src, dst, shard
         if length > 0:
             flat += (src0, dst0, length)
-        return SegmentTable(np.array(flat, dtype=np.int64).reshape(-1, 3))
+        return SegmentTable.from_flat(flat)
 
     def _segments_vector(self, rank: int, src_pages: Sequence[int], dst_pages: Sequence[int]) -> SegmentTable:
         shard = self.shard
