@@ -92,6 +92,8 @@ def test_entry_point_and_capabilities() -> None:
     with pytest.raises(ValueError):
         Options.parse({"memory": "hbm"})
     assert Options.parse({}).hot_poll_s is None
+    assert Options.parse({}).net_devices == "lo"  # this host only (cross_host=False)
+    assert Options.parse({"net_devices": ""}).net_devices == ""  # UCX chooses
     assert Options.parse({"hot_poll_s": "none"}).hot_poll_s is None
     assert Options.parse({"hot_poll_s": "0.25"}).hot_poll_s == 0.25
     with pytest.raises(ValueError):
@@ -126,6 +128,16 @@ def test_writer_rejects_out_of_range_and_unknown_peer() -> None:
     finally:
         writer.close()
         region.close()
+
+
+def test_net_devices_reaches_ucx() -> None:
+    """net_devices becomes UCX_NET_DEVICES of the agent: a device UCX does not
+    have fails the agent (nixl's own "device_list" param was silently
+    ignored for tcp devices)."""
+    with pytest.raises(Exception, match="NIXL_ERR_BACKEND"):
+        backend.open_writer(MiB, {"net_devices": "nosuchdev0"})
+    writer = backend.open_writer(MiB, {"net_devices": "lo"})
+    writer.close()
 
 
 def test_a_barrier_that_sleeps_between_polls_still_lands_every_byte() -> None:

@@ -122,9 +122,13 @@ class Options:
     #: proven. "default": let UCX choose (cma + tcp here); "DONE" then means
     #: landed, but no fence is claimed.
     ucx_tls: str = attrs.field(factory=default_ucx_tls)
-    #: UCX devices (NIXL UCX backend param ``ucx_devices``), e.g. "lo". Empty:
-    #: UCX decides (needed across hosts).
-    net_devices: str = ""
+    #: UCX network devices (UCX_NET_DEVICES while the agent is created). "lo"
+    #: (default): this host only, as ``cross_host=False`` declares; without it
+    #: UCX also stripes a PUT over every other interface (here 52% lo, 48%
+    #: eth0, to this host's own eth0 address). Empty: UCX chooses (writers on
+    #: other hosts; untested). Accelerator transports (cuda_copy) are not
+    #: network devices and are not affected.
+    net_devices: str = "lo"
     #: "dram" or "vram".
     memory: str = "dram"
     #: CUDA device id for memory=vram.
@@ -155,7 +159,7 @@ class Options:
         prog = options.get("progress_thread")
         return cls(
             ucx_tls=options.get("ucx_tls") or default_ucx_tls(),
-            net_devices=options.get("net_devices", ""),
+            net_devices=options.get("net_devices", "lo"),
             memory=memory,
             device=int(options.get("device", "0")),
             progress_thread=None if prog is None else _flag(prog),
@@ -216,10 +220,13 @@ def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
         backends=[],
         sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
-    params = {"ucx_devices": opts.net_devices} if opts.net_devices else {}
     env = dict(FORCED_UCX_ENV)
     if opts.ucx_tls != "default":
         env["UCX_TLS"] = opts.ucx_tls
+    if opts.net_devices:
+        # Not NIXL's "device_list" param: nixl 1.5.1 appends an IB port to each
+        # name ("lo:1"), which no tcp device matches.
+        env["UCX_NET_DEVICES"] = opts.net_devices
     with _lock:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
@@ -227,7 +234,7 @@ def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
         try:
             agent = api.nixl_agent(name, conf)
             # UCX reads its UCX_* variables when the backend (its context) is created.
-            agent.create_backend("UCX", params)
+            agent.create_backend("UCX", {})
         finally:
             api.nixlBind = bind
             for key, value in saved.items():
