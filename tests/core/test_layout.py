@@ -75,6 +75,18 @@ def test_segment_table_is_a_read_only_sequence_of_segments() -> None:
         SegmentTable.from_flat([1, 2])
 
 
+def test_rows_within_drops_empty_segments_and_refuses_any_outside() -> None:
+    table = SegmentTable([[0, 90, 10], [5, 0, 0], [90, 0, 10]])
+    assert table.rows_within(100, 100).tolist() == [[0, 90, 10], [90, 0, 10]]  # exact fits pass
+    for src_nbytes, dst_nbytes in ((99, 100), (100, 99)):
+        with pytest.raises(ValueError, match="outside"):
+            table.rows_within(src_nbytes, dst_nbytes)
+    for bad in ([[-1, 0, 4]], [[0, -1, 4]], [[0, 0, -4]]):
+        with pytest.raises(ValueError, match="outside"):
+            SegmentTable(bad).rows_within(100, 100)
+    assert len(SegmentTable(()).rows_within(0, 0)) == 0
+
+
 def test_mismatched_lengths_and_uneven_shards_are_refused() -> None:
     with pytest.raises(ValueError):
         PageLayout(4096, 2).segments(0, [1, 2], [3])

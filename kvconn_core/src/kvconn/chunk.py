@@ -79,6 +79,23 @@ class SegmentTable(Sequence[Segment]):
             self._rows = rows
         return self._rows
 
+    def rows_within(self, src_nbytes: int, dst_nbytes: int) -> npt.NDArray[np.int64]:
+        """:attr:`rows` without empty segments, each checked to lie inside a
+        source of ``src_nbytes`` and a destination of ``dst_nbytes``: what a
+        transport posts. Raises ValueError naming the first segment outside."""
+        rows = self.rows
+        if not rows[:, 2].all():
+            rows = rows[rows[:, 2] != 0]
+        src, dst, lens = rows[:, 0], rows[:, 1], rows[:, 2]
+        outside = (rows < 0).any(axis=1) | (src + lens > src_nbytes) | (dst + lens > dst_nbytes)
+        if outside.any():
+            s, d, n = rows[int(np.flatnonzero(outside)[0])].tolist()
+            raise ValueError(
+                f"segment of {n} bytes from {s} to {d} lies outside a source of {src_nbytes} "
+                f"or a destination of {dst_nbytes} bytes"
+            )
+        return rows
+
     @property
     def nbytes(self) -> int:
         """Bytes of all segments together."""

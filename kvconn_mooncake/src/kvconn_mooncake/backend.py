@@ -336,15 +336,7 @@ class MooncakeWriter:
             peer = self._peers.get(chunk.peer)
             if peer is None:
                 raise KeyError(f"mooncake writer not connected to peer {chunk.peer!r}")
-            rows = SegmentTable.of(segments).rows
-            if not rows[:, 2].all():
-                rows = rows[rows[:, 2] != 0]
-            if len(rows):
-                src, dst, lens = rows[:, 0], rows[:, 1], rows[:, 2]
-                if (rows < 0).any() or int((src + lens).max()) > self.nbytes:
-                    raise ValueError(f"segment source outside [0, {self.nbytes})")
-                if int((dst + lens).max()) > peer.nbytes:
-                    raise ValueError(f"segment destination outside [0, {peer.nbytes})")
+            rows = SegmentTable.of(segments).rows_within(self.nbytes, peer.nbytes)
             work = Pieces(
                 (rows[:, 0] + self.base).tolist(), (rows[:, 1] + peer.base).tolist(), rows[:, 2].tolist()
             )

@@ -160,18 +160,9 @@ class NixlWriter:
         peer = self._peers.get(chunk.peer)
         if peer is None:
             raise KeyError(f"peer {chunk.peer!r} is not connected")
-        table = SegmentTable.of(segments).rows
-        if not table[:, 2].all():
-            table = table[table[:, 2] != 0]
+        table = SegmentTable.of(segments).rows_within(self.nbytes, peer.info.nbytes)
         if not len(table):
             return Posted((), self._generation, 0)
-        src, dst, lens = table[:, 0], table[:, 1], table[:, 2]
-        if (table < 0).any():
-            raise ValueError("negative offset or length in segments")
-        if int((src + lens).max()) > self.nbytes:
-            raise ValueError("segment reads past the writer's source region")
-        if int((dst + lens).max()) > peer.info.nbytes:
-            raise ValueError(f"segment writes past {chunk.peer!r}'s region")
         agent = self._agent
         handle = write_xfer(agent, self.options, self._mem.addr, peer.info, table)
         with self._lock:
@@ -184,7 +175,7 @@ class NixlWriter:
         state = agent.transfer(self._handles[key])
         if state == "ERR":
             raise RuntimeError("nixl transfer() returned ERR")
-        return Posted((key,), generation, int(lens.sum()))
+        return Posted((key,), generation, int(table[:, 2].sum()))
 
     def _all_done(self, agent: Any, keys: Sequence[int]) -> bool:
         for key in keys:

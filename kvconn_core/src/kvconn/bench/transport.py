@@ -57,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvconn.bench import cpu
-from kvconn.chunk import Chunk, Segment, SegmentTable
+from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
 from kvconn.plugins import get_backend
@@ -310,7 +310,7 @@ def _raw_child() -> None:
             segs: list[Any] = []
             for first in range(0, len(src), cp):
                 lowered = layout.segments(0, src[first : first + cp], dst[first : first + cp])
-                segs.append(_native(lowered) if native else lowered)
+                segs.append(lowered.rows if native else lowered)  # rows: the array a raw API user holds
             rooms.append(segs)
         chunks.append(rooms)
     print(json.dumps({"ready": how}), flush=True)
@@ -327,11 +327,6 @@ def _raw_child() -> None:
         seconds = time.perf_counter() - t0
         print(json.dumps({"bytes": total, "seconds": seconds}), flush=True)
     writer.close()
-
-
-def _native(segments: SegmentTable) -> Any:
-    """Segments as the ``(n, 3)`` int64 array a raw API user would hold."""
-    return segments.rows
 
 
 class _Child:
