@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvconn.chunk import Segment, SegmentTable
@@ -85,6 +85,29 @@ def test_rows_within_drops_empty_segments_and_refuses_any_outside() -> None:
         with pytest.raises(ValueError, match="outside"):
             SegmentTable(bad).rows_within(100, 100)
     assert len(SegmentTable(()).rows_within(0, 0)) == 0
+
+
+@given(
+    st.lists(st.tuples(st.integers(-1, 8), st.integers(-1, 8), st.integers(-1, 4)), max_size=6),
+    st.integers(6, 12),
+    st.integers(6, 12),
+)
+@example([(8, 0, 4), (0, 8, 4)], 12, 12)  # exact fits on both sides
+@example([(9, 0, 4)], 12, 12)
+def test_rows_within_small_and_array_tables_agree(
+    rows: list[tuple[int, int, int]], src_nbytes: int, dst_nbytes: int
+) -> None:
+    """A small table checks its flat list in plain Python, a large one its
+    array with numpy: the same rows back, or the same error."""
+    flat = SegmentTable.from_flat([x for row in rows for x in row])
+    array = SegmentTable(rows)
+    outcomes = []
+    for table in (flat, array):
+        try:
+            outcomes.append(table.rows_within(src_nbytes, dst_nbytes).tolist())
+        except ValueError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
 
 
 def test_mismatched_lengths_and_uneven_shards_are_refused() -> None:
