@@ -141,8 +141,7 @@ class PrefillRank:
             self.pm.register(observer, name=f"observer-{i}")
         self.pm.check_pending()
         self._hooks = ChunkHooks(self.pm)
-        outcomes = [s.value for s in Settlement] + ["skipped", "plugin_error"]
-        self._chunk_outcomes = {name: self.metrics.chunks.labels(name) for name in outcomes}
+        self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._peers: dict[str, _Peer] = {}
         self._dst_pages: dict[int, tuple[int, ...]] = {}
         self._outbox = Outbox(self.config.auth_key)
@@ -277,8 +276,8 @@ class PrefillRank:
             self._fail_chunk(chunk, "on_dequeue/on_skip", exc)
             return
         if not write:
-            self._chunk_outcomes["skipped"].inc()
             with self._lock:
+                self._chunk_outcomes["skipped"] += 1
                 self._execute(self.ledger.skipped(chunk.room))
             return
         # A failing hook is handled after the gate is left: _fail_chunk fences,
@@ -307,8 +306,8 @@ class PrefillRank:
         if failure is not None:
             self._fail_chunk(chunk, *failure)
             return
-        self._chunk_outcomes[settlement.value].inc()
         with self._lock:
+            self._chunk_outcomes[settlement.value] += 1
             if settlement is Settlement.LANDED:
                 actions = self.ledger.landed(chunk.room, chunk.last)
             else:
@@ -322,8 +321,8 @@ class PrefillRank:
     def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
         """A hook raised with the chunk counted: poison, never uncount."""
         self._plugin_error(hook, exc)
-        self._chunk_outcomes["plugin_error"].inc()
         with self._lock:
+            self._chunk_outcomes["plugin_error"] += 1
             self._execute(self.ledger.failed(chunk.room, settled=False, reason=f"{hook} raised: {exc!r}"))
         self._fence()
 

@@ -1,0 +1,57 @@
+"""Chunk outcomes are plain ints on the worker's path, yet scrape and read as
+a Prometheus counter."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvconn.bench.overhead import NullBackend
+from kvconn.config import Config
+from kvconn.metrics import Metrics
+from kvconn.protocol.ledger import KVPoll
+from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
+
+
+def test_tally_scrapes_as_a_counter_with_every_outcome() -> None:
+    m = Metrics("prefill")
+    m.chunks.counts["landed"] += 3
+    m.chunks.counts["plugin_error"] += 1
+    assert m.value("kvconn_chunks_total", outcome="landed") == 3.0
+    assert m.value("kvconn_chunks_total", outcome="unsettled") == 0.0
+    (family,) = [
+        f for f in text_string_to_metric_families(m.exposition().decode()) if f.name == "kvconn_chunks"
+    ]
+    assert family.type == "counter"
+    assert {s.labels["outcome"]: s.value for s in family.samples} == {
+        "landed": 3.0,
+        "failed_settled": 0.0,
+        "unsettled": 0.0,
+        "skipped": 0.0,
+        "plugin_error": 1.0,
+    }
+
+
+def test_a_rank_counts_each_chunk_it_wrote() -> None:
+    backend = NullBackend()
+    rank = PrefillRank(backend, 0, 16 * 4096, Config())
+    decode = DecodeEndpoint(backend, 16, 4096, [rank.address], Config())
+    try:
+        rx = decode.receiver(1, (0, 1, 2))
+        sender = rank.sender(1)
+        deadline = time.monotonic() + 10
+        while sender.poll() < KVPoll.WAITING_FOR_INPUT:
+            assert time.monotonic() < deadline, "the request never reached the rank"
+            time.sleep(0.001)
+        for page in range(3):
+            sender.send([page], last=page == 2)
+        while rx.poll() is not KVPoll.SUCCESS:
+            assert time.monotonic() < deadline, "the room never succeeded"
+            time.sleep(0.001)
+        assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 3.0
+        assert rank.metrics.value("kvconn_chunks_total", outcome="skipped") == 0.0
+    finally:
+        decode.close()
+        rank.close()
