@@ -141,6 +141,7 @@ class DecodeEndpoint:
             self.config.resend_interval_s,
             unsafe_release_at_deadline=self.config.unsafe_release_at_deadline,
         )
+        self._gauge_hold_state()
         self._listener.start()
         try:
             self._bootstrap(list(prefill))
@@ -281,7 +282,6 @@ class DecodeEndpoint:
             self._count_drop("drain_backlog_full")
             return
         self._draining[key] = ack
-        self.metrics.acks_draining.set(len(self._draining))
 
     def _drained_acks(self, now: float) -> list[HoldAction]:
         """Feed the held-back acks whose connections have drained to the tracker."""
@@ -294,7 +294,6 @@ class DecodeEndpoint:
             if not table.undrained(ack.closed):
                 del self._draining[key]
                 actions += self._ack(ack, now)
-        self.metrics.acks_draining.set(len(self._draining))
         return actions
 
     def _check_exits(self, now: float) -> list[HoldAction]:
@@ -340,13 +339,29 @@ class DecodeEndpoint:
                 )
             elif isinstance(action, Dropped):
                 self._count_drop(action.reason)
-        held = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
-        self.metrics.rooms_held.set(len(held))
-        quarantined = self.tracker.pages_in(HoldState.QUARANTINED)
-        self.metrics.pages_quarantined.set(quarantined)
-        self.metrics.quarantine_age.set(self.tracker.oldest_quarantine(self.clock()))
-        self.metrics.pages_held.set(self.tracker.pages_in(HoldState.HELD) + quarantined)
         return releases
+
+    def _gauge_hold_state(self) -> None:
+        """The hold gauges read the tracker when scraped, under the lock: kept
+        up to date on every message instead, they cost a scan of the held
+        rooms each time, and the quarantine's age went stale between messages."""
+
+        def locked(read: Callable[[], float]) -> Callable[[], float]:
+            def value() -> float:
+                with self._lock:
+                    return read()
+
+            return value
+
+        tracker, m = self.tracker, self.metrics
+        held, quarantined = HoldState.HELD, HoldState.QUARANTINED
+        m.rooms_held.set_function(
+            locked(lambda: len(tracker.rooms_in(held)) + len(tracker.rooms_in(quarantined)))
+        )
+        m.pages_held.set_function(locked(lambda: tracker.pages_in(held) + tracker.pages_in(quarantined)))
+        m.pages_quarantined.set_function(locked(lambda: tracker.pages_in(quarantined)))
+        m.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(self.clock())))
+        m.acks_draining.set_function(locked(lambda: len(self._draining)))
 
     def _notify(self, releases: list[Release]) -> None:
         if self.on_release is None:
