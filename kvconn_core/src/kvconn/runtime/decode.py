@@ -358,7 +358,7 @@ class DecodeEndpoint:
         m.rooms_held.set_function(
             locked(lambda: len(tracker.rooms_in(held)) + len(tracker.rooms_in(quarantined)))
         )
-        m.pages_held.set_function(locked(lambda: tracker.pages_in(held) + tracker.pages_in(quarantined)))
+        m.pages_held.set_function(self.held_pages)
         m.pages_quarantined.set_function(locked(lambda: tracker.pages_in(quarantined)))
         m.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(self.clock())))
         m.acks_draining.set_function(locked(lambda: len(self._draining)))
