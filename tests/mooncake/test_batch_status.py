@@ -21,7 +21,7 @@ from kvconn.transport import Settlement
 from kvconn_mooncake import _batch_status as bs
 from kvconn_mooncake import backend as be
 from kvconn_mooncake._engine import new_engine
-from kvconn_mooncake.backend import Posted
+from kvconn_mooncake.backend import DEFAULT_HOT_POLL_S, Posted
 
 MiB = 1 << 20
 PAGE = 4096
@@ -163,13 +163,30 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
         be.open_writer(MiB, {"batch_status": "on"})
 
 
+def test_hot_poll_default() -> None:
+    """The barrier polls hot for DEFAULT_HOT_POLL_S unless told otherwise."""
+    assert be.open_writer(MiB, {}).hot_poll_s == DEFAULT_HOT_POLL_S
+    assert be.open_writer(MiB, {"hot_poll_s": "none"}).hot_poll_s is None
+    assert be.open_writer(MiB, {"hot_poll_s": "0.25"}).hot_poll_s == 0.25
+
+
 @pytest.mark.parametrize(("mode", "hot_poll_s"), [("on", "none"), ("off", "none"), ("on", "0")])
-def test_writer_respects_inflight_cap(mode: str, hot_poll_s: str) -> None:
+def test_writer_respects_inflight_cap(mode: str, hot_poll_s: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """1000 pages through a cap of 300 in flight, batches of at most 128: all
-    land, whether the barrier polls hot or (hot_poll_s=0) sleeps between polls."""
+    land, whether the barrier polls hot or (hot_poll_s=0) sleeps between polls.
+    It never sleeps while pieces wait for the cap: only its polls submit them."""
     region = be.open_region(REGION, {})
     options = {"batch_status": mode, "max_inflight": "300", "max_batch": "128", "hot_poll_s": hot_poll_s}
     w = be.open_writer(REGION, options)
+    real_sleep = time.sleep
+    slept_while_queued: list[int] = []
+
+    def sleep(seconds: float) -> None:
+        if w._queued:
+            slept_while_queued.append(sum(len(t.pending) for t in w._queued))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)  # the time module the backend calls
     try:
         w.connect("d", region.metadata)
         w.array()[:] = np.random.default_rng(5).integers(1, 256, REGION, dtype=np.uint8)
@@ -183,10 +200,12 @@ def test_writer_respects_inflight_cap(mode: str, hot_poll_s: str) -> None:
         assert max(counts) <= (128 if mode == "on" else 1)
         assert w.on_done_barrier(chunk, tok, time.monotonic() + 20) == Settlement.LANDED
         assert w._inflight_n[tok.session] == 0
+        assert slept_while_queued == []
         src, dst = w.array(), region.array()
         for s, d, n in segs:
             assert np.array_equal(dst[d : d + n], src[s : s + n])
     finally:
+        monkeypatch.undo()
         w.close()
         region.close()
 
