@@ -6,6 +6,7 @@ never dies of its input."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 
@@ -66,7 +67,9 @@ class Listener:
         poller.register(self._sock, zmq.POLLIN)
         timeout = self.POLL_S
         while not self._stop.is_set():
-            if poller.poll(int(timeout * 1000)):
+            # zmq polls in whole ms: rounding a 0.3 ms wait down to 0 would
+            # spin until the deadline
+            if poller.poll(math.ceil(timeout * 1000)):
                 while True:
                     try:
                         frame = self._sock.recv(zmq.NOBLOCK, copy=True)
