@@ -110,6 +110,36 @@ def test_rows_within_small_and_array_tables_agree(
     assert outcomes[0] == outcomes[1]
 
 
+@given(
+    st.lists(st.tuples(st.integers(-1, 8), st.integers(-1, 8), st.integers(-1, 4)), max_size=6),
+    st.integers(6, 12),
+    st.integers(6, 12),
+)
+@example([(8, 0, 4), (0, 8, 4)], 12, 12)
+@example([(9, 0, 4)], 12, 12)
+def test_columns_within_are_rows_within_as_lists(
+    rows: list[tuple[int, int, int]], src_nbytes: int, dst_nbytes: int
+) -> None:
+    """columns_within: the rows rows_within returns, as address lists with the
+    bases added, for small and array tables alike; or the same error."""
+    expected: object
+    try:
+        checked = SegmentTable(rows).rows_within(src_nbytes, dst_nbytes).tolist()
+        expected = (
+            [s + 1000 for s, _, _ in checked],
+            [d + 2000 for _, d, _ in checked],
+            [n for *_, n in checked],
+        )
+    except ValueError as exc:
+        expected = str(exc)
+    for table in (SegmentTable.from_flat([x for row in rows for x in row]), SegmentTable(rows)):
+        try:
+            got: object = table.columns_within(src_nbytes, dst_nbytes, 1000, 2000)
+        except ValueError as exc:
+            got = str(exc)
+        assert got == expected
+
+
 def test_mismatched_lengths_and_uneven_shards_are_refused() -> None:
     with pytest.raises(ValueError):
         PageLayout(4096, 2).segments(0, [1, 2], [3])

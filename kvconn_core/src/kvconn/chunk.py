@@ -95,16 +95,31 @@ class SegmentTable(Sequence[Segment]):
             _raise_outside(s, d, n, src_nbytes, dst_nbytes)
         return rows
 
+    def columns_within(
+        self, src_nbytes: int, dst_nbytes: int, src_base: int = 0, dst_base: int = 0
+    ) -> tuple[list[int], list[int], list[int]]:
+        """:meth:`rows_within` as three lists, for bindings that take lists
+        (Mooncake's batches): source addresses (``src_base`` + offset),
+        destination addresses (``dst_base`` + offset), lengths."""
+        flat = self._flat
+        if flat is None:
+            rows = self.rows_within(src_nbytes, dst_nbytes)
+            return (rows[:, 0] + src_base).tolist(), (rows[:, 1] + dst_base).tolist(), rows[:, 2].tolist()
+        # A few rows, so plain Python: after a transfer has cycled the
+        # caches, numpy's calls on one row took ~20 us, more than the lists.
+        _check_small(flat, src_nbytes, dst_nbytes)
+        srcs, dsts, lens = [], [], []
+        for i in range(0, len(flat), 3):
+            if flat[i + 2]:
+                srcs.append(flat[i] + src_base)
+                dsts.append(flat[i + 1] + dst_base)
+                lens.append(flat[i + 2])
+        return srcs, dsts, lens
+
     def _small_rows_within(self, flat: list[int], src_nbytes: int, dst_nbytes: int) -> npt.NDArray[np.int64]:
         # The same checks in plain Python: on a few rows, numpy's per-call
         # cost (~10 us for one row) is what a 1 MiB chunk would notice.
-        empty = False
-        for i in range(0, len(flat), 3):
-            s, d, n = flat[i], flat[i + 1], flat[i + 2]
-            if n == 0:
-                empty = True
-            elif s < 0 or d < 0 or n < 0 or s + n > src_nbytes or d + n > dst_nbytes:
-                _raise_outside(s, d, n, src_nbytes, dst_nbytes)
+        empty = _check_small(flat, src_nbytes, dst_nbytes)
         rows = self.rows
         return rows[rows[:, 2] != 0] if empty else rows
 
@@ -151,6 +166,19 @@ class SegmentTable(Sequence[Segment]):
 
     def __repr__(self) -> str:
         return f"SegmentTable({[(s.src, s.dst, s.nbytes) for s in self]!r})"
+
+
+def _check_small(flat: list[int], src_nbytes: int, dst_nbytes: int) -> bool:
+    """Raise like :meth:`SegmentTable.rows_within` for the first flat
+    triple outside; True if any triple is empty."""
+    empty = False
+    for i in range(0, len(flat), 3):
+        s, d, n = flat[i], flat[i + 1], flat[i + 2]
+        if n == 0:
+            empty = True
+        elif s < 0 or d < 0 or n < 0 or s + n > src_nbytes or d + n > dst_nbytes:
+            _raise_outside(s, d, n, src_nbytes, dst_nbytes)
+    return empty
 
 
 def _raise_outside(s: int, d: int, n: int, src_nbytes: int, dst_nbytes: int) -> NoReturn:

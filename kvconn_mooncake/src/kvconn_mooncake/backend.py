@@ -344,11 +344,11 @@ class MooncakeWriter:
             peer = self._peers.get(chunk.peer)
             if peer is None:
                 raise KeyError(f"mooncake writer not connected to peer {chunk.peer!r}")
-            rows = SegmentTable.of(segments).rows_within(self.nbytes, peer.nbytes)
-            work = Pieces(
-                (rows[:, 0] + self.base).tolist(), (rows[:, 1] + peer.base).tolist(), rows[:, 2].tolist()
+            srcs, dsts, lens = SegmentTable.of(segments).columns_within(
+                self.nbytes, peer.nbytes, self.base, peer.base
             )
-            tok = Posted(self._generation, peer.session, work, int(rows[:, 2].sum()))
+            work = Pieces(srcs, dsts, lens)
+            tok = Posted(self._generation, peer.session, work, sum(lens))
             if self._engine is None:
                 self._open_engine()
             if not work:
