@@ -334,3 +334,7 @@ def test_raw_nixl_write_matches() -> None:
         assert nbytes == 3 * 12 * MiB and secs > 0
         print(f"raw: {nbytes} B in {secs * 1e3:.2f} ms")
         assert dec.call("verify", 9, 16 * MiB, segs) == 0
+        # a few segments take the other descriptor path (Python lists, no numpy)
+        few = [(0, 12 * MiB, PAGE), (PAGE, 13 * MiB + 5, 3 * PAGE)]
+        assert raw_write(dec.hello, few, src)[0] == 4 * PAGE
+        assert dec.call("verify", 9, 16 * MiB, few) == 0

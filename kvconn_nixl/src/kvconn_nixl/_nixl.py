@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -302,10 +302,29 @@ def register(agent: Any, mem: Memory, opts: Options) -> Any:
     return agent.register_memory([(mem.addr, mem.nbytes, opts.dev_id, "")], opts.nixl_mem)
 
 
-def write_xfer(agent: Any, opts: Options, base: int, peer: RegionInfo, rows: npt.NDArray[np.int64]) -> Any:
-    """A prepared WRITE handle for ``rows`` (``(n, 3)`` int64: source offset,
-    destination offset, bytes) from ``agent``'s memory at ``base`` into
-    ``peer``'s region: one transfer of every row."""
+#: Up to this many rows, descriptors are built from Python lists: numpy's
+#: per-call cost on a row or two (cold after the previous transfer) made a
+#: 1 MiB chunk 8% slower and a 64 KiB chunk 12% (interleaved, same agent).
+LIST_MAX_ROWS = 16
+
+
+def write_xfer(
+    agent: Any,
+    opts: Options,
+    base: int,
+    peer: RegionInfo,
+    rows: npt.NDArray[np.int64] | Sequence[tuple[int, int, int]],
+) -> Any:
+    """A prepared WRITE handle for ``rows`` (``(n, 3)`` int64, or a list of
+    triples: source offset, destination offset, bytes) from ``agent``'s
+    memory at ``base`` into ``peer``'s region: one transfer of every row."""
+    if not isinstance(rows, np.ndarray):
+        return agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs([(base + s, n, opts.dev_id) for s, _, n in rows], opts.nixl_mem),
+            agent.get_xfer_descs([(peer.addr + d, n, peer.dev_id) for _, d, n in rows], peer.mem),
+            peer.agent_name,
+        )
     n = len(rows)
     local = np.empty((n, 3), dtype=np.uint64)
     local[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(base)

@@ -15,11 +15,13 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
 from kvconn.transport import Capabilities, Settlement
 from kvconn_nixl._nixl import (
+    LIST_MAX_ROWS,
     Options,
     RegionInfo,
     make_agent,
@@ -161,11 +163,18 @@ class NixlWriter:
         peer = self._peers.get(chunk.peer)
         if peer is None:
             raise KeyError(f"peer {chunk.peer!r} is not connected")
-        table = SegmentTable.of(segments).rows_within(self.nbytes, peer.info.nbytes)
-        if not len(table):
+        segs = SegmentTable.of(segments)
+        rows: npt.NDArray[np.int64] | list[tuple[int, int, int]]
+        if len(segs) <= LIST_MAX_ROWS:
+            srcs, dsts, lens = segs.columns_within(self.nbytes, peer.info.nbytes)
+            rows, nbytes = list(zip(srcs, dsts, lens, strict=True)), sum(lens)
+        else:
+            rows = segs.rows_within(self.nbytes, peer.info.nbytes)
+            nbytes = int(rows[:, 2].sum())
+        if not len(rows):
             return Posted((), self._generation, 0)
         agent = self._agent
-        handle = write_xfer(agent, self.options, self._mem.addr, peer.info, table)
+        handle = write_xfer(agent, self.options, self._mem.addr, peer.info, rows)
         with self._lock:
             key = next(self._keys)
             self._handles[key] = handle
@@ -176,7 +185,7 @@ class NixlWriter:
         state = agent.transfer(self._handles[key])
         if state == "ERR":
             raise RuntimeError("nixl transfer() returned ERR")
-        return Posted((key,), generation, int(table[:, 2].sum()))
+        return Posted((key,), generation, nbytes)
 
     def _all_done(self, agent: Any, keys: Sequence[int]) -> bool:
         for key in keys:

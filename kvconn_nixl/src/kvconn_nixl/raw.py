@@ -25,7 +25,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, register, write_xfer
+from kvconn_nixl._nixl import (
+    LIST_MAX_ROWS,
+    Options,
+    RegionInfo,
+    make_agent,
+    open_memory,
+    register,
+    write_xfer,
+)
 
 __all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
 
@@ -76,9 +84,16 @@ class RawWriter:
         """One WRITE transfer of every segment; poll ``check_xfer_state`` until
         DONE. Returns the bytes written; raises on an error or the timeout."""
         info = self._peers[peer]
-        rows = segment_rows(segments)
+        rows: npt.NDArray[np.int64] | list[tuple[int, int, int]]
+        if isinstance(segments, np.ndarray):
+            rows = segment_rows(segments)
+        else:
+            rows = [s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments]
+            if len(rows) > LIST_MAX_ROWS:  # the same descriptor path as kvconn's writer
+                rows = segment_rows(rows)
         if not len(rows):
             return 0
+        nbytes = sum(n for _, _, n in rows) if isinstance(rows, list) else int(rows[:, 2].sum())
         agent = self._agent
         handle = write_xfer(agent, self.options, self.base, info, rows)
         try:
@@ -95,7 +110,7 @@ class RawWriter:
         finally:
             agent.release_xfer_handle(handle)
             del handle
-        return int(rows[:, 2].sum())
+        return nbytes
 
     def close(self) -> None:
         if self._agent is None:
