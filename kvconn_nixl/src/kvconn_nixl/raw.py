@@ -25,15 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_nixl._nixl import (
-    LIST_MAX_ROWS,
-    Options,
-    RegionInfo,
-    make_agent,
-    open_memory,
-    register,
-    write_xfer,
-)
+from kvconn_nixl import _nixl
+from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, register, write_xfer
 
 __all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
 
@@ -89,7 +82,7 @@ class RawWriter:
             rows = segment_rows(segments)
         else:
             rows = [s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments]
-            if len(rows) > LIST_MAX_ROWS:  # the same descriptor path as kvconn's writer
+            if len(rows) > _nixl.LIST_MAX_ROWS:  # the same descriptor path as kvconn's writer
                 rows = segment_rows(rows)
         if not len(rows):
             return 0
