@@ -35,8 +35,15 @@ def segment_rows(segments: Iterable[Any]) -> npt.NDArray[np.int64]:
     """``(n, 3)`` int64 rows (src, dst, nbytes) from tuples, Segments or an array."""
     if isinstance(segments, np.ndarray):
         return segments.astype(np.int64, copy=False).reshape(-1, 3)
-    rows = [s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments]
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return _rows_of(_triples(segments))
+
+
+def _triples(segments: Iterable[Any]) -> list[tuple[int, int, int]]:
+    return [s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments]
+
+
+def _rows_of(triples: list[tuple[int, int, int]]) -> npt.NDArray[np.int64]:
+    return np.array(triples, dtype=np.int64).reshape(-1, 3)
 
 
 class RawWriter:
@@ -81,9 +88,9 @@ class RawWriter:
         if isinstance(segments, np.ndarray):
             rows = segment_rows(segments)
         else:
-            rows = [s if isinstance(s, tuple) else (s.src, s.dst, s.nbytes) for s in segments]
-            if len(rows) > _nixl.LIST_MAX_ROWS:  # the same descriptor path as kvconn's writer
-                rows = segment_rows(rows)
+            triples = _triples(segments)
+            # the same descriptor path as kvconn's writer
+            rows = triples if len(triples) <= _nixl.LIST_MAX_ROWS else _rows_of(triples)
         if not len(rows):
             return 0
         nbytes = sum(n for _, _, n in rows) if isinstance(rows, list) else int(rows[:, 2].sum())
