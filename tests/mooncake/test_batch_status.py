@@ -153,6 +153,14 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
         be.open_writer(MiB, {"batch_status": "maybe"})
     with pytest.raises(ValueError, match="hot_poll_s"):
         be.open_writer(MiB, {"hot_poll_s": "-1"})
+    # a typo fails before any engine starts, on both sides and up front
+    with pytest.raises(ValueError, match="did you mean 'max_inflight'"):
+        be.open_writer(MiB, {"max_inflght": "8"})
+    with pytest.raises(ValueError, match="did you mean 'poll_interval_s'"):
+        be.open_region(MiB, {"poll_interval": "0.001"})
+    with pytest.raises(ValueError, match=r"max_inflight='2000': expected at most 1000"):
+        be.capabilities_for({"max_inflight": "2000"})
+    assert be.capabilities_for({"max_inflight": "8", "protocol": "TCP"}) == be.capabilities
     monkeypatch.setattr(bs, "_installed_version", lambda: "9.9.9")
     monkeypatch.setattr(bs, "_api", None)
     monkeypatch.setattr(bs, "_api_problem", None)

@@ -67,7 +67,7 @@ def test_memory_options() -> None:
     assert MemoryOptions.parse({}) == MemoryOptions("dram", 0)
     opts = MemoryOptions.parse({"memory": "VRAM", "gpu_device": "1", "device": "mlx5_0"})
     assert opts == MemoryOptions("vram", 1)
-    with pytest.raises(ValueError, match="memory must be one of"):
+    with pytest.raises(ValueError, match="memory='hbm': expected one of dram, vram"):
         MemoryOptions.parse({"memory": "hbm"})
     be = kvconn_mooncake.backend
     assert ("vram" in be.capabilities.memory) == cuda_engine_installed()

@@ -87,8 +87,12 @@ def test_entry_point_and_capabilities() -> None:
     assert not Options.parse({"ucx_tls": "tcp,cuda_copy", "memory": "vram"}).fence_proven
     assert not Options.parse({"ucx_tls": "tcp,cma"}).fence_proven
     assert frozenset({"tcp"}) in FENCE_PROVEN_TLS
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown nixl option 'bogus'"):
         Options.parse({"bogus": "1"})
+    with pytest.raises(ValueError, match="did you mean 'hot_poll_s'"):
+        backend.capabilities_for({"hot_pol_s": "1"})
+    with pytest.raises(ValueError, match=r"progress_thread='maybe': expected a flag"):
+        Options.parse({"progress_thread": "maybe"})
     with pytest.raises(ValueError):
         Options.parse({"memory": "hbm"})
     assert Options.parse({}).hot_poll_s is None

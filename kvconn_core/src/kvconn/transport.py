@@ -107,7 +107,9 @@ class Backend(Protocol):
 
     ``capabilities`` are those of the default options. A backend whose
     claims depend on its options (NIXL's fence holds for some UCX transports
-    only) also defines ``capabilities_for(options)``; the core asks that.
+    only) also defines ``capabilities_for(options)``; the core asks that,
+    before it starts any process, so it is also where a backend refuses bad
+    options early (:class:`kvconn.options.BackendOptions`).
     """
 
     name: str

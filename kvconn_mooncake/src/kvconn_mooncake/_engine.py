@@ -8,6 +8,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from kvconn_mooncake._options import read as read_options
+
 #: Engine timeout (seconds) the plugin sets when the operator set none. The
 #: engine clamps both variables to at least 5 s.
 DEFAULT_TIMEOUT_S = 10
@@ -63,11 +65,12 @@ def _engine_class() -> Any:
 
 def engine_settings(options: Mapping[str, str]) -> tuple[str, str, str]:
     """(host, protocol, device) from open_region / open_writer options."""
-    host = options.get("host", DEFAULT_HOST)
-    protocol = options.get("protocol", DEFAULT_PROTOCOL)
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"mooncake protocol must be one of {PROTOCOLS}, not {protocol!r}")
-    return host, protocol, options.get("device", "")
+    opts = read_options(options)
+    return (
+        opts.text("host", DEFAULT_HOST),
+        opts.choice("protocol", DEFAULT_PROTOCOL, PROTOCOLS),
+        opts.text("device"),
+    )
 
 
 def new_engine(host: str, protocol: str, device: str) -> Any:

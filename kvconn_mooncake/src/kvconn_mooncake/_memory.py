@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import attrs
 
 from kvconn.memory import MEMORY_KINDS, Memory
+from kvconn_mooncake._options import read as read_options
 
 __all__ = ["MEMORY_KINDS", "CUDA_DIST", "Memory", "MemoryOptions", "cuda_engine_installed", "open_memory"]
 CUDA_DIST = "mooncake-transfer-engine"  # the CPU wheel is mooncake-transfer-engine-non-cuda
@@ -39,10 +40,8 @@ class MemoryOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> MemoryOptions:
-        memory = options.get("memory", "dram").strip().lower()
-        if memory not in MEMORY_KINDS:
-            raise ValueError(f"mooncake memory must be one of {MEMORY_KINDS}, not {memory!r}")
-        return cls(memory, int(options.get("gpu_device", "0")))
+        opts = read_options(options)
+        return cls(opts.choice("memory", "dram", MEMORY_KINDS), opts.integer("gpu_device", 0, low=0))
 
 
 def open_memory(nbytes: int, opts: MemoryOptions) -> Memory:

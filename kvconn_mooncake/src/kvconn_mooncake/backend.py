@@ -68,6 +68,7 @@ from kvconn_mooncake._engine import (
     unpack_metadata,
 )
 from kvconn_mooncake._memory import MEMORY_KINDS, MemoryOptions, cuda_engine_installed, open_memory
+from kvconn_mooncake._options import read as read_options
 
 configure_env()
 
@@ -82,6 +83,32 @@ DEFAULT_POLL_INTERVAL_S = 0.0001  # a longer cap noticed completion late: 78% of
 #: noticed late) and 1 MiB chunks 4% longer.
 DEFAULT_HOT_POLL_S = 0.002
 _BAD_IDS = (0, 2**64 - 1, -1)
+
+
+@attrs.frozen
+class WriterOptions:
+    """A writer's own options (see the README for each)."""
+
+    #: At most 1000: the engine rejects ~1024 pieces in flight per peer.
+    max_inflight: int
+    max_batch: int
+    poll_interval_s: float
+    #: How long a DONE barrier polls without sleeping (None: until the chunk
+    #: settles or its deadline passes), then every poll_interval_s.
+    hot_poll_s: float | None
+    batch_status: str
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> WriterOptions:
+        opts = read_options(options)
+        max_inflight = opts.integer("max_inflight", DEFAULT_MAX_INFLIGHT, low=1, high=1000)
+        return cls(
+            max_inflight=max_inflight,
+            max_batch=opts.integer("max_batch", max_inflight, low=1),
+            poll_interval_s=opts.number("poll_interval_s", DEFAULT_POLL_INTERVAL_S, low=0.0),
+            hot_poll_s=opts.seconds_or_none("hot_poll_s", DEFAULT_HOT_POLL_S),
+            batch_status=opts.choice("batch_status", "auto", BATCH_STATUS_MODES),
+        )
 
 
 class MooncakeRegion:
@@ -181,22 +208,12 @@ class MooncakeWriter:
         if nbytes <= 0:
             raise ValueError("source size must be positive")
         self._host, self._protocol, self._device = engine_settings(options)
-        self.max_inflight = int(options.get("max_inflight", DEFAULT_MAX_INFLIGHT))
-        self.poll_interval_s = float(options.get("poll_interval_s", DEFAULT_POLL_INTERVAL_S))
-        #: How long a DONE barrier polls without sleeping (None: until the
-        #: chunk settles or its deadline passes), then every poll_interval_s.
-        hot = options.get("hot_poll_s", str(DEFAULT_HOT_POLL_S)).strip().lower()
-        self.hot_poll_s = None if hot in ("", "none") else float(hot)
-        if self.hot_poll_s is not None and self.hot_poll_s < 0:
-            raise ValueError("hot_poll_s must be >= 0")
-        if not 0 < self.max_inflight <= 1000:
-            raise ValueError("max_inflight must be in 1..1000 (the engine rejects ~1024 per peer)")
-        self.max_batch = int(options.get("max_batch", self.max_inflight))
-        if self.max_batch <= 0:
-            raise ValueError("max_batch must be positive")
-        self.batch_status = options.get("batch_status", "auto")
-        if self.batch_status not in BATCH_STATUS_MODES:
-            raise ValueError(f"batch_status must be one of {BATCH_STATUS_MODES}, not {self.batch_status!r}")
+        opts = WriterOptions.parse(options)
+        self.max_inflight = opts.max_inflight
+        self.poll_interval_s = opts.poll_interval_s
+        self.hot_poll_s = opts.hot_poll_s
+        self.max_batch = opts.max_batch
+        self.batch_status = opts.batch_status
         self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
         self._mem = open_memory(nbytes, self.memory)
@@ -454,6 +471,14 @@ class MooncakeBackend:
             ),
         )
     )
+
+    def capabilities_for(self, options: Mapping[str, str]) -> Capabilities:
+        """The same with any valid options; the core asks before it starts
+        processes, so a bad option fails there and then."""
+        engine_settings(options)
+        MemoryOptions.parse(options)
+        WriterOptions.parse(options)
+        return self.capabilities
 
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> MooncakeRegion:
         return MooncakeRegion(nbytes, options)

@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from kvconn_mooncake._engine import engine_settings, new_engine, unpack_metadata
 from kvconn_mooncake._memory import MemoryOptions, open_memory
+from kvconn_mooncake._options import read as read_options
 
 __all__ = ["MAX_BATCH", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
 
@@ -73,7 +74,7 @@ class RawWriter:
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
         host, protocol, device = engine_settings(options or {})
-        self.max_batch = int((options or {}).get("max_batch", MAX_BATCH))
+        self.max_batch = read_options(options or {}).integer("max_batch", MAX_BATCH, low=1)
         self.nbytes = nbytes
         self._mem = open_memory(nbytes, MemoryOptions.parse(options or {}))
         self.base = self._mem.addr

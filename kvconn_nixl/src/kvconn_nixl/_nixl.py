@@ -23,7 +23,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvconn.memory import Memory
+from kvconn.memory import MEMORY_KINDS, Memory
+from kvconn.options import BackendOptions
 
 #: Set (if unset) before nixl/UCX is loaded. ``UCX_MODULES=^ib``: without it
 #: every process that made a UCX agent segfaults at exit (bundled libnl-route
@@ -69,19 +70,6 @@ def remote_disconnect_error() -> type[BaseException] | None:
 
 # --------------------------------------------------------------------------
 # options
-
-
-def _flag(value: str) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _seconds_or_none(value: str | None) -> float | None:
-    if value is None or value.strip().lower() in {"", "none"}:
-        return None
-    seconds = float(value)
-    if seconds < 0:
-        raise ValueError(f"hot_poll_s must be >= 0, got {value!r}")
-    return seconds
 
 
 #: The UCX transport selections whose writer-side fence (destroy the agent
@@ -149,22 +137,15 @@ class Options:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"unknown nixl backend options: {sorted(unknown)}")
-        memory = options.get("memory", "dram").lower()
-        if memory not in {"dram", "vram"}:
-            raise ValueError(f"memory must be 'dram' or 'vram', got {memory!r}")
-        prog = options.get("progress_thread")
+        opts = BackendOptions("nixl", options, {f.name for f in attrs.fields(cls)})
         return cls(
-            ucx_tls=options.get("ucx_tls") or default_ucx_tls(),
-            net_devices=options.get("net_devices", "lo"),
-            memory=memory,
-            device=int(options.get("device", "0")),
-            progress_thread=None if prog is None else _flag(prog),
-            progress_delay_us=int(options.get("progress_delay_us", "1000")),
-            hot_poll_s=_seconds_or_none(options.get("hot_poll_s")),
+            ucx_tls=opts.text("ucx_tls") or default_ucx_tls(),
+            net_devices=opts.text("net_devices", "lo"),
+            memory=opts.choice("memory", "dram", MEMORY_KINDS),
+            device=opts.integer("device", 0, low=0),
+            progress_thread=opts.flag("progress_thread") if "progress_thread" in options else None,
+            progress_delay_us=opts.integer("progress_delay_us", 1000, low=0),
+            hot_poll_s=opts.seconds_or_none("hot_poll_s", None),
         )
 
     @property

@@ -23,6 +23,9 @@ Options (strings, from ``Config.backend_options``):
 ``no_fence``
     BROKEN on purpose: the fence returns at once, the NIC keeps writing.
 
+Any other key is refused when a region or writer opens (a typo is an error,
+not a default silently applied).
+
 The fence (``on_fence``) stops the NIC thread between pieces and joins it:
 once it returns no thread of this writer touches the region, so nothing
 posted before it can land; then a new NIC thread serves new posts.
@@ -38,14 +41,44 @@ import time
 from collections.abc import Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
 
+import attrs
+
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
+from kvconn.options import BackendOptions, OptionError
 from kvconn.transport import Capabilities, Settlement
 
 
 def _address(buf: memoryview | mmap.mmap) -> tuple[int, ctypes.c_char]:
     anchor = ctypes.c_char.from_buffer(buf)
     return ctypes.addressof(anchor), anchor
+
+
+@attrs.frozen
+class LoopbackOptions:
+    """The options above, parsed (every one is for writers; a region refuses
+    unknown keys all the same: decode and prefill get one mapping)."""
+
+    piece_bytes: int = 256 << 10
+    piece_delay_s: float = 0.0
+    fail_chunks: frozenset[tuple[int, int]] = frozenset()
+    fail_every: int = 0
+    linger_after_fail: bool = False
+    early_done: bool = False
+    no_fence: bool = False
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
+        opts = BackendOptions("loopback", options, [f.name for f in attrs.fields(cls)])
+        return cls(
+            piece_bytes=opts.integer("piece_bytes", 256 << 10, low=1),
+            piece_delay_s=opts.number("piece_delay_s", 0.0, low=0.0),
+            fail_chunks=_chunk_ids(opts, "fail_chunks"),
+            fail_every=opts.integer("fail_every", 0, low=0),
+            linger_after_fail=opts.flag("linger_after_fail"),
+            early_done=opts.flag("early_done"),
+            no_fence=opts.flag("no_fence"),
+        )
 
 
 class LoopbackRegion:
@@ -98,18 +131,15 @@ class LoopbackWriter:
     """A prefill rank's source memory and its NIC thread."""
 
     def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
+        opts = LoopbackOptions.parse(options)
         self.nbytes = nbytes
-        self.piece_bytes = int(options.get("piece_bytes", 256 << 10))
-        self.piece_delay_s = float(options.get("piece_delay_s", 0))
-        self.fail_every = int(options.get("fail_every", 0))
-        self.fail_chunks = {
-            tuple(int(x) for x in item.split(":"))
-            for item in options.get("fail_chunks", "").split(",")
-            if item
-        }
-        self.linger_after_fail = _flag(options, "linger_after_fail")
-        self.early_done = _flag(options, "early_done")
-        self.no_fence = _flag(options, "no_fence")
+        self.piece_bytes = opts.piece_bytes
+        self.piece_delay_s = opts.piece_delay_s
+        self.fail_every = opts.fail_every
+        self.fail_chunks = opts.fail_chunks
+        self.linger_after_fail = opts.linger_after_fail
+        self.early_done = opts.early_done
+        self.no_fence = opts.no_fence
         self._src = mmap.mmap(-1, max(nbytes, 1))
         self._src_base, self._src_anchor = _address(self._src)
         self._peers: dict[str, _Peer] = {}
@@ -146,13 +176,13 @@ class LoopbackWriter:
     @hookimpl
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> _Handle:
         peer = self._peers[chunk.peer]
+        table = SegmentTable.of(segments)
+        srcs, dsts, lens = table.columns_within(self.nbytes, peer.nbytes, self._src_base, peer.base)
+        step = self.piece_bytes
         pieces = []
-        for src, dst, nbytes in SegmentTable.of(segments).rows.tolist():
-            _check(src, nbytes, self.nbytes)
-            _check(dst, nbytes, peer.nbytes)
-            for off in range(0, nbytes, self.piece_bytes):
-                n = min(self.piece_bytes, nbytes - off)
-                pieces.append((self._src_base + src + off, peer.base + dst + off, n))
+        for src, dst, nbytes in zip(srcs, dsts, lens, strict=True):
+            for off in range(0, nbytes, step):
+                pieces.append((src + off, dst + off, min(step, nbytes - off)))
         with self._lock:
             self._posted += 1
             fail = (chunk.room, chunk.index) in self.fail_chunks or (
@@ -239,7 +269,14 @@ class LoopbackBackend:
         notes="POSIX shared memory on one host; writes are async pieces on a NIC thread",
     )
 
+    def capabilities_for(self, options: Mapping[str, str]) -> Capabilities:
+        """The same with any options; asked before processes start, so a bad
+        option fails there."""
+        LoopbackOptions.parse(options)
+        return self.capabilities
+
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> LoopbackRegion:
+        LoopbackOptions.parse(options)
         return LoopbackRegion(nbytes)
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> LoopbackWriter:
@@ -253,8 +290,16 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-def _flag(options: Mapping[str, str], key: str) -> bool:
-    return options.get(key, "").lower() in ("1", "true", "yes", "on")
+def _chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int]]:
+    """``room:index`` pairs, comma-separated."""
+    ids = set()
+    for item in filter(None, (x.strip() for x in opts.text(key).split(","))):
+        room, _, index = item.partition(":")
+        try:
+            ids.add((int(room), int(index)))
+        except ValueError:
+            raise OptionError(f"loopback option {key}: expected room:index pairs, got {item!r}") from None
+    return frozenset(ids)
 
 
 def _check(offset: int, nbytes: int, size: int) -> None:

@@ -1,0 +1,119 @@
+"""Backend options, read the way a user expects them to be read.
+
+``Config.backend_options`` holds strings: they come from command lines
+(``--backend-option KEY=VALUE``) and config files. A plugin reads them through
+:class:`BackendOptions`, which checks each value's type and bounds once, names
+the backend and the option in every error, and refuses keys the plugin does
+not know: a mistyped option fails when the region or writer opens, instead of
+being ignored while the default silently applies.
+
+::
+
+    KNOWN = frozenset({"piece_bytes", "hot_poll_s"})
+
+    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
+        opts = BackendOptions("mybackend", options, KNOWN)
+        self.piece_bytes = opts.integer("piece_bytes", 1 << 18, low=1)
+        self.hot_poll_s = opts.seconds_or_none("hot_poll_s", 0.002)
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Collection, Mapping
+
+__all__ = ["BackendOptions", "OptionError"]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+_NONE = frozenset({"", "none"})
+
+
+class OptionError(ValueError):
+    """A backend option is unknown, or its value does not parse or is out of bounds."""
+
+
+class BackendOptions:
+    """``options`` of the backend ``backend``, which reads the keys ``known``
+    (all of them, for regions and writers alike: one mapping reaches both)."""
+
+    def __init__(self, backend: str, options: Mapping[str, str], known: Collection[str]) -> None:
+        self.backend = backend
+        self._options = options
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise OptionError(
+                f"unknown {backend} option {key!r}{hint}; {backend} options: {', '.join(sorted(known)) or 'none'}"
+            )
+
+    def text(self, key: str, default: str = "") -> str:
+        """The value, stripped of surrounding blanks."""
+        return self._options.get(key, default).strip()
+
+    def choice(self, key: str, default: str, choices: Collection[str]) -> str:
+        """One of ``choices`` (compared in lower case)."""
+        value = self.text(key, default).lower()
+        if value not in choices:
+            raise self._error(key, f"one of {', '.join(sorted(choices))}")
+        return value
+
+    def integer(self, key: str, default: int, low: int | None = None, high: int | None = None) -> int:
+        """A decimal integer within ``[low, high]``."""
+        raw = self._options.get(key)
+        if raw is None:
+            return default
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise self._error(key, "an integer") from None
+        self._bound(key, value, low, high)
+        return value
+
+    def number(self, key: str, default: float, low: float | None = None, high: float | None = None) -> float:
+        """A finite number within ``[low, high]`` (seconds, fractions)."""
+        raw = self._options.get(key)
+        if raw is None:
+            return default
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise self._error(key, "a number") from None
+        if not math.isfinite(value):
+            raise self._error(key, "a finite number")
+        self._bound(key, value, low, high)
+        return value
+
+    def seconds_or_none(self, key: str, default: float | None) -> float | None:
+        """Seconds (``>= 0``), or ``None`` for ``none`` or an empty value:
+        for limits whose absence means "no limit"."""
+        raw = self._options.get(key)
+        if raw is None:
+            return default
+        if raw.strip().lower() in _NONE:
+            return None
+        return self.number(key, 0.0, low=0.0)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        """``1/true/yes/on`` or ``0/false/no/off`` (an empty value: off)."""
+        raw = self._options.get(key)
+        if raw is None:
+            return default
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise self._error(key, "a flag: 1/true/yes/on or 0/false/no/off")
+
+    def _bound(self, key: str, value: float, low: float | None, high: float | None) -> None:
+        if low is not None and value < low:
+            raise self._error(key, f"at least {low}")
+        if high is not None and value > high:
+            raise self._error(key, f"at most {high}")
+
+    def _error(self, key: str, wanted: str) -> OptionError:
+        return OptionError(f"{self.backend} option {key}={self._options.get(key)!r}: expected {wanted}")
