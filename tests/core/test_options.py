@@ -46,7 +46,7 @@ def test_values_parsed() -> None:
         ("piece_bytes", "4k", lambda o: o.integer("piece_bytes", 1), "an integer"),
         ("piece_bytes", "0", lambda o: o.integer("piece_bytes", 1, low=1), "at least 1"),
         ("piece_bytes", "2000", lambda o: o.integer("piece_bytes", 1, high=1000), "at most 1000"),
-        ("delay_s", "soon", lambda o: o.number("delay_s", 0.0), "a number"),
+        ("delay_s", "soon", lambda o: o.number("delay_s", 0.0), "a finite number"),
         ("delay_s", "nan", lambda o: o.number("delay_s", 0.0), "a finite number"),
         ("delay_s", "-0.1", lambda o: o.number("delay_s", 0.0, low=0.0), "at least 0.0"),
         ("hot_poll_s", "-1", lambda o: o.seconds_or_none("hot_poll_s", None), "at least 0.0"),
@@ -73,6 +73,11 @@ def test_unknown_key_is_refused_with_the_nearest_known_one() -> None:
         match=r"unknown demo option 'zzz'; demo options: delay_s, host, hot_poll_s, mode, piece_bytes, strict$",
     ):
         opts(zzz="1")
+
+
+def test_values_must_be_strings() -> None:
+    with pytest.raises(OptionError, match=r"demo option piece_bytes=4096: values are strings"):
+        BackendOptions("demo", {"piece_bytes": 4096}, KNOWN)  # type: ignore[dict-item]
 
 
 def test_loopback_refuses_a_typo_on_both_sides() -> None:

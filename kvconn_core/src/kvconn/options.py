@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import TypeVar
 
 __all__ = ["BackendOptions", "OptionError"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 _NONE = frozenset({"", "none"})
+_N = TypeVar("_N", int, float)
 
 
 class OptionError(ValueError):
@@ -41,6 +43,11 @@ class BackendOptions:
     def __init__(self, backend: str, options: Mapping[str, str], known: Collection[str]) -> None:
         self.backend = backend
         self._options = options
+        for key, value in options.items():
+            if not isinstance(value, str):
+                raise OptionError(
+                    f"{backend} option {key}={value!r}: values are strings (as on a command line)"
+                )
         unknown = sorted(set(options) - set(known))
         if unknown:
             key = unknown[0]
@@ -63,29 +70,11 @@ class BackendOptions:
 
     def integer(self, key: str, default: int, low: int | None = None, high: int | None = None) -> int:
         """A decimal integer within ``[low, high]``."""
-        raw = self._options.get(key)
-        if raw is None:
-            return default
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            raise self._error(key, "an integer") from None
-        self._bound(key, value, low, high)
-        return value
+        return self._read(key, default, int, "an integer", low, high)
 
     def number(self, key: str, default: float, low: float | None = None, high: float | None = None) -> float:
         """A finite number within ``[low, high]`` (seconds, fractions)."""
-        raw = self._options.get(key)
-        if raw is None:
-            return default
-        try:
-            value = float(raw.strip())
-        except ValueError:
-            raise self._error(key, "a number") from None
-        if not math.isfinite(value):
-            raise self._error(key, "a finite number")
-        self._bound(key, value, low, high)
-        return value
+        return self._read(key, default, _finite, "a finite number", low, high)
 
     def seconds_or_none(self, key: str, default: float | None) -> float | None:
         """Seconds (``>= 0``), or ``None`` for ``none`` or an empty value:
@@ -109,11 +98,34 @@ class BackendOptions:
             return False
         raise self._error(key, "a flag: 1/true/yes/on or 0/false/no/off")
 
-    def _bound(self, key: str, value: float, low: float | None, high: float | None) -> None:
+    def _read(
+        self,
+        key: str,
+        default: _N,
+        convert: Callable[[str], _N],
+        wanted: str,
+        low: _N | None,
+        high: _N | None,
+    ) -> _N:
+        raw = self._options.get(key)
+        if raw is None:
+            return default
+        try:
+            value = convert(raw.strip())
+        except ValueError:
+            raise self._error(key, wanted) from None
         if low is not None and value < low:
             raise self._error(key, f"at least {low}")
         if high is not None and value > high:
             raise self._error(key, f"at most {high}")
+        return value
 
     def _error(self, key: str, wanted: str) -> OptionError:
         return OptionError(f"{self.backend} option {key}={self._options.get(key)!r}: expected {wanted}")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
