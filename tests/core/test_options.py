@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvconn.backends.loopback import LoopbackOptions, LoopbackWriter
 from kvconn.options import BackendOptions, OptionError
 from kvconn.plugins import get_backend
 
@@ -90,12 +91,13 @@ def test_loopback_refuses_a_typo_on_both_sides() -> None:
 
 def test_loopback_reads_its_options() -> None:
     lb = get_backend("loopback")
-    w = lb.open_writer(
-        4096, {"piece_bytes": "1024", "fail_chunks": " 3:1, 5:0 ,", "fail_every": "4", "no_fence": "on"}
+    options = {"piece_bytes": "1024", "fail_chunks": " 3:1, 5:0 ,", "fail_every": "4", "no_fence": "on"}
+    assert LoopbackOptions.parse(options) == LoopbackOptions(
+        piece_bytes=1024, fail_chunks=frozenset({(3, 1), (5, 0)}), fail_every=4, no_fence=True
     )
+    w = LoopbackWriter(4096, options)
     try:
         assert (w.piece_bytes, w.fail_every, w.no_fence, w.early_done) == (1024, 4, True, False)
-        assert w.fail_chunks == {(3, 1), (5, 0)}
     finally:
         w.close()
     with pytest.raises(OptionError, match=r"fail_chunks: expected room:index pairs, got '3'"):
