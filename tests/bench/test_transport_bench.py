@@ -36,7 +36,11 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
     for s in rep["shapes"]:
         for key in ("kvconn_gbps", "raw_gbps", "ratio", "raw_child_gbps", "kvconn_ms_per_chunk"):
             assert s[key] > 0, key
-        assert isinstance(s["target_met"], bool)
+        assert s["verdict"] in ("met", "missed", "unclear")
+        assert s["target_met"] is (s["verdict"] == "met")
+        lo, hi = s["ratio_interval"]
+        assert lo <= s["ratio_pairwise_median"] <= hi and len(s["ratio_pairwise_all"]) == 2
+        assert s["interval_confidence"] == 0.5  # two pairs: the widest interval, and it says so
         assert s["repeats"] == 2 and len(s["kvconn_gbps_all"]) == len(s["raw_gbps_all"]) == 2
         assert s["bytes_per_run"] == 262144 and s["verify_bad_pages"] == 0
         assert {"transport_ms_per_chunk", "gap_in_room_ms_per_chunk", "request_ms", "status_ms"} <= set(
