@@ -85,3 +85,35 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*strict: undeclared skip of test_undeclared*"])
     lax = pytester.runpytest_subprocess("-k", "undeclared or vram")
     lax.assert_outcomes(skipped=2)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-o", "fail_evry=3"], "unknown loopback option 'fail_evry' (did you mean 'fail_every'?)"),
+        (["-o", "piece_bytes=0"], "loopback option piece_bytes='0': expected at least 1"),
+        (["-o", "piece_bytes"], "-o wants KEY=VALUE, got 'piece_bytes'"),
+    ],
+    ids=["typo", "out_of_bounds", "no_value"],
+)
+def test_bad_options_are_refused_once_before_any_check(args: list[str], message: str) -> None:
+    code, out = conformance(*args, timeout=60)
+    assert code == 2, out
+    line = out.strip()
+    assert line.startswith(f"kvconn conformance: {message}") and "\n" not in line, out  # no check ran
+
+
+FIXTURE_FILE = """
+from kvconn.conformance import ConformanceSuite
+
+class TestTypo(ConformanceSuite):
+    backend_name = "loopback"
+    backend_options = {"piece_byte": "4096"}
+"""
+
+
+def test_the_fixture_fails_a_suite_with_bad_options(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_typo=FIXTURE_FILE)
+    result = pytester.runpytest_subprocess("-k", "done_barrier and dram")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*kvconn conformance: unknown loopback option 'piece_byte'*"])

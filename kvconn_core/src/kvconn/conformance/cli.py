@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import kvconn.conformance._collect as collect
@@ -29,6 +30,10 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not hasattr(args, "backend"):  # the command line was not parsed with add_arguments
         add_arguments(parser)
         parser.error("the conformance arguments were not registered")
+    problem = _check_options(args.backend, args.option)
+    if problem:
+        print(f"kvconn conformance: {problem}", file=sys.stderr)
+        return 2
     argv = [
         collect.__file__,
         "-p",
@@ -58,6 +63,25 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
             plugins.append(plugin)
         return int(pytest.main(argv, plugins=plugins))
+
+
+def _check_options(backend: str, items: list[str]) -> str:
+    """Why the backend cannot be checked with these options ("" if it can):
+    said once, here, rather than by every check of the suite."""
+    from kvconn.plugins import BackendError, get_backend
+    from kvconn.transport import capabilities_of
+
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            return f"-o wants KEY=VALUE, got {item!r}"
+        options[key] = value
+    try:
+        capabilities_of(get_backend(backend), options)
+    except (BackendError, ValueError) as exc:
+        return str(exc)
+    return ""
 
 
 def _loaded_plugins() -> set[str]:

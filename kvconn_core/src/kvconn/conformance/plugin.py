@@ -17,6 +17,7 @@ import pytest
 
 from kvconn.conformance.harness import Settings
 from kvconn.plugins import BackendError, get_backend
+from kvconn.transport import capabilities_of
 
 DECLARED = "[capability] "
 _MARK = "kvconn_conformance"
@@ -66,8 +67,8 @@ def kvconn_settings(request: pytest.FixtureRequest) -> Settings:
             raise pytest.UsageError(f"--kvconn-option wants KEY=VALUE, got {item!r}")
         options[key] = value
     try:
-        get_backend(name)
-    except BackendError as exc:
+        capabilities_of(get_backend(name), options)  # refuses bad options before any process starts
+    except (BackendError, ValueError) as exc:
         pytest.fail(f"kvconn conformance: {exc}", pytrace=False)
     return Settings(
         backend_name=name,
