@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from kvconn.chunk import Chunk, Segment
 from kvconn.hookspecs import hookimpl
+from kvconn.options import BackendOptions
 from kvconn.transport import Capabilities, Settlement
 
 HEADER = struct.Struct("!BQQQ")
@@ -283,10 +284,17 @@ class TcpBackend:
         notes="tutorial transport: TCP frames applied by a receiver thread in the page owner",
     )
 
+    def capabilities_for(self, options: Mapping[str, str]) -> Capabilities:
+        # asked before any process starts: a stray option fails there, once
+        BackendOptions(self.name, options, known=())
+        return self.capabilities
+
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> TcpRegion:
+        BackendOptions(self.name, options, known=())  # this transport takes none
         return TcpRegion(nbytes)
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> TcpWriter:
+        BackendOptions(self.name, options, known=())
         return TcpWriter(nbytes)
 
 
