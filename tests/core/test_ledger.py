@@ -103,6 +103,19 @@ def test_poison_without_a_chunk_holds_the_room() -> None:
     assert acks(ledger.fenced()) == [(f"tcp://{D}", 1, 1)]
 
 
+def test_a_chunk_queued_behind_the_last_one_is_skipped() -> None:
+    """Decode was told Success and may hand the pages out again: a duplicate
+    chunk dequeued afterwards is counted, then skipped, never written."""
+    ledger = RoomLedger(rank=0)
+    ledger.request(1, D)
+    assert ledger.dequeue(1) is True
+    ledger.landed(1, last=True)
+    assert ledger.dequeue(1) is False
+    assert ledger.outstanding(1) == 1  # invariant D holds for it too
+    assert ledger.skipped(1) == []
+    assert ledger.status(1) is KVPoll.SUCCESS and ledger.outstanding(1) == 0
+
+
 def test_a_concluded_room_id_reused_by_decode_starts_a_new_room() -> None:
     ledger = RoomLedger(rank=0)
     ledger.request(1, D)

@@ -148,13 +148,18 @@ class RoomLedger:
 
         Returns True if the chunk must be written, False to skip it. Either
         way the chunk is counted; the worker reports back with
-        :meth:`landed`, :meth:`skipped` or :meth:`failed`.
+        :meth:`landed`, :meth:`skipped` or :meth:`failed`. A concluded
+        (Success) room is skipped too: decode was told it is complete and
+        may have handed its pages out again, so a chunk queued behind its
+        last one (a duplicate send) must not land there.
         """
         entry = self._rooms.get(room)
         if entry is None:  # unknown here: counted, then skipped
             entry = self._rooms[room] = _Room(cleared=True)
         entry.outstanding += 1  # invariant D: before any status check
-        if entry.status == KVPoll.FAILED or entry.cleared or entry.status < KVPoll.WAITING_FOR_INPUT:
+        if entry.status in (KVPoll.FAILED, KVPoll.SUCCESS) or entry.cleared:
+            return False
+        if entry.status < KVPoll.WAITING_FOR_INPUT:
             return False
         entry.status = KVPoll.TRANSFERRING
         return True

@@ -190,6 +190,16 @@ class PrefillRank:
                     self._count_drop("unknown_decode")
                     return
                 status = self.ledger.status(msg.room)
+                owner = self.ledger.decode_of(msg.room)
+                if status is not None and status is not KVPoll.SUCCESS and owner and owner != msg.decode:
+                    # Room ids are global at a rank: this one is another decode's
+                    # live room. Never take these pages for it, nor let the engine
+                    # send it again; say so, or this decode waits for nothing.
+                    self._count_drop("room_in_use")
+                    reason = "room id in use by another decode at this rank"
+                    refused = RoomStatus(msg.room, self.rank, RoomOutcome.FAILED, reason)
+                    self._outbox.send(self._peers[msg.decode].reply_to, refused)
+                    return
                 if status is None or status is KVPoll.SUCCESS:
                     # A new room, or a concluded one whose id decode reused after
                     # taking its pages: write into the pages of this request, never
@@ -407,6 +417,9 @@ class Sender:
             entry_decode = rank.ledger.decode_of(self.room)
         if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
             raise RuntimeError(f"room {self.room} is not bootstrapped yet (poll() says {self.poll().name})")
+        if status is KVPoll.SUCCESS:
+            # Its last chunk landed and decode was told: the pages are decode's again.
+            raise RuntimeError(f"room {self.room} is complete at this rank: no chunk may follow its last")
         dst = dst_all[self._sent : self._sent + len(src_pages)]
         if len(dst) != len(src_pages):
             left = len(dst_all) - self._sent
