@@ -29,11 +29,13 @@ def test_no_chunk_may_follow_the_last_one() -> None:
             assert time.monotonic() < deadline, "the request never reached the rank"
             time.sleep(0.001)
         sender.send([0], last=True)
+        with pytest.raises(RuntimeError, match="room 1: its last chunk was sent"):
+            sender.send([1])  # at once, before the room concluded
         while sender.poll() is not KVPoll.SUCCESS:
             assert time.monotonic() < deadline, "the room never succeeded"
             time.sleep(0.001)
         with pytest.raises(RuntimeError, match="room 1 is complete at this rank"):
-            sender.send([1], last=True)
+            rank.sender(1).send([1], last=True)  # another sender of the same room
         assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
     finally:
         decode.close()

@@ -402,6 +402,7 @@ class Sender:
         self.room = room
         self._sent = 0
         self._index = 0
+        self._last_sent = False
 
     def poll(self) -> KVPoll:
         with self._rank._lock:
@@ -410,6 +411,8 @@ class Sender:
 
     def send(self, src_pages: Sequence[int], last: bool = False) -> None:
         """Queue the next ``len(src_pages)`` pages of the room for writing."""
+        if self._last_sent:
+            raise RuntimeError(f"room {self.room}: its last chunk was sent, no chunk may follow it")
         rank = self._rank
         with rank._lock:
             status = rank.ledger.status(self.room)
@@ -430,6 +433,7 @@ class Sender:
         segments = rank._peers[entry_decode].layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
         self._sent += len(src_pages)
         self._index += 1
+        self._last_sent = last
         rank._enqueue(chunk, segments)
 
     def settled(self) -> bool:
