@@ -410,7 +410,13 @@ class Sender:
         return KVPoll.BOOTSTRAPPING if status is None else status
 
     def send(self, src_pages: Sequence[int], last: bool = False) -> None:
-        """Queue the next ``len(src_pages)`` pages of the room for writing."""
+        """Queue the next ``len(src_pages)`` pages of the room for writing.
+
+        ``last``: this is the room's final chunk. Once it lands, decode is told
+        Success and may hand the pages out again, so no chunk may follow it:
+        this sender, or any sender of the room while it is Success, raises
+        RuntimeError (a room id decode reuses starts over with its request).
+        """
         if self._last_sent:
             raise RuntimeError(f"room {self.room}: its last chunk was sent, no chunk may follow it")
         rank = self._rank
