@@ -44,6 +44,8 @@ from kvconn.transport import Backend, Settlement, capabilities_of
 log = logging.getLogger(__name__)
 
 _STOP = object()
+#: A room being written for its decode (not yet concluded either way).
+_LIVE = (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
 #: How many fences' closed connections a fenced ack names: a room fenced by
 #: one fence may be acked after later ones (its ABORT came late).
 FENCES_REMEMBERED = 16
@@ -243,7 +245,14 @@ class PrefillRank:
 
     def _on_abort(self, msg: Abort) -> None:
         with self._lock:
+            owner, before = self.ledger.decode_of(msg.room), self.ledger.status(msg.room)
             known = self.ledger.abort(msg, self.clock())
+            if owner and owner != msg.decode and before in _LIVE and owner in self._peers:
+                # Room ids are global at a rank: another decode's abort failed
+                # this decode's room. Say so, or it waits for its deadline.
+                reason = "aborted by another decode using the same room id"
+                failed = RoomStatus(msg.room, self.rank, RoomOutcome.FAILED, reason)
+                self._outbox.send(self._peers[owner].reply_to, failed)
         try:
             self.pm.hook.on_abort_notification(abort=msg, known=known)
         except Exception as exc:
