@@ -35,6 +35,10 @@ class KVPoll(enum.IntEnum):
     FAILED = 4
 
 
+#: A room requested and not yet concluded either way: its chunks may be written.
+LIVE = frozenset({KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING})
+
+
 @attrs.frozen(slots=True)
 class SendAck:
     reply_to: str
@@ -157,9 +161,7 @@ class RoomLedger:
         if entry is None:  # unknown here: counted, then skipped
             entry = self._rooms[room] = _Room(cleared=True)
         entry.outstanding += 1  # invariant D: before any status check
-        if entry.status in (KVPoll.FAILED, KVPoll.SUCCESS) or entry.cleared:
-            return False
-        if entry.status < KVPoll.WAITING_FOR_INPUT:
+        if entry.status not in LIVE or entry.cleared:
             return False
         entry.status = KVPoll.TRANSFERRING
         return True

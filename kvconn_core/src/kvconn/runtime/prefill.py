@@ -23,7 +23,7 @@ import attrs
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config, check_deadlines
 from kvconn.metrics import Metrics
-from kvconn.protocol.ledger import KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
+from kvconn.protocol.ledger import LIVE, KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
 from kvconn.protocol.messages import (
     Abort,
     Hello,
@@ -44,8 +44,6 @@ from kvconn.transport import Backend, Settlement, capabilities_of
 log = logging.getLogger(__name__)
 
 _STOP = object()
-#: A room being written for its decode (not yet concluded either way).
-_LIVE = (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
 #: How many fences' closed connections a fenced ack names: a room fenced by
 #: one fence may be acked after later ones (its ABORT came late).
 FENCES_REMEMBERED = 16
@@ -247,7 +245,7 @@ class PrefillRank:
         with self._lock:
             owner, before = self.ledger.decode_of(msg.room), self.ledger.status(msg.room)
             known = self.ledger.abort(msg, self.clock())
-            if owner and owner != msg.decode and before in _LIVE and owner in self._peers:
+            if owner and owner != msg.decode and before in LIVE and owner in self._peers:
                 # Room ids are global at a rank: another decode's abort failed
                 # this decode's room. Say so, or it waits for its deadline.
                 reason = "aborted by another decode using the same room id"
