@@ -97,7 +97,7 @@ def test_loopback_reads_its_options() -> None:
     )
     w = LoopbackWriter(4096, options)
     try:
-        assert (w.piece_bytes, w.fail_every, w.no_fence, w.early_done) == (1024, 4, True, False)
+        assert w.options == LoopbackOptions.parse(options)
     finally:
         w.close()
     with pytest.raises(OptionError, match=r"fail_chunks: expected room:index pairs, got '3'"):

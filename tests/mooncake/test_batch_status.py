@@ -173,9 +173,9 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_hot_poll_default() -> None:
     """The barrier polls hot for DEFAULT_HOT_POLL_S unless told otherwise."""
-    assert be.open_writer(MiB, {}).hot_poll_s == DEFAULT_HOT_POLL_S
-    assert be.open_writer(MiB, {"hot_poll_s": "none"}).hot_poll_s is None
-    assert be.open_writer(MiB, {"hot_poll_s": "0.25"}).hot_poll_s == 0.25
+    assert be.open_writer(MiB, {}).options.hot_poll_s == DEFAULT_HOT_POLL_S
+    assert be.open_writer(MiB, {"hot_poll_s": "none"}).options.hot_poll_s is None
+    assert be.open_writer(MiB, {"hot_poll_s": "0.25"}).options.hot_poll_s == 0.25
 
 
 @pytest.mark.parametrize(("mode", "hot_poll_s"), [("on", "none"), ("off", "none"), ("on", "0")])

@@ -208,12 +208,7 @@ class MooncakeWriter:
         if nbytes <= 0:
             raise ValueError("source size must be positive")
         self._host, self._protocol, self._device = engine_settings(options)
-        opts = WriterOptions.parse(options)
-        self.max_inflight = opts.max_inflight
-        self.poll_interval_s = opts.poll_interval_s
-        self.hot_poll_s = opts.hot_poll_s
-        self.max_batch = opts.max_batch
-        self.batch_status = opts.batch_status
+        self.options = WriterOptions.parse(options)
         self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
         self._mem = open_memory(nbytes, self.memory)
@@ -255,8 +250,8 @@ class MooncakeWriter:
         rc = engine.register_memory(self.base, self.nbytes)
         if rc != 0:
             raise RuntimeError(f"mooncake register_memory({self.nbytes} bytes) returned {rc}")
-        self._poller = None if self.batch_status == "off" else bind(engine)
-        if self._poller is None and self.batch_status == "on":
+        self._poller = None if self.options.batch_status == "off" else bind(engine)
+        if self._poller is None and self.options.batch_status == "on":
             raise RuntimeError(
                 "mooncake batch_status=on, but the batch status check is unavailable (see log)"
             )
@@ -295,13 +290,15 @@ class MooncakeWriter:
         engine = self._engine
         inflight = self._inflight.setdefault(tok.session, collections.deque())
         used = self._inflight_n.get(tok.session, 0)
-        while tok.pending and used < self.max_inflight:
+        while tok.pending and used < self.options.max_inflight:
             if self._poller is None:
                 (src,), (dst,), (n,) = tok.pending.take(1)
                 bid = engine.transfer_submit_write(tok.session, src, dst, n)
                 count = 1
             else:
-                srcs, dsts, lens = tok.pending.take(min(self.max_inflight - used, self.max_batch))
+                srcs, dsts, lens = tok.pending.take(
+                    min(self.options.max_inflight - used, self.options.max_batch)
+                )
                 count = len(lens)
                 bid = engine.batch_transfer_async_write(tok.session, srcs, dsts, lens)
             if bid in _BAD_IDS:
@@ -382,10 +379,12 @@ class MooncakeWriter:
     def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement | None:
         if not isinstance(posted, Posted):
             return None
-        sleep = min(5e-5, self.poll_interval_s)
+        sleep = min(5e-5, self.options.poll_interval_s)
         # Poll hot first (see DEFAULT_HOT_POLL_S), as the raw API's blocking
         # status call spins, then sleep between polls.
-        hot_until = math.inf if self.hot_poll_s is None else time.monotonic() + self.hot_poll_s
+        hot_until = (
+            math.inf if self.options.hot_poll_s is None else time.monotonic() + self.options.hot_poll_s
+        )
         while True:
             with self._lock:
                 if posted.generation != self._generation:
@@ -418,7 +417,7 @@ class MooncakeWriter:
                 os.sched_yield()
                 continue
             time.sleep(min(sleep, max(0.0, deadline - now)))
-            sleep = min(sleep * 2, self.poll_interval_s)
+            sleep = min(sleep * 2, self.options.poll_interval_s)
 
     @hookimpl
     def on_fence(self) -> bool | None:

@@ -70,14 +70,15 @@ class LoopbackOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
         opts = BackendOptions("loopback", options, [f.name for f in attrs.fields(cls)])
+        default = cls()
         return cls(
-            piece_bytes=opts.integer("piece_bytes", 256 << 10, low=1),
-            piece_delay_s=opts.number("piece_delay_s", 0.0, low=0.0),
+            piece_bytes=opts.integer("piece_bytes", default.piece_bytes, low=1),
+            piece_delay_s=opts.number("piece_delay_s", default.piece_delay_s, low=0.0),
             fail_chunks=_chunk_ids(opts, "fail_chunks"),
-            fail_every=opts.integer("fail_every", 0, low=0),
-            linger_after_fail=opts.flag("linger_after_fail"),
-            early_done=opts.flag("early_done"),
-            no_fence=opts.flag("no_fence"),
+            fail_every=opts.integer("fail_every", default.fail_every, low=0),
+            linger_after_fail=opts.flag("linger_after_fail", default.linger_after_fail),
+            early_done=opts.flag("early_done", default.early_done),
+            no_fence=opts.flag("no_fence", default.no_fence),
         )
 
 
@@ -131,15 +132,8 @@ class LoopbackWriter:
     """A prefill rank's source memory and its NIC thread."""
 
     def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
-        opts = LoopbackOptions.parse(options)
+        self.options = LoopbackOptions.parse(options)
         self.nbytes = nbytes
-        self.piece_bytes = opts.piece_bytes
-        self.piece_delay_s = opts.piece_delay_s
-        self.fail_every = opts.fail_every
-        self.fail_chunks = opts.fail_chunks
-        self.linger_after_fail = opts.linger_after_fail
-        self.early_done = opts.early_done
-        self.no_fence = opts.no_fence
         self._src = mmap.mmap(-1, max(nbytes, 1))
         self._src_base, self._src_anchor = _address(self._src)
         self._peers: dict[str, _Peer] = {}
@@ -178,15 +172,15 @@ class LoopbackWriter:
         peer = self._peers[chunk.peer]
         table = SegmentTable.of(segments)
         srcs, dsts, lens = table.columns_within(self.nbytes, peer.nbytes, self._src_base, peer.base)
-        step = self.piece_bytes
+        step = self.options.piece_bytes
         pieces = []
         for src, dst, nbytes in zip(srcs, dsts, lens, strict=True):
             for off in range(0, nbytes, step):
                 pieces.append((src + off, dst + off, min(step, nbytes - off)))
         with self._lock:
             self._posted += 1
-            fail = (chunk.room, chunk.index) in self.fail_chunks or (
-                self.fail_every > 0 and self._posted % self.fail_every == 0
+            fail = (chunk.room, chunk.index) in self.options.fail_chunks or (
+                self.options.fail_every > 0 and self._posted % self.options.fail_every == 0
             )
         handle = _Handle(pieces)
         self._nic_queue.put((handle, len(pieces) // 2 if fail else -1))
@@ -194,7 +188,7 @@ class LoopbackWriter:
 
     @hookimpl
     def on_done_barrier(self, chunk: Chunk, posted: _Handle, deadline: float) -> Settlement:
-        if self.early_done:
+        if self.options.early_done:
             return Settlement.LANDED
         if not posted.finished.wait(max(0.0, deadline - time.monotonic())):
             return Settlement.UNSETTLED
@@ -202,7 +196,7 @@ class LoopbackWriter:
 
     @hookimpl
     def on_fence(self) -> bool:
-        if not self.no_fence:
+        if not self.options.no_fence:
             self._stop_nic()
             self._start_nic()
         return True
@@ -236,12 +230,12 @@ class LoopbackWriter:
                     break
                 if i == fail_at:
                     handle.error = "injected failure"
-                    if self.linger_after_fail:
+                    if self.options.linger_after_fail:
                         rest = handle.pieces[i:]
                         threading.Thread(target=self._linger, args=(rest,), daemon=True).start()
                     break
-                if self.piece_delay_s:
-                    time.sleep(self.piece_delay_s)
+                if self.options.piece_delay_s:
+                    time.sleep(self.options.piece_delay_s)
                 ctypes.memmove(dst, src, n)
             handle.finished.set()
         # Posted but never started: settled without writing a byte.
@@ -255,7 +249,7 @@ class LoopbackWriter:
                 job[0].finished.set()
 
     def _linger(self, pieces: list[tuple[int, int, int]]) -> None:
-        time.sleep(max(self.piece_delay_s, 0.05) * 4)
+        time.sleep(max(self.options.piece_delay_s, 0.05) * 4)
         for src, dst, n in pieces:
             ctypes.memmove(dst, src, n)
 
