@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
     "--shape", "4096x16:scattered", "--shape", "65536",
@@ -66,3 +68,22 @@ def test_bad_shape_exits_2() -> None:
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "shape" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile"], "the abort bench (no --transport) does not use --profile"),
+        (["--transport", "--requests", "5", "--ranks", "3"], "--transport does not use --ranks, --requests"),
+    ],
+)
+def test_an_option_of_the_other_bench_exits_2(argv: list[str], message: str) -> None:
+    """A flag the chosen bench never reads is refused, not silently ignored."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", "bench", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in " ".join(proc.stderr.split())

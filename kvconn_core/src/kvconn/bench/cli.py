@@ -120,6 +120,11 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     console = Console(stderr=to_stdout)
     err = Console(stderr=True)
+    unused = _unused_options(parser, args)
+    if unused:
+        bench = "--transport" if args.transport else "the abort bench (no --transport)"
+        err.print(f"[red]kvconn bench: {bench} does not use {', '.join(unused)}[/red]")
+        return 2
     try:
         if args.transport:
             return transport_mod.main(args, console, err)
@@ -127,6 +132,26 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError, KeyError, LookupError) as exc:
         err.print(f"[red]kvconn bench: {exc}[/red]")
         return 2
+
+
+#: Options both benches read; every other one belongs to one of them.
+_SHARED = frozenset({"backend", "backend_option", "json", "no_progress", "seed", "transport"})
+
+
+def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The flags given a value other than their default that the chosen bench
+    never reads (``--profile`` without ``--transport``, say), so that a run
+    does not silently measure something other than what was asked."""
+    unused = []
+    for action in parser._actions:  # argparse has no public list of a parser's options
+        dest = action.dest
+        if dest in _SHARED or dest == "help" or not action.option_strings:
+            continue
+        if (dest in transport_mod.OPTIONS) == args.transport:
+            continue  # read by the bench that runs
+        if getattr(args, dest, None) != parser.get_default(dest):
+            unused.append(action.option_strings[0])
+    return unused
 
 
 def _run(args: argparse.Namespace, console: Console, err: Console) -> int:

@@ -730,6 +730,10 @@ def breakdown(
 # CLI
 
 
+#: The options only the transport bench reads (``add_arguments``' dests).
+OPTIONS = frozenset({"repeat", "shape", "bytes_per_run", "room_bytes", "inflight", "profile"})
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The transport bench's options (``--backend`` and ``--json`` are the bench's)."""
     g = p.add_argument_group("--transport: kvconn vs raw transport bytes/s")
