@@ -2,12 +2,14 @@
 # GPU check: the NIXL and Mooncake plugins on VRAM, on a GPU host with no network.
 #
 # Run from anywhere (it cd's to the repo root), with the carried folder .whl/:
-#   bash scripts/gpu/check.sh     # OUT=/tmp/out unless set; BUDGET_S=330, HARD_S=450
+#   bash scripts/gpu/check.sh     # OUT=/tmp/out unless set; BUDGET_S=420, HARD_S=490
 # Every step has its own timeout; a failed step never stops the next ones. Optional
 # steps start only while BUDGET_S has room for them; no step runs past HARD_S, so
-# the summary prints even under an outer limit of HARD_S + 30 s.
-# Full log: $OUT/gpu-check.log; JSON: $OUT/smoke.jsonl, $OUT/bench-{vram,dram}-{nixl,mooncake}.json;
-# compact summary at the end (and in $OUT/summary.txt).
+# the summary prints even under an outer limit of HARD_S + 30 s. The conformance
+# suites run side by side (one process tree each, on a many-core host); benches run
+# one at a time, so their figures are not shared with another job.
+# $OUT gets three files: gpu-check.log (everything), summary.txt, and results.tgz
+# (smoke.jsonl, the bench JSONs, one log per parallel step), refreshed after each step.
 #
 # .whl/ (built on a network host by scripts/gpu/prepare.sh):
 #   nixl-1.5.1 (meta), nixl_cu13-1.5.1 and mooncake_transfer_engine-0.3.13.post1 (CUDA)
@@ -15,172 +17,10 @@
 #   nvidia_cuda_runtime_cu12 (libcudart.so.12 for Mooncake's engine.so only),
 #   Debian debs for libibverbs1, ibverbs-providers (libmlx5), libnl-3/-route-3, libnuma1,
 #   and libcurl-stub.so.4 (scripts/gpu/curl_stub.c), used only where no libcurl.so.4 exists.
-set -u -o pipefail
-cd "$(dirname "$0")/../.." || exit 2
-ROOT=$PWD
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-LOG=$OUT/gpu-check.log
-: >"$LOG"
-exec > >(tee -a "$LOG") 2>&1
-export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}
-PY=${PY:-python3}
-SITE=${SITE:-/tmp/kvconn-site}
-LIBS=/tmp/kvconn-libs
-WHL=$ROOT/.whl
-BUDGET_S=${BUDGET_S:-330}
-HARD_S=${HARD_S:-450}
-START=$(date +%s)
-SUMMARY=()
-
-elapsed() { echo $(($(date +%s) - START)); }
-# have_lib SONAME: the host's loader cache knows SONAME.
-have_lib() { ldconfig -p | awk '{print $1}' | grep -qxF "$1"; }
-
-# step NAME TIMEOUT_S CMD...: run CMD under timeout, record rc and seconds.
-step() {
-    local name=$1 limit=$2 rc t0 ms left
-    shift 2
-    left=$((HARD_S - $(elapsed) - 20))
-    if [ "$left" -lt 10 ]; then
-        SUMMARY+=("$(printf '%-34s SKIPPED (HARD_S=%ss reached)' "$name" "$HARD_S")")
-        return 0
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo
-    echo "=== [$name] t=$(elapsed)s timeout=${limit}s: $*"
-    t0=$(date +%s%N)
-    timeout -k 10 "$limit" "$@"
-    rc=$?
-    ms=$((($(date +%s%N) - t0) / 1000000))
-    SUMMARY+=("$(printf '%-34s rc=%-4s %4d.%01ds' "$name" "$rc" $((ms / 1000)) $((ms % 1000 / 100)))")
-    [ "$rc" = 124 ] && echo "!!! [$name] timed out after ${limit}s"
-    return 0
-}
-
-# Optional step: skipped when fewer than NEED_S seconds of BUDGET_S are left.
-maybe() {
-    local need=$1
-    shift
-    if [ $(($(elapsed) + need)) -gt "$BUDGET_S" ]; then
-        SUMMARY+=("$(printf '%-34s SKIPPED (budget: %ss used of %ss)' "$1" "$(elapsed)" "$BUDGET_S")")
-        return 0
-    fi
-    step "$@"
-}
-
-KV=("$PY" -m kvconn.cli)
-export PY WHL SITE LIBS
-
-# ---------------------------------------------------------------------------
-# (a) the machine
-info() {
-    nvidia-smi -L
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    "$PY" -V
-    command -v "$PY"
-    nproc
-    "$PY" - <<'EOF'
-import importlib
-for mod in ("torch", "cupy", "numpy", "zmq", "nixl", "mooncake"):
-    try:
-        m = importlib.import_module(mod)
-        print(f"{mod:9} {getattr(m, '__version__', '?')} {getattr(m, '__file__', '')}")
-    except Exception as exc:
-        print(f"{mod:9} -- {type(exc).__name__}: {exc}")
-import torch
-print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available())
-import cupy
-print("cupy runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver", cupy.cuda.runtime.driverGetVersion())
-EOF
-    ldconfig -p | grep -E 'libibverbs\.so\.1|libmlx5\.so\.1|libnl-(route-)?3\.so|libnuma\.so\.1|libcurl\.so\.4|libcudart\.so\.1[23]|libcuda\.so\.1|libnvidia-ml\.so\.1' || true
-    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
-    ls "$WHL"
-    return 0
-}
-export -f info
-step info 60 bash -c info
-
-# ---------------------------------------------------------------------------
-# (b)+(c) Python packages: the carried wheels and our three packages, into $SITE
-rm -rf "$SITE" /tmp/kvconn-cu12
-mapfile -t WHEELS < <(ls "$WHL"/*.whl | grep -v '/nvidia_')
-step pip-install 240 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --no-build-isolation --disable-pip-version-check --upgrade --target "$SITE" \
-    "${WHEELS[@]}" ./kvconn_core ./kvconn_nixl ./kvconn_mooncake
-# libcudart.so.12 for Mooncake: unpacked aside, never on sys.path (its nvidia/ would shadow torch's).
-step cudart12-unpack 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --disable-pip-version-check --target /tmp/kvconn-cu12 "$WHL"/nvidia_cuda_runtime_cu12-*.whl
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-export PATH=$SITE/bin:$PATH
-
-# System libraries that Mooncake's engine.so needs, only where the host lacks them.
-syslibs() {
-    rm -rf "$LIBS" /tmp/kvconn-debs
-    mkdir -p "$LIBS" /tmp/kvconn-debs
-    local deb f base
-    for deb in "$WHL"/*.deb; do
-        if command -v dpkg >/dev/null; then
-            dpkg -x "$deb" /tmp/kvconn-debs
-        else
-            (cd /tmp/kvconn-debs && ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x -J 2>/dev/null ||
-                ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x --zstd)
-        fi
-    done
-    for f in /tmp/kvconn-debs/usr/lib/x86_64-linux-gnu/lib*.so.[0-9]* /tmp/kvconn-debs/lib/x86_64-linux-gnu/lib*.so.[0-9]*; do
-        [ -e "$f" ] || continue
-        base=$(basename "$f")
-        [[ $base =~ ^lib.*\.so\.[0-9]+$ ]] || continue # soname links only
-        if have_lib "$base"; then
-            echo "host has $base"
-        else
-            ln -sf "$f" "$LIBS/$base" && echo "carried  $base"
-        fi
-    done
-    if ! have_lib libcurl.so.4; then
-        cp "$WHL/libcurl-stub.so.4" "$LIBS/libcurl.so.4" && echo "stub     libcurl.so.4 (no HTTP metadata; P2PHANDSHAKE only)"
-    fi
-    if ! have_lib libcudart.so.12; then
-        f=$(find /tmp/kvconn-cu12 -name 'libcudart.so.12' | head -1)
-        [ -n "$f" ] && ln -sf "$f" "$LIBS/libcudart.so.12" && echo "carried  libcudart.so.12 ($f)"
-    fi
-    return 0
-}
-export -f syslibs have_lib
-step syslibs 60 bash -c syslibs
-# libcudart.so.13 for UCX's cuda memory hooks (ucm_cuda): the host's own, wherever pip put it.
-CUDART13=""
-if ! have_lib libcudart.so.13; then
-    CUDART13=$("$PY" - <<'EOF'
-import glob, site, sys
-roots = site.getsitepackages() + [site.getusersitepackages()] + ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]
-for root in roots:
-    for pat in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.13", "libcudart.so.13"):
-        hits = glob.glob(f"{root}/{pat}")
-        if hits:
-            print(hits[0].rsplit("/", 1)[0]); sys.exit()
-EOF
-)
-fi
-export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}${CUDART13:+:$CUDART13}
-echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-
-# ---------------------------------------------------------------------------
-# (d) what loads
-libcheck() {
-    local f
-    for f in "$SITE"/mooncake/engine.so "$SITE"/nixl_cu13.libs/ucx/libuct_cuda.so.* \
-        "$SITE"/nixl_cu13.libs/ucx/libucm_cuda.so.* "$SITE"/.nixl_cu13.mesonpy.libs/plugins/libplugin_UCX.so; do
-        echo "-- $f"
-        ldd "$f" | grep -E 'not found|cudart|libcuda\.|ibverbs|curl|numa|mlx5' || true
-    done
-    "$PY" -c 'import mooncake.engine as e; print("mooncake.engine", e.__file__)'
-    "$PY" -c 'import nixl._api as a, nixl_cu13; print("nixl", a.__name__, nixl_cu13.__file__)'
-    "$PY" -c 'import zmq; print("pyzmq", zmq.__version__)'
-}
-export -f libcheck
-step libcheck 90 bash -c libcheck
-step kvconn-backends 90 "${KV[@]}" backends
+BUDGET_S=${BUDGET_S:-420}
+HARD_S=${HARD_S:-490}
+# shellcheck source=setup.sh
+source "$(dirname "$0")/setup.sh"
 
 # ---------------------------------------------------------------------------
 # (e) smoke: one region + one writer in one process, VRAM -> VRAM, byte for byte
@@ -236,72 +76,108 @@ except BaseException as exc:
 rec["total_s"] = round(time.perf_counter() - t0, 3)
 line = json.dumps(rec)
 print("SMOKE " + line)
-os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
-with open(os.path.join(os.environ.get("OUT", "/tmp/out"), "smoke.jsonl"), "a") as f:
+with open(os.path.join(os.environ["RES"], "smoke.jsonl"), "a") as f:
     f.write(line + "\n")
 sys.stdout.flush()
 os._exit(0 if rec["ok"] else 1)  # skip UCX/engine teardown at exit
 EOF
-rm -f "$OUT/smoke.jsonl"
-export OUT
+export RES
 step smoke-nixl-dram 60 "$PY" /tmp/kvconn_smoke.py nixl
 step smoke-nixl-vram 60 "$PY" /tmp/kvconn_smoke.py nixl memory=vram
+# net_devices=lo (the default since 2026-11-30) against UCX's own choice, and cuda_ipc:
+step smoke-nixl-vram-any-net 60 "$PY" /tmp/kvconn_smoke.py nixl memory=vram net_devices=
+step smoke-nixl-vram-cuda-ipc 60 "$PY" /tmp/kvconn_smoke.py nixl memory=vram ucx_tls=tcp,cuda_copy,cuda_ipc
 step smoke-mooncake-dram 60 "$PY" /tmp/kvconn_smoke.py mooncake
 step smoke-mooncake-vram 90 "$PY" /tmp/kvconn_smoke.py mooncake memory=vram
 
 # ---------------------------------------------------------------------------
-# (e) the whole conformance suite with every region and source in VRAM (nixl's
-# default UCX_TLS on a GPU host is tcp,cuda_copy: its fence is checked here too)
-step conf-nixl-all-vram 200 "${KV[@]}" conformance nixl -q -o memory=vram
-step conf-mooncake-all-vram 200 "${KV[@]}" conformance mooncake -q -o memory=vram
-# (e2) untried so far (docs/gpu.md, "Why NIXL claims no fence for VRAM"): with cuda_ipc,
-# same-host VRAM should be copied by the writer alone, so a frozen owner whose writer
-# was killed mid-write has no fragment of its own to ack, and should survive.
-maybe 60 conf-nixl-vram-cuda-ipc 200 "${KV[@]}" conformance nixl -q -o memory=vram \
-    -o ucx_tls=tcp,cuda_copy,cuda_ipc
+# (e) the whole conformance suite with every region and source in VRAM, side by side
+# (nixl's default UCX_TLS on a GPU host is tcp,cuda_copy: its fence is checked on DRAM).
+# conf-nixl-vram-cuda-ipc: untried so far (docs/gpu.md, "Why NIXL claims no fence for
+# VRAM"): with cuda_ipc the writer alone should copy same-host VRAM, so a frozen owner
+# whose writer was killed mid-write has no fragment of its own to ack, and should survive.
+side_by_side \
+    'conf-nixl-vram 240 "${KV[@]}" conformance nixl -q -o memory=vram' \
+    'conf-nixl-vram-cuda-ipc 240 "${KV[@]}" conformance nixl -q -o memory=vram -o ucx_tls=tcp,cuda_copy,cuda_ipc' \
+    'conf-mooncake-vram 240 "${KV[@]}" conformance mooncake -q -o memory=vram' \
+    'conf-nixl-dram 240 "${KV[@]}" conformance nixl -q'
 
 # ---------------------------------------------------------------------------
-# (f) transport bench (kvconn vs raw API), one backend per command
-BENCH=(bench --transport --repeat 3 --bytes-per-run $((128 << 20)) --no-progress)
-maybe 40 bench-vram-mooncake 100 "${KV[@]}" "${BENCH[@]}" --backend mooncake --backend-option memory=vram \
-    --json "$OUT/bench-vram-mooncake.json"
-maybe 40 bench-dram-mooncake 100 "${KV[@]}" "${BENCH[@]}" --backend mooncake --json "$OUT/bench-dram-mooncake.json"
-maybe 40 bench-vram-nixl 100 "${KV[@]}" "${BENCH[@]}" --backend nixl --backend-option memory=vram \
-    --json "$OUT/bench-vram-nixl.json"
-maybe 40 bench-dram-nixl 100 "${KV[@]}" "${BENCH[@]}" --backend nixl --json "$OUT/bench-dram-nixl.json"
+# (f) the main job on a host with cores to spare: 10,000 requests, 30% aborts, kvconn's
+# mode only (the timeout-only mode waits out its deadlines; 2-core figures: docs/bench.md)
+E2E=(bench --requests 10000 --modes kvconn --no-progress)
+for b in loopback nixl mooncake; do
+    maybe 40 "e2e-$b" 90 "${KV[@]}" "${E2E[@]}" --backend "$b" --json "$RES/e2e-$b.json"
+done
 
-# ---------------------------------------------------------------------------
+# (g) the main job with decode's pages and the ranks' sources in VRAM
+for b in nixl mooncake; do
+    maybe 30 "e2e-vram-$b" 60 "${KV[@]}" bench --requests 2000 --modes kvconn --no-progress \
+        --backend "$b" --backend-option memory=vram --json "$RES/e2e-vram-$b.json"
+done
+
+# (h) transport bench (kvconn vs raw API), one backend per command, 9 pairs for the interval
+BENCH=(bench --transport --repeat 9 --bytes-per-run $((128 << 20)) --no-progress)
+for mem in dram vram; do
+    for b in nixl mooncake loopback; do
+        [ "$mem/$b" = vram/loopback ] && continue
+        opt=()
+        [ "$mem" = vram ] && opt=(--backend-option memory=vram)
+        maybe 45 "bench-$mem-$b" 100 "${KV[@]}" "${BENCH[@]}" --backend "$b" "${opt[@]}" --json "$RES/bench-$mem-$b.json"
+    done
+done
+
 {
     echo
     echo "================ gpu-check summary ($(elapsed)s) ================"
-    printf '%s\n' "${SUMMARY[@]}"
-    echo "---- smoke (GB/s per round; bad = segments with wrong bytes)"
-    "$PY" - "$OUT" <<'EOF'
+    cat "$STEPS"
+    "$PY" - "$RES" <<'EOF'
 import json, os, sys
-out = sys.argv[1]
-path = os.path.join(out, "smoke.jsonl")
+res = sys.argv[1]
+def load(name):
+    path = os.path.join(res, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+print("---- smoke (GB/s per round; bad = segments with wrong bytes)")
+path = os.path.join(res, "smoke.jsonl")
 for line in open(path) if os.path.exists(path) else []:
     r = json.loads(line)
     opts = ",".join(f"{k}={v}" for k, v in r["options"].items()) or "defaults"
-    head = f"{'OK ' if r['ok'] else 'BAD'} {r['backend']:8} {opts:38}"
-    if "error" in r and not r.get("rounds"):
-        print(head, "ERROR", r["error"][:300])
-        continue
+    head = f"{'OK ' if r['ok'] else 'BAD'} {r['backend']:8} {opts:46}"
     rounds = " ".join(f"{x['round']}={x['GBps']}{'' if x['settled'] == 'landed' else '/' + x['settled']}"
                       f"{'' if not x['bad_segments'] else '/bad' + str(x['bad_segments'])}" for x in r.get("rounds", []))
-    print(head, rounds, ("ERROR " + r["error"][:200]) if "error" in r else "")
-print("---- bench --transport (median GB/s kvconn / raw, ratio, verified)")
-for mem, name in [(m, b) for m in ("vram", "dram") for b in ("nixl", "mooncake")]:
-    path = os.path.join(out, f"bench-{mem}-{name}.json")
-    if not os.path.exists(path):
-        print(mem, name, "no JSON")
-        continue
-    for rep in json.load(open(path))["transport"]:
-        for s in rep["shapes"]:
-            print(f"{mem} {rep['backend']:8} {s['shape']:22} kvconn {s['kvconn_gbps']:7.3f}  raw {s['raw_gbps']:7.3f}"
-                  f"  {s['ratio']:6.1%}  bad_pages={s['verify_bad_pages']}")
+    print(head, rounds, ("ERROR " + r["error"][:300]) if "error" in r else "")
+print("---- bench (main job, kvconn mode): release ms p50/p99/max, target, CPU busy, GB/s, overhead")
+for name in ("e2e-loopback", "e2e-nixl", "e2e-mooncake", "e2e-vram-nixl", "e2e-vram-mooncake"):
+    try:
+        d = load(name + ".json")
+        if d is None:
+            print(f"{name:18} no JSON")
+            continue
+        m = d["modes"]["kvconn"]
+        lat = m["release_latency_ms"]
+        fast = {x["target"]: x for x in d["targets"]}.get("fast release p99", {})
+        print(f"{name:18} ok={d['ok']} reqs={m['requests']} done/aborted/failed={m['completed']}/{m['aborted_mid_transfer']}/{m['prefill_failed']}"
+              f" p50/p99/max={lat.get('p50', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('max', 0):.2f}"
+              f" goal {fast.get('goal')} -> {fast.get('ok')} busy={m['cpu'].get('busy', 0):.0f}%"
+              f" {m['throughput_gbps']:.3f} GB/s overhead={d['overhead'].get('direct_us', 0):.1f} us"
+              f" releases={m['releases_by_proof']} violations={len(m['violations'])}")
+    except Exception as exc:
+        print(f"{name:18} unreadable: {type(exc).__name__}: {exc}")
+print("---- bench --transport (median GB/s kvconn / raw, ratio, pairs' interval, verdict, verified)")
+for mem in ("dram", "vram"):
+    for name in ("nixl", "mooncake", "loopback"):
+        d = load(f"bench-{mem}-{name}.json")
+        if d is None:
+            continue
+        for rep in d["transport"]:
+            for s in rep["shapes"]:
+                lo, hi = s["ratio_interval"]
+                print(f"{mem} {rep['backend']:8} {s['shape']:22} kvconn {s['kvconn_gbps']:7.3f}  raw {s['raw_gbps']:7.3f}"
+                      f"  {s['ratio']:6.1%}  pairs {s['ratio_pairwise_median']:6.1%} [{lo:6.1%}, {hi:6.1%}]"
+                      f" {s['verdict']:8} bad_pages={s['verify_bad_pages']}")
 EOF
     echo "---- conformance (PASSED lines omitted)"
     grep -E '^=== \[conf-|^(FAILED|SKIPPED) +test_|^[a-z]+: [0-9]+ passed' "$LOG" | sed 's/^=== //;s/ t=[0-9]*s timeout=.*//' | cut -c1-240 | tail -60
 } | tee "$OUT/summary.txt"
+pack
 exit 0
