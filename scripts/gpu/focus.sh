@@ -5,8 +5,8 @@
 #    run (once there: 1 of 1), where the default tcp,cuda_copy aborts it (2 of 2)?
 # 2. Does cuda_ipc carry the bytes (GB/s far above the ~0.5 of tcp staging)?
 # 3. Why does the main job's release p99 on VRAM miss its target (nixl 17.7 ms,
-#    mooncake 82 ms, against ~7 ms) when DRAM meets it with 2 ms? --profile times the
-#    phases of each chunk and room.
+#    mooncake 82 ms, against ~7 ms) when DRAM meets it with 2 ms? One request in flight
+#    against eight tells queueing behind other rooms' chunks from a slow chunk.
 # Needs .whl/ as check.sh does; writes $OUT/focus.log and $OUT/results.tgz.
 BUDGET_S=${BUDGET_S:-220}
 HARD_S=${HARD_S:-250}
@@ -23,11 +23,13 @@ done
 step bench-vram-nixl-ipc 60 "${KV[@]}" bench --transport --repeat 3 --bytes-per-run $((128 << 20)) --no-progress \
     --backend nixl --backend-option memory=vram --backend-option ucx_tls=tcp,cuda_copy,cuda_ipc \
     --shape 1048576x1 --shape 67108864x1 --json "$RES/bench-vram-nixl-ipc.json"
-step e2e-vram-nixl-ipc 45 "${KV[@]}" bench --requests 1000 --modes kvconn --no-progress --profile --backend nixl \
+step e2e-vram-nixl-ipc 45 "${KV[@]}" bench --requests 1000 --modes kvconn --no-progress --backend nixl \
     --backend-option memory=vram --backend-option ucx_tls=tcp,cuda_copy,cuda_ipc --json "$RES/e2e-vram-nixl-ipc.json"
-for b in nixl mooncake; do
-    maybe 20 "e2e-vram-$b-profile" 45 "${KV[@]}" bench --requests 1000 --modes kvconn --no-progress --profile \
-        --backend "$b" --backend-option memory=vram --json "$RES/e2e-vram-$b-profile.json"
+for b in mooncake nixl; do
+    for c in 1 8; do
+        maybe 20 "e2e-vram-$b-c$c" 45 "${KV[@]}" bench --requests 1000 --modes kvconn --no-progress --concurrency "$c" \
+            --backend "$b" --backend-option memory=vram --json "$RES/e2e-vram-$b-c$c.json"
+    done
 done
 
 {
@@ -35,6 +37,21 @@ done
     echo "================ focus summary ($(elapsed)s) ================"
     cat "$STEPS"
     grep -E '^=== \[killed-|^(FAILED|PASSED) +test_frozen|^nixl: [0-9]+ passed' "$LOG" | sed 's/ t=[0-9]*s timeout=.*//'
+    "$PY" - "$RES" <<'EOF'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = json.load(open(path))
+    name = os.path.basename(path)[:-5]
+    if "transport" in d:
+        for s in d["transport"][0]["shapes"]:
+            print(f"{name:22} {s['shape']:12} kvconn {s['kvconn_gbps']:.3f} raw {s['raw_gbps']:.3f} GB/s")
+        continue
+    m, w = d["modes"]["kvconn"], d["workload"]
+    lat = m["release_latency_ms"]
+    print(f"{name:22} concurrency {w['concurrency']} drain {d['chunk_drain_ms']:.2f} ms, release p50/p99/max "
+          f"{lat.get('p50', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('max', 0):.2f} ms over {lat.get('n', 0)},"
+          f" {m['throughput_gbps']:.3f} GB/s, violations {len(m['violations'])}")
+EOF
 } | tee "$OUT/summary.txt"
 pack
 exit 0

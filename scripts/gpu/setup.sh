@@ -108,7 +108,9 @@ export -f info
 step info 60 bash -c info
 
 # ---------------------------------------------------------------------------
-# (b)+(c) Python packages: the carried wheels and our three packages, into $SITE
+# (b)+(c) Python packages: the carried wheels and our three packages, into $SITE.
+# KVCONN_PREINSTALLED=1 skips this (a dry run of the scripts where $PY has them).
+if [ -z "${KVCONN_PREINSTALLED:-}" ]; then
 rm -rf "$SITE" /tmp/kvconn-cu12
 mapfile -t WHEELS < <(ls "$WHL"/*.whl | grep -v '/nvidia_')
 step pip-install 240 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -170,6 +172,7 @@ EOF
 fi
 export LD_LIBRARY_PATH=$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}${CUDART13:+:$CUDART13}
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+fi
 
 # ---------------------------------------------------------------------------
 # (d) what loads
