@@ -7,6 +7,9 @@
 # 3. Why does the main job's release p99 on VRAM miss its target (nixl 17.7 ms,
 #    mooncake 82 ms, against ~7 ms) when DRAM meets it with 2 ms? One request in flight
 #    against eight tells queueing behind other rooms' chunks from a slow chunk.
+# 4. Where kvconn's time goes with 1 MiB chunks on DRAM, the shape where it fell short
+#    of raw (Mooncake 82%, loopback 79% of raw's bytes/s): --profile splits each chunk
+#    into transport, gaps inside and between rooms, request and status.
 # Needs .whl/ as check.sh does; writes $OUT/focus.log and $OUT/results.tgz.
 BUDGET_S=${BUDGET_S:-220}
 HARD_S=${HARD_S:-250}
@@ -30,6 +33,11 @@ for b in mooncake nixl; do
         maybe 20 "e2e-vram-$b-c$c" 45 "${KV[@]}" bench --requests 1000 --modes kvconn --no-progress --concurrency "$c" \
             --backend "$b" --backend-option memory=vram --json "$RES/e2e-vram-$b-c$c.json"
     done
+done
+
+for b in mooncake loopback; do
+    maybe 20 "profile-1mib-$b" 40 "${KV[@]}" bench --transport --repeat 5 --bytes-per-run $((128 << 20)) --no-progress \
+        --profile --shape 1048576x1 --backend "$b" --json "$RES/profile-1mib-$b.json"
 done
 
 {
