@@ -116,17 +116,21 @@ for b in nixl mooncake; do
         --backend "$b" --backend-option memory=vram --json "$RES/e2e-vram-$b.json"
 done
 
-# (h) transport bench (kvconn vs raw API), one backend per command, 9 pairs for the interval
-# DRAM at the default 256 MiB a measurement, as on CPU hosts: every run pays a request
-# and a status once, so smaller runs understate kvconn. VRAM moves ~0.5 GB/s: 128 MiB.
-BENCH=(bench --transport --repeat 9 --no-progress)
-for mem in dram vram; do
-    for b in nixl mooncake loopback; do
-        [ "$mem/$b" = vram/loopback ] && continue
-        opt=()
-        [ "$mem" = vram ] && opt=(--backend-option memory=vram --bytes-per-run $((128 << 20)))
-        maybe 45 "bench-$mem-$b" 100 "${KV[@]}" "${BENCH[@]}" --backend "$b" "${opt[@]}" --json "$RES/bench-$mem-$b.json"
-    done
+# (h) transport bench (kvconn vs raw API), one backend per command. DRAM at the default
+# 256 MiB a measurement, as on CPU hosts (every run pays a request and a status once, so
+# smaller runs understate kvconn); 25 pairs for the 1 MiB and 64 MiB shapes, whose
+# 9-pair intervals on the 2026-11-30 host were too wide for a verdict (runs of 60 ms).
+# VRAM moves ~0.5 GB/s: 128 MiB and 9 pairs.
+BENCH=(bench --transport --no-progress)
+for b in nixl mooncake loopback; do
+    maybe 30 "bench-dram-$b-scattered" 60 "${KV[@]}" "${BENCH[@]}" --repeat 9 --shape 4096x1024:scattered \
+        --backend "$b" --json "$RES/bench-dram-$b-scattered.json"
+    maybe 30 "bench-dram-$b-large" 60 "${KV[@]}" "${BENCH[@]}" --repeat 25 --shape 1048576x1 --shape 67108864x1 \
+        --backend "$b" --json "$RES/bench-dram-$b-large.json"
+done
+for b in nixl mooncake; do
+    maybe 45 "bench-vram-$b" 100 "${KV[@]}" "${BENCH[@]}" --repeat 9 --bytes-per-run $((128 << 20)) \
+        --backend "$b" --backend-option memory=vram --json "$RES/bench-vram-$b.json"
 done
 
 {
@@ -134,7 +138,7 @@ done
     echo "================ gpu-check summary ($(elapsed)s) ================"
     cat "$STEPS"
     "$PY" - "$RES" <<'EOF'
-import json, os, sys
+import glob, json, os, sys
 res = sys.argv[1]
 def load(name):
     path = os.path.join(res, name)
@@ -166,17 +170,14 @@ for name in ("e2e-loopback", "e2e-nixl", "e2e-mooncake", "e2e-vram-nixl", "e2e-v
     except Exception as exc:
         print(f"{name:18} unreadable: {type(exc).__name__}: {exc}")
 print("---- bench --transport (median GB/s kvconn / raw, ratio, pairs' interval, verdict, verified)")
-for mem in ("dram", "vram"):
-    for name in ("nixl", "mooncake", "loopback"):
-        d = load(f"bench-{mem}-{name}.json")
-        if d is None:
-            continue
-        for rep in d["transport"]:
-            for s in rep["shapes"]:
-                lo, hi = s["ratio_interval"]
-                print(f"{mem} {rep['backend']:8} {s['shape']:22} kvconn {s['kvconn_gbps']:7.3f}  raw {s['raw_gbps']:7.3f}"
-                      f"  {s['ratio']:6.1%}  pairs {s['ratio_pairwise_median']:6.1%} [{lo:6.1%}, {hi:6.1%}]"
-                      f" {s['verdict']:8} bad_pages={s['verify_bad_pages']}")
+for path in sorted(glob.glob(os.path.join(res, "bench-*.json"))):
+    mem = os.path.basename(path).split("-")[1]
+    for rep in json.load(open(path))["transport"]:
+        for s in rep["shapes"]:
+            lo, hi = s["ratio_interval"]
+            print(f"{mem} {rep['backend']:8} {s['shape']:22} kvconn {s['kvconn_gbps']:7.3f}  raw {s['raw_gbps']:7.3f}"
+                  f"  {s['ratio']:6.1%}  pairs({s['repeats']:2}) {s['ratio_pairwise_median']:6.1%} [{lo:6.1%}, {hi:6.1%}]"
+                  f" {s['verdict']:8} bad_pages={s['verify_bad_pages']}")
 EOF
     echo "---- conformance (PASSED lines omitted)"
     grep -E '^=== \[conf-|^(FAILED|SKIPPED) +test_|^[a-z]+: [0-9]+ passed' "$LOG" | sed 's/^=== //;s/ t=[0-9]*s timeout=.*//' | cut -c1-240 | tail -60
