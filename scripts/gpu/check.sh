@@ -118,14 +118,15 @@ done
 
 # (h) transport bench (kvconn vs raw API), one backend per command. DRAM at the default
 # 256 MiB a measurement, as on CPU hosts (every run pays a request and a status once, so
-# smaller runs understate kvconn); 25 pairs for the 1 MiB and 64 MiB shapes, whose
-# 9-pair intervals on the 2026-11-30 host were too wide for a verdict (runs of 60 ms).
-# VRAM moves ~0.5 GB/s: 128 MiB and 9 pairs.
+# smaller runs understate kvconn). The 1 MiB and 64 MiB shapes, whose 9-pair intervals
+# on the 2026-11-30 host (runs of 128 MiB, 30-60 ms) were too wide for a verdict: 15
+# pairs of 1 GiB runs (on the 2-core VM, loopback 64 MiB: [82, 100]% with 256 MiB runs,
+# [93, 98]% with 1 GiB). VRAM moves ~0.5 GB/s: 128 MiB and 9 pairs.
 BENCH=(bench --transport --no-progress)
 for b in nixl mooncake loopback; do
     maybe 30 "bench-dram-$b-scattered" 60 "${KV[@]}" "${BENCH[@]}" --repeat 9 --shape 4096x1024:scattered \
         --backend "$b" --json "$RES/bench-dram-$b-scattered.json"
-    maybe 30 "bench-dram-$b-large" 60 "${KV[@]}" "${BENCH[@]}" --repeat 25 --shape 1048576x1 --shape 67108864x1 \
+    maybe 40 "bench-dram-$b-large" 90 "${KV[@]}" "${BENCH[@]}" --repeat 15 --bytes-per-run $((1 << 30)) --shape 1048576x1 --shape 67108864x1 \
         --backend "$b" --json "$RES/bench-dram-$b-large.json"
 done
 for b in nixl mooncake; do
