@@ -1,7 +1,9 @@
-"""The bench's interval for a median, against exact binomial sums and by property."""
+"""The bench's interval for a median, against exact binomial sums and by
+property; quantile bounds read off histogram buckets."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
@@ -9,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvconn.bench.stats import MedianInterval, median_interval
+from kvconn.bench.stats import MedianInterval, bucket_bound, median_interval
 
 
 def test_nine_pairs_give_the_second_to_eighth_of_them() -> None:
@@ -57,3 +59,34 @@ def test_coverage_is_what_it_claims() -> None:
         hits += iv.low <= true_median <= iv.high
         trials += 1
     assert hits / trials == pytest.approx(1 - 20 / 512, abs=0.015)
+
+
+def test_bucket_bound_is_the_first_bound_enough_observations_are_under() -> None:
+    buckets = [(1.0, 2.0), (2.0, 5.0), (5.0, 10.0), (math.inf, 10.0)]
+    assert bucket_bound(buckets, 0.5) == 2.0  # 5 of 10 at most 2
+    assert bucket_bound(buckets, 0.51) == 5.0
+    assert bucket_bound(buckets, 0.99) == 5.0
+    assert bucket_bound([(1.0, 0.0), (math.inf, 3.0)], 0.5) == math.inf
+    assert bucket_bound([(1.0, 0.0), (math.inf, 0.0)], 0.5) is None
+    assert bucket_bound([], 0.5) is None
+    with pytest.raises(ValueError, match="within"):
+        bucket_bound(buckets, 1.5)
+
+
+BOUNDS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, math.inf)
+
+
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=5.0), min_size=1, max_size=200),
+    st.floats(min_value=0.01, max_value=1.0),
+)
+def test_bucket_bound_bounds_the_quantile_tightly(xs: list[float], q: float) -> None:
+    """At least q of the observations are under the bound, and fewer than q
+    under the bucket bound before it: the tightest bound the buckets allow."""
+    buckets = [(b, float(sum(x <= b for x in xs))) for b in BOUNDS]
+    bound = bucket_bound(buckets, q)
+    assert bound is not None
+    assert sum(x <= bound for x in xs) >= q * len(xs)
+    below = [b for b in BOUNDS if b < bound]
+    if below:
+        assert sum(x <= below[-1] for x in xs) < q * len(xs)

@@ -55,3 +55,29 @@ def test_a_rank_counts_each_chunk_it_wrote() -> None:
     finally:
         decode.close()
         rank.close()
+
+
+def test_decode_times_each_ranks_ack_from_the_abort() -> None:
+    """kvconn_abort_to_ack_seconds{rank}: which rank holds aborted pages, by how long."""
+    backend = NullBackend()
+    rank = PrefillRank(backend, 0, 16 * 4096, Config())
+    now = [100.0]
+    decode = DecodeEndpoint(backend, 16, 4096, [rank.address], Config(), clock=lambda: now[0])
+    try:
+        rx = decode.receiver(1, (0, 1, 2))
+        deadline = time.monotonic() + 10
+        while rank.sender(1).poll() < KVPoll.WAITING_FOR_INPUT:
+            assert time.monotonic() < deadline, "the request never reached the rank"
+            time.sleep(0.001)
+        with rank._lock:  # the rank takes the ABORT only once the clock has moved on
+            rx.abort()
+            now[0] = 100.004
+        while decode.held_pages():
+            assert time.monotonic() < deadline, "the abort was never acked"
+            time.sleep(0.001)
+        buckets = dict(decode.metrics.buckets("kvconn_abort_to_ack_seconds", rank="0"))
+        assert (buckets[0.002], buckets[0.005], buckets[float("inf")]) == (0.0, 1.0, 1.0)
+        assert decode.metrics.buckets("kvconn_abort_to_ack_seconds", rank="1") == []
+    finally:
+        decode.close()
+        rank.close()

@@ -15,6 +15,11 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvconn.transport import Settlement
 
+#: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
+LATENCY_BUCKETS = (
+    1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100,
+)  # fmt: skip
+
 
 class Tally:
     """A counter by one label, kept as plain ints for a per-chunk path.
@@ -75,7 +80,14 @@ class Metrics:
             "Abort to release, by proof",
             ["proof"],
             registry=r,
-            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30, 100),
+            buckets=LATENCY_BUCKETS,
+        )
+        self.ack_wait = Histogram(
+            "kvconn_abort_to_ack_seconds",
+            "Abort to a rank's accepted ABORT_ACK, by rank: which rank holds aborted pages",
+            ["rank"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
         )
         self.quarantine_seconds = Counter(
             "kvconn_quarantine_seconds", "Time released rooms spent in quarantine", registry=r
@@ -85,6 +97,18 @@ class Metrics:
         """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""
         v = self.registry.get_sample_value(name, labels)
         return 0.0 if v is None else float(v)
+
+    def buckets(self, name: str, **labels: str) -> list[tuple[float, float]]:
+        """A histogram's cumulative buckets, ``(upper bound, count)`` in order
+        (``+Inf`` last); empty if never observed with these labels."""
+        out = []
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name == f"{name}_bucket" and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    out.append((float(sample.labels["le"]), sample.value))
+        return sorted(out)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

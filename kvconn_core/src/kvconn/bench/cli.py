@@ -424,6 +424,16 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
     row("abort->release ms p50 / p99 / max", lambda d: _fmt_lat(d["release_latency_ms"]))
     row("prefill-fail->release ms p50 / p99", lambda d: _fmt_lat(d["prefill_fail_release_latency_ms"]))
     row(
+        "abort->ack ms p50 / p99, by rank: at most",
+        lambda d: (
+            ", ".join(
+                f"rank {rank}: {w['p50_at_most']:g} / {w['p99_at_most']:g}"
+                for rank, w in sorted(d["ack_wait_ms_by_rank"].items())
+            )
+            or "-"
+        ),
+    )
+    row(
         "releases by proof",
         lambda d: ", ".join(f"{k}={v}" for k, v in sorted(d["releases_by_proof"].items())),
     )

@@ -53,3 +53,18 @@ def _coverage(n: int, k: int) -> float:
     """P(x(k) <= median <= x(n + 1 - k)) for n independent samples."""
     below: float = sum(math.comb(n, i) for i in range(k)) / 2**n
     return max(0.0, 1.0 - 2.0 * below)
+
+
+def bucket_bound(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """An upper bound for the ``q``-quantile (0 to 1) of a histogram's
+    observations: the smallest bucket bound that at least ``q`` of them are
+    under, from its cumulative buckets ``(upper bound, count)`` in order
+    (``inf`` when only the ``+Inf`` bucket reaches). A bound, not an estimate:
+    interpolating inside buckets 3x wide would invent a tail. ``None``
+    without observations."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be within [0, 1], got {q}")
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    wanted = q * buckets[-1][1]
+    return next(upper for upper, count in buckets if count >= wanted)

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from kvconn.bench import cpu
+from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
@@ -145,6 +146,10 @@ class ModeResult:
     stream: dict[str, float] = attrs.Factory(dict)
     #: This machine's CPU shares while the mode ran (kvconn.bench.cpu).
     cpu: dict[str, float] = attrs.Factory(dict)
+    #: Abort to each rank's accepted ack: how many, and the bucket bounds (ms)
+    #: that half and 99% of them were under (decode's ``kvconn_abort_to_ack_seconds``
+    #: histogram): which rank the releases waited for.
+    ack_wait_ms_by_rank: dict[str, dict[str, float]] = attrs.Factory(dict)
 
     def summary(self) -> dict[str, Any]:
         d = attrs.asdict(
@@ -532,6 +537,13 @@ class ModeRun:
         res.aborts_sent = m.value("kvconn_aborts_sent_total")
         res.quarantines = m.value("kvconn_quarantines_total")
         res.quarantine_seconds = m.value("kvconn_quarantine_seconds_total")
+        for rank in range(self.wl.ranks):
+            buckets = m.buckets("kvconn_abort_to_ack_seconds", rank=str(rank))
+            if buckets:
+                res.ack_wait_ms_by_rank[str(rank)] = {
+                    "n": buckets[-1][1],
+                    **{f"p{q}_at_most": (bucket_bound(buckets, q / 100) or 0.0) * 1e3 for q in (50, 99)},
+                }
         tracker = self.decode.tracker
         with self.decode._lock:
             res.pages_held_end = tracker.pages_in(HoldState.HELD)

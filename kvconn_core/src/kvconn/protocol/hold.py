@@ -132,6 +132,11 @@ class HoldTracker:
         since = [e.quarantined_at for e in self._holds.values() if e.state is HoldState.QUARANTINED]
         return max(0.0, now - min(since)) if since else 0.0
 
+    def held_since(self, room: int) -> float | None:
+        """When ``room`` was aborted, if its pages are held (or quarantined)."""
+        entry = self._holds.get(room)
+        return entry.held_at if entry is not None else None
+
     def ranks_of(self, room: int) -> frozenset[int]:
         """The ranks writing ``room``; none for a room not tracked."""
         entry = self._rooms.get(room)

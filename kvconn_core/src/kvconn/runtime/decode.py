@@ -270,9 +270,12 @@ class DecodeEndpoint:
 
     def _ack(self, ack: AbortAck, now: float) -> list[HoldAction]:
         # called with the lock held
+        held_since = self.tracker.held_since(ack.room)
         actions = self.tracker.ack(ack, now)
         if not any(isinstance(a, Dropped) for a in actions):
             self.metrics.acks_received.inc()
+            if held_since is not None:
+                self.metrics.ack_wait.labels(str(ack.rank)).observe(now - held_since)
         return actions
 
     def _hold_back(self, ack: AbortAck) -> None:
