@@ -168,6 +168,8 @@ for name in ("e2e-loopback", "e2e-nixl", "e2e-mooncake", "e2e-vram-nixl", "e2e-v
               f" goal {fast.get('goal')} -> {fast.get('ok')} busy={m['cpu'].get('busy', 0):.0f}%"
               f" {m['throughput_gbps']:.3f} GB/s overhead={d['overhead'].get('direct_us', 0):.1f} us"
               f" releases={m['releases_by_proof']} violations={len(m['violations'])}")
+        for rank, w in sorted(m.get("ack_wait_ms_by_rank", {}).items()):
+            print(f"{'':18} rank {rank}: {w['n']:.0f} acks, p50 <= {w['p50_at_most']:g} ms, p99 <= {w['p99_at_most']:g} ms")
     except Exception as exc:
         print(f"{name:18} unreadable: {type(exc).__name__}: {exc}")
 print("---- bench --transport (median GB/s kvconn / raw, ratio, pairs' interval, verdict, verified)")

@@ -59,6 +59,8 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     print(f"{name:22} concurrency {w['concurrency']} drain {d['chunk_drain_ms']:.2f} ms, release p50/p99/max "
           f"{lat.get('p50', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('max', 0):.2f} ms over {lat.get('n', 0)},"
           f" {m['throughput_gbps']:.3f} GB/s, violations {len(m['violations'])}")
+    for rank, w in sorted(m.get("ack_wait_ms_by_rank", {}).items()):
+        print(f"{'':22} rank {rank}: {w['n']:.0f} acks, p50 <= {w['p50_at_most']:g} ms, p99 <= {w['p99_at_most']:g} ms")
 EOF
 } | tee "$OUT/summary.txt"
 pack
