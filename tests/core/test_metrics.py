@@ -4,6 +4,7 @@ a Prometheus counter."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,3 +82,12 @@ def test_decode_times_each_ranks_ack_from_the_abort() -> None:
     finally:
         decode.close()
         rank.close()
+
+
+def test_docs_metrics_lists_every_family() -> None:
+    """docs/metrics.md is the operator's reference: a family added here and
+    not there fails this test."""
+    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    for family in Metrics("decode").registry.collect():
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        assert f"`{name}`" in text, f"{name} is not in docs/metrics.md"
