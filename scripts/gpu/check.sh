@@ -138,50 +138,7 @@ done
     echo
     echo "================ gpu-check summary ($(elapsed)s) ================"
     cat "$STEPS"
-    "$PY" - "$RES" <<'EOF'
-import glob, json, os, sys
-res = sys.argv[1]
-def load(name):
-    path = os.path.join(res, name)
-    return json.load(open(path)) if os.path.exists(path) else None
-print("---- smoke (GB/s per round; bad = segments with wrong bytes)")
-path = os.path.join(res, "smoke.jsonl")
-for line in open(path) if os.path.exists(path) else []:
-    r = json.loads(line)
-    opts = ",".join(f"{k}={v}" for k, v in r["options"].items()) or "defaults"
-    head = f"{'OK ' if r['ok'] else 'BAD'} {r['backend']:8} {opts:46}"
-    rounds = " ".join(f"{x['round']}={x['GBps']}{'' if x['settled'] == 'landed' else '/' + x['settled']}"
-                      f"{'' if not x['bad_segments'] else '/bad' + str(x['bad_segments'])}" for x in r.get("rounds", []))
-    print(head, rounds, ("ERROR " + r["error"][:300]) if "error" in r else "")
-print("---- bench (main job, kvconn mode): release ms p50/p99/max, target, CPU busy, GB/s, overhead")
-for name in ("e2e-loopback", "e2e-nixl", "e2e-mooncake", "e2e-vram-nixl", "e2e-vram-mooncake"):
-    try:
-        d = load(name + ".json")
-        if d is None:
-            print(f"{name:18} no JSON")
-            continue
-        m = d["modes"]["kvconn"]
-        lat = m["release_latency_ms"]
-        fast = {x["target"]: x for x in d["targets"]}.get("fast release p99", {})
-        print(f"{name:18} ok={d['ok']} reqs={m['requests']} done/aborted/failed={m['completed']}/{m['aborted_mid_transfer']}/{m['prefill_failed']}"
-              f" p50/p99/max={lat.get('p50', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('max', 0):.2f}"
-              f" goal {fast.get('goal')} -> {fast.get('ok')} busy={m['cpu'].get('busy', 0):.0f}%"
-              f" {m['throughput_gbps']:.3f} GB/s overhead={d['overhead'].get('direct_us', 0):.1f} us"
-              f" releases={m['releases_by_proof']} violations={len(m['violations'])}")
-        for rank, w in sorted(m.get("ack_wait_ms_by_rank", {}).items()):
-            print(f"{'':18} rank {rank}: {w['n']:.0f} acks, p50 <= {w['p50_at_most']:g} ms, p99 <= {w['p99_at_most']:g} ms")
-    except Exception as exc:
-        print(f"{name:18} unreadable: {type(exc).__name__}: {exc}")
-print("---- bench --transport (median GB/s kvconn / raw, ratio, pairs' interval, verdict, verified)")
-for path in sorted(glob.glob(os.path.join(res, "bench-*.json"))):
-    mem = os.path.basename(path).split("-")[1]
-    for rep in json.load(open(path))["transport"]:
-        for s in rep["shapes"]:
-            lo, hi = s["ratio_interval"]
-            print(f"{mem} {rep['backend']:8} {s['shape']:22} kvconn {s['kvconn_gbps']:7.3f}  raw {s['raw_gbps']:7.3f}"
-                  f"  {s['ratio']:6.1%}  pairs({s['repeats']:2}) {s['ratio_pairwise_median']:6.1%} [{lo:6.1%}, {hi:6.1%}]"
-                  f" {s['verdict']:8} bad_pages={s['verify_bad_pages']}")
-EOF
+    "$PY" scripts/gpu/summary.py "$RES"
     echo "---- conformance (PASSED lines omitted)"
     grep -E '^=== \[conf-|^(FAILED|SKIPPED) +test_|^[a-z]+: [0-9]+ passed' "$LOG" | sed 's/^=== //;s/ t=[0-9]*s timeout=.*//' | cut -c1-240 | tail -60
 } | tee "$OUT/summary.txt"

@@ -45,23 +45,7 @@ done
     echo "================ focus summary ($(elapsed)s) ================"
     cat "$STEPS"
     grep -E '^=== \[killed-|^(FAILED|PASSED) +test_frozen|^nixl: [0-9]+ passed' "$LOG" | sed 's/ t=[0-9]*s timeout=.*//'
-    "$PY" - "$RES" <<'EOF'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    d = json.load(open(path))
-    name = os.path.basename(path)[:-5]
-    if "transport" in d:
-        for s in d["transport"][0]["shapes"]:
-            print(f"{name:22} {s['shape']:12} kvconn {s['kvconn_gbps']:.3f} raw {s['raw_gbps']:.3f} GB/s")
-        continue
-    m, w = d["modes"]["kvconn"], d["workload"]
-    lat = m["release_latency_ms"]
-    print(f"{name:22} concurrency {w['concurrency']} drain {d['chunk_drain_ms']:.2f} ms, release p50/p99/max "
-          f"{lat.get('p50', 0):.2f}/{lat.get('p99', 0):.2f}/{lat.get('max', 0):.2f} ms over {lat.get('n', 0)},"
-          f" {m['throughput_gbps']:.3f} GB/s, violations {len(m['violations'])}")
-    for rank, w in sorted(m.get("ack_wait_ms_by_rank", {}).items()):
-        print(f"{'':22} rank {rank}: {w['n']:.0f} acks, p50 <= {w['p50_at_most']:g} ms, p99 <= {w['p99_at_most']:g} ms")
-EOF
+    "$PY" scripts/gpu/summary.py "$RES"
 } | tee "$OUT/summary.txt"
 pack
 exit 0
