@@ -274,13 +274,43 @@ class PrefillRank:
         self._queues[chunk.room % len(self._queues)].put((chunk, segments))
 
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
+        # One chunk is in the transport at a time, as ever. But a chunk that
+        # landed is accounted for (ledger, status to decode, metrics) only once
+        # the next queued chunk is posted, while the transport carries that one:
+        # between two transfers the worker only counts and posts. With nothing
+        # queued it is accounted for at once, so a room's status never waits.
+        landed: Chunk | None = None
         while True:
-            item = q.get()
+            if landed is None:
+                item = q.get()
+            else:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    self._account_landed(landed)
+                    landed = None
+                    continue
             if item is _STOP:
+                if landed is not None:
+                    self._account_landed(landed)
                 return
-            self._transfer(*item)
+            chunk, segments = item
+            in_flight = self._post(chunk, segments)
+            if landed is not None:
+                self._account_landed(landed)
+                landed = None
+            if in_flight is not None and self._settle(chunk, *in_flight):
+                landed = chunk
 
     def _transfer(self, chunk: Chunk, segments: SegmentTable) -> None:
+        """One chunk's whole path, accounted for at once."""
+        in_flight = self._post(chunk, segments)
+        if in_flight is not None and self._settle(chunk, *in_flight):
+            self._account_landed(chunk)
+
+    def _post(self, chunk: Chunk, segments: SegmentTable) -> tuple[ChunkHooks, object, float] | None:
+        """Count the chunk, then post it: (hooks, handle, deadline) with the
+        fence gate entered, or None if it was skipped or failed (accounted)."""
         hooks = self._hooks.current()
         with self._lock:
             write = self.ledger.dequeue(chunk.room)  # invariant D: counted here
@@ -291,49 +321,57 @@ class PrefillRank:
                 hooks.skip(chunk)
         except Exception as exc:
             self._fail_chunk(chunk, "on_dequeue/on_skip", exc)
-            return
+            return None
         if not write:
             with self._lock:
                 self._chunk_outcomes["skipped"] += 1
                 self._execute(self.ledger.skipped(chunk.room))
-            return
-        # A failing hook is handled after the gate is left: _fail_chunk fences,
-        # and a fence waits for every shared holder (this worker included).
-        failure: tuple[str, Exception] | None = None
+            return None
         # The deadline covers post and write: a writer frozen inside on_post
         # finds it passed and must not report the chunk landed on a guess.
         deadline = time.monotonic() + self.config.write_timeout_s
         self._gate.enter()
         try:
-            try:
-                posted = hooks.post(chunk, segments)
-                if posted is None:
-                    raise RuntimeError("no transport answered on_post")
-            except Exception as exc:
-                failure = ("on_post", exc)
-            if failure is None:
-                try:
-                    settlement = hooks.done_barrier(chunk, posted, deadline)
-                    if not isinstance(settlement, Settlement):
-                        raise RuntimeError(f"on_done_barrier answered {settlement!r}")
-                except Exception as exc:
-                    failure = ("on_done_barrier", exc)
+            posted = hooks.post(chunk, segments)
+            if posted is None:
+                raise RuntimeError("no transport answered on_post")
+        except Exception as exc:
+            # The gate is left first: _fail_chunk fences, and a fence waits for
+            # every shared holder (this worker included).
+            self._gate.leave()
+            self._fail_chunk(chunk, "on_post", exc)
+            return None
+        return hooks, posted, deadline
+
+    def _settle(self, chunk: Chunk, hooks: ChunkHooks, posted: object, deadline: float) -> bool:
+        """Wait at the DONE barrier and leave the gate. True if the chunk
+        landed (the caller accounts for it); otherwise accounted here."""
+        failure: Exception | None = None
+        try:
+            settlement = hooks.done_barrier(chunk, posted, deadline)
+            if not isinstance(settlement, Settlement):
+                raise RuntimeError(f"on_done_barrier answered {settlement!r}")
+        except Exception as exc:
+            failure = exc
         finally:
             self._gate.leave()
         if failure is not None:
-            self._fail_chunk(chunk, *failure)
-            return
+            self._fail_chunk(chunk, "on_done_barrier", failure)
+            return False
+        if settlement is Settlement.LANDED:
+            return True
         with self._lock:
             self._chunk_outcomes[settlement.value] += 1
-            if settlement is Settlement.LANDED:
-                actions = self.ledger.landed(chunk.room, chunk.last)
-            else:
-                actions = self.ledger.failed(
-                    chunk.room, settlement is Settlement.FAILED_SETTLED, f"transfer {settlement.value}"
-                )
-            self._execute(actions)
+            reason = f"transfer {settlement.value}"
+            self._execute(self.ledger.failed(chunk.room, settlement is Settlement.FAILED_SETTLED, reason))
         if settlement is Settlement.UNSETTLED:
             self._fence()
+        return False
+
+    def _account_landed(self, chunk: Chunk) -> None:
+        with self._lock:
+            self._chunk_outcomes["landed"] += 1
+            self._execute(self.ledger.landed(chunk.room, chunk.last))
 
     def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
         """A hook raised with the chunk counted: poison, never uncount."""
