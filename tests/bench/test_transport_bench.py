@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvconn.bench.transport import source_pattern
+
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
     "--shape", "4096x16:scattered", "--shape", "65536",
@@ -87,3 +89,13 @@ def test_an_option_of_the_other_bench_exits_2(argv: list[str], message: str) -> 
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in " ".join(proc.stderr.split())
+
+
+def test_source_pattern_is_one_pattern_for_every_process_at_any_size() -> None:
+    """Both children and the parent derive the source from (size, seed); a
+    room of 256 MiB needs 256 MiB of it (``random.randbytes`` overflowed there)."""
+    big = (256 << 20) + 8
+    pattern = source_pattern(big, 7)
+    assert len(pattern) == big
+    assert pattern[:4096] == source_pattern(4096, 7)  # a prefix of the same stream
+    assert source_pattern(4096, 7) != source_pattern(4096, 8)

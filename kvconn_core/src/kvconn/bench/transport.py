@@ -53,6 +53,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import attrs
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -178,8 +179,10 @@ def make_plan(shape: Shape, run_bytes: int, room_bytes: int, inflight: int, seed
 
 
 def source_pattern(nbytes: int, seed: int) -> bytes:
-    """The bytes both children hold in their source memory."""
-    return random.Random(seed).randbytes(nbytes)
+    """The bytes both children hold in their source memory. (numpy's
+    generator: ``random.randbytes`` overflows at 256 MiB, a room of 256 MiB
+    needs that much source.)"""
+    return np.random.default_rng(seed).bytes(nbytes)
 
 
 def room_id(shape_index: int, run: int, j: int) -> int:
