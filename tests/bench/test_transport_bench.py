@@ -50,6 +50,9 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
         assert {"transport_ms_per_chunk", "gap_in_room_ms_per_chunk", "request_ms", "status_ms"} <= set(
             s["profile"]
         )
+        # one chunk per room here (64 KiB rooms): only first chunks to place
+        first, *later = s["profile"]["transport_ms_by_position"]
+        assert first > 0 and later == [None, None, None]
     assert rep["shapes"][0]["scattered"] is True and rep["shapes"][0]["chunk_pages"] == 16
     if sys.platform == "linux":  # CPU time per process from /proc
         assert "CPU per chunk on loopback" in text

@@ -685,7 +685,7 @@ PROFILE_PARTS = (
 
 def breakdown(
     shape_index: int, res: ShapeResult, room_log: Mapping[int, list[float]], prof: Mapping[str, Any]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Where one shape's kvconn wall time went, in ms per chunk (measured runs).
 
     One worker writes the chunks one after another, so a run's wall time is
@@ -693,23 +693,28 @@ def breakdown(
     ``request_ms`` (decode's request to the rank's on_request) and
     ``status_ms`` (the room's last barrier to decode seeing SUCCESS)."""
     runs: dict[int, list[tuple[int, float, float]]] = {}
-    for room, _, t0, t1 in prof.get("chunks", []):
+    positions: dict[int, dict[tuple[int, float], int]] = {}  # run -> (room, post) -> chunk index
+    for room, index, t0, t1 in prof.get("chunks", []):
         room = int(room)
         run = (room >> _RUN_SHIFT) & ((1 << (_SHAPE_SHIFT - _RUN_SHIFT)) - 1)
         if room >> _SHAPE_SHIFT == shape_index and run >= 1:
             runs.setdefault(run, []).append((room, float(t0), float(t1)))
+            positions.setdefault(run, {})[room, float(t0)] = int(index)
     requests = {int(room): float(t) for room, t in prof.get("requests", [])}
     parts = dict.fromkeys((name for name, _ in PROFILE_PARTS), 0.0)
     nchunks = 0
     req: list[float] = []
     status: list[float] = []
-    for chunks in runs.values():
+    by_position: dict[int, list[float]] = {}  # chunk index in its room (3: any later) -> seconds
+    for run, chunks in runs.items():
         chunks.sort(key=lambda c: c[1])
         rooms = {c[0] for c in chunks}
         if not all(r in room_log and len(room_log[r]) == 2 for r in rooms):
             continue
         nchunks += len(chunks)
         parts["transport"] += sum(t1 - t0 for _, t0, t1 in chunks)
+        for room, t0, t1 in chunks:
+            by_position.setdefault(min(positions[run][room, t0], 3), []).append(t1 - t0)
         for a, b in itertools.pairwise(chunks):
             parts["gap_in_room" if a[0] == b[0] else "gap_between_rooms"] += b[1] - a[2]
         parts["run_start"] += chunks[0][1] - min(room_log[r][0] for r in rooms)
@@ -719,10 +724,16 @@ def breakdown(
         status += [room_log[r][1] - last[r] for r in rooms]
     if not nchunks:
         return {}
-    out = {f"{name}_ms_per_chunk": v * 1e3 / nchunks for name, v in parts.items()}
+    out: dict[str, Any] = {f"{name}_ms_per_chunk": v * 1e3 / nchunks for name, v in parts.items()}
     out["sum_ms_per_chunk"] = sum(parts.values()) * 1e3 / nchunks
     out["request_ms"] = statistics.median(req) * 1e3 if req else 0.0
     out["status_ms"] = statistics.median(status) * 1e3 if status else 0.0
+    # The first chunks of a room share the machine with the control plane
+    # (the previous room's status, the next room's request): by position,
+    # the median time in the hooks of a room's 1st, 2nd, 3rd and later chunks.
+    out["transport_ms_by_position"] = [
+        statistics.median(by_position[i]) * 1e3 if i in by_position else None for i in range(4)
+    ]
     out["raw_child_ms_per_chunk"] = (
         statistics.median(res.raw_child_s) * 1e3 / (res.plan.rooms * res.plan.room_chunks)
     )
@@ -920,6 +931,13 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
         for name, _ in PROFILE_PARTS:
             key = f"{name}_ms_per_chunk"
             pt.add_row(f"  {name}", *(f"{r['profile'][key]:.3f}" for r in prof))
+        pt.add_row(
+            "  transport, room's chunk 1/2/3/later",
+            *(
+                " / ".join("-" if v is None else f"{v:.3f}" for v in r["profile"]["transport_ms_by_position"])
+                for r in prof
+            ),
+        )
         prow("raw wall", lambda r: r["raw_ms_per_chunk"])
         prow("  raw in child", lambda r: r["profile"]["raw_child_ms_per_chunk"])
         prow("request (ms/room)", lambda r: r["profile"]["request_ms"])
@@ -927,6 +945,10 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
         console.print(pt)
         for name, what in PROFILE_PARTS:
             console.print(f"  {name}: {what}")
+        console.print(
+            "  transport, room's chunk 1/2/3/later: the median chunk in the hooks by its place in the"
+            " room; the first ones share the machine with the control plane (status, next request)"
+        )
     missed = [f"{r['shape']} ({r['verdict']})" for r in rep["shapes"] if not r["target_met"]]
     pairs = f"{rep['shapes'][0]['repeats']} pairs; raw path: {rep['raw_path']}"
     if missed:
