@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconn.bench.transport import source_pattern
+from kvconn.bench.transport import Shape, check_pages, make_plan, source_pattern
 
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
@@ -102,3 +102,19 @@ def test_source_pattern_is_one_pattern_for_every_process_at_any_size() -> None:
     assert len(pattern) == big
     assert pattern[:4096] == source_pattern(4096, 7)  # a prefix of the same stream
     assert source_pattern(4096, 7) != source_pattern(4096, 8)
+
+
+def test_spot_checks_expect_the_last_writer_of_a_page() -> None:
+    """64 scattered rooms in two slots: later rooms of a slot rewrite some of
+    the first room's pages with their own source pages. The check expects
+    what the last writer put there (it expected the first room's page, and a
+    correct 1 GiB run came out 'WRONG')."""
+    plan = make_plan(Shape(4096, 1024, scattered=True), 1 << 30, 16 << 20, 2, seed=0)
+    checks = check_pages(plan)
+    first = plan.dst[0][0]
+    later = [j for j in range(1, plan.rooms) if first in plan.dst[j]]
+    assert later, "this plan no longer rewrites the first room's page: pick one that does"
+    j = later[-1]
+    assert (plan.src[j][plan.dst[j].index(first)], first) in checks
+    assert (plan.src[0][0], first) not in checks
+    assert (plan.src[-1][-1], plan.dst[-1][-1]) in checks  # the last room's page: nothing writes it later
