@@ -172,8 +172,10 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_hot_poll_default() -> None:
-    """The barrier polls hot for DEFAULT_HOT_POLL_S unless told otherwise."""
-    assert be.open_writer(MiB, {}).options.hot_poll_s == DEFAULT_HOT_POLL_S
+    """The barrier polls hot until the chunk settles (as the raw API's status
+    call spins) unless told a limit."""
+    assert DEFAULT_HOT_POLL_S is None
+    assert be.open_writer(MiB, {}).options.hot_poll_s is None
     assert be.open_writer(MiB, {"hot_poll_s": "none"}).options.hot_poll_s is None
     assert be.open_writer(MiB, {"hot_poll_s": "0.25"}).options.hot_poll_s == 0.25
 

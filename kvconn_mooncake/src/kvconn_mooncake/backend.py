@@ -75,13 +75,17 @@ configure_env()
 DEFAULT_MAX_INFLIGHT = 512
 BATCH_STATUS_MODES = ("auto", "on", "off")
 DEFAULT_POLL_INTERVAL_S = 0.0001  # a longer cap noticed completion late: 78% of raw at 1 MiB
-#: A DONE barrier polls hot this long, then sleeps between polls. Measured
-#: per chunk, variants interleaved chunk by chunk (2-core VM): polled hot
-#: throughout, 64 MiB chunks took 62.6 ms against 52.2 (the spinning poller
-#: takes a core from the engine threads that copy); polled once per
-#: sleep(0), as before, 64 KiB chunks took 0.20 ms against 0.14 (completion
-#: noticed late) and 1 MiB chunks 4% longer.
-DEFAULT_HOT_POLL_S = 0.002
+#: How long a DONE barrier polls hot (None: until the chunk settles or its
+#: deadline passes), then it sleeps between polls. None, as the raw API's
+#: blocking status call spins: side by side with it (`kvconn bench
+#: --transport`, 2-core VM, 15 pairs, two rounds each) spinning gave 95.0 and
+#: 95.6% of raw for 1024 scattered 4 KiB pages against 76.7 and 94.8% with
+#: 2 ms, 97.7 and 94.6% at 1 MiB against 92.8 and 92.2%, 104.1 and 104.4% at
+#: 64 MiB against 108.3 and 106.6% (all met there); release p99 at 3,000
+#: requests 8.64 and 5.51 ms against 8.87 and 8.38. (Interleaved chunk by
+#: chunk in one process, 64 MiB chunks had taken 62.6 ms spinning against
+#: 52.2 with 2 ms: there the spinner took a core from the engine's copies.)
+DEFAULT_HOT_POLL_S: float | None = None
 _BAD_IDS = (0, 2**64 - 1, -1)
 
 
