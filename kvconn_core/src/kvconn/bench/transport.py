@@ -698,34 +698,32 @@ def breakdown(
     exactly the sum of :data:`PROFILE_PARTS`. Also the medians of one room's
     ``request_ms`` (decode's request to the rank's on_request) and
     ``status_ms`` (the room's last barrier to decode seeing SUCCESS)."""
-    runs: dict[int, list[tuple[int, float, float]]] = {}
-    positions: dict[int, dict[tuple[int, float], int]] = {}  # run -> (room, post) -> chunk index
+    runs: dict[int, list[tuple[int, float, float, int]]] = {}  # run -> (room, post, barrier end, index)
     for room, index, t0, t1 in prof.get("chunks", []):
         room = int(room)
         run = (room >> _RUN_SHIFT) & ((1 << (_SHAPE_SHIFT - _RUN_SHIFT)) - 1)
         if room >> _SHAPE_SHIFT == shape_index and run >= 1:
-            runs.setdefault(run, []).append((room, float(t0), float(t1)))
-            positions.setdefault(run, {})[room, float(t0)] = int(index)
+            runs.setdefault(run, []).append((room, float(t0), float(t1), int(index)))
     requests = {int(room): float(t) for room, t in prof.get("requests", [])}
     parts = dict.fromkeys((name for name, _ in PROFILE_PARTS), 0.0)
     nchunks = 0
     req: list[float] = []
     status: list[float] = []
     by_position: dict[int, list[float]] = {}  # chunk index in its room (3: any later) -> seconds
-    for run, chunks in runs.items():
+    for chunks in runs.values():
         chunks.sort(key=lambda c: c[1])
         rooms = {c[0] for c in chunks}
         if not all(r in room_log and len(room_log[r]) == 2 for r in rooms):
             continue
         nchunks += len(chunks)
-        parts["transport"] += sum(t1 - t0 for _, t0, t1 in chunks)
-        for room, t0, t1 in chunks:
-            by_position.setdefault(min(positions[run][room, t0], 3), []).append(t1 - t0)
+        for _, t0, t1, index in chunks:
+            parts["transport"] += t1 - t0
+            by_position.setdefault(min(index, 3), []).append(t1 - t0)
         for a, b in itertools.pairwise(chunks):
             parts["gap_in_room" if a[0] == b[0] else "gap_between_rooms"] += b[1] - a[2]
         parts["run_start"] += chunks[0][1] - min(room_log[r][0] for r in rooms)
         parts["run_end"] += max(room_log[r][1] for r in rooms) - chunks[-1][2]
-        last = {room: t1 for room, _, t1 in chunks}
+        last = {room: t1 for room, _, t1, _ in chunks}
         req += [requests[r] - room_log[r][0] for r in rooms if r in requests]
         status += [room_log[r][1] - last[r] for r in rooms]
     if not nchunks:
