@@ -1,6 +1,7 @@
 """The transfer worker accounts for a landed chunk while the next one is in
 flight: after the next post, never after the next barrier, and never not at
-all (a failing post, a stop)."""
+all (a failing post, a stop). A room's last chunk is accounted for at once:
+nothing queued behind it is posted while decode hears SUCCESS."""
 
 from __future__ import annotations
 
@@ -79,18 +80,22 @@ def _until(what: str, ready: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-def _one_chunk_rooms(
-    rank: PrefillRank, decode: DecodeEndpoint, writer: _GatedWriter, rooms: Sequence[int]
+def _rooms(
+    rank: PrefillRank, decode: DecodeEndpoint, writer: _GatedWriter, chunks: Mapping[int, int]
 ) -> dict[int, Receiver]:
-    """Request each room (one page, one chunk) and queue its only chunk."""
+    """Request each room (``chunks[room]`` pages, one per chunk, from page
+    ``4 * room``) and queue every chunk of it, rooms in order."""
     receivers = {}
-    for room in rooms:
-        writer.gates[room, 0] = threading.Event()
-        receivers[room] = decode.receiver(room, (room,))
-    for room in rooms:
+    for room, n in chunks.items():
+        for i in range(n):
+            writer.gates[room, i] = threading.Event()
+        receivers[room] = decode.receiver(room, tuple(range(4 * room, 4 * room + n)))
+    for room in chunks:
         _until(f"room {room}'s request", lambda r=room: rank.sender(r).poll() >= KVPoll.WAITING_FOR_INPUT)
-    for room in rooms:
-        rank.sender(room).send([room], last=True)
+    for room, n in chunks.items():
+        sender = rank.sender(room)
+        for i in range(n):
+            sender.send([i], last=i == n - 1)
     return receivers
 
 
@@ -99,38 +104,78 @@ def _status(rank: PrefillRank, room: int) -> KVPoll | None:
         return rank.ledger.status(room)
 
 
+def _in_flight(rank: PrefillRank, room: int) -> int:
+    """Chunks of ``room`` counted (dequeued) and not yet accounted for."""
+    with rank._lock:
+        return rank.ledger.in_flight(room)
+
+
 def test_landed_chunk_is_accounted_after_the_next_post_before_its_barrier(
     world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
 ) -> None:
     rank, decode, writer = world
+    writer.probe = lambda: _in_flight(rank, 1)
+    _rooms(rank, decode, writer, {1: 2})
+    assert writer.posted.get(timeout=WAIT_S) == (1, 0)
+    writer.gates[1, 0].set()
+    assert writer.posted.get(timeout=WAIT_S) == (1, 1)
+    # Chunk 1 was posted before chunk 0's landing was accounted for: the
+    # transport's next transfer did not wait for the ledger...
+    assert writer.probed == [1, 2]
+    # ...and chunk 0 is accounted for while chunk 1 is still in flight.
+    _until("chunk 0 to be accounted for", lambda: _in_flight(rank, 1) == 1)
+    assert _status(rank, 1) is KVPoll.TRANSFERRING
+    writer.gates[1, 1].set()
+    _until("room 1 to succeed", lambda: _status(rank, 1) is KVPoll.SUCCESS)
+    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 2.0
+
+
+def test_a_rooms_last_chunk_is_accounted_before_the_next_post(
+    world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
+) -> None:
+    rank, decode, writer = world
     writer.probe = lambda: _status(rank, 1)
-    rx = _one_chunk_rooms(rank, decode, writer, (1, 2))
+    rx = _rooms(rank, decode, writer, {1: 1, 2: 1})
     assert writer.posted.get(timeout=WAIT_S) == (1, 0)
     writer.gates[1, 0].set()
     assert writer.posted.get(timeout=WAIT_S) == (2, 0)
-    # Room 2 was posted before room 1's landing was accounted for: the
-    # transport's next transfer did not wait for the ledger.
-    assert writer.probed == [KVPoll.TRANSFERRING, KVPoll.TRANSFERRING]
-    # ...and room 1 concludes while room 2 is still in flight: its status does
-    # not wait for the next barrier.
-    _until("room 1 to succeed at the rank", lambda: _status(rank, 1) is KVPoll.SUCCESS)
+    # Room 1 concluded before room 2 was posted: its SUCCESS waits for no
+    # other room's on_post.
+    assert writer.probed == [KVPoll.TRANSFERRING, KVPoll.SUCCESS]
     _until("decode to see room 1 succeed", lambda: rx[1].poll() is KVPoll.SUCCESS)
-    assert _status(rank, 2) is KVPoll.TRANSFERRING
     writer.gates[2, 0].set()
     _until("room 2 to succeed", lambda: _status(rank, 2) is KVPoll.SUCCESS)
-    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 2.0
+
+
+def test_a_chunk_queued_behind_the_last_one_is_skipped_not_posted(
+    world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
+) -> None:
+    rank, decode, writer = world
+    rx = _rooms(rank, decode, writer, {1: 1})
+    assert writer.posted.get(timeout=WAIT_S) == (1, 0)
+    # A second Sender of the room while its last chunk is in flight: the room
+    # is still Transferring, so send() takes it; the ledger must skip it.
+    rank.sender(1).send([1], last=True)
+    writer.gates[1, 0].set()
+    _until("decode to see room 1 succeed", lambda: rx[1].poll() is KVPoll.SUCCESS)
+    _until(
+        "the second chunk to be dequeued",
+        lambda: rank.metrics.value("kvconn_chunks_total", outcome="skipped") == 1.0,
+    )
+    assert writer.posted.empty(), "a chunk behind the room's last one was written after SUCCESS"
+    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
 
 
 def test_a_failing_next_post_does_not_lose_the_landed_chunk(
     world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
 ) -> None:
     rank, decode, writer = world
-    writer.fail_post.add((2, 0))
-    _one_chunk_rooms(rank, decode, writer, (1, 2))
+    writer.fail_post.add((1, 1))
+    _rooms(rank, decode, writer, {1: 2})
     assert writer.posted.get(timeout=WAIT_S) == (1, 0)
     writer.gates[1, 0].set()
-    _until("room 1 to succeed", lambda: _status(rank, 1) is KVPoll.SUCCESS)
-    _until("room 2 to fail", lambda: _status(rank, 2) is KVPoll.FAILED)
+    _until("room 1 to fail", lambda: _status(rank, 1) is KVPoll.FAILED)
+    _until("both chunks to be accounted for", lambda: _in_flight(rank, 1) == 0)
     assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
     assert rank.metrics.value("kvconn_chunks_total", outcome="plugin_error") == 1.0
 
@@ -139,11 +184,14 @@ def test_a_stop_behind_a_landed_chunk_accounts_for_it_first(
     world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
 ) -> None:
     rank, decode, writer = world
-    _one_chunk_rooms(rank, decode, writer, (1,))
+    rx = _rooms(rank, decode, writer, {1: 2})
     assert writer.posted.get(timeout=WAIT_S) == (1, 0)
-    rank._queues[0].put(_STOP)  # queued behind the chunk in flight
-    writer.gates[1, 0].set()
+    rank._queues[0].put(_STOP)  # jumps the queue: chunk 1 was queued before it,
+    writer.gates[1, 0].set()  # so stop the worker before chunk 1 is dequeued
+    assert writer.posted.get(timeout=WAIT_S) == (1, 1)
+    writer.gates[1, 1].set()
     rank._workers[0].join(WAIT_S)
     assert not rank._workers[0].is_alive()
     assert _status(rank, 1) is KVPoll.SUCCESS
-    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
+    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 2.0
+    del rx

@@ -275,10 +275,15 @@ class PrefillRank:
 
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         # One chunk is in the transport at a time, as ever. But a chunk that
-        # landed is accounted for (ledger, status to decode, metrics) only once
-        # the next queued chunk is posted, while the transport carries that one:
-        # between two transfers the worker only counts and posts. With nothing
-        # queued it is accounted for at once, so a room's status never waits.
+        # landed is accounted for (ledger, metrics) only once the next queued
+        # chunk is posted, while the transport carries that one: between two
+        # chunks of a room the worker only counts and posts. An ABORT_ACK
+        # that waits for that accounting waits one on_post more.
+        # A room's last chunk is accounted for at once: its SUCCESS waits for
+        # no other room's post, and a chunk queued behind it (a second
+        # Sender's) meets a concluded room at dequeue and is skipped, instead
+        # of being posted while decode hears SUCCESS. With nothing queued, a
+        # landed chunk is accounted for at once too.
         landed: Chunk | None = None
         while True:
             if landed is None:
@@ -300,7 +305,10 @@ class PrefillRank:
                 self._account_landed(landed)
                 landed = None
             if in_flight is not None and self._settle(chunk, *in_flight):
-                landed = chunk
+                if chunk.last:
+                    self._account_landed(chunk)
+                else:
+                    landed = chunk
 
     def _transfer(self, chunk: Chunk, segments: SegmentTable) -> None:
         """One chunk's whole path, accounted for at once."""
