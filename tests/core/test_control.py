@@ -1,11 +1,19 @@
-"""The control-plane listener's own loop (its input handling is fuzzed in
-tests/fuzz/test_wire_fuzz.py)."""
+"""The control plane's own loops: the listener (its input handling is fuzzed
+in tests/fuzz/test_wire_fuzz.py) and the outbox."""
 
 from __future__ import annotations
 
+import socket
 import time
 
-from kvconn.runtime.control import Listener
+from kvconn.bench.overhead import NullBackend
+from kvconn.config import Config
+from kvconn.protocol import wire
+from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.messages import Abort, RoomOutcome, RoomStatus
+from kvconn.runtime.control import Listener, Outbox
+from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
 
 
 def test_listener_sleeps_through_sub_millisecond_waits() -> None:
@@ -27,3 +35,53 @@ def test_listener_sleeps_through_sub_millisecond_waits() -> None:
     # each pass sleeps >= 1 ms: at most ~200 in 0.2 s (a spinning loop made
     # tens of thousands)
     assert 0 < calls <= 400, calls
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_outbox_drops_and_counts_instead_of_raising_or_blocking() -> None:
+    """Its callers hold the endpoint's lock: a bad address or a peer that
+    stopped reading must neither raise nor block there."""
+    dropped: list[str] = []
+    outbox = Outbox(on_drop=dropped.append, queue_limit=8)
+    status = RoomStatus(1, 0, RoomOutcome.SUCCESS, "")
+    try:
+        assert not outbox.reachable("garbage") and dropped == []
+        assert outbox.send("not an endpoint", status) is False
+        assert dropped == ["unsendable_address"]
+        # Nobody listens there: frames queue up to the limit, then drop.
+        silent = f"tcp://127.0.0.1:{_free_port()}"
+        sent = [outbox.send(silent, status) for _ in range(64)]
+        assert sent[0] and not sent[-1]
+        assert 8 <= sent.count(True) < 64
+        assert dropped.count("send_queue_full") == sent.count(False)
+    finally:
+        outbox.close()
+
+
+def test_an_abort_with_a_bad_reply_to_is_dropped_and_the_worker_lives() -> None:
+    backend = NullBackend()
+    rank = PrefillRank(backend, 0, 4 * 4096, Config())
+    decode = DecodeEndpoint(backend, 4, 4096, [rank.address], Config())
+    try:
+        rx = decode.receiver(1, (0,))
+        sender = rank.sender(1)
+        deadline = time.monotonic() + 10
+        while sender.poll() < KVPoll.WAITING_FOR_INPUT:
+            assert time.monotonic() < deadline, "request never reached the rank"
+            time.sleep(0.001)
+        rank._listener.deliver(wire.encode(Abort(1, 7, decode.name, "garbage")))
+        assert rank.metrics.value("kvconn_dropped_messages_total", reason="bad_reply_to") == 1
+        assert sender.poll() is KVPoll.WAITING_FOR_INPUT  # the forged abort failed nothing
+        sender.send([0], last=True)
+        while rx.poll() is not KVPoll.SUCCESS:
+            assert time.monotonic() < deadline, "the worker did not write the room"
+            time.sleep(0.001)
+    finally:
+        decode.close()
+        rank.close()

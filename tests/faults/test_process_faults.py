@@ -6,12 +6,15 @@ after decode handed them back."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import pytest
 
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
+from kvconn.runtime.decode import WriterIdentity
+from kvconn.runtime.procs import pid_namespace
 from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 
 ROOM_PAGES = 16
@@ -58,6 +61,41 @@ def test_sigkill_mid_transfer_releases_by_proven_exit() -> None:
         assert c.correct(2000, pages, ranks=[1])
         c.finish(rx)
         assert c.ranks[1].value("kvconn_plugin_errors_total", hook="on_post") == 0
+        assert c.late_bytes() == 0
+    finally:
+        c.close()
+
+
+#: A pid namespace of its own, with its own /proc, as a container that shares
+#: the host's network (and hostname) has.
+UNSHARE_PID = ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc")
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run([*UNSHARE_PID, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="no unprivileged pid namespaces here")
+def test_a_writer_in_its_own_pid_namespace_is_never_proven_gone() -> None:
+    c = Cluster(wrap=UNSHARE_PID, write_timeout_s=0.5, abort_timeout_s=3.0)
+    try:
+        here = pid_namespace()
+        for writer in c.dec._writers.values():
+            assert writer.pid_namespace not in ("", here)
+            assert not writer.proven_gone(here)
+            # What a hostname check let through: its pid means another process
+            # here (pid 1 is our init), so the pid check alone says "gone".
+            assert WriterIdentity(writer.address, here, writer.pid, writer.start_time).proven_gone(here)
+        rooms = {4000 + i: c.open(4000 + i, ROOM_PAGES) for i in range(4)}
+        _mid_transfer(c, rooms[4000][1])
+        for rx, _ in rooms.values():
+            rx.abort()
+        wait_for(lambda: all(c.released(r) for r in rooms), 5, "releases")
+        proofs = {c.released(r).proof.value for r in rooms}  # type: ignore[union-attr]
+        assert proofs <= {"acks", "completed"}, proofs
         assert c.late_bytes() == 0
     finally:
         c.close()

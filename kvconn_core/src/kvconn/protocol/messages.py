@@ -42,12 +42,14 @@ class Hello:
 class HelloAck:
     """Prefill rank -> decode: the rank at ``address`` is connected. ``pid``
     and ``start_time`` identify the writer's process for the proven-exit
-    check. A non-empty ``error`` means the rank refused the bootstrap (other
-    backend, write deadline not shorter than decode's)."""
+    check, which holds only where ``pid_namespace`` (the kernel boot and pid
+    namespace the pid belongs to; "" if unknown) is decode's own. A non-empty
+    ``error`` means the rank refused the bootstrap (other backend, write
+    deadline not shorter than decode's)."""
 
     rank: int
     address: str
-    host: str
+    pid_namespace: str
     pid: int
     start_time: int
     error: str

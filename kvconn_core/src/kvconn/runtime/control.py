@@ -103,28 +103,64 @@ class Listener:
 
 class Outbox:
     """PUSH sockets to peers, one per address, each used under its own lock
-    (ZMQ sockets are not thread-safe)."""
+    (ZMQ sockets are not thread-safe).
 
-    def __init__(self, key: bytes | None = None) -> None:
+    ``send`` never blocks and never raises on a peer's account: its callers
+    hold the endpoint's lock (a worker, between two transfers). A frame for
+    an address that is no ZMQ endpoint, or for a peer whose queue is full
+    (it stopped reading), is dropped and counted through ``on_drop``; the
+    protocol recovers from a lost frame as from a lost packet (decode
+    re-sends ABORTs; a room never asked for or never reported on fails at
+    decode's deadline), never by releasing pages.
+    """
+
+    #: Frames queued for one peer before its frames are dropped.
+    QUEUE_LIMIT = 100_000
+
+    def __init__(
+        self, key: bytes | None = None, on_drop: Callable[[str], None] = lambda _: None, queue_limit: int = 0
+    ) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._key = key
+        self._on_drop = on_drop
+        self._queue_limit = queue_limit or self.QUEUE_LIMIT
         self._lock = threading.Lock()
         self._socks: dict[str, tuple[threading.Lock, zmq.Socket[bytes]]] = {}
 
-    def send(self, address: str, message: Message) -> None:
+    def send(self, address: str, message: Message) -> bool:
+        """Queue ``message`` for ``address``; False if it was dropped."""
         frame = wire.encode(message, self._key)
-        lock, sock = self._socket(address)
+        entry = self._socket(address)
+        if entry is None:
+            return False
+        lock, sock = entry
         with lock:
-            sock.send(frame, copy=True)
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                self._on_drop("send_queue_full")
+                return False
+        return True
 
-    def _socket(self, address: str) -> tuple[threading.Lock, zmq.Socket[bytes]]:
+    def reachable(self, address: str) -> bool:
+        """``address`` is a ZMQ endpoint this outbox can send to (connecting
+        to it now, as the first send would)."""
+        return self._socket(address, count=False) is not None
+
+    def _socket(self, address: str, count: bool = True) -> tuple[threading.Lock, zmq.Socket[bytes]] | None:
         with self._lock:
             entry = self._socks.get(address)
             if entry is None:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 2000)
-                sock.setsockopt(zmq.SNDHWM, 100_000)
-                sock.connect(address)
+                sock.setsockopt(zmq.SNDHWM, self._queue_limit)
+                try:
+                    sock.connect(address)
+                except zmq.ZMQError:
+                    sock.close(linger=0)
+                    if count:
+                        self._on_drop("unsendable_address")
+                    return None
                 entry = self._socks[address] = (threading.Lock(), sock)
             return entry
 

@@ -8,7 +8,6 @@ transport notifications (those may only progress inside an active poll).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -39,7 +38,7 @@ from kvconn.protocol.messages import (
     TransferRequest,
 )
 from kvconn.runtime.control import Listener, Outbox
-from kvconn.runtime.procs import proc_stat
+from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends, undrained
 from kvconn.transport import Backend, capabilities_of
 
@@ -59,15 +58,16 @@ class WriterIdentity:
     """A prefill rank's process, as it announced itself."""
 
     address: str
-    host: str
+    pid_namespace: str  #: :func:`~kvconn.runtime.procs.pid_namespace` of the writer
     pid: int
     start_time: int
 
-    def proven_gone(self) -> bool:
-        """True only when this very process certainly no longer runs: same host,
+    def proven_gone(self, local_pid_namespace: str) -> bool:
+        """True only when this very process certainly no longer runs: its pids
+        are ours (same kernel boot, same pid namespace, and neither unknown),
         and its pid is free, reused by another process, or a zombie."""
-        if self.host != socket.gethostname():
-            return False  # across hosts only a closed transport connection proves it
+        if not local_pid_namespace or self.pid_namespace != local_pid_namespace:
+            return False  # elsewhere only a closed transport connection proves it
         try:
             state, start_time = proc_stat(self.pid)
         except FileNotFoundError:
@@ -108,12 +108,14 @@ class DecodeEndpoint:
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self.clock = clock
+        #: Where a writer's pid can be checked here ("": nowhere; see proven_gone).
+        self._pid_namespace = pid_namespace()
         self.on_release = on_release
         self.name = f"decode-{uuid.uuid4().hex[:12]}"
         self.metrics = Metrics("decode")
         self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
-        self._outbox = Outbox(self.config.auth_key)
+        self._outbox = Outbox(self.config.auth_key, self._count_drop)
         self._writers: dict[int, WriterIdentity] = {}
         self._refusals: dict[str, str] = {}
         self._bootstrapped = threading.Condition(self._lock)
@@ -248,9 +250,19 @@ class DecodeEndpoint:
             self._refusals[msg.address] = msg.error
         elif msg.rank in self._writers and self._writers[msg.rank].address != msg.address:
             self._refusals[msg.address] = f"rank {msg.rank} also claimed by {self._writers[msg.rank].address}"
+        elif msg.rank in self._writers:
+            # The first identity stays: a later one (a resent Hello's answer is
+            # the same) could only make another process's exit count as this
+            # writer's.
+            if self._writers[msg.rank] != self._identity(msg):
+                self._count_drop("hello_ack_changed")
         else:
-            self._writers[msg.rank] = WriterIdentity(msg.address, msg.host, msg.pid, msg.start_time)
+            self._writers[msg.rank] = self._identity(msg)
         self._bootstrapped.notify_all()
+
+    @staticmethod
+    def _identity(msg: HelloAck) -> WriterIdentity:
+        return WriterIdentity(msg.address, msg.pid_namespace, msg.pid, msg.start_time)
 
     def _on_idle(self) -> float | None:
         now = self.clock()
@@ -303,7 +315,7 @@ class DecodeEndpoint:
         rooms = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
         waiting = {rank for room in rooms for rank in self.tracker.ranks_of(room)}
         actions: list[HoldAction] = []
-        gone = [rank for rank in sorted(waiting) if self._writers[rank].proven_gone()]
+        gone = [rank for rank in sorted(waiting) if self._writers[rank].proven_gone(self._pid_namespace)]
         # A dead writer's kernel still delivers what it had sent: its exit
         # proves nothing until our ends of its connections drained.
         if gone and not dead_peer_ends():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from collections import deque
@@ -37,7 +36,7 @@ from kvconn.protocol.messages import (
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.layout import PageLayout
-from kvconn.runtime.procs import proc_stat
+from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import own_connections
 from kvconn.transport import Backend, Settlement, capabilities_of
 
@@ -144,7 +143,7 @@ class PrefillRank:
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._peers: dict[str, _Peer] = {}
         self._dst_pages: dict[int, tuple[int, ...]] = {}
-        self._outbox = Outbox(self.config.auth_key)
+        self._outbox = Outbox(self.config.auth_key, self._count_drop)
         # SimpleQueue (C): a get or put costs well under a microsecond, against
         # a few for queue.Queue's Python-level condition variables.
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(self.config.workers)]
@@ -238,10 +237,15 @@ class PrefillRank:
             log.warning("refusing bootstrap from %s: %s", msg.decode, exc)
             error = str(exc) or type(exc).__name__
         pid = os.getpid()
-        ack = HelloAck(self.rank, self.address, socket.gethostname(), pid, proc_stat(pid)[1], error)
+        ack = HelloAck(self.rank, self.address, pid_namespace(), pid, proc_stat(pid)[1], error)
         self._outbox.send(msg.reply_to, ack)
 
     def _on_abort(self, msg: Abort) -> None:
+        if not self._outbox.reachable(msg.reply_to):
+            # No ack could ever go there: drop it whole, or the ledger would
+            # keep an ack target that fails every send.
+            self._count_drop("bad_reply_to")
+            return
         with self._lock:
             owner, before = self.ledger.decode_of(msg.room), self.ledger.status(msg.room)
             known = self.ledger.abort(msg, self.clock())

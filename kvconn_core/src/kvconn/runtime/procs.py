@@ -21,6 +21,27 @@ def proc_stat(pid: int, task_of: int | None = None) -> tuple[str, int]:
     return fields[0].decode(), int(fields[19])
 
 
+def pid_namespace() -> str:
+    """Where this process's pids mean what they say: this boot of this
+    machine's kernel and this pid namespace ("<boot id>/pid:[<inode>]"), or
+    "" when that cannot be told. A pid checked in ``/proc`` names the same
+    process only for processes whose names are equal and not empty.
+
+    A hostname does not do: containers that share the host's network (and
+    so its name) have pid namespaces of their own, where a live writer is
+    pid 1 and decode's ``/proc`` shows someone else, or no one, there."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.readlink("/proc/self/ns/pid")
+        # A /proc mounted for a parent namespace shows other pids than ours.
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return ""
+    except OSError:
+        return ""
+    return f"{boot}/{ns}" if boot else ""
+
+
 def all_threads_stopped(pid: int) -> bool:
     """Every thread of process ``pid`` is stopped. A SIGSTOP stops the threads
     of a process one by one: the leader's state alone can say "stopped" while

@@ -39,8 +39,9 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") 
 class Rank:
     """A prefill rank process (``python -m kvconn.testing.faults``)."""
 
-    def __init__(self, args: dict[str, Any], netns: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "kvconn.testing.faults", json.dumps(args)]
+    def __init__(self, args: dict[str, Any], netns: str | None = None, wrap: Sequence[str] = ()) -> None:
+        """``wrap``: a command the rank runs under (e.g. ``unshare ...``)."""
+        cmd = [*wrap, sys.executable, "-m", "kvconn.testing.faults", json.dumps(args)]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_MODULES="^ib", MC_LOG_LEVEL="WARNING")
@@ -128,6 +129,7 @@ class Cluster:
         decode_host: str = "127.0.0.1",
         rank_host: str = "127.0.0.1",
         netns: str | None = None,
+        wrap: Sequence[str] = (),
         bootstrap_timeout_s: float = 20.0,
         start_decode: bool = True,
     ) -> None:
@@ -175,7 +177,7 @@ class Cluster:
                 if rk:
                     assert isinstance(rk, bytes)
                     args["auth_key"] = rk.hex()
-                self.ranks.append(Rank(args, netns))
+                self.ranks.append(Rank(args, netns, wrap))
             for rank in self.ranks:
                 rank.ready()
             if start_decode:
