@@ -89,3 +89,30 @@ def test_early_done_is_a_violation(tmp_path: Path) -> None:
 def test_bad_option_exits_2(tmp_path: Path) -> None:
     code, _, out = bench(tmp_path, "--backend-option", "novalue")
     assert code == 2 and "KEY=VALUE" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pages", "0"], "--pages must be at least 1, got 0"),
+        (["--chunk-pages", "0"], "--chunk-pages must be at least 1, got 0"),
+        (["--chunk-pages", "9"], "--chunk-pages (9) exceeds --pages (8)"),
+        (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
+        (["--ranks", "0"], "--ranks must be at least 1, got 0"),
+        (["--pool-pages", "1"], "--pool-pages must be at least 8, got 1"),
+        (["--abort-fraction", "1.5"], "--abort-fraction must be within [0, 1], got 1.5"),
+        (["--prefill-fail-fraction", "1"], "--prefill-fail-fraction must be within [0, 1), got 1.0"),
+        (["--legacy-timeout", "0"], "--legacy-timeout must be > 0 s, got 0.0"),
+        (["--gil-switch-ms", "-1"], "--gil-switch-ms must be >= 0, got -1.0"),
+        (["--modes", "[/x]"], "--modes takes kvconn and/or legacy, got '[/x]'"),  # not read as markup
+        (["--plot", "/nonexistent-dir/x.png"], "cannot write /nonexistent-dir/x.png"),
+    ],
+)
+def test_values_that_cannot_make_a_run_exit_2_before_it_starts(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """Each of these hung for good, crashed with a traceback, or ran for
+    minutes before failing on its output file."""
+    code, _, out = bench(tmp_path, *argv)
+    assert code == 2, out
+    assert f"kvconn bench: {message}" in " ".join(out.split()), out

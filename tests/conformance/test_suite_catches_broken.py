@@ -93,8 +93,13 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
         (["-o", "fail_evry=3"], "unknown loopback option 'fail_evry' (did you mean 'fail_every'?)"),
         (["-o", "piece_bytes=0"], "loopback option piece_bytes='0': expected at least 1"),
         (["-o", "piece_bytes"], "-o wants KEY=VALUE, got 'piece_bytes'"),
+        (
+            ["--write-timeout", "3"],
+            "--write-timeout / --abort-timeout: write_timeout_s (3.0 s) must be shorter",
+        ),
+        (["--abort-timeout", "0"], "--write-timeout / --abort-timeout: abort_timeout_s must be > 0"),
     ],
-    ids=["typo", "out_of_bounds", "no_value"],
+    ids=["typo", "out_of_bounds", "no_value", "write_not_shorter", "no_deadline"],
 )
 def test_bad_options_are_refused_once_before_any_check(args: list[str], message: str) -> None:
     code, out = conformance(*args, timeout=60)

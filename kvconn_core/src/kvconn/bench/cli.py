@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -130,8 +132,55 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return transport_mod.main(args, console, err)
         return _run(args, console, err)
     except (ValueError, RuntimeError, OSError, KeyError, LookupError) as exc:
-        err.print(f"[red]kvconn bench: {exc}[/red]")
+        err.print(f"[red]kvconn bench: {escape(str(exc))}[/red]")
         return 2
+
+
+def check_output_paths(*paths: str | None) -> None:
+    """Refuse, before a run of minutes, a file the results cannot be written to."""
+    for path in paths:
+        if path and path != "-":
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise ValueError(f"cannot write {path}: {folder} is not a writable folder")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse values that cannot make a run (they would hang, or measure
+    nonsense), before anything starts."""
+    at_least = {
+        "--ranks": (args.ranks, 1),
+        "--requests": (args.requests, 1),
+        "--pages": (args.pages, 1),
+        "--page-bytes": (args.page_bytes, 8),
+        "--chunk-pages": (args.chunk_pages, 1),
+        "--concurrency": (args.concurrency, 1),
+        "--stream-requests": (args.stream_requests, 0),
+        "--overhead-chunks": (args.overhead_chunks, 1),
+        "--pool-pages": (args.pool_pages if args.pool_pages is not None else args.pages, args.pages),
+    }
+    for flag, (value, low) in at_least.items():
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.chunk_pages > args.pages:
+        raise ValueError(f"--chunk-pages ({args.chunk_pages}) exceeds --pages ({args.pages})")
+    if not 0 <= args.abort_fraction <= 1:
+        raise ValueError(f"--abort-fraction must be within [0, 1], got {args.abort_fraction}")
+    if not 0 <= args.prefill_fail_fraction < 1:
+        raise ValueError(f"--prefill-fail-fraction must be within [0, 1), got {args.prefill_fail_fraction}")
+    for flag, value in (("--abort-timeout", args.abort_timeout), ("--legacy-timeout", args.legacy_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0 s, got {value}")
+    window = args.abort_window_ms if args.abort_window_ms is not None else 0.0
+    for flag, value in (
+        ("--drain-s", args.drain_s),
+        ("--settle-s", args.settle_s),
+        ("--gil-switch-ms", args.gil_switch_ms),
+        ("--abort-window-ms", window),
+    ):
+        if not value >= 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    check_output_paths(args.json, args.plot)
 
 
 #: Options both benches read; every other one belongs to one of them.
@@ -155,12 +204,13 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
+    _check_args(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in (KVCONN, LEGACY) for m in modes):
         raise ValueError(f"--modes takes kvconn and/or legacy, got {args.modes!r}")
     options = _options(args.backend_option)
     backend = get_backend(args.backend)
-    if args.page_bytes % args.ranks or args.page_bytes % 8:
+    if args.page_bytes % (8 * args.ranks):
         raise ValueError("--page-bytes must split evenly over --ranks (in 8-byte words)")
     limit = capabilities_of(backend, options).max_write_timeout_s
     legacy_timeout = args.legacy_timeout

@@ -103,7 +103,8 @@ def measure(chunks: int = 20000, rooms: int = 100) -> Overhead:
     backend = NullBackend()
     page_bytes = 4096
     rank = PrefillRank(backend, 0, chunks * page_bytes, Config())
-    decode = DecodeEndpoint(backend, chunks, page_bytes, [rank.address], Config())
+    # rooms 3.. of step 3 each take the page of their own number
+    decode = DecodeEndpoint(backend, max(chunks, 3 + rooms), page_bytes, [rank.address], Config())
     try:
         pages = tuple(range(chunks))
         # 1. the worker's path, called directly

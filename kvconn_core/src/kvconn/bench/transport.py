@@ -781,13 +781,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, console: Console, err: Console) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from kvconn.bench.cli import _options
+    from kvconn.bench.cli import _options, check_output_paths
 
     if args.repeat < 1 or args.inflight < 1:
         raise ValueError("--repeat and --inflight must be >= 1")
+    if args.bytes_per_run < 1 or args.room_bytes < 1 or args.seed < 0:
+        raise ValueError("--bytes-per-run and --room-bytes must be >= 1, --seed >= 0")
+    check_output_paths(args.json)
     shapes = [Shape.parse(s) for s in (args.shape or DEFAULT_SHAPES)]
     options = _options(args.backend_option)
     names = [n.strip() for n in args.backend.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--backend names no backend: {args.backend!r}")
     reports = []
     with Progress(
         SpinnerColumn(),

@@ -30,7 +30,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not hasattr(args, "backend"):  # the command line was not parsed with add_arguments
         add_arguments(parser)
         parser.error("the conformance arguments were not registered")
-    problem = _check_options(args.backend, args.option)
+    problem = _check_options(args.backend, args.option, args.write_timeout, args.abort_timeout)
     if problem:
         print(f"kvconn conformance: {problem}", file=sys.stderr)
         return 2
@@ -65,11 +65,17 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return int(pytest.main(argv, plugins=plugins))
 
 
-def _check_options(backend: str, items: list[str]) -> str:
+def _check_options(backend: str, items: list[str], write_timeout_s: float, abort_timeout_s: float) -> str:
     """Why the backend cannot be checked with these options ("" if it can):
     said once, here, rather than by every check of the suite."""
+    from kvconn.config import Config
     from kvconn.plugins import BackendError, get_backend
     from kvconn.transport import capabilities_of
+
+    try:
+        Config(write_timeout_s=write_timeout_s, abort_timeout_s=abort_timeout_s)
+    except ValueError as exc:
+        return f"--write-timeout / --abort-timeout: {exc}"
 
     options = {}
     for item in items:
