@@ -377,14 +377,17 @@ def _report(
             )
     target("per-chunk overhead (hooks+ledger)", "<= 10 us", f"{ovh.direct_us:.1f} us", ovh.direct_us <= 10)
     if raw_d is not None and raw_d.get("kvconn_over_raw") is not None:
-        ok = raw_d["kvconn_over_raw"] >= 0.95 if chunk_bytes >= 64 << 10 else None
         target(
-            # The raw side fills and writes one chunk at a time per rank while
-            # kvconn pipelines rooms: not like for like (kvconn bench --transport is).
-            "throughput vs raw (serial raw loop; like-for-like: --transport)",
-            f">= 95% ({chunk_bytes >> 10} KiB chunks)",
+            # Stated, not judged: both sides run one process per rank, but a raw
+            # process fills a chunk, then writes it and spins on it, while a
+            # kvconn rank fills the next chunk on its engine's thread as its
+            # worker writes, and its barrier yields the CPU now and then (with
+            # more writers than cores, a raw spin starves the page owner's
+            # progress). kvconn bench --transport is like for like, and judges.
+            "throughput vs raw (raw: fill, then write)",
+            f"ratio, stated ({chunk_bytes >> 10} KiB chunks; >= 95% judged by --transport)",
             f"{raw_d['kvconn_over_raw']:.0%}",
-            ok,
+            None,
         )
     if KVCONN in results:
         r = results[KVCONN]

@@ -1,27 +1,36 @@
 """The same writes through a transport's raw API, without kvconn.
 
-loopback: the writer's own post/barrier path (its NIC thread and memmove),
-called directly, no ledger, no hooks manager, no control plane.
-nixl / mooncake: the plugin's ``kvconn_<name>.raw.RawWriter``, if it has one.
-Either way each rank fills its source pages with the pattern before every
-chunk, as the bench's prefill processes do, so both sides do the same work.
+The raw path of a backend is ``kvconn_<name>.raw.RawWriter`` where its plugin
+ships one (nixl: ``initialize_xfer`` + ``transfer`` + ``check_xfer_state``;
+Mooncake: ``batch_transfer_async_write`` + ``get_batch_transfer_status``);
+otherwise (loopback, a third party's plugin) its writer's own post/barrier
+hooks, called directly: no pluggy, ledger or control plane.
+
+``kvconn bench --compare-raw`` runs one raw writer process per rank, as the
+bench runs one kvconn prefill process per rank, all started together; each
+fills its source pages with the pattern before every chunk, as the bench's
+prefill processes do, then writes the chunk and waits for it. Run as
+``python -m kvconn.bench.raw rank`` this file is that process.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
+import json
+import logging
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from multiprocessing import resource_tracker
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from kvconn.chunk import Chunk, SegmentTable
+from kvconn.bench.child import Child, read_config
+from kvconn.chunk import Chunk, Segment
+from kvconn.plugins import get_backend
 from kvconn.runtime.layout import PageLayout
 from kvconn.testing.patterns import shard_bytes
-from kvconn.transport import Backend, PageRegion
+from kvconn.transport import Backend, Settlement
 
 #: One room of the raw run: (room id, destination pages).
 RawRoom = tuple[int, Sequence[int]]
@@ -39,56 +48,42 @@ class RawResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-class Unavailable(Exception):
-    pass
+class HookRaw:
+    """A backend's own writer, its post/barrier hooks called directly: the raw
+    path of a backend without a ``kvconn_<name>.raw`` module (loopback)."""
+
+    def __init__(self, backend: Backend, nbytes: int, options: Mapping[str, str]) -> None:
+        self._w: Any = backend.open_writer(nbytes, options)
+        self.write = self._w.write
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        self._w.connect(peer, metadata)
+
+    def transfer(self, peer: str, segments: Sequence[Segment]) -> int:
+        chunk = Chunk(0, 0, True, 0, peer, (), ())
+        posted = self._w.on_post(chunk=chunk, segments=segments)
+        settled = self._w.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 60)
+        if settled is not Settlement.LANDED:
+            raise RuntimeError(f"raw write settled {settled}")
+        return sum(s.nbytes for s in segments)
+
+    def close(self) -> None:
+        self._w.close()
 
 
-# A per-rank writer: (chunk, segments) -> None, writing and waiting; plus fill and close.
-WriteFn = Callable[[Chunk, SegmentTable], None]
-
-
-@attrs.define
-class _RankIO:
-    fill: Callable[[int, bytes], None]
-    write: WriteFn
-    close: Callable[[], None]
-
-
-def _loopback_io(
-    backend: Backend, region: PageRegion, source_bytes: int, options: Mapping[str, str]
-) -> _RankIO:
-    writer: Any = backend.open_writer(source_bytes, options)
-    writer.connect("raw", region.metadata)
-    # The loopback writer unregisters the segment from this process's resource
-    # tracker (meant for a writer in another process); here the owner is this
-    # process, so register it back or the owner's unlink warns.
-    resource_tracker.register("/" + region.metadata.decode().lstrip("/"), "shared_memory")
-
-    def write(chunk: Chunk, segments: SegmentTable) -> None:
-        handle = writer.on_post(chunk=chunk, segments=segments)
-        writer.on_done_barrier(chunk=chunk, posted=handle, deadline=time.monotonic() + 30)
-
-    return _RankIO(writer.write, write, writer.close)
-
-
-def _module_io(
-    name: str, backend: Backend, region: PageRegion, source_bytes: int, options: Mapping[str, str]
-) -> _RankIO:
+def open_raw(name: str, nbytes: int, options: Mapping[str, str]) -> tuple[Any, str]:
+    """Backend ``name``'s raw writer of ``nbytes`` source bytes, and how it
+    writes. Both kinds have ``write(offset, data)`` (fill the source),
+    ``connect(peer, metadata)``, ``transfer(peer, segments)`` (write and wait;
+    the bytes written) and ``close()``; a ``RawWriter`` takes the segments'
+    ``rows`` array, the form a raw API user holds."""
     try:
         mod = importlib.import_module(f"kvconn_{name}.raw")
-    except ImportError as exc:
-        raise Unavailable(f"kvconn_{name}.raw is not available ({exc})") from exc
-    if not hasattr(mod, "RawWriter"):
-        raise Unavailable(f"kvconn_{name}.raw has no RawWriter")
-    # The plugins' shared raw API: RawWriter(nbytes, options) with write (fill),
-    # connect(peer, metadata), transfer(peer, segments) and close.
-    writer = mod.RawWriter(source_bytes, options)
-    writer.connect("raw", region.metadata)
-
-    def write(chunk: Chunk, segments: SegmentTable) -> None:
-        writer.transfer("raw", segments.rows)  # the array a raw API user holds
-
-    return _RankIO(writer.write, write, writer.close)
+    except ImportError:
+        mod = None
+    if mod is not None and hasattr(mod, "RawWriter"):
+        return mod.RawWriter(nbytes, options), f"kvconn_{name}.raw.RawWriter"
+    return HookRaw(get_backend(name), nbytes, options), f"{name} writer's post/barrier, called directly"
 
 
 def run_raw(
@@ -101,60 +96,94 @@ def run_raw(
     pool_pages: int,
     options: Mapping[str, str],
 ) -> RawResult:
-    """Write ``rooms`` with ``num_ranks`` writer threads; time the whole run."""
-    layout = PageLayout(page_bytes, num_ranks)
-    shard = layout.shard
+    """Write ``rooms`` with ``num_ranks`` raw writer processes; time the whole
+    run, from the command to every process's reply."""
+    shard = PageLayout(page_bytes, num_ranks).shard
     max_pages = max((len(p) for _, p in rooms), default=1)
-    source_bytes = max_pages * shard
     region = backend.open_region(pool_pages * page_bytes, options)
-    ios: list[_RankIO] = []
+    children: list[Child] = []
+    how, bad = "", 0
     try:
-        for _ in range(num_ranks):
-            if name == "loopback":
-                ios.append(_loopback_io(backend, region, source_bytes, options))
-            else:
-                ios.append(_module_io(name, backend, region, source_bytes, options))
-    except Unavailable as exc:
-        for io in ios:
-            io.close()
+        common = {
+            "backend": name,
+            "options": dict(options),
+            "metadata": region.metadata.hex(),
+            "page_bytes": page_bytes,
+            "num_ranks": num_ranks,
+            "chunk_pages": chunk_pages,
+            "source_bytes": max_pages * shard,
+            "rooms": [[room, list(dst)] for room, dst in rooms],
+        }
+        for rank in range(num_ranks):
+            children.append(Child("kvconn.bench.raw", "rank", {**common, "rank": rank}, "ready"))
+            how = str(children[-1].hello)
+        t0 = time.perf_counter()
+        for child in children:
+            child.send({"op": "run"})
+        replies = [child.recv("done", timeout_s=600) for child in children]
+        seconds = time.perf_counter() - t0
+        bad = _spot_check(region, rooms, page_bytes, num_ranks)
+    except RuntimeError as exc:  # a child that could not start or died
+        return RawResult(False, f"raw path could not run: {exc}")
+    finally:
+        for child in children:
+            child.close()
         region.close()
-        return RawResult(False, str(exc))
-    errors: list[BaseException] = []
-
-    def rank_loop(rank: int) -> None:
-        io = ios[rank]
-        try:
-            for room, dst in rooms:
-                for first in range(0, len(dst), chunk_pages):
-                    n = min(chunk_pages, len(dst) - first)
-                    src = tuple(range(first, first + n))
-                    for i in src:
-                        io.fill(i * shard, shard_bytes(room, rank, i, shard))
-                    part = tuple(dst[first : first + n])
-                    chunk = Chunk(room, first // chunk_pages, first + n == len(dst), rank, "raw", src, part)
-                    io.write(chunk, layout.segments(rank, src, part))
-        except BaseException as exc:  # reported, not raised from a thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(num_ranks)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - t0
-    bad = 0
-    for room, dst in rooms[:4]:  # spot-check that the raw path really wrote
-        for i, page in enumerate(dst):
-            data = region.read(page * page_bytes, page_bytes)
-            for rank in range(num_ranks):
-                if data[rank * shard : (rank + 1) * shard] != shard_bytes(room, rank, i, shard):
-                    bad += 1
-    for io in ios:
-        io.close()
-    region.close()
+    errors = [r["error"] for r in replies if r.get("error")]
     if errors:
-        return RawResult(False, f"raw path failed: {errors[0]!r}")
+        return RawResult(False, f"raw path failed: {errors[0]}")
     nbytes = sum(len(p) for _, p in rooms) * page_bytes
-    detail = "raw writer path" + (f" ({bad} spot-checked shards WRONG)" if bad else ", spot-checked")
-    return RawResult(True, detail, nbytes, seconds)
+    checked = f" ({bad} spot-checked shards WRONG)" if bad else ", spot-checked"
+    return RawResult(True, f"{how}, {num_ranks} processes{checked}", nbytes, seconds)
+
+
+def _spot_check(region: Any, rooms: Sequence[RawRoom], page_bytes: int, num_ranks: int) -> int:
+    """The wrong shards among the pages of the first and last four rooms,
+    each checked against the last room that wrote it (rooms reuse pages)."""
+    last: dict[int, tuple[int, int]] = {}  # page -> (room, index in the room)
+    for room, dst in rooms:
+        for i, page in enumerate(dst):
+            last[page] = (room, i)
+    shard = PageLayout(page_bytes, num_ranks).shard
+    bad = 0
+    for page in sorted({page for _, dst in [*rooms[:4], *rooms[-4:]] for page in dst}):
+        room, i = last[page]
+        data = region.read(page * page_bytes, page_bytes)
+        for rank in range(num_ranks):
+            if data[rank * shard : (rank + 1) * shard] != shard_bytes(room, rank, i, shard):
+                bad += 1
+    return bad
+
+
+def _rank_main() -> None:
+    """One raw writer process: every room's chunks, filled then written."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = read_config()
+    rank, cp = int(cfg["rank"]), int(cfg["chunk_pages"])
+    layout = PageLayout(int(cfg["page_bytes"]), int(cfg["num_ranks"]))
+    shard = layout.shard
+    writer, how = open_raw(cfg["backend"], int(cfg["source_bytes"]), dict(cfg["options"]))
+    native = not isinstance(writer, HookRaw)
+    writer.connect("raw", bytes.fromhex(cfg["metadata"]))
+    print(json.dumps({"ready": how}), flush=True)
+    if sys.stdin.readline().strip():  # {"op": "run"}; an empty line: stdin closed
+        error = ""
+        try:
+            for room, dst in cfg["rooms"]:
+                for first in range(0, len(dst), cp):
+                    src = range(first, min(first + cp, len(dst)))
+                    for i in src:
+                        writer.write(i * shard, shard_bytes(room, rank, i, shard))
+                    lowered = layout.segments(rank, tuple(src), tuple(dst[first : first + cp]))
+                    writer.transfer("raw", lowered.rows if native else lowered)
+        except Exception as exc:  # reported to the parent, which says so
+            error = repr(exc)
+        print(json.dumps({"done": True, "error": error}), flush=True)
+    sys.stdin.read()
+    writer.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["rank"]:
+        raise SystemExit("usage: python -m kvconn.bench.raw rank  (config JSON on stdin)")
+    _rank_main()

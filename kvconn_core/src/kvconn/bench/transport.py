@@ -37,20 +37,17 @@ first line.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import itertools
 import json
 import logging
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import numpy as np
@@ -58,6 +55,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvconn.bench import cpu
+from kvconn.bench.child import Child, read_config
+from kvconn.bench.raw import HookRaw, open_raw
 from kvconn.bench.stats import median_interval
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
@@ -68,7 +67,7 @@ from kvconn.protocol.messages import Message, RoomStatus
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.transport import Backend, Settlement, capabilities_of
+from kvconn.transport import Settlement, capabilities_of
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGET = 0.95  #: kvconn's bytes/s at least this fraction of raw's
@@ -193,18 +192,10 @@ def room_id(shape_index: int, run: int, j: int) -> int:
 # children
 
 
-def _read_config() -> dict[str, Any]:
-    line = sys.stdin.readline()
-    if not line:
-        raise SystemExit("no config on stdin")
-    cfg: dict[str, Any] = json.loads(line)
-    return cfg
-
-
 def _rank_child() -> None:
     """A prefill rank whose 'engine' sends a room's chunks as soon as decode asks."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = _read_config()
+    cfg = read_config()
     backend = get_backend(cfg["backend"])
     src_plans: list[list[list[int]]] = cfg["src"]
     chunk_pages: list[int] = cfg["chunk_pages"]
@@ -264,46 +255,13 @@ class _Profiler:
         return result
 
 
-class _HookRaw:
-    """A backend's own writer, its post/barrier hooks called directly: the raw
-    path of a backend without a ``kvconn_<name>.raw`` module (loopback)."""
-
-    def __init__(self, backend: Backend, nbytes: int, options: Mapping[str, str]) -> None:
-        self._w: Any = backend.open_writer(nbytes, options)
-        self.write = self._w.write
-
-    def connect(self, peer: str, metadata: bytes) -> None:
-        self._w.connect(peer, metadata)
-
-    def transfer(self, peer: str, segments: Sequence[Segment]) -> int:
-        chunk = Chunk(0, 0, True, 0, peer, (), ())
-        posted = self._w.on_post(chunk=chunk, segments=segments)
-        settled = self._w.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 60)
-        if settled is not Settlement.LANDED:
-            raise RuntimeError(f"raw write settled {settled}")
-        return sum(s.nbytes for s in segments)
-
-    def close(self) -> None:
-        self._w.close()
-
-
-def _open_raw(name: str, nbytes: int, options: Mapping[str, str]) -> tuple[Any, str]:
-    try:
-        mod = importlib.import_module(f"kvconn_{name}.raw")
-    except ImportError:
-        mod = None
-    if mod is not None and hasattr(mod, "RawWriter"):
-        return mod.RawWriter(nbytes, options), f"kvconn_{name}.raw.RawWriter"
-    return _HookRaw(get_backend(name), nbytes, options), f"{name} writer's post/barrier, called directly"
-
-
 def _raw_child() -> None:
     """Writes the same segments through the raw API on command."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = _read_config()
-    writer, how = _open_raw(cfg["backend"], int(cfg["source_bytes"]), dict(cfg["options"]))
+    cfg = read_config()
+    writer, how = open_raw(cfg["backend"], int(cfg["source_bytes"]), dict(cfg["options"]))
     writer.write(0, source_pattern(int(cfg["source_bytes"]), int(cfg["seed"])))
-    native = not isinstance(writer, _HookRaw)
+    native = not isinstance(writer, HookRaw)
     chunks: list[list[list[Any]]] = []  # [shape][room] -> per chunk: segments
     for i, sh in enumerate(cfg["shapes"]):
         writer.connect(f"s{i}", bytes.fromhex(sh["metadata"]))
@@ -331,71 +289,6 @@ def _raw_child() -> None:
         seconds = time.perf_counter() - t0
         print(json.dumps({"bytes": total, "seconds": seconds}), flush=True)
     writer.close()
-
-
-class _Child:
-    def __init__(self, role: str, config: Mapping[str, Any], key: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconn.bench.transport", role],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.role = role
-        self.send(config)
-        self.hello = self.recv(key, timeout_s=120)
-
-    def send(self, msg: Mapping[str, Any]) -> None:
-        stdin: IO[str] | None = self.proc.stdin
-        assert stdin is not None
-        stdin.write(json.dumps(msg) + "\n")
-        stdin.flush()
-
-    def recv(self, key: str, timeout_s: float = 300) -> Any:
-        """The next JSON line with ``key``; a transport library's own lines
-        (nixl prints to stdout) are skipped."""
-        stdout = self.proc.stdout
-        assert stdout is not None
-        timer = threading.Timer(timeout_s, self.proc.kill)
-        timer.start()
-        try:
-            while True:
-                line = stdout.readline()
-                if not line:
-                    raise RuntimeError(f"transport bench {self.role} child exited with {self.proc.wait()}")
-                with contextlib.suppress(ValueError):
-                    msg = json.loads(line)
-                    if isinstance(msg, dict) and key in msg:
-                        return msg[key] if len(msg) == 1 else msg
-        finally:
-            timer.cancel()
-
-    def close(self) -> dict[str, Any]:
-        """Close stdin, wait for the exit; the JSON objects it printed last."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        out = ""
-        if self.proc.stdout is not None:
-            timer = threading.Timer(60, self.proc.kill)
-            timer.start()
-            try:
-                out = self.proc.stdout.read()
-            finally:
-                timer.cancel()
-                self.proc.stdout.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        last: dict[str, Any] = {}
-        for line in out.splitlines():
-            with contextlib.suppress(ValueError):
-                msg = json.loads(line)
-                if isinstance(msg, dict):
-                    last.update(msg)
-        return last
 
 
 # --------------------------------------------------------------------------
@@ -588,7 +481,8 @@ def run_backend(
     abort_s = max(30.0, (limit or 0) + 5)
     common = {"backend": name, "options": dict(options), "source_bytes": source_bytes, "seed": seed}
     step("starting the prefill rank process")
-    rank = _Child(
+    rank = Child(
+        "kvconn.bench.transport",
         "rank",
         {
             **common,
@@ -603,7 +497,7 @@ def run_backend(
     room_log: dict[int, list[float]] | None = {} if profile else None
     child_profile: dict[str, Any] = {}
     endpoints: list[_Endpoint] = []
-    raw: _Child | None = None
+    raw: Child | None = None
     try:
         config = Config(
             write_timeout_s=min(20.0, abort_s / 2), abort_timeout_s=abort_s, backend_options=options
@@ -621,7 +515,7 @@ def run_backend(
             }
             for p, ep in zip(plans, endpoints, strict=True)
         ]
-        raw = _Child("raw", {**common, "shapes": shapes_cfg}, "ready")
+        raw = Child("kvconn.bench.transport", "raw", {**common, "shapes": shapes_cfg}, "ready")
         raw_how = str(raw.hello)
         results = [ShapeResult(p) for p in plans]
         meter = _CpuMeter({"decode": None, "rank": rank.proc.pid, "raw_writer": raw.proc.pid})
