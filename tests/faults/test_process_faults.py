@@ -9,11 +9,11 @@ import signal
 import subprocess
 import time
 
+import attrs
 import pytest
 
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
-from kvconn.runtime.decode import WriterIdentity
 from kvconn.runtime.procs import pid_namespace
 from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 
@@ -88,7 +88,7 @@ def test_a_writer_in_its_own_pid_namespace_is_never_proven_gone() -> None:
             assert not writer.proven_gone(here)
             # What a hostname check let through: its pid means another process
             # here (pid 1 is our init), so the pid check alone says "gone".
-            assert WriterIdentity(writer.address, here, writer.pid, writer.start_time).proven_gone(here)
+            assert attrs.evolve(writer, pid_namespace=here).proven_gone(here)
         rooms = {4000 + i: c.open(4000 + i, ROOM_PAGES) for i in range(4)}
         _mid_transfer(c, rooms[4000][1])
         for rx, _ in rooms.values():

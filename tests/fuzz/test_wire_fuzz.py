@@ -50,8 +50,10 @@ u32 = st.integers(0, (1 << 32) - 1)
 text = st.text(max_size=40)
 messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, text, text, text, u64, u64, u64, st.binary(max_size=64)),
-    st.builds(HelloAck, u64, text, text, u64, u64, text),
-    st.builds(TransferRequest, u64, text, st.lists(st.integers(0, (1 << 32) - 1), max_size=64).map(tuple)),
+    st.builds(HelloAck, u64, text, text, u64, u64, text, u64),
+    st.builds(
+        TransferRequest, u64, text, st.lists(st.integers(0, (1 << 32) - 1), max_size=64).map(tuple), u64, u64
+    ),
     st.builds(Abort, u64, u64, text, text),
     st.builds(
         AbortAck,
@@ -188,7 +190,7 @@ def test_oversized_frames_bounded() -> None:
             wire.decode(b"KV" + bytes([wire.VERSION, 5]) + b"\0" * big, key)
         assert exc.value.reason == "oversize"
     with pytest.raises(ValueError):
-        wire.encode(TransferRequest(1, "d", tuple(range(wire.MAX_FRAME // 4 + 1))))
+        wire.encode(TransferRequest(1, "d", tuple(range(wire.MAX_FRAME // 4 + 1)), 1, 1))
     # a length prefix claiming far more than the frame holds is refused, not allocated
     frame = b"KV" + bytes([wire.VERSION, 3]) + struct.pack(">Q", 1) + struct.pack(">I", 0xFFFFFFF0)
     with pytest.raises(wire.FrameError) as exc:

@@ -45,7 +45,8 @@ class HelloAck:
     check, which holds only where ``pid_namespace`` (the kernel boot and pid
     namespace the pid belongs to; "" if unknown) is decode's own. A non-empty
     ``error`` means the rank refused the bootstrap (other backend, write
-    deadline not shorter than decode's)."""
+    deadline not shorter than decode's). ``session`` names this rank
+    process's control session (random): decode's requests must carry it."""
 
     rank: int
     address: str
@@ -53,15 +54,24 @@ class HelloAck:
     pid: int
     start_time: int
     error: str
+    session: int
 
 
 @attrs.frozen(slots=True)
 class TransferRequest:
-    """Decode -> prefill rank: room ``room`` writes into ``dst_pages``."""
+    """Decode -> prefill rank: room ``room`` writes into ``dst_pages``.
+
+    Fresh, not replayed: ``session`` is the one the rank named in its
+    HelloAck, and ``seq`` grows with every request of this decode. A frame's
+    MAC proves who sent it, not when: a recorded request, sent again after
+    the room concluded, would make the rank write into pages decode has
+    handed out since."""
 
     room: int
     decode: str
     dst_pages: tuple[int, ...]
+    session: int
+    seq: int
 
 
 @attrs.frozen(slots=True)

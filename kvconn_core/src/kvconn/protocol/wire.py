@@ -33,7 +33,7 @@ from kvconn.protocol.messages import (
 )
 
 MAGIC = b"KV"
-VERSION = 2
+VERSION = 3
 MAX_FRAME = 4 << 20
 MAX_PAGES = 1 << 20
 MAX_CONNECTIONS = 1 << 16
@@ -47,8 +47,8 @@ _U32 = struct.Struct(">I")
 #: ? = bool, o = RoomOutcome, c = tuple of TcpConnection.
 _SCHEMA: dict[type[Message], str] = {
     Hello: "sssuuub",
-    HelloAck: "ussuus",
-    TransferRequest: "usp",
+    HelloAck: "ussuusu",
+    TransferRequest: "uspuu",
     Abort: "uuss",
     AbortAck: "uuu?c",
     RoomStatus: "uuos",

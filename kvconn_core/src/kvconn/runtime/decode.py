@@ -61,6 +61,7 @@ class WriterIdentity:
     pid_namespace: str  #: :func:`~kvconn.runtime.procs.pid_namespace` of the writer
     pid: int
     start_time: int
+    session: int  #: the rank's control session: every request names it
 
     def proven_gone(self, local_pid_namespace: str) -> bool:
         """True only when this very process certainly no longer runs: its pids
@@ -116,6 +117,8 @@ class DecodeEndpoint:
         self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
+        self._request_lock = threading.Lock()
+        self._request_seq = 0
         self._writers: dict[int, WriterIdentity] = {}
         self._refusals: dict[str, str] = {}
         self._bootstrapped = threading.Condition(self._lock)
@@ -168,8 +171,15 @@ class DecodeEndpoint:
             self.tracker.open(room, pages, ranks)
             self._succeeded.discard(room)
             self._failed.pop(room, None)
-        for rank in sorted(ranks):
-            self._outbox.send(self._writers[rank].address, TransferRequest(room, self.name, pages))
+        # Numbered and sent under one lock: a rank takes only a request numbered
+        # above the last it took, so two engine threads' requests must not
+        # overtake each other between numbering and sending.
+        with self._request_lock:
+            for rank in sorted(ranks):
+                writer = self._writers[rank]
+                self._request_seq += 1
+                request = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
+                self._outbox.send(writer.address, request)
         return Receiver(self, room)
 
     def close(self) -> None:
@@ -262,7 +272,7 @@ class DecodeEndpoint:
 
     @staticmethod
     def _identity(msg: HelloAck) -> WriterIdentity:
-        return WriterIdentity(msg.address, msg.pid_namespace, msg.pid, msg.start_time)
+        return WriterIdentity(msg.address, msg.pid_namespace, msg.pid, msg.start_time, msg.session)
 
     def _on_idle(self) -> float | None:
         now = self.clock()

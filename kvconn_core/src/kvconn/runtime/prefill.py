@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -90,11 +91,12 @@ class FenceGate:
 
 
 class _Peer:
-    __slots__ = ("layout", "reply_to")
+    __slots__ = ("last_seq", "layout", "reply_to")
 
     def __init__(self, reply_to: str, layout: PageLayout) -> None:
         self.reply_to = reply_to
         self.layout = layout
+        self.last_seq = 0  #: the last request's sequence number: a fresh one is higher
 
 
 class PrefillRank:
@@ -127,6 +129,9 @@ class PrefillRank:
         self.metrics = Metrics("prefill")
         self.ledger = RoomLedger(rank, self.config.tombstone_ttl_s)
         self._lock = threading.Lock()
+        #: Named in every HelloAck; decode's requests carry it, so none recorded
+        #: from another process at this address is taken.
+        self._session = secrets.randbits(63)
         self._gate = FenceGate()
         self._poisoned_shown = 0
         #: The TCP connections recent fences closed: every fenced ack names
@@ -185,9 +190,14 @@ class PrefillRank:
             self._on_abort(msg)
         elif isinstance(msg, TransferRequest):
             with self._lock:
-                if msg.decode not in self._peers:
+                peer = self._peers.get(msg.decode)
+                if peer is None:
                     self._count_drop("unknown_decode")
                     return
+                if msg.session != self._session or msg.seq <= peer.last_seq:
+                    self._count_drop("stale_request")  # replayed, or for another process
+                    return
+                peer.last_seq = msg.seq
                 status = self.ledger.status(msg.room)
                 owner = self.ledger.decode_of(msg.room)
                 if status is not None and status is not KVPoll.SUCCESS and owner and owner != msg.decode:
@@ -230,14 +240,24 @@ class PrefillRank:
             if limit is not None:
                 check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
             layout = PageLayout(msg.page_bytes, msg.num_ranks)
-            self.writer.connect(msg.decode, msg.metadata)
             with self._lock:
-                self._peers[msg.decode] = _Peer(msg.reply_to, layout)
+                known = self._peers.get(msg.decode)
+            if known is None:
+                self.writer.connect(msg.decode, msg.metadata)
+                with self._lock:
+                    self._peers.setdefault(msg.decode, _Peer(msg.reply_to, layout))
+            elif (known.reply_to, known.layout) != (msg.reply_to, layout):
+                # A decode's name is new with every endpoint: this one is known,
+                # and a Hello that changes where it listens or how its pages are
+                # laid out is not its own (nor is a replay allowed to reset it).
+                raise ValueError(
+                    f"decode {msg.decode} is already bootstrapped with another address or layout"
+                )
         except Exception as exc:
             log.warning("refusing bootstrap from %s: %s", msg.decode, exc)
             error = str(exc) or type(exc).__name__
         pid = os.getpid()
-        ack = HelloAck(self.rank, self.address, pid_namespace(), pid, proc_stat(pid)[1], error)
+        ack = HelloAck(self.rank, self.address, pid_namespace(), pid, proc_stat(pid)[1], error, self._session)
         self._outbox.send(msg.reply_to, ack)
 
     def _on_abort(self, msg: Abort) -> None:
