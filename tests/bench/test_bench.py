@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvconn.bench.cli import check_output_paths
+
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",
     "--stream-requests", "8", "--concurrency", "4", "--overhead-chunks", "500",
@@ -96,7 +98,6 @@ def test_bad_option_exits_2(tmp_path: Path) -> None:
     [
         (["--pages", "0"], "--pages must be at least 1, got 0"),
         (["--chunk-pages", "0"], "--chunk-pages must be at least 1, got 0"),
-        (["--chunk-pages", "9"], "--chunk-pages (9) exceeds --pages (8)"),
         (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
         (["--ranks", "0"], "--ranks must be at least 1, got 0"),
         (["--pool-pages", "1"], "--pool-pages must be at least 8, got 1"),
@@ -116,3 +117,19 @@ def test_values_that_cannot_make_a_run_exit_2_before_it_starts(
     code, _, out = bench(tmp_path, *argv)
     assert code == 2, out
     assert f"kvconn bench: {message}" in " ".join(out.split()), out
+
+
+def test_a_room_smaller_than_a_chunk_is_one_chunk(tmp_path: Path) -> None:
+    code, rep, out = bench(tmp_path, "--pages", "1", "--modes", "kvconn")
+    assert code == 0, out
+    assert rep["workload"]["chunk_bytes_per_rank"] == 16384 // 2  # one page, two ranks' shards
+
+
+def test_output_paths_are_checked_as_files_first(tmp_path: Path) -> None:
+    existing = tmp_path / "report.json"
+    existing.write_text("")
+    check_output_paths(str(existing), None, "-")  # writable files pass, wherever they are
+    with pytest.raises(ValueError, match="cannot write"):
+        check_output_paths(str(tmp_path))  # a folder is no file
+    with pytest.raises(ValueError, match="is not a writable folder"):
+        check_output_paths(str(tmp_path / "missing" / "x.json"))

@@ -85,3 +85,19 @@ def test_an_abort_with_a_bad_reply_to_is_dropped_and_the_worker_lives() -> None:
     finally:
         decode.close()
         rank.close()
+
+
+def test_a_request_decode_could_not_send_fails_the_room_at_once() -> None:
+    """Nothing re-sends a request and an open room has no deadline: a dropped
+    one must not leave the room Transferring for good."""
+    backend = NullBackend()
+    rank = PrefillRank(backend, 0, 4 * 4096, Config())
+    decode = DecodeEndpoint(backend, 4, 4096, [rank.address], Config())
+    try:
+        decode._outbox.send = lambda address, message: False  # type: ignore[method-assign]
+        rx = decode.receiver(1, (0,))
+        assert rx.poll() is KVPoll.FAILED
+        assert "dropped" in (rx.failure() or "")
+    finally:
+        decode.close()
+        rank.close()

@@ -139,10 +139,15 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def check_output_paths(*paths: str | None) -> None:
     """Refuse, before a run of minutes, a file the results cannot be written to."""
     for path in paths:
-        if path and path != "-":
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-                raise ValueError(f"cannot write {path}: {folder} is not a writable folder")
+        if not path or path == "-":
+            continue
+        if os.path.exists(path):
+            if os.path.isdir(path) or not os.access(path, os.W_OK):
+                raise ValueError(f"cannot write {path}")
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"cannot write {path}: {folder} is not a writable folder")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -162,8 +167,6 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in at_least.items():
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
-    if args.chunk_pages > args.pages:
-        raise ValueError(f"--chunk-pages ({args.chunk_pages}) exceeds --pages ({args.pages})")
     if not 0 <= args.abort_fraction <= 1:
         raise ValueError(f"--abort-fraction must be within [0, 1], got {args.abort_fraction}")
     if not 0 <= args.prefill_fail_fraction < 1:
@@ -205,6 +208,9 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     _check_args(args)
+    # A room's only chunk holds all its pages: the chunk the report (and the
+    # drain estimate) speaks of is that one.
+    args.chunk_pages = min(args.chunk_pages, args.pages)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in (KVCONN, LEGACY) for m in modes):
         raise ValueError(f"--modes takes kvconn and/or legacy, got {args.modes!r}")

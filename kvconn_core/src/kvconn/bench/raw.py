@@ -123,7 +123,7 @@ def run_raw(
         replies = [child.recv("done", timeout_s=600) for child in children]
         seconds = time.perf_counter() - t0
         bad = _spot_check(region, rooms, page_bytes, num_ranks)
-    except RuntimeError as exc:  # a child that could not start or died
+    except (RuntimeError, OSError) as exc:  # a child that could not start, or died
         return RawResult(False, f"raw path could not run: {exc}")
     finally:
         for child in children:

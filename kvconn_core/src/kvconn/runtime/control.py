@@ -107,11 +107,14 @@ class Outbox:
 
     ``send`` never blocks and never raises on a peer's account: its callers
     hold the endpoint's lock (a worker, between two transfers). A frame for
-    an address that is no ZMQ endpoint, or for a peer whose queue is full
-    (it stopped reading), is dropped and counted through ``on_drop``; the
-    protocol recovers from a lost frame as from a lost packet (decode
-    re-sends ABORTs; a room never asked for or never reported on fails at
-    decode's deadline), never by releasing pages.
+    an address that is no ZMQ endpoint, or for a peer with ``queue_limit``
+    frames waiting, is dropped, counted through ``on_drop``, and ``send``
+    says False. A live peer never has that many: it gets frames only for
+    rooms it asked for (or, at decode, rooms it is writing), and pages bound
+    those. A lost frame never releases pages: decode re-sends ABORTs once a
+    room is quarantined, and fails a room whose request it could not send;
+    a lost room status leaves that room waiting at decode for the engine's
+    own timeout.
     """
 
     #: Frames queued for one peer before its frames are dropped.

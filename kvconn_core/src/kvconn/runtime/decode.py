@@ -175,11 +175,19 @@ class DecodeEndpoint:
         # above the last it took, so two engine threads' requests must not
         # overtake each other between numbering and sending.
         with self._request_lock:
+            unsent = []
             for rank in sorted(ranks):
                 writer = self._writers[rank]
                 self._request_seq += 1
                 request = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
-                self._outbox.send(writer.address, request)
+                if not self._outbox.send(writer.address, request):
+                    unsent.append(rank)
+        if unsent:
+            # Nothing re-sends a request, and a room not yet aborted has no
+            # deadline: say Failed now, so the engine aborts it (the ranks
+            # that did get it ack as ever).
+            with self._lock:
+                self._failed.setdefault(room, f"request to ranks {unsent} dropped: send queue full")
         return Receiver(self, room)
 
     def close(self) -> None:
@@ -272,7 +280,16 @@ class DecodeEndpoint:
 
     @staticmethod
     def _identity(msg: HelloAck) -> WriterIdentity:
-        return WriterIdentity(msg.address, msg.pid_namespace, msg.pid, msg.start_time, msg.session)
+        namespace = msg.pid_namespace
+        try:
+            seen = proc_stat(msg.pid)[1] == msg.start_time
+        except (OSError, ValueError, IndexError):
+            seen = False
+        if not seen:
+            # Its pid does not show it here (/proc mounted hidepid=2, or not
+            # our namespace after all): its absence would prove nothing later.
+            namespace = ""
+        return WriterIdentity(msg.address, namespace, msg.pid, msg.start_time, msg.session)
 
     def _on_idle(self) -> float | None:
         now = self.clock()
@@ -344,8 +361,8 @@ class DecodeEndpoint:
         releases = []
         for action in actions:
             if isinstance(action, SendAbort):
-                self._outbox.send(self._writers[action.rank].address, action.abort)
-                self.metrics.aborts_sent.inc()
+                if self._outbox.send(self._writers[action.rank].address, action.abort):
+                    self.metrics.aborts_sent.inc()
             elif isinstance(action, Release):
                 releases.append(action)
                 # Released rooms leave every table (a serving decode sees millions);

@@ -447,8 +447,8 @@ class PrefillRank:
                     ack = action.ack
                     if ack.fenced and self._closed_by_fences:
                         ack = attrs.evolve(ack, closed=self._closed_by_fences)
-                    self._outbox.send(action.reply_to, ack)
-                    self.metrics.acks_sent.inc()
+                    if self._outbox.send(action.reply_to, ack):
+                        self.metrics.acks_sent.inc()
             elif isinstance(action, NotifyDecode):
                 peer = self._peers.get(action.decode)
                 if peer is not None:
