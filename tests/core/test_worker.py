@@ -184,14 +184,14 @@ def test_a_stop_behind_a_landed_chunk_accounts_for_it_first(
     world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
 ) -> None:
     rank, decode, writer = world
-    rx = _rooms(rank, decode, writer, {1: 2})
+    writer.gates[1, 0] = threading.Event()
+    decode.receiver(1, (4, 5))
+    _until("room 1's request", lambda: rank.sender(1).poll() >= KVPoll.WAITING_FOR_INPUT)
+    rank.sender(1).send([0])  # not the last chunk: its accounting waits for the next item
     assert writer.posted.get(timeout=WAIT_S) == (1, 0)
-    rank._queues[0].put(_STOP)  # jumps the queue: chunk 1 was queued before it,
-    writer.gates[1, 0].set()  # so stop the worker before chunk 1 is dequeued
-    assert writer.posted.get(timeout=WAIT_S) == (1, 1)
-    writer.gates[1, 1].set()
+    rank._queues[0].put(_STOP)  # that next item
+    writer.gates[1, 0].set()
     rank._workers[0].join(WAIT_S)
     assert not rank._workers[0].is_alive()
-    assert _status(rank, 1) is KVPoll.SUCCESS
-    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 2.0
-    del rx
+    assert _in_flight(rank, 1) == 0 and _status(rank, 1) is KVPoll.TRANSFERRING
+    assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
