@@ -5,9 +5,11 @@ nothing queued behind it is posted while decode hears SUCCESS."""
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
@@ -195,3 +197,54 @@ def test_a_stop_behind_a_landed_chunk_accounts_for_it_first(
     assert not rank._workers[0].is_alive()
     assert _in_flight(rank, 1) == 0 and _status(rank, 1) is KVPoll.TRANSFERRING
     assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
+
+
+class _Held:
+    """What a raising hook held (for nixl: the agent its fence destroys)."""
+
+
+class _RaisingPostWriter(NullWriter):
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.held: list[weakref.ref[_Held]] = []
+        self.freed_at_fence: list[bool] = []
+
+    @hookimpl
+    def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> object:
+        agent = _Held()
+        self.held.append(weakref.ref(agent))
+        try:
+            raise ConnectionError("peer gone")  # as nixl raises from transfer()
+        except ConnectionError as exc:
+            raise RuntimeError(f"transfer failed holding {agent!r}") from exc
+
+    @hookimpl
+    def on_fence(self) -> bool:
+        gc.collect()
+        self.freed_at_fence.append(all(ref() is None for ref in self.held))
+        return True
+
+
+class _RaisingPostBackend(NullBackend):
+    name = "raising-post"
+
+    def open_writer(self, nbytes: int, options: Mapping[str, str]) -> _RaisingPostWriter:
+        return _RaisingPostWriter(nbytes)
+
+
+def test_a_raising_hooks_frames_are_gone_before_the_fence() -> None:
+    backend = _RaisingPostBackend()
+    rank = PrefillRank(backend, 0, 4 * 4096, Config())
+    decode = DecodeEndpoint(backend, 4, 4096, [rank.address], Config())
+    writer = rank.writer
+    assert isinstance(writer, _RaisingPostWriter)
+    try:
+        decode.receiver(1, (0,))
+        _until("room 1's request", lambda: rank.sender(1).poll() >= KVPoll.WAITING_FOR_INPUT)
+        rank.sender(1).send([0], last=True)
+        _until("the fence", lambda: bool(writer.freed_at_fence))
+        assert writer.freed_at_fence == [True], "the core kept the raising hook's frames alive"
+        assert _status(rank, 1) is KVPoll.FAILED
+    finally:
+        decode.close()
+        rank.close()

@@ -464,8 +464,20 @@ class PrefillRank:
             self.metrics.poisoned_rooms.set(self._poisoned_shown)
 
     def _plugin_error(self, hook: str, exc: Exception) -> None:
+        """Log and count a hook that raised; then let go of its frames."""
         log.error("kvconn plugin raised in %s: %r; failing safe", hook, exc)
         self.metrics.plugin_errors.labels(hook).inc()
+        # The traceback keeps the raising hook's frames alive, and with them
+        # what the hook held: an agent the fence that follows must destroy
+        # (nixl's fence refuses while anything else holds its agent).
+        chained: list[BaseException | None] = [exc]
+        seen: set[int] = set()
+        while chained:
+            e = chained.pop()
+            if e is not None and id(e) not in seen:
+                seen.add(id(e))
+                e.__traceback__ = None
+                chained += [e.__cause__, e.__context__]
 
     def _count_drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()
