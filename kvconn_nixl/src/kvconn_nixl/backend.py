@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import math
 import os
 import sys
@@ -33,6 +34,8 @@ from kvconn_nixl._nixl import (
 
 __all__ = ["NixlBackend", "NixlRegion", "NixlWriter", "backend"]
 
+log = logging.getLogger(__name__)
+
 #: The DONE barrier's sleep between polls once past ``hot_poll_s``, or
 #: always with a progress thread (which moves the data by itself).
 POLL_SLEEP_S = 0.0001
@@ -52,8 +55,9 @@ class NixlRegion:
         self.options = Options.parse(options)
         self.nbytes = nbytes
         self._mem = open_memory(nbytes, self.options)
-        prog = True if self.options.progress_thread is None else self.options.progress_thread
-        self._agent: Any = make_agent("region", self.options, progress_thread=prog)
+        # Always: nothing lands in pages whose agent nobody progresses
+        # (``progress_thread`` is the writers' choice).
+        self._agent: Any = make_agent("region", self.options, progress_thread=True)
         self._reg = register(self._agent, self._mem, self.options)
         self.metadata = RegionInfo(
             agent_name=self._agent.name,
@@ -286,30 +290,40 @@ class NixlWriter:
         Only answered for the UCX transport selections where tests proved it
         (``ucx_tls=tcp``); otherwise ``None`` (rooms stay poisoned).
         """
-        if not self.options.fence_proven:
+        with self._lock:
+            vram_peer = any(p.info.mem != "DRAM" for p in self._peers.values())
+        if not self.options.fence_proven or vram_peer:
+            # Proven for DRAM pages on both sides only: a PUT to device memory
+            # over tcp is emulated, and the teardown is no fence there.
             return None
         t0 = time.monotonic()
+        # Under the lock connect() takes: a Hello during the fence waits for it.
         with self._lock:
             handles = list(self._handles.values())
             self._handles.clear()
             self._generation += 1
-        while handles:
-            with contextlib.suppress(Exception):  # in flight: destroyed with the agent
-                handles.pop().release()
-        wrapper, self._agent, self._reg = self._agent, None, None
-        binding = wrapper.agent
-        del wrapper
-        gc.collect()
-        # Only our local name (+ getrefcount's argument) may hold the agent;
-        # anything else would keep it, and its connections, alive.
-        if sys.getrefcount(binding) > 2:
-            raise RuntimeError("nixl agent still referenced: cannot fence")
-        del binding  # ~10-30 ms: UCX closes every endpoint and socket
-        self._new_agent()
-        with self._lock:
-            peers = dict(self._peers)
-        for peer in peers.values():
-            self._agent.add_remote_agent(peer.info.agent_md)
+            while handles:
+                with contextlib.suppress(Exception):  # in flight: destroyed with the agent
+                    handles.pop().release()
+            wrapper, reg = self._agent, self._reg
+            self._agent = self._reg = None
+            binding = wrapper.agent
+            gc.collect()
+            # Only the wrapper, our local name and getrefcount's argument may
+            # hold the agent, and only our two names the wrapper; anything else
+            # would keep it, and its connections, alive.
+            if sys.getrefcount(binding) > 3 or sys.getrefcount(wrapper) > 2:
+                # No fence now (the rooms stay poisoned), but the writer keeps
+                # its agent and goes on writing; a later fence tries again.
+                self._agent, self._reg = wrapper, reg
+                raise RuntimeError("nixl agent still referenced: cannot fence")
+            del wrapper, reg, binding  # ~10-30 ms: UCX closes every endpoint and socket
+            self._new_agent()
+            for name, peer in self._peers.items():
+                try:
+                    self._agent.add_remote_agent(peer.info.agent_md)
+                except Exception as exc:  # a peer gone: the next post to it fails (and fences)
+                    log.warning("nixl fence: could not reconnect to %s: %r", name, exc)
         self.last_fence_s = time.monotonic() - t0
         return True
 
