@@ -44,6 +44,7 @@ import collections
 import gc
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -266,15 +267,22 @@ class MooncakeWriter:
         """Whether segments go as many-task batches (else one transfer each)."""
         return self._poller is not None
 
-    def _drop_engine(self) -> None:
-        """Forget every in-flight id and destroy the engine (call with the lock)."""
+    def _drop_engine(self) -> bool:
+        """Forget every in-flight id and destroy the engine (call with the
+        lock). False if something else still holds the engine: then it lives
+        on, and its writes with it."""
         self._inflight.clear()
         self._inflight_n.clear()
         self._queued.clear()
         self._poller = None  # holds a reference to the engine: drop it first
         engine, self._engine = self._engine, None
-        del engine  # the only reference: the destructor joins the transport threads
         gc.collect()
+        # Our name and getrefcount's argument only (a raising hook's frames,
+        # kept by a traceback, would hold it too).
+        alone = engine is None or sys.getrefcount(engine) <= 2
+        del engine  # if alone, the destructor joins the transport threads
+        gc.collect()
+        return alone
 
     @property
     def session(self) -> str:
@@ -291,7 +299,7 @@ class MooncakeWriter:
     # -- progress (call with self._lock held) ---------------------------------
 
     def _submit(self, tok: Posted) -> None:
-        engine = self._engine
+        engine = self._engine  # in this frame only: a fence must find no other reference
         inflight = self._inflight.setdefault(tok.session, collections.deque())
         used = self._inflight_n.get(tok.session, 0)
         while tok.pending and used < self.options.max_inflight:
@@ -337,9 +345,12 @@ class MooncakeWriter:
                 if rc == PENDING:
                     break
                 inflight.popleft()
-                done += count
                 tok.inflight -= count
-                if rc != DONE:
+                if rc == DONE:
+                    done += count
+                else:
+                    # Its other tasks may still sit in the engine's queue: their
+                    # credits come back with the fence, not now.
                     tok.failed = True
                     tok.pending.clear()
             if done:
@@ -359,6 +370,8 @@ class MooncakeWriter:
     @hookimpl
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> object | None:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("mooncake writer is closed")
             peer = self._peers.get(chunk.peer)
             if peer is None:
                 raise KeyError(f"mooncake writer not connected to peer {chunk.peer!r}")
@@ -431,16 +444,19 @@ class MooncakeWriter:
         so no thread is inside an engine call and the engine has no other
         reference: ``del`` really destroys it (measured: 0 bytes land after).
         """
+        if self._protocol != "tcp":
+            return None  # not proven there (see MooncakeBackend.capabilities_for)
         start = time.monotonic()
         with self._lock:
             self._generation += 1
             for tok in [tok for q in self._inflight.values() for _, _, tok in q] + list(self._queued):
                 tok.abandoned = True
                 tok.pending.clear()
-            self._drop_engine()
-            self._open_engine()  # same targets: a new engine reaches the same session ids
+            destroyed = self._drop_engine()
+            if not self._closed:
+                self._open_engine()  # same targets: a new engine reaches the same session ids
         self.last_fence_s = time.monotonic() - start
-        return True
+        return destroyed
 
     def close(self) -> None:
         with self._lock:
@@ -476,11 +492,16 @@ class MooncakeBackend:
     )
 
     def capabilities_for(self, options: Mapping[str, str]) -> Capabilities:
-        """The same with any valid options; the core asks before it starts
-        processes, so a bad option fails there and then."""
-        engine_settings(options)
+        """The same with any valid options, but for ``protocol``: the fence is
+        proven over tcp only. The core asks before it starts processes, so a
+        bad option fails there and then."""
+        _, protocol, _ = engine_settings(options)
         MemoryOptions.parse(options)
         WriterOptions.parse(options)
+        if protocol != "tcp":
+            # Untested: writes already handed to an RDMA NIC, and its own
+            # retries, are not shown to stop with the engine.
+            return attrs.evolve(self.capabilities, writer_fence=False)
         return self.capabilities
 
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> MooncakeRegion:
