@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Mapping
 
-from kvconn.bench.overhead import NullBackend
+import pytest
+
+from kvconn.bench.overhead import NullBackend, NullRegion
 from kvconn.config import Config
 from kvconn.protocol import wire
 from kvconn.protocol.ledger import KVPoll
@@ -101,3 +104,31 @@ def test_a_request_decode_could_not_send_fails_the_room_at_once() -> None:
     finally:
         decode.close()
         rank.close()
+
+
+class _ClosingRegion(NullRegion):
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _ClosingRegionBackend(NullBackend):
+    def open_region(self, nbytes: int, options: Mapping[str, str]) -> _ClosingRegion:
+        return _ClosingRegion(nbytes)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["pages-held", "none-held"])
+def test_decode_frees_its_region_at_close_only_with_no_page_held(held: bool) -> None:
+    backend = _ClosingRegionBackend()
+    rank = PrefillRank(backend, 0, 4 * 4096, Config())
+    decode = DecodeEndpoint(backend, 4, 4096, [rank.address], Config())
+    region = decode.region
+    assert isinstance(region, _ClosingRegion)
+    rx = decode.receiver(1, (0, 1))
+    rank.close()  # no ack will come
+    if held:
+        rx.abort()
+        assert decode.held_pages() == 2
+    decode.close()
+    assert region.closed is not held

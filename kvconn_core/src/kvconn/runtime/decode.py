@@ -40,13 +40,18 @@ from kvconn.protocol.messages import (
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends, undrained
-from kvconn.transport import Backend, capabilities_of
+from kvconn.transport import Backend, PageRegion, capabilities_of
 
 log = logging.getLogger(__name__)
 
 #: Called once per released room, outside kvconn's locks: the engine's
 #: allocator may hand these pages out again.
 ReleaseCallback = Callable[[Release], None]
+
+
+#: Regions of closed endpoints that still had pages held: kept for the life
+#: of the process (see DecodeEndpoint.close).
+_UNFREED_REGIONS: list[PageRegion] = []
 
 
 class BootstrapError(RuntimeError):
@@ -191,9 +196,17 @@ class DecodeEndpoint:
         return Receiver(self, room)
 
     def close(self) -> None:
+        """Stop listening. The page region is freed only if no page is held
+        or quarantined: a writer may still reach those, and memory freed
+        under it could be this process's next allocation."""
         self._listener.close()
         self._outbox.close()
-        self.region.close()
+        held = self.held_pages()
+        if held:
+            log.warning("decode closed with %d pages held or quarantined: their region stays allocated", held)
+            _UNFREED_REGIONS.append(self.region)
+        else:
+            self.region.close()
 
     def held_pages(self) -> int:
         with self._lock:
