@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import pytest
 
@@ -59,20 +60,27 @@ class _GatedBackend(NullBackend):
         return _GatedWriter(nbytes)
 
 
-@pytest.fixture
-def world() -> Iterator[tuple[PrefillRank, DecodeEndpoint, _GatedWriter]]:
-    backend = _GatedBackend()
-    rank = PrefillRank(backend, 0, 16 * 4096, Config())
-    decode = DecodeEndpoint(backend, 16, 4096, [rank.address], Config())
-    writer = rank.writer
-    assert isinstance(writer, _GatedWriter)
+@contextmanager
+def _endpoints(backend: NullBackend, pages: int = 16) -> Iterator[tuple[PrefillRank, DecodeEndpoint]]:
+    rank = PrefillRank(backend, 0, pages * 4096, Config())
+    decode = DecodeEndpoint(backend, pages, 4096, [rank.address], Config())
     try:
-        yield rank, decode, writer
+        yield rank, decode
     finally:
-        for gate in writer.gates.values():
-            gate.set()
         decode.close()
         rank.close()
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[PrefillRank, DecodeEndpoint, _GatedWriter]]:
+    with _endpoints(_GatedBackend()) as (rank, decode):
+        writer = rank.writer
+        assert isinstance(writer, _GatedWriter)
+        try:
+            yield rank, decode, writer
+        finally:
+            for gate in writer.gates.values():
+                gate.set()
 
 
 def _until(what: str, ready: Callable[[], bool]) -> None:
@@ -233,18 +241,12 @@ class _RaisingPostBackend(NullBackend):
 
 
 def test_a_raising_hooks_frames_are_gone_before_the_fence() -> None:
-    backend = _RaisingPostBackend()
-    rank = PrefillRank(backend, 0, 4 * 4096, Config())
-    decode = DecodeEndpoint(backend, 4, 4096, [rank.address], Config())
-    writer = rank.writer
-    assert isinstance(writer, _RaisingPostWriter)
-    try:
+    with _endpoints(_RaisingPostBackend(), pages=4) as (rank, decode):
+        writer = rank.writer
+        assert isinstance(writer, _RaisingPostWriter)
         decode.receiver(1, (0,))
         _until("room 1's request", lambda: rank.sender(1).poll() >= KVPoll.WAITING_FOR_INPUT)
         rank.sender(1).send([0], last=True)
         _until("the fence", lambda: bool(writer.freed_at_fence))
         assert writer.freed_at_fence == [True], "the core kept the raising hook's frames alive"
         assert _status(rank, 1) is KVPoll.FAILED
-    finally:
-        decode.close()
-        rank.close()
