@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from kvconn.protocol.messages import HelloAck
-from kvconn.runtime.decode import DecodeEndpoint, WriterIdentity
+from kvconn.runtime.decode import WriterIdentity
 from kvconn.runtime.procs import pid_namespace, proc_stat
 
 
@@ -33,9 +33,9 @@ def test_a_writer_its_pid_does_not_show_as_announced_is_never_checked() -> None:
     as the writer announced itself (pid and start time)."""
     here, me = pid_namespace(), os.getpid()
     start = proc_stat(me)[1]
-    seen = DecodeEndpoint._identity(HelloAck(0, "a", here, me, start, "", 7))
+    seen = WriterIdentity.announced(HelloAck(0, "a", here, me, start, "", 7))
     assert seen.pid_namespace == here and seen.session == 7
-    hidden = DecodeEndpoint._identity(HelloAck(0, "a", here, _exited_pid(), start, "", 7))
+    hidden = WriterIdentity.announced(HelloAck(0, "a", here, _exited_pid(), start, "", 7))
     assert hidden.pid_namespace == "" and not hidden.proven_gone(here)
-    other = DecodeEndpoint._identity(HelloAck(0, "a", here, me, start + 1, "", 7))  # pid reused
+    other = WriterIdentity.announced(HelloAck(0, "a", here, me, start + 1, "", 7))  # pid reused
     assert other.pid_namespace == ""

@@ -115,6 +115,9 @@ def on_fence() -> bool | None:
     the transport has proven quiescence (e.g. destroyed its agent or engine)
     and can write again; the core then acks the poisoned rooms. A transport
     that cannot fence does not implement it (``None``): rooms stay poisoned.
+    ``False`` (or raising) says it tried and could not prove quiescence this
+    time (say, its engine is still referenced elsewhere): the rooms stay
+    poisoned, the fence counts as failed, and a later one may try again.
 
     "Unable to land" is about the writer: bytes already sent on a TCP
     connection still arrive. The core lists this process's TCP connections

@@ -68,6 +68,19 @@ class WriterIdentity:
     start_time: int
     session: int  #: the rank's control session: every request names it
 
+    @classmethod
+    def announced(cls, msg: HelloAck) -> WriterIdentity:
+        """The identity a HelloAck announces, with its pid check kept only if
+        this process sees that pid in ``/proc`` as announced (pid and start
+        time): ``/proc`` mounted hidepid=2, or another namespace after all,
+        would make a live writer's pid look free."""
+        try:
+            seen = proc_stat(msg.pid)[1] == msg.start_time
+        except (OSError, ValueError, IndexError):
+            seen = False
+        namespace = msg.pid_namespace if seen else ""
+        return cls(msg.address, namespace, msg.pid, msg.start_time, msg.session)
+
     def proven_gone(self, local_pid_namespace: str) -> bool:
         """True only when this very process certainly no longer runs: its pids
         are ours (same kernel boot, same pid namespace, and neither unknown),
@@ -285,24 +298,11 @@ class DecodeEndpoint:
             # The first identity stays: a later one (a resent Hello's answer is
             # the same) could only make another process's exit count as this
             # writer's.
-            if self._writers[msg.rank] != self._identity(msg):
+            if self._writers[msg.rank] != WriterIdentity.announced(msg):
                 self._count_drop("hello_ack_changed")
         else:
-            self._writers[msg.rank] = self._identity(msg)
+            self._writers[msg.rank] = WriterIdentity.announced(msg)
         self._bootstrapped.notify_all()
-
-    @staticmethod
-    def _identity(msg: HelloAck) -> WriterIdentity:
-        namespace = msg.pid_namespace
-        try:
-            seen = proc_stat(msg.pid)[1] == msg.start_time
-        except (OSError, ValueError, IndexError):
-            seen = False
-        if not seen:
-            # Its pid does not show it here (/proc mounted hidepid=2, or not
-            # our namespace after all): its absence would prove nothing later.
-            namespace = ""
-        return WriterIdentity(msg.address, namespace, msg.pid, msg.start_time, msg.session)
 
     def _on_idle(self) -> float | None:
         now = self.clock()
