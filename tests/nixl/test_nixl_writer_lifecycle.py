@@ -55,8 +55,7 @@ def test_a_fence_that_cannot_destroy_the_agent_keeps_the_writer_working(pair: tu
     but the writer keeps its agent and writes on; a later fence succeeds."""
     _, writer = pair
     held = writer._agent
-    with pytest.raises(RuntimeError, match="still referenced"):
-        writer.on_fence()
+    assert writer.on_fence() is False
     assert writer._agent is held
     assert _write(writer) is Settlement.LANDED
     del held
