@@ -69,16 +69,17 @@ class _Endpoint:
         return bad
 
     # writer side
-    def writer_open(self, nbytes: int, seed: int, options: dict[str, str]) -> str:
+    def writer_open(self, nbytes: int, seed: int, options: dict[str, str]) -> None:
         self.writer = self.backend.open_writer(nbytes, options)
         self.writer.array()[:] = pattern(seed, nbytes)
         self.pm = self.pluggy.PluginManager("kvconn")
         self.pm.add_hookspecs(self.hookspecs)
         self.pm.register(self.writer)
-        return str(self.writer.session)
 
-    def connect(self, peer: str, metadata: bytes) -> None:
+    def connect(self, peer: str, metadata: bytes, wait_s: float = 30.0) -> bool:
+        """Connect, and whether the channel opened within ``wait_s``."""
         self.writer.connect(peer, metadata)
+        return bool(self.writer.wait_open(peer, wait_s)) if wait_s > 0 else False
 
     def writer_batched(self) -> bool:
         """Whether the writer sends many-task batches (else one transfer per segment)."""

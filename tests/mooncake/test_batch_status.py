@@ -192,24 +192,27 @@ def test_writer_respects_inflight_cap(mode: str, hot_poll_s: str, monkeypatch: p
     slept_while_queued: list[int] = []
 
     def sleep(seconds: float) -> None:
-        if w._queued:
-            slept_while_queued.append(sum(len(t.pending) for t in w._queued))
+        queued = [t for c in w._channels.values() for t in c.queued]
+        if queued:
+            slept_while_queued.append(sum(len(t.pending) for t in queued))
         real_sleep(seconds)
 
     monkeypatch.setattr(time, "sleep", sleep)  # the time module the backend calls
     try:
         w.connect("d", region.metadata)
+        assert w.wait_open("d", 30)
         w.array()[:] = np.random.default_rng(5).integers(1, 256, REGION, dtype=np.uint8)
         region.array()[:] = 0
         segs = _scattered(1000, 9)
         chunk = _chunk()
         tok = w.on_post(chunk, [Segment(*s) for s in segs])
         assert isinstance(tok, Posted)
-        counts = [n for q in w._inflight.values() for _, n, _ in q]
+        channel = w.channel("d")
+        counts = [n for _, n, _ in channel.inflight]
         assert sum(counts) == tok.inflight <= 300
         assert max(counts) <= (128 if mode == "on" else 1)
         assert w.on_done_barrier(chunk, tok, time.monotonic() + 20) == Settlement.LANDED
-        assert w._inflight_n[tok.session] == 0
+        assert channel.inflight_n == 0
         assert slept_while_queued == []
         src, dst = w.array(), region.array()
         for s, d, n in segs:

@@ -166,6 +166,28 @@ def test_frozen_decode(world: dict[str, Any], spawn: Any) -> None:
     assert w.call("transfer", "d1", [(0, 0, MiB)], 10.0)[0] == "landed"
 
 
+def test_a_frozen_decode_stalls_only_its_own_channel(world: dict[str, Any], spawn: Any) -> None:
+    """The engine's handshake with a frozen decode takes ~61 s (hard-coded) and
+    every call on that engine waits behind it, writes to other decodes included
+    (measured). Each decode gets an engine of its own, shaking hands on a
+    thread of its own: a chunk for the frozen decode fails settled at its
+    deadline (nothing reached an engine), and the other decodes are written on."""
+    (d5,) = spawn(1)
+    w = world["w1"]
+    md5 = d5.call("region_open", REGION)
+    d5.signal(signal.SIGSTOP)
+    try:
+        assert w.call("connect", "d5", md5, 0.5) is False  # still shaking hands
+        res, secs = w.call("transfer", "d5", [(0, 0, MiB)], 1.0)
+        print(f"MOONCAKE chunk for a decode frozen before the handshake: {res} after {secs:.2f} s")
+        assert res == "failed_settled" and secs < 3.0
+        res, secs = w.call("transfer", "d1", [(0, 0, MiB)], 10.0)
+        print(f"MOONCAKE meanwhile, a chunk for a live decode: {res} after {secs * 1e3:.1f} ms")
+        assert res == "landed" and secs < 3.0
+    finally:
+        d5.signal(signal.SIGKILL)  # the handshake fails at once: its socket resets
+
+
 def _fence_once(d: Any, w: Any, frozen: bool) -> dict[str, Any] | None:
     segs = split(REGION, 128)
     d.call("fill", 0)

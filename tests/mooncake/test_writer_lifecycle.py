@@ -3,21 +3,53 @@ closed (found in review, 2026-11-30)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvconn.chunk import Chunk, Segment
-from kvconn_mooncake import MooncakeWriter, backend
+from kvconn.transport import Settlement
+from kvconn_mooncake import MooncakeRegion, MooncakeWriter, backend
+
+MiB = 1 << 20
 
 
 @pytest.fixture
 def writer() -> Iterator[MooncakeWriter]:
-    w = backend.open_writer(1 << 20, {})
+    w = backend.open_writer(MiB, {})
     try:
         yield w
     finally:
         w.close()
+
+
+@pytest.fixture
+def regions() -> Iterator[list[MooncakeRegion]]:
+    rs = [backend.open_region(MiB, {}) for _ in range(2)]
+    try:
+        yield rs
+    finally:
+        for r in rs:
+            r.close()
+
+
+def _connect(writer: MooncakeWriter, regions: list[MooncakeRegion]) -> list[str]:
+    peers = [f"d{i}" for i in range(len(regions))]
+    for peer, region in zip(peers, regions, strict=True):
+        writer.connect(peer, region.metadata)
+    assert all(writer.wait_open(peer, 30) for peer in peers)
+    return peers
+
+
+def _chunk(peer: str) -> Chunk:
+    return Chunk(room=1, index=0, last=True, rank=0, peer=peer, src_pages=(), dst_pages=())
+
+
+def _rpc_port(writer: MooncakeWriter, peer: str) -> int | None:
+    """Which engine a channel has (without holding it: that would stop a fence)."""
+    engine = writer.channel(peer).engine
+    return None if engine is None else int(engine.get_rpc_port())
 
 
 def test_the_fence_is_claimed_over_tcp_only() -> None:
@@ -25,18 +57,58 @@ def test_the_fence_is_claimed_over_tcp_only() -> None:
     assert backend.capabilities_for({"protocol": "rdma"}).writer_fence is False
 
 
-def test_no_fence_is_claimed_while_something_holds_the_engine(writer: MooncakeWriter) -> None:
+def test_the_handshake_writes_nothing(writer: MooncakeWriter, regions: list[MooncakeRegion]) -> None:
+    """A channel opens with a write of 0 bytes to the region's first byte."""
+    writer.array()[:] = 0xAB
+    for region in regions:
+        region.array()[:] = 0
+    _connect(writer, regions)
+    assert not any(region.array().any() for region in regions)
+
+
+def test_no_fence_is_claimed_while_something_holds_the_engine(
+    writer: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
     """A raising hook's frames, kept by a traceback, would keep the engine
-    and its writes alive: the engine was not destroyed, so no fence."""
-    held = writer._engine
+    and its writes alive: the engine was not destroyed, so no fence; the next
+    fence destroys it once nothing else holds it."""
+    (peer, _) = _connect(writer, regions)
+    writer.on_post(_chunk(peer), [Segment(0, 0, MiB)])  # in flight: the fence must destroy its engine
+    held = writer.channel(peer).engine
     assert writer.on_fence() is False
+    assert writer.on_fence() is False  # still held
     del held
-    assert writer.on_fence() is True  # nothing else holds the new one
+    assert writer.on_fence() is True
 
 
-def test_a_closed_writer_neither_writes_nor_reopens(writer: MooncakeWriter) -> None:
+def test_a_fence_destroys_only_the_engines_that_may_carry_writes(
+    writer: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """Every batch of d0's channel completed: nothing of it can land later, so
+    it keeps its engine (a teardown holds the GIL ~1 s). d1 has a chunk in
+    flight: its engine is destroyed, and the channel opens a new one."""
+    d0, d1 = _connect(writer, regions)
+    tok = writer.on_post(_chunk(d0), [Segment(0, 0, MiB)])
+    assert writer.on_done_barrier(_chunk(d0), tok, time.monotonic() + 10) is Settlement.LANDED
+    writer.on_post(_chunk(d1), [Segment(0, 0, MiB)])
+    ports = _rpc_port(writer, d0), _rpc_port(writer, d1)
+    assert writer.on_fence() is True
+    assert _rpc_port(writer, d0) == ports[0] and writer.channel(d0).opened
+    assert writer.wait_open(d1, 30)
+    assert _rpc_port(writer, d1) not in (None, ports[1])
+    regions[1].array()[:] = 0
+    tok = writer.on_post(_chunk(d1), [Segment(0, 0, MiB)])  # the new engine writes
+    assert writer.on_done_barrier(_chunk(d1), tok, time.monotonic() + 10) is Settlement.LANDED
+
+
+def test_a_closed_writer_neither_writes_nor_reopens(
+    writer: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    (peer, _) = _connect(writer, regions)
     writer.close()
-    chunk = Chunk(room=1, index=0, last=True, rank=0, peer="d", src_pages=(), dst_pages=())
     with pytest.raises(RuntimeError, match="closed"):
-        writer.on_post(chunk, [Segment(0, 0, 4096)])
-    assert writer.on_fence() is True and writer._engine is None
+        writer.on_post(_chunk(peer), [Segment(0, 0, 4096)])
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.connect("late", regions[1].metadata)
+    assert writer.on_fence() is True
+    assert all(c.engine is None and not c.opening for c in writer._channels.values())
