@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -37,6 +38,51 @@ def test_no_chunk_may_follow_the_last_one() -> None:
         with pytest.raises(RuntimeError, match="room 1 is complete at this rank"):
             rank.sender(1).send([1], last=True)  # another sender of the same room
         assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
+    finally:
+        decode.close()
+        rank.close()
+
+
+def _wait(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def test_a_late_clear_or_fail_of_a_concluded_request_leaves_the_reused_room_alone() -> None:
+    """Decode reuses a room id once it took the room's pages. The engine's
+    handle on the first request, cleared (or failed) late, must not forget or
+    fail the second request: its sender would find the room not bootstrapped,
+    and decode would wait for a transfer that never comes. Nor may the old
+    handle send into the new request."""
+    backend = NullBackend()
+    rank = PrefillRank(backend, 0, 16 * 4096, Config())
+    decode = DecodeEndpoint(backend, 16, 4096, [rank.address], Config())
+    try:
+        first = decode.receiver(1, (0, 1))
+        old = rank.sender(1)
+        _wait(lambda: old.poll() >= KVPoll.WAITING_FOR_INPUT, "the first request never reached the rank")
+        old.send([0])
+        old.send([1], last=True)
+        _wait(lambda: first.poll() is KVPoll.SUCCESS, "the first request never succeeded")
+        assert first.finish() == (0, 1)
+        incarnation = rank.ledger.incarnation(1)
+        second = decode.receiver(1, (2, 3))
+        _wait(lambda: rank.ledger.incarnation(1) != incarnation, "the second request never reached the rank")
+
+        old.clear()
+        old.fail("the engine gave up late on its first request")
+        assert rank.ledger.status(1) is KVPoll.WAITING_FOR_INPUT
+        with pytest.raises(RuntimeError, match="requested again"):
+            old._last_sent = False  # even a handle that did not finish may not send into the new request
+            old.send([2])
+        new = rank.sender(1)
+        new.send([2, 3], last=True)
+        _wait(lambda: second.poll() is KVPoll.SUCCESS, "the second request never succeeded")
+        assert second.finish() == (2, 3)
+        new.clear()
+        assert rank.ledger.status(1) is None  # its own handle clears it
     finally:
         decode.close()
         rank.close()

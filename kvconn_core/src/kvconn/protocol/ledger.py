@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 
 import attrs
 
@@ -72,6 +73,8 @@ class _Room:
     expires: float | None = None
     #: In the ledger's expiry heap (at most once: a touched room is not pushed again).
     scheduled: bool = False
+    #: Which entry for this room id: decode reuses ids (see RoomLedger.incarnation).
+    incarnation: int = 0
 
 
 class RoomLedger:
@@ -88,11 +91,20 @@ class RoomLedger:
         self._touched: set[int] = set()
         self._expiry: list[tuple[float, int, int, _Room]] = []  # (expires, seq, room, entry)
         self._seq = 0
+        self._incarnations = itertools.count(1)
 
     # -- queries -----------------------------------------------------------
     def status(self, room: int) -> KVPoll | None:
         entry = self._rooms.get(room)
         return entry.status if entry is not None else None
+
+    def incarnation(self, room: int) -> int | None:
+        """Which entry ``room`` has now (None: none). Decode reuses a room id
+        once the room concluded: the engine's handle on the earlier request
+        names its incarnation, so that a late clear() or fail() of it leaves
+        the new request alone."""
+        entry = self._rooms.get(room)
+        return entry.incarnation if entry is not None else None
 
     def decode_of(self, room: int) -> str:
         entry = self._rooms.get(room)
@@ -126,24 +138,30 @@ class RoomLedger:
             del self._rooms[room]
             entry = None
         if entry is None:
-            entry = self._rooms[room] = _Room()
+            entry = self._rooms[room] = self._new_entry()
         entry.decode = entry.decode or decode
         if entry.status == KVPoll.BOOTSTRAPPING:
             entry.status = KVPoll.WAITING_FOR_INPUT
 
-    def clear(self, room: int) -> None:
-        """The engine is done with ``room``. Counted work keeps the entry (an
-        unknown room is not a quiescent one); a drained room is forgotten."""
+    def clear(self, room: int, incarnation: int | None = None) -> None:
+        """The engine is done with ``room`` (with that incarnation of it, if
+        given). Counted work keeps the entry (an unknown room is not a
+        quiescent one); a drained room is forgotten."""
         entry = self._rooms.get(room)
-        if entry is None:
+        if entry is None or incarnation not in (None, entry.incarnation):
             return
         entry.cleared = True
         self._touched.add(room)
         self._forget_if_idle(room, entry)
 
-    def fail(self, room: int, reason: str) -> list[LedgerAction]:
-        """Prefill-initiated failure (the engine gave up on ``room``)."""
-        entry = self._rooms.setdefault(room, _Room())
+    def fail(self, room: int, reason: str, incarnation: int | None = None) -> list[LedgerAction]:
+        """Prefill-initiated failure (the engine gave up on ``room``, or on
+        that incarnation of it: once it is gone, there is nothing to fail)."""
+        entry = self._rooms.get(room)
+        if incarnation is not None and (entry is None or entry.incarnation != incarnation):
+            return []
+        if entry is None:
+            entry = self._rooms[room] = self._new_entry()
         return self._mark_failed(room, entry, reason) + self._try_ack(room, entry)
 
     # -- the transfer worker's path ----------------------------------------
@@ -159,7 +177,7 @@ class RoomLedger:
         """
         entry = self._rooms.get(room)
         if entry is None:  # unknown here: counted, then skipped
-            entry = self._rooms[room] = _Room(cleared=True)
+            entry = self._rooms[room] = self._new_entry(cleared=True)
         entry.outstanding += 1  # invariant D: before any status check
         if entry.status not in LIVE or entry.cleared:
             return False
@@ -220,7 +238,7 @@ class RoomLedger:
         entry = self._rooms.get(msg.room)
         known = entry is not None and entry.expires is None
         if entry is None:
-            entry = self._rooms[msg.room] = _Room(expires=now + self.tombstone_ttl)
+            entry = self._rooms[msg.room] = self._new_entry(expires=now + self.tombstone_ttl)
         self._mark_failed(msg.room, entry, "aborted by decode", notify=False)
         self._touched.add(msg.room)
         if (msg.decode, msg.generation) not in entry.acked:
@@ -237,7 +255,9 @@ class RoomLedger:
     def poison(self, room: int, reason: str) -> list[LedgerAction]:
         """Something outside the count (a plugin that raised) may have left
         writes behind: fail the room and hold it until a fence."""
-        entry = self._rooms.setdefault(room, _Room())
+        entry = self._rooms.get(room)
+        if entry is None:
+            entry = self._rooms[room] = self._new_entry()
         entry.outstanding += 1
         entry.stuck += 1
         self._poisoned.add(room)
@@ -270,6 +290,9 @@ class RoomLedger:
         return forgotten
 
     # -- internals ---------------------------------------------------------
+    def _new_entry(self, cleared: bool = False, expires: float | None = None) -> _Room:
+        return _Room(cleared=cleared, expires=expires, incarnation=next(self._incarnations))
+
     def _mark_failed(self, room: int, entry: _Room, reason: str, notify: bool = True) -> list[LedgerAction]:
         if entry.status == KVPoll.FAILED:
             return []

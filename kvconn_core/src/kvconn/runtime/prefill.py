@@ -484,7 +484,13 @@ class PrefillRank:
 
 
 class Sender:
-    """The engine's handle on one room at this rank (like SGLang's KVSender)."""
+    """The engine's handle on one room at this rank (like SGLang's KVSender).
+
+    Decode may reuse a room id once the room concluded. A sender belongs to
+    the request it first saw (its ledger incarnation): its late ``clear()``
+    or ``fail()`` leaves a later request for the same id alone, and it sends
+    nothing into one.
+    """
 
     def __init__(self, rank: PrefillRank, room: int) -> None:
         self._rank = rank
@@ -492,10 +498,15 @@ class Sender:
         self._sent = 0
         self._index = 0
         self._last_sent = False
+        self._incarnation: int | None = None
 
     def poll(self) -> KVPoll:
         with self._rank._lock:
             status = self._rank.ledger.status(self.room)
+            if self._incarnation is None and status in LIVE:
+                # A live request: this sender's (a concluded one may be the
+                # previous request's, not yet cleared).
+                self._incarnation = self._rank.ledger.incarnation(self.room)
         return KVPoll.BOOTSTRAPPING if status is None else status
 
     def send(self, src_pages: Sequence[int], last: bool = False) -> None:
@@ -513,8 +524,15 @@ class Sender:
             status = rank.ledger.status(self.room)
             dst_all = rank._dst_pages.get(self.room)
             entry_decode = rank.ledger.decode_of(self.room)
+            incarnation = rank.ledger.incarnation(self.room)
         if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
             raise RuntimeError(f"room {self.room} is not bootstrapped yet (poll() says {self.poll().name})")
+        if self._incarnation is None:
+            self._incarnation = incarnation
+        elif incarnation != self._incarnation:
+            raise RuntimeError(
+                f"room {self.room} was requested again since this sender began: its request is over"
+            )
         if status is KVPoll.SUCCESS:
             # Its last chunk landed and decode was told: the pages are decode's again.
             raise RuntimeError(f"room {self.room} is complete at this rank: no chunk may follow its last")
@@ -542,11 +560,11 @@ class Sender:
     def fail(self, reason: str) -> None:
         """Prefill-initiated failure: tell decode, write nothing more."""
         with self._rank._lock:
-            self._rank._execute(self._rank.ledger.fail(self.room, reason))
+            self._rank._execute(self._rank.ledger.fail(self.room, reason, self._incarnation))
 
     def clear(self) -> None:
         """The engine is done with the room (success or not)."""
         with self._rank._lock:
-            self._rank.ledger.clear(self.room)
+            self._rank.ledger.clear(self.room, self._incarnation)
             if self._rank.ledger.status(self.room) is None:
                 self._rank._dst_pages.pop(self.room, None)
