@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -112,3 +113,57 @@ def test_a_closed_writer_neither_writes_nor_reopens(
         writer.connect("late", regions[1].metadata)
     assert writer.on_fence() is True
     assert all(c.engine is None and not c.opening for c in writer._channels.values())
+
+
+class _RaisingEngine:
+    """An engine whose batch call raises (after, perhaps, queueing part of it)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def transfer_submit_write(self, *args: Any) -> Any:
+        if args[-1] == 0:
+            time.sleep(0.3)  # a slow handshake: the chunk queues meanwhile
+        return self._engine.transfer_submit_write(*args)
+
+    def batch_transfer_async_write(self, *args: Any) -> Any:
+        raise RuntimeError("injected: the engine call raised")
+
+
+def test_a_raising_engine_call_never_lands_a_chunk(
+    writer: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """The chunk waits for the handshake, and the opening thread submits it:
+    the call raises there, after taking the chunk's pieces. The chunk may have
+    been handed over in part: UNSETTLED (before: LANDED, with 0 bytes written),
+    and the fence destroys that engine."""
+    engine, poller = writer._spare or (None, None)
+    assert poller is not None, "needs the batch path"
+    writer._spare = (_RaisingEngine(engine), poller)
+    del engine
+    writer.connect("d", regions[0].metadata)
+    tok = writer.on_post(_chunk("d"), [Segment(0, 0, MiB)])
+    assert writer.on_done_barrier(_chunk("d"), tok, time.monotonic() + 5) is Settlement.UNSETTLED
+    assert writer.channel("d").suspect
+    port = _rpc_port(writer, "d")
+    assert writer.on_fence() is True
+    assert writer.wait_open("d", 30) and _rpc_port(writer, "d") != port
+
+
+def test_a_chunk_in_flight_on_a_replaced_channel_still_settles(
+    writer: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """connect() names another region for a peer: the old channel's chunk in
+    flight is still polled (it landed: LANDED, not a deadline's UNSETTLED), and
+    the next fence destroys the old engine."""
+    (peer,) = _connect(writer, regions[:1])
+    writer.array()[:] = 7
+    regions[0].array()[:] = 0
+    tok = writer.on_post(_chunk(peer), [Segment(0, 0, MiB)])
+    writer.connect(peer, regions[1].metadata)
+    assert writer.on_done_barrier(_chunk(peer), tok, time.monotonic() + 10) is Settlement.LANDED
+    assert (regions[0].array() == 7).all()
+    assert writer.on_fence() is True and not writer._retired and not writer._zombies

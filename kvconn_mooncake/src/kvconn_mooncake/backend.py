@@ -303,6 +303,10 @@ class MooncakeWriter:
             if known is not None:
                 if known.same_region(channel):
                     return
+                for tok in known.queued:  # never submitted there now: they fail
+                    tok.failed = True
+                    tok.pending.clear()
+                known.queued.clear()
                 self._retired.append(known)
             self._channels[peer] = channel
             self._start_opening(channel)
@@ -374,7 +378,7 @@ class MooncakeWriter:
                     "mooncake: no handshake with %s (batch id %s, status %s)", channel.session, bid, rc
                 )
         except Exception as exc:
-            log.warning("mooncake: cannot open a channel to %s: %r", channel.session, exc)
+            log.warning("mooncake: cannot open a channel to %s: %s", channel.session, repr(exc))
         with self._lock:
             channel.opening = False
             if not self._closed:  # else: this engine carried nothing, let it go
@@ -399,15 +403,26 @@ class MooncakeWriter:
         used = channel.inflight_n
         while tok.pending and used < self.options.max_inflight:
             if channel.poller is None:
-                (src,), (dst,), (n,) = tok.pending.take(1)
-                bid = engine.transfer_submit_write(channel.session, src, dst, n)
-                count = 1
+                srcs, dsts, lens = tok.pending.take(1)
             else:
                 srcs, dsts, lens = tok.pending.take(
                     min(self.options.max_inflight - used, self.options.max_batch)
                 )
-                count = len(lens)
-                bid = engine.batch_transfer_async_write(channel.session, srcs, dsts, lens)
+            count = len(lens)
+            try:
+                if channel.poller is None:
+                    bid = engine.transfer_submit_write(channel.session, srcs[0], dsts[0], lens[0])
+                else:
+                    bid = engine.batch_transfer_async_write(channel.session, srcs, dsts, lens)
+            except Exception as exc:
+                # It may have queued part of the batch before it raised: as
+                # good as handed over (never LANDED), and the engine is suspect.
+                log.error("mooncake: a write to %s raised: %s", channel.session, repr(exc))
+                tok.submitted += count
+                channel.suspect = True
+                tok.failed = True
+                tok.pending.clear()
+                break
             if bid in _BAD_IDS:
                 # 2**64-1: the segment could not be opened, nothing was sent. 0 (a
                 # batch): submitTransfer failed, perhaps after enqueueing part of it.
@@ -436,8 +451,24 @@ class MooncakeWriter:
         for channel in self._channels.values():
             if channel.opened:
                 self._progress_channel(channel)
+        for channel in self._retired:
+            if channel.opened:
+                self._poll(channel)  # its chunks in flight settle; nothing more is submitted
 
     def _progress_channel(self, channel: Channel) -> None:
+        self._poll(channel)
+        while channel.queued:
+            tok = channel.queued[0]
+            if tok.abandoned or tok.failed:
+                tok.pending.clear()
+            else:
+                self._submit(channel, tok)
+            if tok.pending:
+                break
+            channel.queued.popleft()
+
+    def _poll(self, channel: Channel) -> None:
+        """Settle the channel's batches that finished, oldest first."""
         done = 0
         while channel.inflight:
             bid, count, tok = channel.inflight[0]
@@ -455,15 +486,6 @@ class MooncakeWriter:
                 tok.failed = True
                 tok.pending.clear()
         channel.inflight_n -= done
-        while channel.queued:
-            tok = channel.queued[0]
-            if tok.abandoned or tok.failed:
-                tok.pending.clear()
-            else:
-                self._submit(channel, tok)
-            if tok.pending:
-                break
-            channel.queued.popleft()
 
     # -- hooks ----------------------------------------------------------------
 
@@ -558,11 +580,15 @@ class MooncakeWriter:
                     tok.abandoned = True
                     tok.pending.clear()
                 channel.queued.clear()
-                if channel.opened and (channel.inflight or channel.suspect or channel in retired):
+                if channel in retired:
+                    if channel.opening:
+                        self._retired.append(channel)  # its engine is adopted later: a later fence takes it
+                    elif channel.engine is not None:
+                        self._zombies.append(self._take_engine(channel))
+                elif channel.opened and (channel.inflight or channel.suspect):
                     self._zombies.append(self._take_engine(channel))
+                    self._start_opening(channel)
             destroyed = self._destroy_zombies()
-            for channel in self._channels.values():
-                self._start_opening(channel)
         self.last_fence_s = time.monotonic() - start
         return destroyed
 
