@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -12,6 +11,7 @@ from kvconn.config import Config
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.cluster import wait_for
 
 
 def test_no_chunk_may_follow_the_last_one() -> None:
@@ -43,13 +43,6 @@ def test_no_chunk_may_follow_the_last_one() -> None:
         rank.close()
 
 
-def _wait(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.001)
-
-
 def test_a_late_clear_or_fail_of_a_concluded_request_leaves_the_reused_room_alone() -> None:
     """Decode reuses a room id once it took the room's pages. The engine's
     handle on the first request, cleared (or failed) late, must not forget or
@@ -62,14 +55,14 @@ def test_a_late_clear_or_fail_of_a_concluded_request_leaves_the_reused_room_alon
     try:
         first = decode.receiver(1, (0, 1))
         old = rank.sender(1)
-        _wait(lambda: old.poll() >= KVPoll.WAITING_FOR_INPUT, "the first request never reached the rank")
+        wait_for(lambda: old.poll() >= KVPoll.WAITING_FOR_INPUT, 10, "the first request at the rank")
         old.send([0])
         old.send([1], last=True)
-        _wait(lambda: first.poll() is KVPoll.SUCCESS, "the first request never succeeded")
+        wait_for(lambda: first.poll() is KVPoll.SUCCESS, 10, "the first request's success")
         assert first.finish() == (0, 1)
         incarnation = rank.ledger.incarnation(1)
         second = decode.receiver(1, (2, 3))
-        _wait(lambda: rank.ledger.incarnation(1) != incarnation, "the second request never reached the rank")
+        wait_for(lambda: rank.ledger.incarnation(1) != incarnation, 10, "the second request at the rank")
 
         old.clear()
         old.fail("the engine gave up late on its first request")
@@ -79,7 +72,7 @@ def test_a_late_clear_or_fail_of_a_concluded_request_leaves_the_reused_room_alon
             old.send([2])
         new = rank.sender(1)
         new.send([2, 3], last=True)
-        _wait(lambda: second.poll() is KVPoll.SUCCESS, "the second request never succeeded")
+        wait_for(lambda: second.poll() is KVPoll.SUCCESS, 10, "the second request's success")
         assert second.finish() == (2, 3)
         new.clear()
         assert rank.ledger.status(1) is None  # its own handle clears it
