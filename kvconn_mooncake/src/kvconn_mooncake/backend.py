@@ -409,24 +409,20 @@ class MooncakeWriter:
                     min(self.options.max_inflight - used, self.options.max_batch)
                 )
             count = len(lens)
+            raised = False
             try:
                 if channel.poller is None:
                     bid = engine.transfer_submit_write(channel.session, srcs[0], dsts[0], lens[0])
                 else:
                     bid = engine.batch_transfer_async_write(channel.session, srcs, dsts, lens)
             except Exception as exc:
-                # It may have queued part of the batch before it raised: as
-                # good as handed over (never LANDED), and the engine is suspect.
                 log.error("mooncake: a write to %s raised: %s", channel.session, repr(exc))
-                tok.submitted += count
-                channel.suspect = True
-                tok.failed = True
-                tok.pending.clear()
-                break
+                bid, raised = 0, True
             if bid in _BAD_IDS:
                 # 2**64-1: the segment could not be opened, nothing was sent. 0 (a
-                # batch): submitTransfer failed, perhaps after enqueueing part of it.
-                if channel.poller is not None and bid == 0:
+                # batch), or a call that raised: it failed, perhaps after queueing
+                # part of it, so it counts as handed over and the engine is suspect.
+                if raised or (channel.poller is not None and bid == 0):
                     tok.submitted += count
                     channel.suspect = True
                 tok.failed = True
