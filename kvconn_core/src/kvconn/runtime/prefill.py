@@ -132,6 +132,9 @@ class PrefillRank:
         #: Named in every HelloAck; decode's requests carry it, so none recorded
         #: from another process at this address is taken.
         self._session = secrets.randbits(63)
+        pid = os.getpid()
+        #: What every HelloAck announces of this process, for decode's exit proof.
+        self._process = (pid_namespace(), pid, proc_stat(pid)[1])
         self._gate = FenceGate()
         self._poisoned_shown = 0
         #: The TCP connections recent fences closed: every fenced ack names
@@ -256,8 +259,7 @@ class PrefillRank:
         except Exception as exc:
             log.warning("refusing bootstrap from %s: %s", msg.decode, exc)
             error = str(exc) or type(exc).__name__
-        pid = os.getpid()
-        ack = HelloAck(self.rank, self.address, pid_namespace(), pid, proc_stat(pid)[1], error, self._session)
+        ack = HelloAck(self.rank, self.address, *self._process, error, self._session)
         self._outbox.send(msg.reply_to, ack)
 
     def _on_abort(self, msg: Abort) -> None:
