@@ -160,6 +160,8 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
         be.open_region(MiB, {"poll_interval": "0.001"})
     with pytest.raises(ValueError, match=r"max_inflight='2000': expected at most 1000"):
         be.capabilities_for({"max_inflight": "2000"})
+    with pytest.raises(ValueError, match=r"max_engines='0'"):
+        be.capabilities_for({"max_engines": "0"})
     assert be.capabilities_for({"max_inflight": "8", "protocol": "TCP"}) == be.capabilities
     monkeypatch.setattr(bs, "_installed_version", lambda: "9.9.9")
     monkeypatch.setattr(bs, "_api", None)

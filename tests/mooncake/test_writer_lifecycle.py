@@ -167,3 +167,93 @@ def test_a_chunk_in_flight_on_a_replaced_channel_still_settles(
     assert writer.on_done_barrier(_chunk(peer), tok, time.monotonic() + 10) is Settlement.LANDED
     assert (regions[0].array() == 7).all()
     assert writer.on_fence() is True and not writer._retired and not writer._zombies
+
+
+@pytest.fixture
+def one_engine() -> Iterator[MooncakeWriter]:
+    """A writer that keeps one engine before channels take each other's."""
+    w = backend.open_writer(MiB, {"max_engines": "1"})
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _lands(writer: MooncakeWriter, peer: str, region: MooncakeRegion, fill: int) -> None:
+    writer.array()[:] = fill
+    tok = writer.on_post(_chunk(peer), [Segment(0, 0, MiB)])
+    assert writer.on_done_barrier(_chunk(peer), tok, time.monotonic() + 30) is Settlement.LANDED
+    assert (region.array() == fill).all()
+
+
+def test_past_max_engines_a_channel_takes_an_idle_channels_engine(
+    one_engine: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """A decode that left would keep its engine (threads, a port) for the
+    writer's lifetime: past ``max_engines`` the next channel takes the least
+    recently used idle one's, and the one it left reopens on its next post."""
+    w = one_engine
+    (d0,) = _connect(w, regions[:1])
+    port = _rpc_port(w, d0)
+    _lands(w, d0, regions[0], 1)
+    w.connect("d1", regions[1].metadata)
+    assert w.wait_open("d1", 30)
+    assert _rpc_port(w, "d1") == port and _rpc_port(w, d0) is None
+    _lands(w, "d1", regions[1], 2)
+    assert (regions[0].array() == 1).all()
+    _lands(w, d0, regions[0], 3)  # d0 reopens on d1's engine, idle again
+    assert _rpc_port(w, d0) == port and _rpc_port(w, "d1") is None
+    assert (regions[1].array() == 2).all()
+
+
+def test_a_replaced_channel_gives_its_idle_engine_first(
+    one_engine: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    w = one_engine
+    (peer,) = _connect(w, regions[:1])
+    port = _rpc_port(w, peer)
+    _lands(w, peer, regions[0], 4)
+    w.connect(peer, regions[1].metadata)  # the decode restarted its region
+    assert w.wait_open(peer, 30) and _rpc_port(w, peer) == port
+    assert not w._retired  # nothing left for a fence to destroy
+    _lands(w, peer, regions[1], 5)
+
+
+def test_an_engine_that_may_carry_writes_is_never_handed_on(
+    one_engine: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """d0's chunk is in flight (not yet polled at a barrier): its engine is
+    not idle, so d1 makes one of its own past the limit, and d0's chunk lands
+    on d0's engine."""
+    w = one_engine
+    (d0,) = _connect(w, regions[:1])
+    port = _rpc_port(w, d0)
+    w.array()[:] = 6
+    tok = w.on_post(_chunk(d0), [Segment(0, 0, MiB)])
+    w.connect("d1", regions[1].metadata)
+    assert w.wait_open("d1", 30)
+    assert _rpc_port(w, d0) == port and _rpc_port(w, "d1") not in (None, port)
+    assert w.on_done_barrier(_chunk(d0), tok, time.monotonic() + 30) is Settlement.LANDED
+    assert (regions[0].array() == 6).all()
+    _lands(w, "d1", regions[1], 7)
+
+
+def test_a_suspect_engine_is_never_handed_on(
+    one_engine: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """A failed batch may have queued part of itself in the engine: only a
+    fence may end that engine, never another channel's writes."""
+    w = one_engine
+    engine, poller = w._spare or (None, None)
+    assert poller is not None, "needs the batch path"
+    w._spare = (_RaisingEngine(engine), poller)
+    del engine
+    w.connect("d0", regions[0].metadata)
+    tok = w.on_post(_chunk("d0"), [Segment(0, 0, MiB)])
+    assert w.on_done_barrier(_chunk("d0"), tok, time.monotonic() + 5) is Settlement.UNSETTLED
+    assert w.channel("d0").suspect
+    w.connect("d1", regions[1].metadata)
+    assert w.wait_open("d1", 30)
+    assert w.channel("d0").engine is not None  # still its own, for the fence
+    assert not isinstance(w.channel("d1").engine, _RaisingEngine)
+    _lands(w, "d1", regions[1], 8)

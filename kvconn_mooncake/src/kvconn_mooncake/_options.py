@@ -22,6 +22,7 @@ OPTIONS = frozenset(
         "poll_interval_s",
         "hot_poll_s",
         "batch_status",
+        "max_engines",
     }
 )
 

@@ -43,6 +43,9 @@ Design (measured on 0.3.13.post1, tcp over loopback):
   flight (closes every connection its late pieces would travel on); its
   channel opens a new one. Channels whose every batch completed keep theirs:
   a teardown takes ~1 s with the GIL held.
+* Past ``max_engines`` a channel that needs an engine takes an idle
+  channel's (nothing of it can land later) instead of making one, so a
+  decode that left does not keep an engine for the writer's lifetime.
 """
 
 from __future__ import annotations
@@ -96,6 +99,10 @@ DEFAULT_POLL_INTERVAL_S = 0.0001  # a longer cap noticed completion late: 78% of
 #: chunk in one process, 64 MiB chunks had taken 62.6 ms spinning against
 #: 52.2 with 2 ms: there the spinner took a core from the engine's copies.)
 DEFAULT_HOT_POLL_S: float | None = None
+#: Engines a writer keeps before a channel that needs one takes an idle
+#: channel's instead: a decode that left (a restart has a new name) would
+#: otherwise keep its engine (~3 threads, a port) for the writer's lifetime.
+DEFAULT_MAX_ENGINES = 64
 _BAD_IDS = (0, 2**64 - 1, -1)
 
 
@@ -111,6 +118,9 @@ class WriterOptions:
     #: settles or its deadline passes), then every poll_interval_s.
     hot_poll_s: float | None
     batch_status: str
+    #: Above this many engines, a channel that needs one takes the least
+    #: recently used idle channel's (see DEFAULT_MAX_ENGINES).
+    max_engines: int
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriterOptions:
@@ -122,6 +132,7 @@ class WriterOptions:
             poll_interval_s=opts.number("poll_interval_s", DEFAULT_POLL_INTERVAL_S, low=0.0),
             hot_poll_s=opts.seconds_or_none("hot_poll_s", DEFAULT_HOT_POLL_S),
             batch_status=opts.choice("batch_status", "auto", BATCH_STATUS_MODES),
+            max_engines=opts.integer("max_engines", DEFAULT_MAX_ENGINES, low=1),
         )
 
 
@@ -218,6 +229,21 @@ class Channel:
     inflight_n: int = 0
     #: Posted chunks with pieces not yet submitted, in posting order.
     queued: collections.deque[Posted] = attrs.field(factory=collections.deque)
+    #: The writer's post count at this channel's last post (least recently
+    #: used idle channels give their engine up first).
+    last_post: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """Its engine carries no write and no handshake: every batch it was
+        given completed, so handing it to another channel moves nothing."""
+        return (
+            self.engine is not None
+            and not self.opening
+            and not self.inflight
+            and not self.queued
+            and not self.suspect
+        )
 
     @classmethod
     def of(cls, metadata: bytes) -> Channel:
@@ -272,6 +298,7 @@ class MooncakeWriter:
         #: them): every fence tries again, and answers True only once none is left.
         self._zombies: list[Any] = []
         self._generation = 0
+        self._posts = 0
         self._closed = False
         self.last_fence_s: float | None = None
         #: Made here, so bad settings fail now: the first channel takes it.
@@ -354,8 +381,34 @@ class MooncakeWriter:
             return
         if channel.engine is None and self._spare is not None:
             (channel.engine, channel.poller), self._spare = self._spare, None
+        if channel.engine is None and self._engines() >= self.options.max_engines:
+            self._adopt_idle_engine(channel)
         channel.opening = True
         threading.Thread(target=self._open, args=(channel,), name="kvconn-mooncake-open", daemon=True).start()
+
+    def _engines(self) -> int:
+        """(With the lock.) Engines alive or being made, bar zombies."""
+        channels = [*self._channels.values(), *self._retired]
+        return sum(c.engine is not None or c.opening for c in channels) + (self._spare is not None)
+
+    def _adopt_idle_engine(self, channel: Channel) -> None:
+        """(With the lock.) Give ``channel`` the engine of the least recently
+        used idle channel, a replaced one first; none idle: it makes its own,
+        so engines are bounded by max_engines or the channels busy at once.
+
+        Nothing of the donor's can land later (every batch completed), so its
+        engine carries only what ``channel`` posts from now on: a fence then
+        treats it as ``channel``'s. Reusing it also spares the rank the ~1 s
+        teardown (GIL held) that destroying it would cost.
+        """
+        idle = [c for c in self._retired if c.idle] or [c for c in self._channels.values() if c.idle]
+        if not idle:
+            return
+        donor = min(idle, key=lambda c: c.last_post)
+        if donor in self._retired:
+            self._retired.remove(donor)
+        channel.poller = donor.poller
+        channel.engine = self._take_engine(donor)
 
     def _open(self, channel: Channel) -> None:
         """An opening thread: make the channel's engine if it has none, then
@@ -499,6 +552,8 @@ class MooncakeWriter:
             tok = Posted(self._generation, channel, Pieces(srcs, dsts, lens), sum(lens))
             if not lens:
                 return tok
+            self._posts += 1
+            channel.last_post = self._posts
             channel.queued.append(tok)  # behind chunks waiting for credits or the handshake
             if channel.opened:
                 self._progress_channel(channel)
