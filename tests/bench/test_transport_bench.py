@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from kvconn.bench.sizes import parse_size
 from kvconn.bench.transport import Shape, check_pages, make_plan, source_pattern
 
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
-    "--shape", "4096x16:scattered", "--shape", "65536",
-    "--bytes-per-run", "262144", "--room-bytes", "65536", "--profile",
+    "--shape", "4KiBx16:scattered", "--shape", "65536",
+    "--bytes-per-run", "256KiB", "--room-bytes", "64 KiB", "--profile",
 ]  # fmt: skip
 
 
@@ -75,11 +76,26 @@ def test_bad_shape_exits_2() -> None:
     assert "shape" in proc.stderr
 
 
+def test_sizes_read_as_the_tables_print_them() -> None:
+    assert [parse_size(t) for t in ("65536", "64KiB", "256 MiB", "1gib", "7 B")] == [
+        65536,
+        65536,
+        256 << 20,
+        1 << 30,
+        7,
+    ]
+    for bad in ("256MB", "1.5MiB", "-1", "", "MiB"):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(bad)
+    assert Shape.parse("4KiBx1024:scattered") == Shape(4096, 1024, True)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--profile"], "the abort bench (no --transport) does not use --profile"),
         (["--transport", "--requests", "5", "--ranks", "3"], "--transport does not use --ranks, --requests"),
+        (["--transport", "--bytes-per-run", "256MB"], "'256MB' is not a size"),
     ],
 )
 def test_an_option_of_the_other_bench_exits_2(argv: list[str], message: str) -> None:

@@ -29,6 +29,7 @@ from rich.table import Table
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import transport as transport_mod
 from kvconn.bench.raw import RawResult, run_raw
+from kvconn.bench.sizes import size_arg
 from kvconn.bench.workload import ModeResult, ModeRun, Workload, plan, stats
 from kvconn.plugins import get_backend
 from kvconn.transport import capabilities_of
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2, help="prefill rank processes")
     p.add_argument("--requests", type=int, default=300, help="requests per mode")
     p.add_argument("--pages", type=int, default=16, help="pages per request")
-    p.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per page (all ranks' shards)")
+    p.add_argument("--page-bytes", type=size_arg, default=64 << 10, help="bytes per page (all ranks' shards)")
     p.add_argument("--chunk-pages", type=int, default=4, help="pages per chunk")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--abort-fraction", type=float, default=0.3, help="decode-initiated aborts")

@@ -57,6 +57,7 @@ from rich.table import Table
 from kvconn.bench import cpu
 from kvconn.bench.child import Child, read_config
 from kvconn.bench.raw import HookRaw, open_raw
+from kvconn.bench.sizes import MiB, format_size, parse_size, size_arg
 from kvconn.bench.stats import median_interval
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
@@ -69,7 +70,6 @@ from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.transport import Settlement, capabilities_of
 
-KiB, MiB = 1 << 10, 1 << 20
 TARGET = 0.95  #: kvconn's bytes/s at least this fraction of raw's
 DEFAULT_SHAPES = ("4096x1024:scattered", "1048576x1", "67108864x1")
 _SHAPE_SHIFT, _RUN_SHIFT = 40, 20
@@ -95,7 +95,7 @@ class Shape:
 
     @property
     def name(self) -> str:
-        size = _size(self.page_bytes)
+        size = format_size(self.page_bytes)
         if self.chunk_pages == 1:
             return f"1 x {size}"
         kind = " scattered" if self.scattered else ""
@@ -109,7 +109,7 @@ class Shape:
             raise ValueError(f"shape {spec!r}: the only flag is ':scattered'")
         page, _, pages = body.lower().partition("x")
         try:
-            shape = cls(int(page), int(pages or 1), flag == "scattered")
+            shape = cls(parse_size(page), int(pages or 1), flag == "scattered")
         except ValueError:
             raise ValueError(f"shape {spec!r} is not PAGE_BYTES[xCHUNK_PAGES][:scattered]") from None
         if shape.page_bytes < 8 or shape.chunk_pages < 1:
@@ -117,11 +117,6 @@ class Shape:
         return shape
 
 
-def _size(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
-        if n >= div and n % div == 0:
-            return f"{n // div} {unit}"
-    return f"{n} B"
 
 
 @attrs.frozen
@@ -662,8 +657,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PAGE_BYTES[xCHUNK_PAGES][:scattered]",
         help=f"chunk shape (repeatable; default {', '.join(DEFAULT_SHAPES)})",
     )
-    g.add_argument("--bytes-per-run", type=int, default=256 * MiB, help="bytes per measurement and shape")
-    g.add_argument("--room-bytes", type=int, default=16 * MiB, help="room size (at least one chunk)")
+    g.add_argument("--bytes-per-run", type=size_arg, default=256 * MiB, help="bytes per measurement and shape")
+    g.add_argument("--room-bytes", type=size_arg, default=16 * MiB, help="room size (at least one chunk)")
     g.add_argument("--inflight", type=int, default=2, help="rooms decode keeps requested at once")
     g.add_argument(
         "--profile",
@@ -805,7 +800,7 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
         lo, hi = r["ratio_interval"]
         t.add_row(
             r["shape"],
-            f"{_size(r['chunk_bytes'] * r['room_chunks'])} / {_size(r['bytes_per_run'])}",
+            f"{format_size(r['chunk_bytes'] * r['room_chunks'])} / {format_size(r['bytes_per_run'])}",
             f"{r['kvconn_gbps']:.3f}  [{min(r['kvconn_gbps_all']):.2f}-{max(r['kvconn_gbps_all']):.2f}]",
             f"{r['raw_gbps']:.3f}  [{min(r['raw_gbps_all']):.2f}-{max(r['raw_gbps_all']):.2f}]",
             f"{r['ratio']:.1%}",
