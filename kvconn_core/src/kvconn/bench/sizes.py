@@ -18,7 +18,9 @@ def parse_size(text: str) -> int:
     """
     m = _SIZE.fullmatch(text.lower())
     if m is None or m.group(2) not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: a whole number of bytes, or of KiB, MiB or GiB (e.g. 256MiB)")
+        raise ValueError(
+            f"{text!r} is not a size: a whole number of bytes, or of KiB, MiB or GiB (e.g. 256MiB)"
+        )
     return int(m.group(1)) * _UNITS[m.group(2)]
 
 

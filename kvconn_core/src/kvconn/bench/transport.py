@@ -117,8 +117,6 @@ class Shape:
         return shape
 
 
-
-
 @attrs.frozen
 class Plan:
     """One shape's rooms: the same for kvconn and raw, in every repetition."""
@@ -657,7 +655,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PAGE_BYTES[xCHUNK_PAGES][:scattered]",
         help=f"chunk shape (repeatable; default {', '.join(DEFAULT_SHAPES)})",
     )
-    g.add_argument("--bytes-per-run", type=size_arg, default=256 * MiB, help="bytes per measurement and shape")
+    g.add_argument(
+        "--bytes-per-run", type=size_arg, default=256 * MiB, help="bytes per measurement and shape"
+    )
     g.add_argument("--room-bytes", type=size_arg, default=16 * MiB, help="room size (at least one chunk)")
     g.add_argument("--inflight", type=int, default=2, help="rooms decode keeps requested at once")
     g.add_argument(
