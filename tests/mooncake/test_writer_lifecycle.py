@@ -157,8 +157,9 @@ def test_a_chunk_in_flight_on_a_replaced_channel_still_settles(
     writer: MooncakeWriter, regions: list[MooncakeRegion]
 ) -> None:
     """connect() names another region for a peer: the old channel's chunk in
-    flight is still polled (it landed: LANDED, not a deadline's UNSETTLED), and
-    the next fence destroys the old engine."""
+    flight is still polled (it landed: LANDED, not a deadline's UNSETTLED).
+    Idle then, its engine outlives a fence (nothing of it can land): kept for
+    the next channel that needs one."""
     (peer,) = _connect(writer, regions[:1])
     writer.array()[:] = 7
     regions[0].array()[:] = 0
@@ -166,7 +167,9 @@ def test_a_chunk_in_flight_on_a_replaced_channel_still_settles(
     writer.connect(peer, regions[1].metadata)
     assert writer.on_done_barrier(_chunk(peer), tok, time.monotonic() + 10) is Settlement.LANDED
     assert (regions[0].array() == 7).all()
-    assert writer.on_fence() is True and not writer._retired and not writer._zombies
+    assert writer.on_fence() is True and not writer._zombies
+    (old,) = writer._retired
+    assert old.engine is not None
 
 
 @pytest.fixture
@@ -204,19 +207,29 @@ def test_past_max_engines_a_channel_takes_an_idle_channels_engine(
     _lands(w, d0, regions[0], 3)  # d0 reopens on d1's engine, idle again
     assert _rpc_port(w, d0) == port and _rpc_port(w, "d1") is None
     assert (regions[1].array() == 2).all()
+    w.on_post(_chunk(d0), [Segment(0, 0, MiB)])  # in flight on the handed-on engine
+    assert w.on_fence() is True  # destroyed: d0's writes are its only ones
+    assert w.wait_open(d0, 30) and _rpc_port(w, d0) not in (None, port)
+    _lands(w, d0, regions[0], 4)
 
 
-def test_a_replaced_channel_gives_its_idle_engine_first(
+def test_a_replaced_channel_hands_on_its_idle_engine(
     one_engine: MooncakeWriter, regions: list[MooncakeRegion]
 ) -> None:
+    """The decode registers a new region after the engine first talked to it
+    (a stale descriptor cached in the engine would fail this write)."""
     w = one_engine
     (peer,) = _connect(w, regions[:1])
     port = _rpc_port(w, peer)
     _lands(w, peer, regions[0], 4)
-    w.connect(peer, regions[1].metadata)  # the decode restarted its region
-    assert w.wait_open(peer, 30) and _rpc_port(w, peer) == port
-    assert not w._retired  # nothing left for a fence to destroy
-    _lands(w, peer, regions[1], 5)
+    later = backend.open_region(MiB, {})
+    try:
+        w.connect(peer, later.metadata)
+        assert w.wait_open(peer, 30) and _rpc_port(w, peer) == port
+        assert not w._retired
+        _lands(w, peer, later, 5)
+    finally:
+        later.close()
 
 
 def test_an_engine_that_may_carry_writes_is_never_handed_on(
@@ -257,3 +270,47 @@ def test_a_suspect_engine_is_never_handed_on(
     assert w.channel("d0").engine is not None  # still its own, for the fence
     assert not isinstance(w.channel("d1").engine, _RaisingEngine)
     _lands(w, "d1", regions[1], 8)
+    assert w.on_fence() is True and not w._zombies  # the fence destroyed it
+    assert not any(isinstance(c.engine, _RaisingEngine) for c in w._channels.values())
+
+
+def test_a_replaced_channel_gives_first_then_the_least_recently_used(regions: list[MooncakeRegion]) -> None:
+    third = backend.open_region(MiB, {})
+    w = backend.open_writer(MiB, {"max_engines": "2"})
+    try:
+        d0, d1 = _connect(w, regions)
+        ports = _rpc_port(w, d0), _rpc_port(w, d1)
+        _lands(w, d0, regions[0], 1)
+        _lands(w, d1, regions[1], 2)  # d0 is now the least recently used
+        w.connect("d2", third.metadata)
+        assert w.wait_open("d2", 30) and _rpc_port(w, "d2") == ports[0]
+        w.connect(d1, regions[0].metadata)  # d1's region replaced: its idle engine goes first,
+        assert w.wait_open(d1, 30)  # though d2 (never posted) is less recently used
+        assert _rpc_port(w, d1) == ports[1] and _rpc_port(w, "d2") == ports[0]
+    finally:
+        w.close()
+        third.close()
+
+
+def test_a_fence_hands_a_replaced_channels_idle_engine_on(regions: list[MooncakeRegion]) -> None:
+    """The fence takes a busy channel's engine, and that channel reopens on
+    the idle engine of a replaced one, which it neither destroys (~1 s, GIL
+    held) nor passes over for a live channel's."""
+    third = backend.open_region(MiB, {})
+    w = backend.open_writer(MiB, {"max_engines": "2"})
+    try:
+        d0, d1 = _connect(w, regions)
+        port0 = _rpc_port(w, d0)
+        _lands(w, d1, regions[1], 1)
+        tok = w.on_post(_chunk(d0), [Segment(0, 0, MiB)])  # in flight: d0 is busy
+        w.connect(d0, third.metadata)  # the old d0 channel is replaced; d1 is idle
+        assert w.wait_open(d0, 30) and _rpc_port(w, d1) is None  # the new d0 took d1's
+        assert len(w._retired) == 1  # busy: not a donor
+        assert w.on_done_barrier(_chunk(d0), tok, time.monotonic() + 30) is Settlement.LANDED
+        w.on_post(_chunk(d0), [Segment(0, 0, MiB)])  # in flight on the new channel
+        assert w.on_fence() is True
+        assert w.wait_open(d0, 30) and _rpc_port(w, d0) == port0 and not w._retired
+        _lands(w, d0, third, 3)
+    finally:
+        w.close()
+        third.close()

@@ -43,9 +43,10 @@ Design (measured on 0.3.13.post1, tcp over loopback):
   flight (closes every connection its late pieces would travel on); its
   channel opens a new one. Channels whose every batch completed keep theirs:
   a teardown takes ~1 s with the GIL held.
-* Past ``max_engines`` a channel that needs an engine takes an idle
-  channel's (nothing of it can land later) instead of making one, so a
-  decode that left does not keep an engine for the writer's lifetime.
+* A channel that needs an engine takes an idle one (nothing of it can land
+  later): a replaced channel's, or past ``max_engines`` the least recently
+  used channel's, so a decode that left does not keep an engine for the
+  writer's lifetime.
 """
 
 from __future__ import annotations
@@ -291,8 +292,8 @@ class MooncakeWriter:
         self.base: int = self._mem.addr
         self._lock = threading.Lock()
         self._channels: dict[str, Channel] = {}
-        #: Channels replaced by a later connect(): their engines may still carry
-        #: writes, so fences destroy them too.
+        #: Channels replaced by a later connect(): polled until their writes
+        #: settle, fenced like the others, and first to hand on an idle engine.
         self._retired: list[Channel] = []
         #: Engines a fence took out but could not destroy (something else held
         #: them): every fence tries again, and answers True only once none is left.
@@ -381,7 +382,7 @@ class MooncakeWriter:
             return
         if channel.engine is None and self._spare is not None:
             (channel.engine, channel.poller), self._spare = self._spare, None
-        if channel.engine is None and self._engines() >= self.options.max_engines:
+        if channel.engine is None:
             self._adopt_idle_engine(channel)
         channel.opening = True
         threading.Thread(target=self._open, args=(channel,), name="kvconn-mooncake-open", daemon=True).start()
@@ -392,16 +393,20 @@ class MooncakeWriter:
         return sum(c.engine is not None or c.opening for c in channels) + (self._spare is not None)
 
     def _adopt_idle_engine(self, channel: Channel) -> None:
-        """(With the lock.) Give ``channel`` the engine of the least recently
-        used idle channel, a replaced one first; none idle: it makes its own,
-        so engines are bounded by max_engines or the channels busy at once.
+        """(With the lock.) Give ``channel`` an idle engine: a replaced
+        channel's (never written again, its engine is a spare), or past
+        ``max_engines`` the least recently used live channel's. None idle: it
+        makes its own, so engines stay bounded by max_engines or by the most
+        channels busy at once.
 
         Nothing of the donor's can land later (every batch completed), so its
         engine carries only what ``channel`` posts from now on: a fence then
         treats it as ``channel``'s. Reusing it also spares the rank the ~1 s
         teardown (GIL held) that destroying it would cost.
         """
-        idle = [c for c in self._retired if c.idle] or [c for c in self._channels.values() if c.idle]
+        idle = [c for c in self._retired if c.idle]
+        if not idle and self._engines() >= self.options.max_engines:
+            idle = [c for c in self._channels.values() if c.idle]
         if not idle:
             return
         donor = min(idle, key=lambda c: c.last_post)
@@ -616,28 +621,31 @@ class MooncakeWriter:
 
         The core calls this with no worker inside on_post / on_done_barrier,
         so no thread is inside an engine call that carried data (an opening
-        thread's engine has carried none) and such an engine has no other
-        reference: ``del`` really destroys it (measured: 0 bytes land after).
-        Its channel opens a new engine at once, on an opening thread.
+        thread's engine carries nothing that can land later) and such an
+        engine has no other reference: ``del`` really destroys it (measured:
+        0 bytes land after). Its channel opens a new engine at once, on an
+        opening thread, once every engine to destroy is taken: an idle one,
+        a replaced channel's first, may be handed to it (``max_engines``).
         """
         if self._protocol != "tcp":
             return None  # not proven there (see MooncakeBackend.capabilities_for)
         start = time.monotonic()
         with self._lock:
             self._generation += 1
-            retired, self._retired = self._retired, []
-            for channel in [*self._channels.values(), *retired]:
+            reopen = []
+            for channel in [*self._channels.values(), *self._retired]:
                 for tok in [tok for _, _, tok in channel.inflight] + list(channel.queued):
                     tok.abandoned = True
                     tok.pending.clear()
                 channel.queued.clear()
-                if channel in retired:
-                    if channel.opening:
-                        self._retired.append(channel)  # its engine is adopted later: a later fence takes it
-                    elif channel.engine is not None:
-                        self._zombies.append(self._take_engine(channel))
-                elif channel.opened and (channel.inflight or channel.suspect):
+                if channel.opened and (channel.inflight or channel.suspect):
                     self._zombies.append(self._take_engine(channel))
+                    reopen.append(channel)
+            # A replaced channel is kept while it has an engine (idle: nothing of
+            # it can land, and the next channel needing one takes it) or opens one.
+            self._retired = [c for c in self._retired if c.engine is not None or c.opening]
+            for channel in reopen:
+                if channel in self._channels.values():
                     self._start_opening(channel)
             destroyed = self._destroy_zombies()
         self.last_fence_s = time.monotonic() - start
