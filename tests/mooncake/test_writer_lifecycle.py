@@ -133,6 +133,19 @@ class _RaisingEngine:
         raise RuntimeError("injected: the engine call raised")
 
 
+def _a_suspect_channel(writer: MooncakeWriter, peer: str, region: MooncakeRegion) -> None:
+    """``peer``'s channel opens on the spare engine, made to raise in its
+    batch call: its first chunk is UNSETTLED and the channel suspect."""
+    engine, poller = writer._spare or (None, None)
+    assert poller is not None, "needs the batch path"
+    writer._spare = (_RaisingEngine(engine), poller)
+    del engine
+    writer.connect(peer, region.metadata)
+    tok = writer.on_post(_chunk(peer), [Segment(0, 0, MiB)])
+    assert writer.on_done_barrier(_chunk(peer), tok, time.monotonic() + 5) is Settlement.UNSETTLED
+    assert writer.channel(peer).suspect
+
+
 def test_a_raising_engine_call_never_lands_a_chunk(
     writer: MooncakeWriter, regions: list[MooncakeRegion]
 ) -> None:
@@ -140,14 +153,7 @@ def test_a_raising_engine_call_never_lands_a_chunk(
     the call raises there, after taking the chunk's pieces. The chunk may have
     been handed over in part: UNSETTLED (before: LANDED, with 0 bytes written),
     and the fence destroys that engine."""
-    engine, poller = writer._spare or (None, None)
-    assert poller is not None, "needs the batch path"
-    writer._spare = (_RaisingEngine(engine), poller)
-    del engine
-    writer.connect("d", regions[0].metadata)
-    tok = writer.on_post(_chunk("d"), [Segment(0, 0, MiB)])
-    assert writer.on_done_barrier(_chunk("d"), tok, time.monotonic() + 5) is Settlement.UNSETTLED
-    assert writer.channel("d").suspect
+    _a_suspect_channel(writer, "d", regions[0])
     port = _rpc_port(writer, "d")
     assert writer.on_fence() is True
     assert writer.wait_open("d", 30) and _rpc_port(writer, "d") != port
@@ -257,14 +263,7 @@ def test_a_suspect_engine_is_never_handed_on(
     """A failed batch may have queued part of itself in the engine: only a
     fence may end that engine, never another channel's writes."""
     w = one_engine
-    engine, poller = w._spare or (None, None)
-    assert poller is not None, "needs the batch path"
-    w._spare = (_RaisingEngine(engine), poller)
-    del engine
-    w.connect("d0", regions[0].metadata)
-    tok = w.on_post(_chunk("d0"), [Segment(0, 0, MiB)])
-    assert w.on_done_barrier(_chunk("d0"), tok, time.monotonic() + 5) is Settlement.UNSETTLED
-    assert w.channel("d0").suspect
+    _a_suspect_channel(w, "d0", regions[0])
     w.connect("d1", regions[1].metadata)
     assert w.wait_open("d1", 30)
     assert w.channel("d0").engine is not None  # still its own, for the fence
