@@ -253,6 +253,13 @@ class Channel:
     def same_region(self, other: Channel) -> bool:
         return (self.session, self.base, self.nbytes) == (other.session, other.base, other.nbytes)
 
+    def fail_queued(self) -> None:
+        """Its queued chunks will never be submitted here: nothing of their
+        queued pieces reached an engine."""
+        for tok in self.queued:
+            tok.fail()
+        self.queued.clear()
+
 
 @attrs.define(eq=False)
 class Posted:
@@ -270,6 +277,22 @@ class Posted:
     @property
     def done(self) -> bool:
         return not self.pending and self.inflight == 0
+
+    def fail(self) -> None:
+        """Nothing more of it is submitted; its barrier answers."""
+        self.failed = True
+        self.pending.clear()
+
+    def abandon(self) -> None:
+        """Its barrier gave up on it (or a fence did): submit nothing more."""
+        self.abandoned = True
+        self.pending.clear()
+
+    def give_up(self) -> Settlement:
+        """The barrier abandons it: settled only if nothing of it ever
+        reached an engine (a failed Mooncake write may still land)."""
+        self.abandon()
+        return Settlement.FAILED_SETTLED if self.submitted == 0 else Settlement.UNSETTLED
 
 
 class MooncakeWriter:
@@ -331,10 +354,7 @@ class MooncakeWriter:
             if known is not None:
                 if known.same_region(channel):
                     return
-                for tok in known.queued:  # never submitted there now: they fail
-                    tok.failed = True
-                    tok.pending.clear()
-                known.queued.clear()
+                known.fail_queued()  # never submitted there now
                 self._retired.append(known)
             self._channels[peer] = channel
             self._start_opening(channel)
@@ -447,10 +467,7 @@ class MooncakeWriter:
                 else:
                     # Nothing of these chunks reached an engine: they fail settled,
                     # and the next post tries the handshake again.
-                    for tok in channel.queued:
-                        tok.failed = True
-                        tok.pending.clear()
-                    channel.queued.clear()
+                    channel.fail_queued()
             # Under the lock: a fence right after must find no reference here.
             del engine, poller
 
@@ -483,8 +500,7 @@ class MooncakeWriter:
                 if raised or (channel.poller is not None and bid == 0):
                     tok.submitted += count
                     channel.suspect = True
-                tok.failed = True
-                tok.pending.clear()
+                tok.fail()
                 break
             channel.inflight.append((bid, count, tok))
             used += count
@@ -537,8 +553,7 @@ class MooncakeWriter:
                 # Its other tasks may still sit in the engine's queue: their
                 # credits come back with the fence, not now.
                 channel.suspect = True
-                tok.failed = True
-                tok.pending.clear()
+                tok.fail()
         channel.inflight_n -= done
 
     # -- hooks ----------------------------------------------------------------
@@ -586,20 +601,12 @@ class MooncakeWriter:
                 if not posted.failed:
                     self._progress()
                 if posted.failed:
-                    posted.abandoned = True
-                    posted.pending.clear()
-                    if posted.submitted == 0:
-                        return Settlement.FAILED_SETTLED  # nothing ever reached the engine
-                    return Settlement.UNSETTLED  # a failed Mooncake write may still land
+                    return posted.give_up()
                 if posted.done:
                     return Settlement.LANDED
                 now = time.monotonic()
                 if now >= deadline:
-                    posted.abandoned = True
-                    posted.pending.clear()
-                    if posted.submitted == 0:
-                        return Settlement.FAILED_SETTLED  # still waiting for a handshake or credits
-                    return Settlement.UNSETTLED
+                    return posted.give_up()  # settled if still waiting for a handshake or credits
                 # Pieces held back by max_inflight are submitted only here:
                 # keep polling hot while any wait, or the engine may idle. A
                 # channel still shaking hands is waited for asleep.
@@ -635,8 +642,7 @@ class MooncakeWriter:
             reopen = []
             for channel in [*self._channels.values(), *self._retired]:
                 for tok in [tok for _, _, tok in channel.inflight] + list(channel.queued):
-                    tok.abandoned = True
-                    tok.pending.clear()
+                    tok.abandon()
                 channel.queued.clear()
                 if channel.opened and (channel.inflight or channel.suspect):
                     self._zombies.append(self._take_engine(channel))
