@@ -219,6 +219,23 @@ def test_past_max_engines_a_channel_takes_an_idle_channels_engine(
     _lands(w, d0, regions[0], 4)
 
 
+def test_past_max_engines_a_hello_takes_no_engine_until_the_first_post(
+    one_engine: MooncakeWriter, regions: list[MooncakeRegion]
+) -> None:
+    """A burst of Hellos past the limit would pass engines around among
+    channels that never write (a handshake each): the channel opens at its
+    first post instead, and until then the live channel keeps its engine."""
+    w = one_engine
+    (d0,) = _connect(w, regions[:1])
+    port = _rpc_port(w, d0)
+    w.connect("d1", regions[1].metadata)
+    assert not w.channel("d1").opening and _rpc_port(w, "d1") is None
+    assert w.channel(d0).opened and _rpc_port(w, d0) == port
+    _lands(w, d0, regions[0], 8)  # no handshake in between: d0 kept its engine
+    _lands(w, "d1", regions[1], 9)  # the first post opens d1 on d0's idle engine
+    assert _rpc_port(w, "d1") == port and _rpc_port(w, d0) is None
+
+
 def test_a_replaced_channel_hands_on_its_idle_engine(
     one_engine: MooncakeWriter, regions: list[MooncakeRegion]
 ) -> None:

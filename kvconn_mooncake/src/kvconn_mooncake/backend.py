@@ -46,7 +46,8 @@ Design (measured on 0.3.13.post1, tcp over loopback):
 * A channel that needs an engine takes an idle one (nothing of it can land
   later): a replaced channel's, or past ``max_engines`` the least recently
   used channel's, so a decode that left does not keep an engine for the
-  writer's lifetime.
+  writer's lifetime. Past ``max_engines`` a new channel opens at its first
+  post, not at ``connect``.
 """
 
 from __future__ import annotations
@@ -344,8 +345,12 @@ class MooncakeWriter:
     # -- channels -------------------------------------------------------------
 
     def connect(self, peer: str, metadata: bytes) -> None:
-        """Open a channel to ``peer``'s region; the handshake starts now, on a
-        thread of its own (the decode that sent the Hello is alive)."""
+        """Open a channel to ``peer``'s region. The handshake starts now, on a
+        thread of its own (the decode that sent the Hello is alive), when an
+        engine is at hand: below ``max_engines``, or a replaced channel's idle
+        one. Past the limit it starts at the channel's first post (or
+        :meth:`wait_open`), so a burst of Hellos does not pass engines around
+        among channels that never write."""
         channel = Channel.of(metadata)
         with self._lock:
             if self._closed:
@@ -357,17 +362,21 @@ class MooncakeWriter:
                 known.fail_queued()  # never submitted there now
                 self._retired.append(known)
             self._channels[peer] = channel
-            self._start_opening(channel)
+            if self._engine_at_hand():
+                self._start_opening(channel)
 
     def channel(self, peer: str) -> Channel:
         with self._lock:
             return self._channels[peer]
 
     def wait_open(self, peer: str, timeout_s: float) -> bool:
-        """Whether ``peer``'s channel opened within ``timeout_s`` (for callers
-        that would rather wait than have the first chunk wait)."""
+        """Open ``peer``'s channel if it is not opening yet; whether it opened
+        within ``timeout_s`` (for callers that would rather wait than have
+        the first chunk wait)."""
         end = time.monotonic() + timeout_s
-        channel = self.channel(peer)
+        with self._lock:
+            channel = self._channels[peer]
+            self._start_opening(channel)
         while not channel.opened:
             if time.monotonic() >= end:
                 return False
@@ -406,6 +415,15 @@ class MooncakeWriter:
             self._adopt_idle_engine(channel)
         channel.opening = True
         threading.Thread(target=self._open, args=(channel,), name="kvconn-mooncake-open", daemon=True).start()
+
+    def _engine_at_hand(self) -> bool:
+        """(With the lock.) Whether a channel could open now without taking a
+        live channel's engine."""
+        return (
+            self._spare is not None
+            or any(c.idle for c in self._retired)
+            or self._engines() < self.options.max_engines
+        )
 
     def _engines(self) -> int:
         """(With the lock.) Engines alive or being made, bar zombies."""
