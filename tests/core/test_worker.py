@@ -38,17 +38,22 @@ class _GatedWriter(NullWriter):
         #: called inside every on_post: what the test wants to see at that moment
         self.probe: Callable[[], object] = lambda: None
         self.probed: list[object] = []
+        #: per chunk: when it was posted, and the deadline its barrier got
+        self.post_at: dict[tuple[int, int], float] = {}
+        self.deadlines: dict[tuple[int, int], float] = {}
 
     @hookimpl
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> object:
         self.probed.append(self.probe())
         if (chunk.room, chunk.index) in self.fail_post:
             raise RuntimeError("injected post failure")
+        self.post_at[chunk.room, chunk.index] = time.monotonic()
         self.posted.put((chunk.room, chunk.index))
         return chunk
 
     @hookimpl
     def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement:
+        self.deadlines[chunk.room, chunk.index] = deadline
         opened = self.gates[chunk.room, chunk.index].wait(max(0.0, deadline - time.monotonic()))
         return Settlement.LANDED if opened else Settlement.UNSETTLED
 
@@ -174,6 +179,27 @@ def test_a_chunk_queued_behind_the_last_one_is_skipped_not_posted(
     )
     assert writer.posted.empty(), "a chunk behind the room's last one was written after SUCCESS"
     assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
+
+
+def test_a_chunk_that_waited_for_a_fence_gets_its_whole_write_budget(
+    world: tuple[PrefillRank, DecodeEndpoint, _GatedWriter],
+) -> None:
+    """A fence holds the gate until every running barrier is over (up to
+    write_timeout_s): a chunk waiting at the gate must not spend its own
+    deadline there, or one frozen peer fails healthy rooms too (found in
+    review, 2026-11-30)."""
+    rank, decode, writer = world
+    held_s = 0.2  # how long the fence holds the gate: a gap to measure, not a timeout
+    with rank._gate.exclusive():
+        _rooms(rank, decode, writer, {1: 1})
+        _until("the chunk to be counted (before the gate)", lambda: _in_flight(rank, 1) == 1)
+        time.sleep(held_s)
+        assert writer.posted.empty()
+    assert writer.posted.get(timeout=WAIT_S) == (1, 0)
+    writer.gates[1, 0].set()
+    _until("room 1 to succeed", lambda: _status(rank, 1) is KVPoll.SUCCESS)
+    budget = writer.deadlines[1, 0] - writer.post_at[1, 0]
+    assert budget > rank.config.write_timeout_s - held_s / 2
 
 
 def test_a_failing_next_post_does_not_lose_the_landed_chunk(

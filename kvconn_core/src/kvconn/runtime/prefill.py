@@ -361,10 +361,13 @@ class PrefillRank:
                 self._chunk_outcomes["skipped"] += 1
                 self._execute(self.ledger.skipped(chunk.room))
             return None
+        self._gate.enter()
         # The deadline covers post and write: a writer frozen inside on_post
         # finds it passed and must not report the chunk landed on a guess.
+        # It starts past the gate: a fence holds the gate until every running
+        # barrier is over, and a chunk waiting there must not spend its own
+        # budget on another peer's trouble.
         deadline = time.monotonic() + self.config.write_timeout_s
-        self._gate.enter()
         try:
             posted = hooks.post(chunk, segments)
             if posted is None:
