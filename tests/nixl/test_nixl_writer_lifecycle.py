@@ -4,6 +4,7 @@ without an agent; the page owner always progresses (found in review,
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,9 +40,7 @@ def pair() -> Iterator[tuple[Any, Any]]:
 
 def _write(writer: Any, peer: str = "decode") -> Settlement:
     chunk = Chunk(room=1, index=0, last=True, rank=0, peer=peer, src_pages=(), dst_pages=())
-    posted = writer.on_post(chunk=chunk, segments=[Segment(0, 0, 4 * MiB)])
-    settled: Settlement = writer.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 10)
-    return settled
+    return _barrier(writer, chunk, writer.on_post(chunk=chunk, segments=[Segment(0, 0, 4 * MiB)]))
 
 
 def test_the_page_owner_progresses_whatever_progress_thread_says(pair: tuple[Any, Any]) -> None:
@@ -57,6 +56,49 @@ def test_a_fence_that_cannot_destroy_the_agent_keeps_the_writer_working(pair: tu
     held = writer._agent
     assert writer.on_fence() is False
     assert writer._agent is held
+    assert _write(writer) is Settlement.LANDED
+    del held
+    assert writer.on_fence() is True
+    assert _write(writer) is Settlement.LANDED
+
+
+def _post(writer: Any) -> tuple[Chunk, Any]:
+    chunk = Chunk(room=2, index=0, last=True, rank=0, peer="decode", src_pages=(), dst_pages=())
+    return chunk, writer.on_post(chunk=chunk, segments=[Segment(0, 0, 4 * MiB)])
+
+
+def _barrier(writer: Any, chunk: Chunk, posted: Any) -> Settlement:
+    settled: Settlement = writer.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 10)
+    return settled
+
+
+def test_a_chunk_posted_before_a_failed_fence_is_not_claimed_settled(pair: tuple[Any, Any]) -> None:
+    """The failed fence dropped its handle but destroyed no agent: the chunk
+    may still write, so its barrier must not say FAILED_SETTLED."""
+    _, writer = pair
+    chunk, posted = _post(writer)
+    held = writer._agent
+    assert writer.on_fence() is False
+    assert _barrier(writer, chunk, posted) is Settlement.UNSETTLED
+    del held
+    assert writer.on_fence() is True
+    assert _write(writer) is Settlement.LANDED
+
+
+def test_the_fence_is_proven_by_the_agent_being_gone_not_by_reference_counts(
+    pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where reference counts read low (CPython 3.14 borrows references), a
+    holder the count misses must still make the fence fail, and the writer
+    must keep writing on a new agent."""
+    _, writer = pair
+    chunk, posted = _post(writer)
+    held = writer._agent.agent
+    monkeypatch.setattr(sys, "getrefcount", lambda _obj: 1)
+    assert writer.on_fence() is False
+    monkeypatch.undo()
+    assert writer._agent is not None and writer._agent.agent is not held
+    assert _barrier(writer, chunk, posted) is Settlement.UNSETTLED
     assert _write(writer) is Settlement.LANDED
     del held
     assert writer.on_fence() is True

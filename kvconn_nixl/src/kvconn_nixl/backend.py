@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -124,6 +125,9 @@ class NixlWriter:
         self._keys = itertools.count()
         self._peers: dict[str, _Peer] = {}
         self._generation = 0
+        #: Posts of a generation below this were on an agent a fence proved
+        #: destroyed; a failed fence moves the generation but not this.
+        self._destroyed_below = 0
         self._disconnect = remote_disconnect_error()
         self._agent: Any = None
         self._reg: Any = None
@@ -207,8 +211,11 @@ class NixlWriter:
             return None  # not ours
         if posted.generation != self._generation:
             # The agent these handles belonged to was destroyed by on_fence:
-            # nothing of them can land any more.
-            return Settlement.FAILED_SETTLED
+            # nothing of them can land any more. (A fence that failed after
+            # dropping the handles proved nothing: they may still write.)
+            if posted.generation < self._destroyed_below:
+                return Settlement.FAILED_SETTLED
+            return Settlement.UNSETTLED
         agent = self._agent
         if posted.keys and time.monotonic() >= deadline:
             # Past the deadline on arrival (e.g. frozen inside on_post): give
@@ -319,13 +326,23 @@ class NixlWriter:
                 self._agent, self._reg = wrapper, reg
                 log.warning("nixl fence: the agent is still referenced elsewhere, so not destroyed")
                 return False
+            # The counts above are CPython's and may differ elsewhere (3.14
+            # borrows references): the proof is the agent itself being gone.
+            agent_left = weakref.ref(binding)
             del wrapper, reg, binding  # ~10-30 ms: UCX closes every endpoint and socket
+            destroyed = agent_left() is None
             self._new_agent()
             for name, peer in self._peers.items():
                 try:
                     self._agent.add_remote_agent(peer.info.agent_md)
                 except Exception as exc:  # a peer gone: the next post to it fails (and fences)
                     log.warning("nixl fence: could not reconnect to %s: %r", name, exc)
+            if not destroyed:
+                # Writing goes on through the new agent; the old one, and
+                # anything it still carries, lives on: no fence.
+                log.warning("nixl fence: the agent outlived its last reference here, so not destroyed")
+                return False
+            self._destroyed_below = self._generation
         self.last_fence_s = time.monotonic() - t0
         return True
 
