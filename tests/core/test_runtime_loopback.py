@@ -80,7 +80,8 @@ def test_listener_survives_and_counts_every_bad_frame(cluster: Cluster) -> None:
     wait_for(lambda: cluster.landed_bytes(pages) > 0, 10, "first bytes")
     rx.abort()
     room_gen = max(cluster.dec.tracker._rooms[5].generations) if cluster.dec.tracker.state(5) else 1
-    good = wire.encode(AbortAck(5, 0, room_gen, False))
+    me, session = cluster.dec.name, cluster.dec.session_of(0)
+    good = wire.encode(AbortAck(5, 0, room_gen, False, me, session))
     frames = {
         "short": b"K",
         "bad_magic": b"XX" + good[2:],
@@ -90,9 +91,12 @@ def test_listener_survives_and_counts_every_bad_frame(cluster: Cluster) -> None:
         "trailing_bytes": good + b"\x00",
     }
     late_duplicate = [
-        wire.encode(AbortAck(5, 0, room_gen + 100, False)),  # a generation never issued
-        wire.encode(AbortAck(999, 0, room_gen, False)),  # a room not held
-        wire.encode(RoomStatus(999, 7, RoomOutcome.FAILED, "stranger")),
+        wire.encode(AbortAck(5, 0, room_gen + 100, False, me, session)),  # a generation never issued
+        wire.encode(AbortAck(999, 0, room_gen, False, me, session)),  # a room not held
+        wire.encode(AbortAck(5, 0, room_gen, False, "decode-elsewhere", session)),  # for another decode
+        wire.encode(AbortAck(5, 0, room_gen, False, me, session ^ 1)),  # another process at rank 0's address
+        wire.encode(RoomStatus(5, 0, RoomOutcome.SUCCESS, "", me, session ^ 1)),
+        wire.encode(RoomStatus(999, 0, RoomOutcome.FAILED, "stranger", me, session)),
     ]
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
@@ -108,6 +112,8 @@ def test_listener_survives_and_counts_every_bad_frame(cluster: Cluster) -> None:
     for reason in frames:
         assert cluster.metric("kvconn_dropped_messages_total", reason=reason) == 1, reason
     assert cluster.metric("kvconn_dropped_messages_total", reason="not_held") >= 1
+    assert cluster.metric("kvconn_dropped_messages_total", reason="other_decode") == 1
+    assert cluster.metric("kvconn_dropped_messages_total", reason="other_session") == 2
     # the real acks still get through afterwards and release room 5 only
     wait_for(lambda: cluster.released(5) is not None, 5, "release of room 5")
     assert [r.room for r in cluster.releases] == [5]

@@ -51,7 +51,7 @@ def test_connections_of_other_hosts_or_gone_are_not_waited_for() -> None:
 
 
 def test_an_ack_carries_its_closed_connections_on_the_wire() -> None:
-    ack = AbortAck(7, 1, 3, True, (TcpConnection("127.0.0.1", 5, "::1", 6),))
+    ack = AbortAck(7, 1, 3, True, "decode-a", 9, (TcpConnection("127.0.0.1", 5, "::1", 6),))
     assert wire.decode(wire.encode(ack, b"k"), b"k") == ack
     assert wire.decode(wire.encode(AbortAck(7, 1, 3, False))).closed == ()
 

@@ -535,13 +535,17 @@ class ConformanceSuite:
             raw.connect(address)
             try:
                 time.sleep(0.2)
-                forged = [AbortAck(FORGED_ROOM, 0, gen, False) for gen in range(0, 6)]  # duplicates
+                me = cluster.endpoint.name
+                s0, s1 = cluster.endpoint.session_of(0), cluster.endpoint.session_of(1)
+                forged = [AbortAck(FORGED_ROOM, 0, gen, False, me, s0) for gen in range(0, 6)]  # duplicates
                 forged += [
-                    AbortAck(FORGED_ROOM, 1, 10**9, False),  # a generation never sent
-                    AbortAck(FORGED_ROOM, 1, 0, True),
-                    AbortAck(FORGED_ROOM, 7, 1, False),  # a rank that does not write the room
-                    AbortAck(early, 1, 1, False),  # a room no longer held
-                    AbortAck(FORGED_ROOM + 1, 1, 1, False),  # a room never held
+                    AbortAck(FORGED_ROOM, 1, 10**9, False, me, s1),  # a generation never sent
+                    AbortAck(FORGED_ROOM, 1, 0, True, me, s1),
+                    AbortAck(FORGED_ROOM, 7, 1, False, me, s1),  # a rank that does not write the room
+                    AbortAck(early, 1, 1, False, me, s1),  # a room no longer held
+                    AbortAck(FORGED_ROOM + 1, 1, 1, False, me, s1),  # a room never held
+                    AbortAck(FORGED_ROOM, 1, 1, False, me, s1 ^ 1),  # another process at rank 1's address
+                    AbortAck(FORGED_ROOM, 1, 1, False, "decode-elsewhere", s1),  # for another decode
                 ]
                 for ack in forged:
                     outbox.send(address, ack)
@@ -564,7 +568,7 @@ class ConformanceSuite:
                 if released_at < resumed:
                     raise ConformanceFailure("S3 violated: released before rank 1 resumed and acked")
                 for gen in range(0, 6):  # late acks of a released room
-                    outbox.send(address, AbortAck(FORGED_ROOM, 1, gen, False))
+                    outbox.send(address, AbortAck(FORGED_ROOM, 1, gen, False, me, s1))
                 # The listener still works: a fresh room completes and its abort releases it.
                 last = cluster.new_room()
                 rx = cluster.receiver(last, cluster.alloc(2))

@@ -80,8 +80,9 @@ class _Room:
 class RoomLedger:
     """Per-rank bookkeeping of rooms, counts and ack targets."""
 
-    def __init__(self, rank: int, tombstone_ttl: float = 600.0) -> None:
+    def __init__(self, rank: int, tombstone_ttl: float = 600.0, session: int = 0) -> None:
         self.rank = rank
+        self.session = session  #: the rank process's, named in every ack and status
         self.tombstone_ttl = tombstone_ttl
         self._rooms: dict[int, _Room] = {}
         self._poisoned: set[int] = set()
@@ -195,7 +196,9 @@ class RoomLedger:
         actions: list[LedgerAction] = []
         if last and entry.status == KVPoll.TRANSFERRING:
             entry.status = KVPoll.SUCCESS
-            actions.append(NotifyDecode(entry.decode, RoomStatus(room, self.rank, RoomOutcome.SUCCESS, "")))
+            actions.append(
+                NotifyDecode(entry.decode, self.room_status(room, entry.decode, RoomOutcome.SUCCESS, ""))
+            )
         return self._settle(room, entry, actions)
 
     def failed(self, room: int, settled: bool, reason: str) -> list[LedgerAction]:
@@ -293,12 +296,18 @@ class RoomLedger:
     def _new_entry(self, cleared: bool = False, expires: float | None = None) -> _Room:
         return _Room(cleared=cleared, expires=expires, incarnation=next(self._incarnations))
 
+    def room_status(self, room: int, decode: str, outcome: RoomOutcome, reason: str) -> RoomStatus:
+        """A status of ``room`` for ``decode``, from this rank process."""
+        return RoomStatus(room, self.rank, outcome, reason, decode, self.session)
+
     def _mark_failed(self, room: int, entry: _Room, reason: str, notify: bool = True) -> list[LedgerAction]:
         if entry.status == KVPoll.FAILED:
             return []
         entry.status = KVPoll.FAILED
         if notify and entry.decode:
-            return [NotifyDecode(entry.decode, RoomStatus(room, self.rank, RoomOutcome.FAILED, reason))]
+            return [
+                NotifyDecode(entry.decode, self.room_status(room, entry.decode, RoomOutcome.FAILED, reason))
+            ]
         return []
 
     def _settle(self, room: int, entry: _Room, actions: list[LedgerAction]) -> list[LedgerAction]:
@@ -313,7 +322,8 @@ class RoomLedger:
         actions: list[LedgerAction] = []
         for decode, (reply_to, generation) in entry.targets.items():
             entry.acked.add((decode, generation))
-            actions.append(SendAck(reply_to, AbortAck(room, self.rank, generation, entry.fenced)))
+            ack = AbortAck(room, self.rank, generation, entry.fenced, decode, self.session)
+            actions.append(SendAck(reply_to, ack))
         entry.targets.clear()
         return actions
 

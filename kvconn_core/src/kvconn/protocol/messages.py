@@ -104,24 +104,36 @@ class AbortAck:
     not take back the bytes already sent on it: decode counts the ack only
     once its own end of each has drained (a frozen decode resumes with
     megabytes in its socket buffers).
+
+    ``decode`` (the name of the endpoint that sent the ABORT) and ``session``
+    (the rank process's, from its HelloAck) say whom it is for and from
+    whom: a process that took over the rank's address, or the same address's
+    earlier decode, never writes for this decode, and its ack proves nothing
+    here. Decode drops an ack that does not match both.
     """
 
     room: int
     rank: int
     generation: int
     fenced: bool
+    decode: str = ""
+    session: int = 0
     closed: tuple[TcpConnection, ...] = ()
 
 
 @attrs.frozen(slots=True)
 class RoomStatus:
     """Prefill rank -> decode: the rank finished ``room`` (every chunk landed)
-    or failed it (prefill-initiated failure, so decode need not wait)."""
+    or failed it (prefill-initiated failure, so decode need not wait).
+    ``decode`` and ``session`` as in :class:`AbortAck`: an earlier decode's
+    SUCCESS for a reused room id must not hand this decode's pages out."""
 
     room: int
     rank: int
     outcome: RoomOutcome
     reason: str
+    decode: str = ""
+    session: int = 0
 
 
 Message = Hello | HelloAck | TransferRequest | Abort | AbortAck | RoomStatus

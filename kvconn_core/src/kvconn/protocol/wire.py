@@ -33,7 +33,7 @@ from kvconn.protocol.messages import (
 )
 
 MAGIC = b"KV"
-VERSION = 3
+VERSION = 4
 MAX_FRAME = 4 << 20
 MAX_PAGES = 1 << 20
 MAX_CONNECTIONS = 1 << 16
@@ -50,8 +50,8 @@ _SCHEMA: dict[type[Message], str] = {
     HelloAck: "ussuusu",
     TransferRequest: "uspuu",
     Abort: "uuss",
-    AbortAck: "uuu?c",
-    RoomStatus: "uuos",
+    AbortAck: "uuu?suc",
+    RoomStatus: "uuossu",
 }
 _BY_TAG: dict[int, type[Message]] = {int(tag): cls for cls, tag in TAGS.items()}
 

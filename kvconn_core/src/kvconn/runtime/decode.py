@@ -176,6 +176,12 @@ class DecodeEndpoint:
     def ranks(self) -> frozenset[int]:
         return frozenset(self._writers)
 
+    def session_of(self, rank: int) -> int:
+        """The session of the rank process this endpoint bootstrapped with:
+        acks and statuses that name another are dropped."""
+        with self._lock:
+            return self._writers[rank].session
+
     # -- engine API --------------------------------------------------------
     def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
         """Ask every rank (or ``ranks``) to write ``room`` into ``pages``."""
@@ -261,6 +267,8 @@ class DecodeEndpoint:
         self.metrics.messages.labels(type(msg).__name__).inc()
         now = self.clock()
         with self._lock:
+            if isinstance(msg, AbortAck | RoomStatus) and not self._for_us(msg):
+                return
             if isinstance(msg, AbortAck):
                 if msg.closed and undrained(msg.closed):
                     self._hold_back(msg)
@@ -284,6 +292,22 @@ class DecodeEndpoint:
                 return
             releases = self._execute(actions)
         self._notify(releases)
+
+    def _for_us(self, msg: AbortAck | RoomStatus) -> bool:
+        """(With the lock.) Whether ``msg`` is for this endpoint, from the rank
+        process it bootstrapped with. Another process at that rank's address
+        (a restart) never wrote for us: its ack would skip the proof our own
+        writer owes (its exit, with its connections drained). An earlier
+        decode at our address had rooms of the same ids: its SUCCESS would
+        hand out pages a request of ours is about to write."""
+        writer = self._writers.get(msg.rank)
+        if msg.decode != self.name:
+            self._count_drop("other_decode")
+            return False
+        if writer is None or msg.session != writer.session:
+            self._count_drop("other_session")
+            return False
+        return True
 
     def _on_hello_ack(self, msg: HelloAck) -> None:
         # called with the lock held

@@ -30,7 +30,6 @@ from kvconn.protocol.messages import (
     HelloAck,
     Message,
     RoomOutcome,
-    RoomStatus,
     TcpConnection,
     TransferRequest,
 )
@@ -127,11 +126,12 @@ class PrefillRank:
         self.capabilities = capabilities_of(backend, self.config.backend_options)
         self.clock = clock
         self.metrics = Metrics("prefill")
-        self.ledger = RoomLedger(rank, self.config.tombstone_ttl_s)
-        self._lock = threading.Lock()
         #: Named in every HelloAck; decode's requests carry it, so none recorded
-        #: from another process at this address is taken.
+        #: from another process at this address is taken, and every ack and
+        #: status names it, so decode takes none from another process either.
         self._session = secrets.randbits(63)
+        self.ledger = RoomLedger(rank, self.config.tombstone_ttl_s, self._session)
+        self._lock = threading.Lock()
         pid = os.getpid()
         #: What every HelloAck announces of this process, for decode's exit proof.
         self._process = (pid_namespace(), pid, proc_stat(pid)[1])
@@ -209,7 +209,7 @@ class PrefillRank:
                     # send it again; say so, or this decode waits for nothing.
                     self._count_drop("room_in_use")
                     reason = "room id in use by another decode at this rank"
-                    refused = RoomStatus(msg.room, self.rank, RoomOutcome.FAILED, reason)
+                    refused = self.ledger.room_status(msg.room, msg.decode, RoomOutcome.FAILED, reason)
                     self._outbox.send(self._peers[msg.decode].reply_to, refused)
                     return
                 if status is None or status is KVPoll.SUCCESS:
@@ -224,7 +224,7 @@ class PrefillRank:
                     # Failed or tombstoned here: it will write nothing, say so, or
                     # decode waits for a transfer that never comes.
                     reason = "room is failed or tombstoned at this rank (aborted, or its id reused too soon)"
-                    failed = RoomStatus(msg.room, self.rank, RoomOutcome.FAILED, reason)
+                    failed = self.ledger.room_status(msg.room, msg.decode, RoomOutcome.FAILED, reason)
                     self._outbox.send(self._peers[msg.decode].reply_to, failed)
             if self.on_request is not None:
                 self.on_request(msg.room, len(msg.dst_pages))
@@ -275,7 +275,7 @@ class PrefillRank:
                 # Room ids are global at a rank: another decode's abort failed
                 # this decode's room. Say so, or it waits for its deadline.
                 reason = "aborted by another decode using the same room id"
-                failed = RoomStatus(msg.room, self.rank, RoomOutcome.FAILED, reason)
+                failed = self.ledger.room_status(msg.room, owner, RoomOutcome.FAILED, reason)
                 self._outbox.send(self._peers[owner].reply_to, failed)
         try:
             self.pm.hook.on_abort_notification(abort=msg, known=known)

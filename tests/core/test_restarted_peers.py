@@ -1,0 +1,127 @@
+"""A process that takes over a peer's address is not that peer (found in
+review, 2026-11-30). A rank restarted at its address never wrote for this
+decode: its ack must not release pages the old process may still reach. A
+decode restarted at its address reuses room ids: the earlier decode's
+SUCCESS must not hand out pages a request of the new one is about to get."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+import zmq
+
+from kvconn.bench.overhead import NullBackend
+from kvconn.config import Config
+from kvconn.protocol.hold import Release
+from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.messages import Message, TransferRequest
+from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.cluster import wait_for
+
+WAIT_S = 10.0
+T = TypeVar("T")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _at_the_same_address(make: Callable[[], T]) -> T:
+    """ZMQ closes a socket on a thread of its own: the address frees a moment
+    after close() returns."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def closing() -> Iterator[list[PrefillRank | DecodeEndpoint]]:
+    opened: list[PrefillRank | DecodeEndpoint] = []
+    try:
+        yield opened
+    finally:
+        for endpoint in reversed(opened):
+            endpoint.close()
+
+
+def _dropped(decode: DecodeEndpoint, reason: str) -> float:
+    return decode.metrics.value("kvconn_dropped_messages_total", reason=reason)
+
+
+def test_an_ack_from_a_process_restarted_at_the_ranks_address_releases_nothing(
+    closing: list[PrefillRank | DecodeEndpoint],
+) -> None:
+    config = Config(port=_free_port(), write_timeout_s=0.5, abort_timeout_s=30.0)
+    rank = PrefillRank(NullBackend(), 0, 16 * 4096, config)  # its engine never sends: room 7 stays open
+    released: list[Release] = []
+    decode = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], Config(), on_release=released.append)
+    closing += [decode]
+    rx = decode.receiver(7, (3, 4))
+    wait_for(lambda: rank.sender(7).poll() is KVPoll.WAITING_FOR_INPUT, WAIT_S, "room 7 at the rank")
+    rank.close()  # this process lives on (no exit proof), its address is free
+    restarted = _at_the_same_address(lambda: PrefillRank(NullBackend(), 0, 16 * 4096, config))
+    closing += [restarted]
+    assert restarted.address == rank.address
+    rx.abort()  # the restarted process never saw room 7: it tombstones it and acks
+    wait_for(
+        lambda: bool(released) or _dropped(decode, "other_session") >= 1,
+        WAIT_S,
+        "the restarted process's ack",
+    )
+    assert released == []
+    assert rx.state() is not None  # still held by decode (quarantined at its deadline, never freed)
+
+
+def test_an_earlier_decodes_status_for_a_reused_room_id_is_not_taken(
+    closing: list[PrefillRank | DecodeEndpoint],
+) -> None:
+    rank = PrefillRank(NullBackend(), 0, 16 * 4096, Config())
+    closing += [rank]
+    # The rank takes the new decode's request only once the test says so: its
+    # SUCCESS for the earlier decode's room reaches the new decode first.
+    new_name: list[str] = []
+    take_request = threading.Event()
+    handle = rank._listener._handler
+
+    def held(msg: Message) -> None:
+        if isinstance(msg, TransferRequest) and msg.decode in new_name:
+            take_request.wait(WAIT_S)
+        handle(msg)
+
+    rank._listener._handler = held
+    decode_config = Config(port=_free_port())
+    first = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], decode_config)
+    first.receiver(9, (1, 2))
+    wait_for(lambda: rank.sender(9).poll() is KVPoll.WAITING_FOR_INPUT, WAIT_S, "room 9 at the rank")
+    first_sender = rank.sender(9)
+    first.close()  # dies with room 9 open
+    second = _at_the_same_address(
+        lambda: DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], decode_config)
+    )
+    closing += [second]
+    new_name.append(second.name)
+    try:
+        rx = second.receiver(9, (7, 8))  # the same room id, other pages
+        first_sender.send([0, 1], last=True)  # the earlier room lands: SUCCESS goes to this address
+        wait_for(
+            lambda: rx.poll() is KVPoll.SUCCESS or _dropped(second, "other_decode") >= 1,
+            WAIT_S,
+            "the earlier decode's status",
+        )
+        assert rx.poll() is not KVPoll.SUCCESS
+    finally:
+        take_request.set()
