@@ -18,9 +18,10 @@ import zmq
 
 from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
+from kvconn.protocol import wire
 from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import KVPoll
-from kvconn.protocol.messages import Message, TransferRequest
+from kvconn.protocol.messages import HelloAck, Message, TransferRequest
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.cluster import wait_for
@@ -125,3 +126,17 @@ def test_an_earlier_decodes_status_for_a_reused_room_id_is_not_taken(
         assert rx.poll() is not KVPoll.SUCCESS
     finally:
         take_request.set()
+
+
+def test_a_hello_ack_after_bootstrap_adds_no_rank(closing: list[PrefillRank | DecodeEndpoint]) -> None:
+    """A rank id that answers after bootstrap (a restarted process, a stray
+    reply) would make every later room wait for an ack nobody sends."""
+    rank = PrefillRank(NullBackend(), 0, 16 * 4096, Config())
+    closing += [rank]
+    decode = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], Config())
+    closing += [decode]
+    decode._listener.deliver(wire.encode(HelloAck(5, rank.address, "", 1, 1, "", 123)))
+    assert _dropped(decode, "hello_ack_changed") == 1
+    assert decode.ranks == {0}
+    decode.receiver(8, (5,))
+    assert decode.tracker.ranks_of(8) == {0}

@@ -218,12 +218,12 @@ def test_forged_and_unkeyed_frames_are_dropped_and_counted() -> None:
         assert c.metric("kvconn_dropped_messages_total", reason="bad_mac") == n
         assert c.metric("kvconn_acks_received_total") == 0
         assert rx.state() is HoldState.HELD
-        # a key holder claiming a rank this room was never bootstrapped with
+        # a key holder claiming a rank decode was never bootstrapped with
         insider = Outbox(key)
-        insider.send(c.dec.address, AbortAck(7000, 7, gens[0], False))
+        insider.send(c.dec.address, AbortAck(7000, 7, gens[0], False, c.dec.name, c.dec.session_of(0)))
         insider.close()
         wait_for(
-            lambda: c.metric("kvconn_dropped_messages_total", reason="stranger_rank") == 1, 5, "stranger"
+            lambda: c.metric("kvconn_dropped_messages_total", reason="other_session") == 1, 5, "stranger"
         )
         assert rx.state() is HoldState.HELD
         # unkeyed and wrong-key ABORTs to a prefill rank are dropped there too

@@ -61,9 +61,11 @@ messages: st.SearchStrategy[Message] = st.one_of(
         u64,
         u64,
         st.booleans(),
+        text,
+        u64,
         st.lists(st.builds(TcpConnection, text, u32, text, u32), max_size=4).map(tuple),
     ),
-    st.builds(RoomStatus, u64, u64, st.sampled_from(list(RoomOutcome)), text),
+    st.builds(RoomStatus, u64, u64, st.sampled_from(list(RoomOutcome)), text, text, u64),
 )
 
 

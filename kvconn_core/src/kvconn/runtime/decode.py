@@ -138,6 +138,8 @@ class DecodeEndpoint:
         self._request_lock = threading.Lock()
         self._request_seq = 0
         self._writers: dict[int, WriterIdentity] = {}
+        #: The ranks, fixed once bootstrap is over: a later HelloAck adds none.
+        self._ranks: frozenset[int] = frozenset()
         self._refusals: dict[str, str] = {}
         self._bootstrapped = threading.Condition(self._lock)
         self._succeeded: set[int] = set()
@@ -174,7 +176,7 @@ class DecodeEndpoint:
 
     @property
     def ranks(self) -> frozenset[int]:
-        return frozenset(self._writers)
+        return self._ranks
 
     def session_of(self, rank: int) -> int:
         """The session of the rank process this endpoint bootstrapped with:
@@ -261,6 +263,7 @@ class DecodeEndpoint:
                 raise BootstrapError(
                     f"ranks {sorted(self._writers)} answered, expected 0..{len(addresses) - 1}"
                 )
+            self._ranks = frozenset(self._writers)
 
     # -- control plane -----------------------------------------------------
     def _on_message(self, msg: Message) -> None:
@@ -314,7 +317,11 @@ class DecodeEndpoint:
         if msg.address not in self._addresses:
             self._count_drop("stranger_hello")
             return
-        if msg.error:
+        if self._ranks and msg.rank not in self._ranks:
+            # Bootstrap is over: a new rank id (from an address that is
+            # another rank's) would make every room wait for its ack.
+            self._count_drop("hello_ack_changed")
+        elif msg.error:
             self._refusals[msg.address] = msg.error
         elif msg.rank in self._writers and self._writers[msg.rank].address != msg.address:
             self._refusals[msg.address] = f"rank {msg.rank} also claimed by {self._writers[msg.rank].address}"
