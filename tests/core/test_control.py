@@ -3,7 +3,6 @@ in tests/fuzz/test_wire_fuzz.py) and the outbox."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Mapping
 
@@ -17,6 +16,7 @@ from kvconn.protocol.messages import Abort, RoomOutcome, RoomStatus
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.cluster import free_port
 
 
 def test_listener_sleeps_through_sub_millisecond_waits() -> None:
@@ -40,13 +40,6 @@ def test_listener_sleeps_through_sub_millisecond_waits() -> None:
     assert 0 < calls <= 400, calls
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_outbox_drops_and_counts_instead_of_raising_or_blocking() -> None:
     """Its callers hold the endpoint's lock: a bad address or a peer that
     stopped reading must neither raise nor block there."""
@@ -58,7 +51,7 @@ def test_outbox_drops_and_counts_instead_of_raising_or_blocking() -> None:
         assert outbox.send("not an endpoint", status) is False
         assert dropped == ["unsendable_address"]
         # Nobody listens there: frames queue up to the limit, then drop.
-        silent = f"tcp://127.0.0.1:{_free_port()}"
+        silent = f"tcp://127.0.0.1:{free_port()}"
         sent = [outbox.send(silent, status) for _ in range(64)]
         assert sent[0] and not sent[-1]
         assert 8 <= sent.count(True) < 64

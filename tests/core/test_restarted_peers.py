@@ -7,7 +7,6 @@ SUCCESS must not hand out pages a request of the new one is about to get."""
 from __future__ import annotations
 
 import errno
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,16 +23,10 @@ from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import HelloAck, Message, TransferRequest
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import wait_for
+from kvconn.testing.cluster import free_port, wait_for
 
 WAIT_S = 10.0
 T = TypeVar("T")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _at_the_same_address(make: Callable[[], T]) -> T:
@@ -66,7 +59,7 @@ def _dropped(decode: DecodeEndpoint, reason: str) -> float:
 def test_an_ack_from_a_process_restarted_at_the_ranks_address_releases_nothing(
     closing: list[PrefillRank | DecodeEndpoint],
 ) -> None:
-    config = Config(port=_free_port(), write_timeout_s=0.5, abort_timeout_s=30.0)
+    config = Config(port=free_port(), write_timeout_s=0.5, abort_timeout_s=30.0)
     rank = PrefillRank(NullBackend(), 0, 16 * 4096, config)  # its engine never sends: room 7 stays open
     released: list[Release] = []
     decode = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], Config(), on_release=released.append)
@@ -104,7 +97,7 @@ def test_an_earlier_decodes_status_for_a_reused_room_id_is_not_taken(
         handle(msg)
 
     rank._listener._handler = held
-    decode_config = Config(port=_free_port())
+    decode_config = Config(port=free_port())
     first = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], decode_config)
     first.receiver(9, (1, 2))
     wait_for(lambda: rank.sender(9).poll() is KVPoll.WAITING_FOR_INPUT, WAIT_S, "room 9 at the rank")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +35,14 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") 
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
     return time.monotonic() - t0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 class Rank:
