@@ -324,7 +324,7 @@ def steps(
 
             def clear(w: World, r: int = r) -> None:
                 w.ranks[r].cleared = True
-                w.ranks[r].ledger.clear(ROOM)
+                _ack_out(w, r, list(w.ranks[r].ledger.clear(ROOM)))
 
             yield f"r{r}:clear", clear
         if rank.inbox:

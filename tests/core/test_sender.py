@@ -21,7 +21,7 @@ def test_no_chunk_may_follow_the_last_one() -> None:
     rank = PrefillRank(backend, 0, 16 * 4096, Config())
     decode = DecodeEndpoint(backend, 16, 4096, [rank.address], Config())
     try:
-        decode.receiver(1, (0, 1))
+        decode.receiver(1, (0,))
         sender = rank.sender(1)
         with pytest.raises(RuntimeError, match="not bootstrapped yet"):
             rank.sender(2).send([0])
@@ -35,7 +35,7 @@ def test_no_chunk_may_follow_the_last_one() -> None:
         while sender.poll() is not KVPoll.SUCCESS:
             assert time.monotonic() < deadline, "the room never succeeded"
             time.sleep(0.001)
-        with pytest.raises(RuntimeError, match="room 1 is complete at this rank"):
+        with pytest.raises(RuntimeError, match="room 1: complete at this rank"):
             rank.sender(1).send([1], last=True)  # another sender of the same room
         assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 1.0
     finally:

@@ -34,6 +34,9 @@ class Config:
     #: Whether prefill ranks send ABORT_ACK at all (off = timeout-only legacy).
     acks_enabled: bool = True
     workers: int = 1
+    #: Decode refuses a request whose pages belong to another room not yet
+    #: finished or released (one byte per page, one pass over the pages).
+    check_pages: bool = True
     host: str = "127.0.0.1"
     port: int = 0
     #: Shared deployment key: every control frame carries an HMAC-SHA256.

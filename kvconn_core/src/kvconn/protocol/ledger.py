@@ -107,6 +107,13 @@ class RoomLedger:
         entry = self._rooms.get(room)
         return entry.incarnation if entry is not None else None
 
+    def entry(self, room: int) -> RoomEntry | None:
+        """The entry ``room`` has now, for a handle to keep (read it under the
+        caller's lock, never change it). Once the ledger replaces or forgets
+        it, it keeps the status it ended with: how a handle on an earlier
+        request learns its outcome without seeing the newer request's."""
+        return self._rooms.get(room)
+
     def decode_of(self, room: int) -> str:
         entry = self._rooms.get(room)
         return entry.decode if entry is not None else ""
@@ -144,16 +151,22 @@ class RoomLedger:
         if entry.status == KVPoll.BOOTSTRAPPING:
             entry.status = KVPoll.WAITING_FOR_INPUT
 
-    def clear(self, room: int, incarnation: int | None = None) -> None:
+    def clear(self, room: int, incarnation: int | None = None) -> list[LedgerAction]:
         """The engine is done with ``room`` (with that incarnation of it, if
         given). Counted work keeps the entry (an unknown room is not a
-        quiescent one); a drained room is forgotten."""
+        quiescent one); a drained room is forgotten.
+
+        A room still live (requested, its last chunk not landed) fails first,
+        and decode is told: its queued chunks are skipped from now on, and
+        decode would otherwise wait for them."""
         entry = self._rooms.get(room)
         if entry is None or incarnation not in (None, entry.incarnation):
-            return
+            return []
+        actions: list[LedgerAction] = []
+        if entry.status in LIVE:
+            actions = self._mark_failed(room, entry, "cleared by the prefill engine before its last chunk")
         entry.cleared = True
-        self._touched.add(room)
-        self._forget_if_idle(room, entry)
+        return self._settle(room, entry, actions)
 
     def fail(self, room: int, reason: str, incarnation: int | None = None) -> list[LedgerAction]:
         """Prefill-initiated failure (the engine gave up on ``room``, or on
@@ -332,6 +345,10 @@ class RoomLedger:
         # acked twice, and a late transfer request must find it Failed.
         if entry.cleared and _idle(entry) and not entry.acked and entry.expires is None:
             del self._rooms[room]
+
+
+#: A ledger entry as handles see it (read-only, see :meth:`RoomLedger.entry`).
+RoomEntry = _Room
 
 
 def _idle(entry: _Room) -> bool:

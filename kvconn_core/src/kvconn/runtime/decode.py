@@ -11,11 +11,13 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import attrs
 
 from kvconn.config import Config
+from kvconn.errors import BootstrapError, PageError, RoomInUseError, RoomStateError
 from kvconn.metrics import Metrics
 from kvconn.protocol.hold import (
     Dropped,
@@ -54,8 +56,25 @@ ReleaseCallback = Callable[[Release], None]
 _UNFREED_REGIONS: list[PageRegion] = []
 
 
-class BootstrapError(RuntimeError):
-    pass
+@attrs.define(slots=True, eq=False)
+class _Request:
+    """One request for a room: what its :class:`Receiver` reports. A room id
+    is reused by later requests; each has its own, and a handle keeps its
+    own after the endpoint forgot it."""
+
+    room: int
+    pages: tuple[int, ...]
+    #: SUCCESS (every rank reported every chunk landed) or FAILED; final.
+    verdict: KVPoll | None = None
+    failure: str | None = None
+    aborted: bool = False
+    finished: bool = False
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+        if self.verdict is None:
+            self.verdict = KVPoll.FAILED
 
 
 @attrs.frozen
@@ -142,8 +161,10 @@ class DecodeEndpoint:
         self._ranks: frozenset[int] = frozenset()
         self._refusals: dict[str, str] = {}
         self._bootstrapped = threading.Condition(self._lock)
-        self._succeeded: set[int] = set()
-        self._failed: dict[int, str] = {}
+        #: The current request of every room the tracker has (open or held).
+        self._requests: dict[int, _Request] = {}
+        #: Pages of tracked rooms (1: in use), when config.check_pages.
+        self._in_use = bytearray(num_pages if self.config.check_pages else 0)
         self._next_exit_check = 0.0
         #: Fenced acks held back until decode's ends of the connections the
         #: fence closed have drained (see runtime/sockets.py).
@@ -186,17 +207,37 @@ class DecodeEndpoint:
 
     # -- engine API --------------------------------------------------------
     def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
-        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``."""
+        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``.
+
+        Refused (nothing sent, nothing tracked) with
+        :class:`~kvconn.errors.PageError` for pages out of range or
+        duplicated, or (``Config.check_pages``) still in use by another room,
+        and with :class:`~kvconn.errors.RoomInUseError` while ``room`` itself
+        is still tracked."""
         ranks = self.ranks if ranks is None else ranks
         if not ranks <= self.ranks:
             raise ValueError(f"unknown ranks {sorted(ranks - self.ranks)}")
         pages = tuple(pages)
-        if any(not 0 <= p < self.num_pages for p in pages):
-            raise ValueError(f"pages outside 0..{self.num_pages - 1}")
+        bad = [p for p in pages if not 0 <= p < self.num_pages]
+        if bad:
+            raise PageError(f"pages {bad[:8]} outside 0..{self.num_pages - 1}", room)
+        if len(set(pages)) != len(pages):
+            twice = sorted(p for p, n in Counter(pages).items() if n > 1)
+            raise PageError(f"pages {twice[:8]} given more than once", room)
         with self._lock:
+            state = self.tracker.state(room)
+            if state is not None:
+                raise RoomInUseError(f"still tracked ({state.value}): its pages are not back yet", room)
+            if self._in_use:
+                taken = [p for p in pages if self._in_use[p]]
+                if taken:
+                    raise PageError(
+                        f"pages {taken[:8]} belong to another room not finished or released yet", room
+                    )
+                for p in pages:
+                    self._in_use[p] = 1
             self.tracker.open(room, pages, ranks)
-            self._succeeded.discard(room)
-            self._failed.pop(room, None)
+            request = self._requests[room] = _Request(room, pages)
         # Numbered and sent under one lock: a rank takes only a request numbered
         # above the last it took, so two engine threads' requests must not
         # overtake each other between numbering and sending.
@@ -205,16 +246,16 @@ class DecodeEndpoint:
             for rank in sorted(ranks):
                 writer = self._writers[rank]
                 self._request_seq += 1
-                request = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
-                if not self._outbox.send(writer.address, request):
+                message = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
+                if not self._outbox.send(writer.address, message):
                     unsent.append(rank)
         if unsent:
             # Nothing re-sends a request, and a room not yet aborted has no
             # deadline: say Failed now, so the engine aborts it (the ranks
             # that did get it ack as ever).
             with self._lock:
-                self._failed.setdefault(room, f"request to ranks {unsent} dropped: send queue full")
-        return Receiver(self, room)
+                request.fail(f"request to ranks {unsent} dropped: send queue full")
+        return Receiver(self, request)
 
     def close(self) -> None:
         """Stop listening. The page region is freed only if no page is held
@@ -280,13 +321,14 @@ class DecodeEndpoint:
                     actions = self._ack(msg, now)
             elif isinstance(msg, RoomStatus):
                 actions = []
-                if msg.rank not in self.tracker.ranks_of(msg.room):
+                request = self._requests.get(msg.room)
+                if msg.rank not in self.tracker.ranks_of(msg.room) or request is None:
                     self._count_drop("stranger_status")
                 elif msg.outcome is RoomOutcome.SUCCESS:
-                    if self.tracker.succeeded(msg.room, msg.rank):
-                        self._succeeded.add(msg.room)
+                    if self.tracker.succeeded(msg.room, msg.rank) and request.verdict is None:
+                        request.verdict = KVPoll.SUCCESS
                 else:
-                    self._failed.setdefault(msg.room, msg.reason)
+                    request.fail(msg.reason)
             elif isinstance(msg, HelloAck):
                 self._on_hello_ack(msg)
                 return
@@ -394,10 +436,40 @@ class DecodeEndpoint:
                 actions += self.tracker.writer_exited(rank, now)
         return actions
 
-    def _abort(self, room: int) -> None:
+    def _abort(self, request: _Request) -> None:
         with self._lock:
-            releases = self._execute(self.tracker.abort(room, self.clock()))
+            if request.aborted or request.finished or self._requests.get(request.room) is not request:
+                return  # its pages are the engine's already, or on their way back
+            request.aborted = True
+            # The engine's own verdict, even over a SUCCESS that raced it: its
+            # pages come back through on_release, never through finish().
+            request.verdict = KVPoll.FAILED
+            releases = self._execute(self.tracker.abort(request.room, self.clock()))
         self._notify(releases)
+
+    def _finish(self, request: _Request) -> tuple[int, ...]:
+        with self._lock:
+            if request.finished:
+                raise RoomStateError("finish() was already called: its pages are the engine's", request.room)
+            if request.aborted:
+                raise RoomStateError("aborted: its pages come back through on_release", request.room)
+            if request.verdict is not KVPoll.SUCCESS or self._requests.get(request.room) is not request:
+                raise RoomStateError(f"not completed (poll() says {self._poll(request).name})", request.room)
+            pages = self.tracker.finish(request.room)
+            request.finished = True
+            self._forget(request.room)
+            return pages
+
+    def _poll(self, request: _Request) -> KVPoll:
+        # called with the lock held
+        return KVPoll.TRANSFERRING if request.verdict is None else request.verdict
+
+    def _forget(self, room: int) -> None:
+        """(With the lock.) The room left the tracker: its pages are free."""
+        request = self._requests.pop(room, None)
+        if request is not None and self._in_use:
+            for p in request.pages:
+                self._in_use[p] = 0
 
     def _execute(self, actions: Sequence[HoldAction]) -> list[Release]:
         """Carry out tracker actions (lock held); releases are returned so the
@@ -411,8 +483,7 @@ class DecodeEndpoint:
                 releases.append(action)
                 # Released rooms leave every table (a serving decode sees millions);
                 # their receivers keep what they need.
-                self._failed.pop(action.room, None)
-                self._succeeded.discard(action.room)
+                self._forget(action.room)
                 proof = action.proof.value
                 self.metrics.releases.labels(proof).inc()
                 self.metrics.released_pages.labels(proof).inc(len(action.pages))
@@ -463,46 +534,52 @@ class DecodeEndpoint:
 
 
 class Receiver:
-    """The engine's handle on one room at decode (like SGLang's KVReceiver)."""
+    """The engine's handle on one request for a room at decode (like
+    SGLang's KVReceiver).
 
-    def __init__(self, endpoint: DecodeEndpoint, room: int) -> None:
+    It belongs to its own request: once the room id is reused by a newer
+    request, this handle's ``abort()`` does nothing, its ``poll()`` keeps its
+    own verdict and its ``finish()`` raises, never acting on the newer one.
+    """
+
+    def __init__(self, endpoint: DecodeEndpoint, request: _Request) -> None:
         self._endpoint = endpoint
-        self.room = room
-        self._aborted = False
-        self._failure: str | None = None
+        self._request = request
+        self.room = request.room
 
     def poll(self) -> KVPoll:
-        if self._aborted:
-            return KVPoll.FAILED
-        ep = self._endpoint
-        with ep._lock:
-            if self.room in ep._failed:
-                return KVPoll.FAILED
-            if self.room in ep._succeeded:
-                return KVPoll.SUCCESS
-            return KVPoll.TRANSFERRING
+        """TRANSFERRING until every rank reported every chunk landed
+        (SUCCESS) or the room failed (FAILED); then that, for good, except
+        that abort() makes it FAILED (for good)."""
+        with self._endpoint._lock:
+            return self._endpoint._poll(self._request)
 
     def failure(self) -> str | None:
+        """Why the room failed, as a rank or this endpoint said (None: no
+        reason given, or not failed)."""
         with self._endpoint._lock:
-            return self._endpoint._failed.get(self.room, self._failure)
+            return self._request.failure
 
     def abort(self) -> None:
         """Give the room up. Its pages come back through ``on_release`` once
-        proven free (at once if every rank already completed)."""
-        with self._endpoint._lock:
-            self._failure = self._endpoint._failed.get(self.room)  # forgotten there at release
-        self._aborted = True
-        self._endpoint._abort(self.room)
+        proven free (at once if every rank already completed). Does nothing
+        once the pages are the engine's (after finish()) or already on their
+        way back."""
+        self._endpoint._abort(self._request)
 
     def finish(self) -> tuple[int, ...]:
-        """Take a completed room's pages (poll() said SUCCESS)."""
-        with self._endpoint._lock:
-            self._endpoint._succeeded.discard(self.room)
-            return self._endpoint.tracker.finish(self.room)
+        """Take a completed room's pages (poll() said SUCCESS). Raises
+        :class:`~kvconn.errors.RoomStateError` if it is not completed, was
+        aborted, or was finished already."""
+        return self._endpoint._finish(self._request)
 
     def state(self) -> HoldState | None:
-        with self._endpoint._lock:
-            return self._endpoint.tracker.state(self.room)
+        """Where the room's pages are (None: back with the engine)."""
+        ep = self._endpoint
+        with ep._lock:
+            if ep._requests.get(self.room) is not self._request:
+                return None
+            return ep.tracker.state(self.room)
 
 
 __all__ = ["BootstrapError", "DecodeEndpoint", "Proof", "Receiver", "Release"]

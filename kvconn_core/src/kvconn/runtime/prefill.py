@@ -22,8 +22,17 @@ import attrs
 
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config, check_deadlines
+from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
 from kvconn.metrics import Metrics
-from kvconn.protocol.ledger import LIVE, KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
+from kvconn.protocol.ledger import (
+    LIVE,
+    KVPoll,
+    LedgerAction,
+    NotifyDecode,
+    RoomEntry,
+    RoomLedger,
+    SendAck,
+)
 from kvconn.protocol.messages import (
     Abort,
     Hello,
@@ -123,6 +132,7 @@ class PrefillRank:
         self.on_request = on_request
         self.rank = rank
         self.backend = backend
+        self.source_bytes = source_bytes
         self.capabilities = capabilities_of(backend, self.config.backend_options)
         self.clock = clock
         self.metrics = Metrics("prefill")
@@ -494,7 +504,8 @@ class Sender:
     Decode may reuse a room id once the room concluded. A sender belongs to
     the request it first saw (its ledger incarnation): its late ``clear()``
     or ``fail()`` leaves a later request for the same id alone, and it sends
-    nothing into one.
+    nothing into one. Once it has seen its request conclude (Success or
+    Failed), or was cleared, :meth:`poll` keeps that verdict.
     """
 
     def __init__(self, rank: PrefillRank, room: int) -> None:
@@ -503,52 +514,88 @@ class Sender:
         self._sent = 0
         self._index = 0
         self._last_sent = False
-        self._incarnation: int | None = None
+        #: The ledger entry of this sender's request, once it saw one live.
+        self._entry: RoomEntry | None = None
+        self._verdict: KVPoll | None = None
+        self._cleared = False
+
+    @property
+    def _incarnation(self) -> int | None:
+        return None if self._entry is None else self._entry.incarnation
 
     def poll(self) -> KVPoll:
         with self._rank._lock:
-            status = self._rank.ledger.status(self.room)
-            if self._incarnation is None and status in LIVE:
-                # A live request: this sender's (a concluded one may be the
-                # previous request's, not yet cleared).
-                self._incarnation = self._rank.ledger.incarnation(self.room)
-        return KVPoll.BOOTSTRAPPING if status is None else status
+            return self._poll_locked()
+
+    def _poll_locked(self) -> KVPoll:
+        if self._verdict is not None:
+            return self._verdict
+        current = self._rank.ledger.entry(self.room)
+        if self._entry is None:
+            if current is None or current.status not in LIVE:
+                # Not requested yet, or a concluded room that may be the
+                # previous request's, not yet cleared: not this sender's.
+                return KVPoll.BOOTSTRAPPING
+            self._entry = current
+        status = self._entry.status
+        if self._entry is not current and status < KVPoll.SUCCESS:
+            status = KVPoll.FAILED  # forgotten unconcluded: nothing of it is written any more
+        if status >= KVPoll.SUCCESS:
+            self._verdict = status
+        return status
 
     def send(self, src_pages: Sequence[int], last: bool = False) -> None:
         """Queue the next ``len(src_pages)`` pages of the room for writing.
 
-        ``last``: this is the room's final chunk. Once it lands, decode is told
-        Success and may hand the pages out again, so no chunk may follow it:
-        this sender, or any sender of the room while it is Success, raises
-        RuntimeError (a room id decode reuses starts over with its request).
+        ``last``: this is the room's final chunk, and it must complete the
+        room's destination pages. Once it lands, decode is told Success and
+        may hand the pages out again, so no chunk may follow it: this
+        sender, or any sender of the room while it is Success, raises
+        :class:`~kvconn.errors.RoomStateError` (a room id decode reuses
+        starts over with its request). A refused send queues nothing.
         """
         if self._last_sent:
-            raise RuntimeError(f"room {self.room}: its last chunk was sent, no chunk may follow it")
+            raise RoomStateError("its last chunk was sent, no chunk may follow it", self.room)
         rank = self._rank
         with rank._lock:
+            current = rank.ledger.entry(self.room)
             status = rank.ledger.status(self.room)
             dst_all = rank._dst_pages.get(self.room)
             entry_decode = rank.ledger.decode_of(self.room)
-            incarnation = rank.ledger.incarnation(self.room)
-        if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
-            raise RuntimeError(f"room {self.room} is not bootstrapped yet (poll() says {self.poll().name})")
-        if self._incarnation is None:
-            self._incarnation = incarnation
-        elif incarnation != self._incarnation:
-            raise RuntimeError(
-                f"room {self.room} was requested again since this sender began: its request is over"
+            polled = self._poll_locked()
+        if self._entry is not None and current is not self._entry:
+            raise RoomStateError(
+                "its request is over (the room was cleared, or requested again since this sender began)",
+                self.room,
             )
+        if self._cleared:
+            raise RoomStateError(f"this sender was cleared ({polled.name})", self.room)
+        if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
+            raise RoomStateError(f"not bootstrapped yet (poll() says {polled.name})", self.room)
+        if self._entry is None:
+            self._entry = current
         if status is KVPoll.SUCCESS:
             # Its last chunk landed and decode was told: the pages are decode's again.
-            raise RuntimeError(f"room {self.room} is complete at this rank: no chunk may follow its last")
+            raise RoomStateError("complete at this rank: no chunk may follow its last", self.room)
         dst = dst_all[self._sent : self._sent + len(src_pages)]
+        left = len(dst_all) - self._sent
         if len(dst) != len(src_pages):
-            left = len(dst_all) - self._sent
-            raise ValueError(f"room {self.room} has {left} pages left, got {len(src_pages)}")
+            raise PageError(f"{left} pages left, got {len(src_pages)}", self.room)
+        if last and len(src_pages) != left:
+            raise IncompleteRoomError(
+                f"a last chunk of {len(src_pages)} pages leaves {left - len(src_pages)} of the "
+                f"room's {len(dst_all)} destination pages unwritten",
+                self.room,
+            )
+        layout = rank._peers[entry_decode].layout
+        capacity = rank.source_bytes // layout.shard
+        bad = [p for p in src_pages if not 0 <= p < capacity]
+        if bad:
+            raise PageError(f"source pages {bad[:8]} outside 0..{capacity - 1}", self.room)
         chunk = Chunk(self.room, self._index, last, rank.rank, entry_decode, tuple(src_pages), tuple(dst))
         # Lowered here, on the engine's thread, while the worker writes the
         # previous chunk (1024 scattered pages: ~0.08 ms).
-        segments = rank._peers[entry_decode].layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+        segments = layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
         self._sent += len(src_pages)
         self._index += 1
         self._last_sent = last
@@ -564,12 +611,31 @@ class Sender:
 
     def fail(self, reason: str) -> None:
         """Prefill-initiated failure: tell decode, write nothing more."""
+        ledger = self._rank.ledger
         with self._rank._lock:
-            self._rank._execute(self._rank.ledger.fail(self.room, reason, self._incarnation))
+            self._rank._execute(ledger.fail(self.room, reason, self._incarnation))
+            if self._entry is None:
+                self._entry = ledger.entry(self.room)
+            self._poll_locked()
 
     def clear(self) -> None:
-        """The engine is done with the room (success or not)."""
-        with self._rank._lock:
-            self._rank.ledger.clear(self.room, self._incarnation)
-            if self._rank.ledger.status(self.room) is None:
-                self._rank._dst_pages.pop(self.room, None)
+        """The engine is done with the room (success or not). A room still
+        live fails, and decode is told: its queued chunks will not be
+        written. Afterwards :meth:`poll` says Success or Failed for good."""
+        rank, ledger = self._rank, self._rank.ledger
+        with rank._lock:
+            if self._cleared:
+                return
+            self._cleared = True
+            if self._entry is None:
+                # A sender that never saw its request live clears whatever
+                # the room has now (as it always did), and only that.
+                self._entry = ledger.entry(self.room)
+                if self._entry is None:
+                    self._verdict = KVPoll.FAILED  # nothing requested: nothing will be sent
+                    return
+            rank._execute(ledger.clear(self.room, self._incarnation))
+            verdict = self._poll_locked()
+            self._verdict = verdict if verdict >= KVPoll.SUCCESS else KVPoll.FAILED
+            if ledger.status(self.room) is None:
+                rank._dst_pages.pop(self.room, None)
