@@ -30,7 +30,6 @@ import attrs
 from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
 from kvconn.protocol.hold import _Room as HoldRoom
 from kvconn.protocol.ledger import RoomLedger, SendAck
-from kvconn.protocol.ledger import _Room as LedgerRoom
 from kvconn.protocol.messages import Abort, AbortAck
 
 ROOM = 7
@@ -53,6 +52,8 @@ class Rank:
     cleared: bool = False
     errors: int = 0
     must_try: bool = False  # an ABORT was registered, its one try still to come
+    incarnation: int | None = None  # the ledger entry of the room's request, its chunks name it
+    rerequested: bool = False  # decode reused the room id for a new request after the release
 
 
 @dataclass
@@ -104,6 +105,9 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
             e.cleared,
             e.fenced,
             e.expires is None,
+            e.tombstone,
+            e.seq,
+            e.incarnation == rank.incarnation,
         )
         for k, e in sorted(rank.ledger._rooms.items())
     )
@@ -119,6 +123,7 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
         rank.cleared,
         rank.errors,
         rank.must_try,
+        rank.rerequested,
         getattr(rank.ledger, "mutant_state", None),
     )
 
@@ -142,19 +147,7 @@ def _clone_rank(rank: Rank) -> Rank:
     ledger = copy.copy(rank.ledger)
     ledger._poisoned = set(rank.ledger._poisoned)
     ledger._rooms = {
-        k: LedgerRoom(
-            v.status,
-            v.decode,
-            v.outstanding,
-            v.stuck,
-            dict(v.targets),
-            set(v.acked),
-            v.cleared,
-            v.fenced,
-            v.expires,
-            v.scheduled,
-        )
-        for k, v in rank.ledger._rooms.items()
+        k: attrs.evolve(v, targets=dict(v.targets), acked=set(v.acked)) for k, v in rank.ledger._rooms.items()
     }
     ledger._touched = set(rank.ledger._touched)
     ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in rank.ledger._expiry]
@@ -169,6 +162,8 @@ def _clone_rank(rank: Rank) -> Rank:
         rank.cleared,
         rank.errors,
         rank.must_try,
+        rank.incarnation,
+        rank.rerequested,
     )
 
 
@@ -203,6 +198,7 @@ class Report:
     states: int = 0
     transitions: int = 0
     terminals: int = 0
+    reuses: int = 0  #: states where a rank took the reused room id as a new request
 
 
 LedgerFactory = Callable[[int], RoomLedger]
@@ -240,22 +236,24 @@ def _release(world: World, actions: list[object]) -> None:
 
 
 def steps(
-    world: World, chunks: int, errors: int, deadline: bool = True
+    world: World, chunks: int, errors: int, deadline: bool = True, reuse: bool = True
 ) -> Iterator[tuple[str, Callable[[World], None]]]:
     """Every step enabled in ``world``, each as (label, mutate-a-copy)."""
     for r, rank in enumerate(world.ranks):
         if not rank.requested:
 
             def request(w: World, r: int = r) -> None:
-                w.ranks[r].ledger.request(ROOM, DECODE)
-                w.ranks[r].requested = True
+                rk = w.ranks[r]
+                rk.ledger.request(ROOM, DECODE, 1)
+                rk.requested = True
+                rk.incarnation = rk.ledger.incarnation(ROOM)
 
             yield f"r{r}:request", request
         if rank.requested and rank.phase == "idle" and rank.next_chunk < chunks and not rank.cleared:
 
             def dequeue(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
-                write = rk.ledger.dequeue(ROOM)
+                write = rk.ledger.dequeue(ROOM, rk.incarnation)
                 rk.phase = "write" if write else "skip"
 
             yield f"r{r}:dequeue", dequeue
@@ -327,6 +325,17 @@ def steps(
                 _ack_out(w, r, list(w.ranks[r].ledger.clear(ROOM)))
 
             yield f"r{r}:clear", clear
+        if reuse and world.released and rank.requested and not rank.rerequested:
+
+            def request_again(w: World, r: int = r) -> None:
+                # Decode has its pages back and reuses the id: the rank may take
+                # it as a new request, and the old request's chunks (still
+                # queued here) must then write nothing.
+                rk = w.ranks[r]
+                rk.ledger.request(ROOM, DECODE, 2)
+                rk.rerequested = True
+
+            yield f"r{r}:request_again", request_again
         if rank.inbox:
 
             def deliver_abort(w: World, r: int = r) -> None:
@@ -372,6 +381,7 @@ def explore(
     chunks: int = 2,
     errors: int = 1,  # ERRs in the whole run, each at any point
     deadline: bool = True,  # decode's deadline may pass at any point
+    reuse: bool = True,  # decode may reuse the room id once released
     ledger_factory: LedgerFactory = RoomLedger,
     tracker_factory: Callable[[], HoldTracker] = default_tracker,
 ) -> Report:
@@ -383,7 +393,7 @@ def explore(
     while stack:
         world = stack.pop()
         report.states += 1
-        enabled = list(steps(world, chunks, errors, deadline))
+        enabled = list(steps(world, chunks, errors, deadline, reuse))
         if not enabled:
             report.terminals += 1
             _check_terminal(world)
@@ -395,6 +405,10 @@ def explore(
             if key not in seen:
                 seen.add(key)
                 stack.append(nxt)
+                report.reuses += any(
+                    rk.rerequested and rk.ledger.incarnation(ROOM) not in (None, rk.incarnation)
+                    for rk in nxt.ranks
+                )
     return report
 
 

@@ -12,8 +12,8 @@ from kvconn.protocol.messages import Abort, AbortAck
 class NoDequeueCount(RoomLedger):
     """Invariant D deleted: a dequeued chunk is never counted."""
 
-    def dequeue(self, room: int) -> bool:
-        write = super().dequeue(room)
+    def dequeue(self, room: int, incarnation: int | None = None) -> bool:
+        write = super().dequeue(room, incarnation)
         self._rooms[room].outstanding -= 1
         return write
 
@@ -38,7 +38,7 @@ class CountAfterCheck(RoomLedger):
     """Invariant D moved: the status check decides, the count comes later
     (when the worker posts), so an ABORT can slip in between."""
 
-    def dequeue(self, room: int) -> bool:
+    def dequeue(self, room: int, incarnation: int | None = None) -> bool:
         entry = self._rooms.setdefault(room, _Room(cleared=True))
         if entry.status == KVPoll.FAILED or entry.cleared or entry.status < KVPoll.WAITING_FOR_INPUT:
             entry.outstanding += 1  # skipped chunks are settled through skipped()
@@ -48,6 +48,24 @@ class CountAfterCheck(RoomLedger):
 
     def count_at_post(self, room: int) -> None:
         self._rooms[room].outstanding += 1
+
+
+class DequeueIgnoresIncarnation(RoomLedger):
+    """A chunk queued for a room's earlier request is written into the
+    request that reused the id (the earlier request's pages, long released)."""
+
+    def dequeue(self, room: int, incarnation: int | None = None) -> bool:
+        return super().dequeue(room)
+
+
+class ReuseFailedRoomAtOnce(RoomLedger):
+    """A new request replaces a Failed room without waiting for it to drain."""
+
+    def request(self, room: int, decode: str, seq: int = 0) -> None:
+        entry = self._rooms.get(room)
+        if entry is not None and entry.status == KVPoll.FAILED and seq > entry.seq:
+            del self._rooms[room]
+        super().request(room, decode, seq)
 
 
 class AckClearedIgnoringCount(RoomLedger):

@@ -12,7 +12,7 @@ CONFIGS = [
     # 2 ranks x 2 chunks, one ERR (settled or not) anywhere, clear, fence and
     # abort at every point; decode's deadline is explored in the next ones.
     dict(ranks=2, chunks=2, errors=1, deadline=False),
-    dict(ranks=2, chunks=1, errors=1, deadline=True),
+    dict(ranks=2, chunks=1, errors=1, deadline=True, reuse=False),
     dict(ranks=1, chunks=3, errors=2, deadline=True),
 ]
 
@@ -28,6 +28,7 @@ def test_core_is_safe_in_every_interleaving(
             f"{report.terminals} terminal interleavings"
         )
     assert report.terminals > 0 and report.states > 1000
+    assert report.reuses > 0 or not config.get("reuse", True)  # a rank took the reused id anew
 
 
 @pytest.mark.slow
@@ -46,6 +47,8 @@ CAUGHT = {
     "test_err_with_write_in_flight_uncounts": mutants.ErrAlwaysUncounts,
     "test_unknown_room_acked_without_tombstone": mutants.AckUnknownAtOnce,
     "test_invariant_F_register_before_failed_without_ack_guard": mutants.RegisterBeforeFailedNoGuard,
+    "test_chunk_of_a_reused_rooms_earlier_request_written": mutants.DequeueIgnoresIncarnation,
+    "test_failed_room_reused_before_it_drained": mutants.ReuseFailedRoomAtOnce,
 }
 
 

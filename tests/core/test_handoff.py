@@ -192,3 +192,21 @@ def test_the_ledger_fails_a_live_room_on_clear_and_acks_only_once_drained() -> N
     ledger.abort(Abort(1, 5, "d", "tcp://d"), now=0.0)
     assert not [a for a in ledger.try_ack(1) if isinstance(a, SendAck)]  # the write may still land
     assert [a.ack.generation for a in ledger.landed(1, last=False) if isinstance(a, SendAck)] == [5]
+
+
+def test_an_aborted_room_id_is_reusable_once_its_abort_was_acked(pair: Pair) -> None:
+    """Not after tombstone_ttl_s (600 s): once every rank acked the abort and
+    decode has the pages back, the next request for the id is a new room."""
+    rx, tx = pair.open(1, (0, 1, 2, 3))
+    tx.send([0, 1])
+    rx.abort()
+    wait_for(lambda: any(r.room == 1 for r in pair.releases), 10, "the abort's release")
+    assert pair.releases[0].proof is Proof.ACKS
+    again, tx2 = pair.open(1, (4, 5))
+    assert again.poll() is KVPoll.TRANSFERRING
+    with pytest.raises(RoomStateError, match="room 1: its request is over"):
+        tx.send([2, 3], last=True)  # the first request's handle writes nothing into the new one
+    tx2.send([0, 1], last=True)
+    wait_for(lambda: again.poll() is not KVPoll.TRANSFERRING, 10, "the new request's outcome")
+    assert again.poll() is KVPoll.SUCCESS, again.failure()
+    assert again.finish() == (4, 5)

@@ -69,12 +69,16 @@ class _Room:
     acked: set[tuple[str, int]] = attrs.Factory(set)
     cleared: bool = False
     fenced: bool = False
-    #: Tombstone for a room aborted before it was known here; None = live.
+    #: When an idle entry is forgotten (None: not scheduled).
     expires: float | None = None
+    #: Made by an ABORT for a room unknown here: its request has not come yet.
+    tombstone: bool = False
     #: In the ledger's expiry heap (at most once: a touched room is not pushed again).
     scheduled: bool = False
     #: Which entry for this room id: decode reuses ids (see RoomLedger.incarnation).
     incarnation: int = 0
+    #: The sequence number of decode's request for it (0: none yet).
+    seq: int = 0
 
 
 class RoomLedger:
@@ -134,20 +138,27 @@ class RoomLedger:
         return len(self._poisoned)
 
     # -- room lifecycle ----------------------------------------------------
-    def request(self, room: int, decode: str) -> None:
-        """Decode asked for ``room``: its pages are known, input may flow.
+    def request(self, room: int, decode: str, seq: int = 0) -> None:
+        """Decode asked for ``room`` (its request numbered ``seq``, growing
+        with every request of that decode): its pages are known, input may
+        flow.
 
-        A tombstoned or Failed room stays Failed and will write nothing.
+        A concluded room's id that decode reuses starts a new entry (a new
+        incarnation): a Success room once drained, and a Failed one once its
+        abort was acked to that decode and the request is newer than the
+        room's own (see :func:`_reusable`). Otherwise a tombstoned or Failed
+        room stays Failed and will write nothing.
         """
         entry = self._rooms.get(room)
-        if entry is not None and entry.status == KVPoll.SUCCESS and _idle(entry):
-            # A concluded room's id reused by decode: a new room, whose status
-            # starts over (statuses only move forward within one room).
+        if entry is not None and _reusable(entry, decode, seq):
+            # A new room, whose status starts over (statuses only move forward
+            # within one room).
             del self._rooms[room]
             entry = None
         if entry is None:
             entry = self._rooms[room] = self._new_entry()
         entry.decode = entry.decode or decode
+        entry.seq = max(entry.seq, seq)
         if entry.status == KVPoll.BOOTSTRAPPING:
             entry.status = KVPoll.WAITING_FOR_INPUT
 
@@ -179,21 +190,27 @@ class RoomLedger:
         return self._mark_failed(room, entry, reason) + self._try_ack(room, entry)
 
     # -- the transfer worker's path ----------------------------------------
-    def dequeue(self, room: int) -> bool:
-        """A worker took a chunk of ``room``: count it, then decide.
+    def dequeue(self, room: int, incarnation: int | None = None) -> bool:
+        """A worker took a chunk of ``room`` (queued for that incarnation of
+        it, if given): count it, then decide.
 
         Returns True if the chunk must be written, False to skip it. Either
         way the chunk is counted; the worker reports back with
         :meth:`landed`, :meth:`skipped` or :meth:`failed`. A concluded
         (Success) room is skipped too: decode was told it is complete and
         may have handed its pages out again, so a chunk queued behind its
-        last one (a duplicate send) must not land there.
+        last one (a duplicate send) must not land there. So is a chunk queued
+        for an earlier incarnation: its pages are the earlier request's,
+        which decode may have handed out again (counted on the entry the room
+        has now, which therefore acks nothing until the skip is over).
         """
         entry = self._rooms.get(room)
         if entry is None:  # unknown here: counted, then skipped
             entry = self._rooms[room] = self._new_entry(cleared=True)
         entry.outstanding += 1  # invariant D: before any status check
         if entry.status not in LIVE or entry.cleared:
+            return False
+        if incarnation is not None and incarnation != entry.incarnation:
             return False
         entry.status = KVPoll.TRANSFERRING
         return True
@@ -255,6 +272,7 @@ class RoomLedger:
         known = entry is not None and entry.expires is None
         if entry is None:
             entry = self._rooms[msg.room] = self._new_entry(expires=now + self.tombstone_ttl)
+            entry.tombstone = True
         self._mark_failed(msg.room, entry, "aborted by decode", notify=False)
         self._touched.add(msg.room)
         if (msg.decode, msg.generation) not in entry.acked:
@@ -353,6 +371,30 @@ RoomEntry = _Room
 
 def _idle(entry: _Room) -> bool:
     return not entry.outstanding and not entry.stuck and not entry.targets
+
+
+def _reusable(entry: _Room, decode: str, seq: int) -> bool:
+    """Whether a request of ``decode`` numbered ``seq`` may replace ``entry``.
+
+    Only a drained entry (nothing counted, nothing stuck, no ack owed): no
+    write of it can land, and a chunk still queued for it is skipped (it
+    names its incarnation). A Success room always. A Failed one only if it
+    is no tombstone (a tombstone stands for a request that has not arrived:
+    this may be that very request, late), decode's abort of it was acked
+    (decode released its pages only on that proof, so the id's reuse is a
+    new request) and the request is newer than the room's own (a replayed
+    or reordered one is not)."""
+    if not _idle(entry):
+        return False
+    if entry.status == KVPoll.SUCCESS:
+        return True
+    return (
+        entry.status == KVPoll.FAILED
+        and not entry.tombstone
+        and entry.decode == decode
+        and 0 < entry.seq < seq
+        and any(d == decode for d, _ in entry.acked)
+    )
 
 
 def _expirable(entry: _Room) -> bool:

@@ -222,14 +222,17 @@ class PrefillRank:
                     refused = self.ledger.room_status(msg.room, msg.decode, RoomOutcome.FAILED, reason)
                     self._outbox.send(self._peers[msg.decode].reply_to, refused)
                     return
-                if status is None or status is KVPoll.SUCCESS:
+                before = self.ledger.entry(msg.room)
+                self.ledger.request(msg.room, msg.decode, msg.seq)
+                if self.ledger.entry(msg.room) is not before:
                     # A new room, or a concluded one whose id decode reused after
-                    # taking its pages: write into the pages of this request, never
-                    # into the earlier pages, which decode may have handed out again.
+                    # its pages came back: write into the pages of this request,
+                    # never into the earlier pages, which decode may have handed
+                    # out again.
                     self._dst_pages[msg.room] = msg.dst_pages
                 else:
                     self._dst_pages.setdefault(msg.room, msg.dst_pages)
-                self.ledger.request(msg.room, msg.decode)
+                status = self.ledger.status(msg.room)
                 if status is KVPoll.FAILED:
                     # Failed or tombstoned here: it will write nothing, say so, or
                     # decode waits for a transfer that never comes.
@@ -306,8 +309,10 @@ class PrefillRank:
         return None
 
     # -- transfer workers --------------------------------------------------
-    def _enqueue(self, chunk: Chunk, segments: SegmentTable) -> None:
-        self._queues[chunk.room % len(self._queues)].put((chunk, segments))
+    def _enqueue(self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None) -> None:
+        """Queue ``chunk`` for the worker of its room; ``incarnation``: the
+        request it belongs to (a chunk of an earlier one is skipped)."""
+        self._queues[chunk.room % len(self._queues)].put((chunk, segments, incarnation))
 
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         # One chunk is in the transport at a time, as ever. But a chunk that
@@ -335,8 +340,8 @@ class PrefillRank:
                 if landed is not None:
                     self._account_landed(landed)
                 return
-            chunk, segments = item
-            in_flight = self._post(chunk, segments)
+            chunk, segments, incarnation = item
+            in_flight = self._post(chunk, segments, incarnation)
             if landed is not None:
                 self._account_landed(landed)
                 landed = None
@@ -346,18 +351,20 @@ class PrefillRank:
                 else:
                     landed = chunk
 
-    def _transfer(self, chunk: Chunk, segments: SegmentTable) -> None:
+    def _transfer(self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None) -> None:
         """One chunk's whole path, accounted for at once."""
-        in_flight = self._post(chunk, segments)
+        in_flight = self._post(chunk, segments, incarnation)
         if in_flight is not None and self._settle(chunk, *in_flight):
             self._account_landed(chunk)
 
-    def _post(self, chunk: Chunk, segments: SegmentTable) -> tuple[ChunkHooks, object, float] | None:
+    def _post(
+        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None
+    ) -> tuple[ChunkHooks, object, float] | None:
         """Count the chunk, then post it: (hooks, handle, deadline) with the
         fence gate entered, or None if it was skipped or failed (accounted)."""
         hooks = self._hooks.current()
         with self._lock:
-            write = self.ledger.dequeue(chunk.room)  # invariant D: counted here
+            write = self.ledger.dequeue(chunk.room, incarnation)  # invariant D: counted here
         try:
             if hooks.has_dequeue:
                 hooks.dequeue(chunk)
@@ -599,7 +606,7 @@ class Sender:
         self._sent += len(src_pages)
         self._index += 1
         self._last_sent = last
-        rank._enqueue(chunk, segments)
+        rank._enqueue(chunk, segments, self._incarnation)
 
     def settled(self) -> bool:
         """The room is Success or Failed and no chunk of it is being written
