@@ -286,18 +286,27 @@ class DecodeEndpoint:
             self.region.metadata,
         )
         self._addresses = frozenset(addresses)
-        for address in addresses:
-            self._outbox.send(address, hello)
+        # Re-sent until answered: a Hello or its HelloAck can be lost (a
+        # rank's connection to an earlier decode at our address, not yet seen
+        # closed, takes the HelloAck with it). A rank answers a repeated
+        # Hello as the first.
+        every = min(self.config.resend_interval_s, self.config.bootstrap_timeout_s / 4)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         with self._bootstrapped:
-            while len(self._writers) + len(self._refusals) < len(addresses):
-                left = deadline - time.monotonic()
-                if left <= 0:
+            unanswered = list(addresses)
+            while unanswered:
+                for address in unanswered:
+                    self._outbox.send(address, hello)
+                resend_at = min(deadline, time.monotonic() + every)
+                while (left := resend_at - time.monotonic()) > 0 and unanswered:
+                    self._bootstrapped.wait(left)
+                    answered = {w.address for w in self._writers.values()} | set(self._refusals)
+                    unanswered = [a for a in addresses if a not in answered]
+                if unanswered and time.monotonic() >= deadline:
                     raise BootstrapError(
-                        f"{len(self._writers)} of {len(addresses)} prefill ranks answered within "
-                        f"{self.config.bootstrap_timeout_s} s"
+                        f"{len(addresses) - len(unanswered)} of {len(addresses)} prefill ranks answered "
+                        f"within {self.config.bootstrap_timeout_s} s"
                     )
-                self._bootstrapped.wait(left)
             if self._refusals:
                 raise BootstrapError("; ".join(f"{a}: {e}" for a, e in self._refusals.items()))
             if sorted(self._writers) != list(range(len(addresses))):

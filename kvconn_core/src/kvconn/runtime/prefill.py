@@ -259,6 +259,13 @@ class PrefillRank:
             with self._lock:
                 known = self._peers.get(msg.decode)
             if known is None:
+                with self._lock:
+                    taken = any(peer.reply_to == msg.reply_to for peer in self._peers.values())
+                if taken:
+                    # Another decode listened there before: it is gone (one
+                    # endpoint binds an address), and our connection to it may
+                    # not have been seen to close yet.
+                    self._outbox.reset(msg.reply_to)
                 self.writer.connect(msg.decode, msg.metadata)
                 with self._lock:
                     self._peers.setdefault(msg.decode, _Peer(msg.reply_to, layout))
