@@ -33,6 +33,16 @@ class Config:
     unsafe_release_at_deadline: bool = False
     #: Whether prefill ranks send ABORT_ACK at all (off = timeout-only legacy).
     acks_enabled: bool = True
+    #: Decode fails a room (FAILED to the engine, then the abort path: its
+    #: pages stay held until proof) that is not complete this long after
+    #: ``receiver()``. None: no deadline (the engine keeps its own).
+    transfer_timeout_s: float | None = None
+    #: Decode re-sends its Hello to every rank this often: the answer proves
+    #: the rank alive and names its session (a restart shows as a new one).
+    heartbeat_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    #: A rank not heard from this long is down: its open rooms fail (and
+    #: are aborted), new rooms on it fail at once, until it answers again.
+    peer_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     workers: int = 1
     #: Decode refuses a request whose pages belong to another room not yet
     #: finished or released (one byte per page, one pass over the pages).
@@ -51,6 +61,13 @@ class Config:
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)
+        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0 or None, got {self.transfer_timeout_s}")
+        if self.peer_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"peer_timeout_s ({self.peer_timeout_s} s) must be longer than heartbeat_interval_s "
+                f"({self.heartbeat_interval_s} s)"
+            )
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.host in ("", "*", "0.0.0.0", "::"):

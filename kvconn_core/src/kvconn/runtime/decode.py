@@ -7,6 +7,7 @@ transport notifications (those may only progress inside an active poll).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -64,6 +65,9 @@ class _Request:
 
     room: int
     pages: tuple[int, ...]
+    #: The rank processes asked to write it: only theirs are its acks,
+    #: statuses and exit proofs, whatever process has the rank's address now.
+    writers: dict[int, WriterIdentity]
     #: SUCCESS (every rank reported every chunk landed) or FAILED; final.
     verdict: KVPoll | None = None
     failure: str | None = None
@@ -156,6 +160,7 @@ class DecodeEndpoint:
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         self._request_lock = threading.Lock()
         self._request_seq = 0
+        self._request_seq_heap = 0
         self._writers: dict[int, WriterIdentity] = {}
         #: The ranks, fixed once bootstrap is over: a later HelloAck adds none.
         self._ranks: frozenset[int] = frozenset()
@@ -165,6 +170,16 @@ class DecodeEndpoint:
         self._requests: dict[int, _Request] = {}
         #: Pages of tracked rooms (1: in use), when config.check_pages.
         self._in_use = bytearray(num_pages if self.config.check_pages else 0)
+        #: Liveness: when each rank's current process last answered, which
+        #: ranks are down (and why), and sessions of processes replaced at a
+        #: rank's address (their late answers are not a restart).
+        self._heard: dict[int, float] = {}
+        self._down: dict[int, str] = {}
+        self._retired: set[tuple[int, int]] = set()
+        self._hello: Hello | None = None
+        self._next_heartbeat = 0.0
+        #: (deadline, seq, request) of open rooms, when config.transfer_timeout_s.
+        self._deadlines: list[tuple[float, int, _Request]] = []
         self._next_exit_check = 0.0
         #: Fenced acks held back until decode's ends of the connections the
         #: fence closed have drained (see runtime/sockets.py).
@@ -237,7 +252,12 @@ class DecodeEndpoint:
                 for p in pages:
                     self._in_use[p] = 1
             self.tracker.open(room, pages, ranks)
-            request = self._requests[room] = _Request(room, pages)
+            writers = {rank: self._writers[rank] for rank in ranks}
+            request = self._requests[room] = _Request(room, pages, writers)
+            if self.config.transfer_timeout_s is not None:
+                self._request_seq_heap += 1
+                due = self.clock() + self.config.transfer_timeout_s
+                heapq.heappush(self._deadlines, (due, self._request_seq_heap, request))
         # Numbered and sent under one lock: a rank takes only a request numbered
         # above the last it took, so two engine threads' requests must not
         # overtake each other between numbering and sending.
@@ -255,6 +275,16 @@ class DecodeEndpoint:
             # that did get it ack as ever).
             with self._lock:
                 request.fail(f"request to ranks {unsent} dropped: send queue full")
+        with self._lock:
+            down = sorted(set(ranks) & set(self._down))
+            if down:
+                # A rank known dead or silent would leave it TRANSFERRING:
+                # fail it now, on the abort path (held until proof).
+                reason = "; ".join(f"rank {r} is down: {self._down[r]}" for r in down)
+                releases = self._execute(self._fail_and_abort(request, reason, self.clock()))
+            else:
+                releases = []
+        self._notify(releases)
         return Receiver(self, request)
 
     def close(self) -> None:
@@ -314,6 +344,10 @@ class DecodeEndpoint:
                     f"ranks {sorted(self._writers)} answered, expected 0..{len(addresses) - 1}"
                 )
             self._ranks = frozenset(self._writers)
+            self._hello = hello
+            now = self.clock()
+            self._heard = dict.fromkeys(self._ranks, now)
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
 
     # -- control plane -----------------------------------------------------
     def _on_message(self, msg: Message) -> None:
@@ -339,8 +373,10 @@ class DecodeEndpoint:
                 else:
                     request.fail(msg.reason)
             elif isinstance(msg, HelloAck):
-                self._on_hello_ack(msg)
-                return
+                if not self._ranks:
+                    self._on_hello_ack(msg)
+                    return
+                actions = self._on_heartbeat(msg, now)
             else:
                 self._count_drop("unexpected_type")
                 return
@@ -354,7 +390,8 @@ class DecodeEndpoint:
         writer owes (its exit, with its connections drained). An earlier
         decode at our address had rooms of the same ids: its SUCCESS would
         hand out pages a request of ours is about to write."""
-        writer = self._writers.get(msg.rank)
+        request = self._requests.get(msg.room)
+        writer = request.writers.get(msg.rank) if request is not None else self._writers.get(msg.rank)
         if msg.decode != self.name:
             self._count_drop("other_decode")
             return False
@@ -393,8 +430,15 @@ class DecodeEndpoint:
             if now >= self._next_exit_check:
                 self._next_exit_check = now + self.EXIT_CHECK_S
                 actions += self._check_exits(now)
+            if self._ranks and now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.config.heartbeat_interval_s
+                actions += self._heartbeat(now)
+            actions += self._expire_rooms(now)
             releases = self._execute(actions)
-            next_deadline = self.tracker.next_deadline()
+            next_deadline = min(
+                (t for t in (self.tracker.next_deadline(), self._next_room_deadline()) if t is not None),
+                default=None,
+            )
             draining = bool(self._draining)
         self._notify(releases)
         wait = None if next_deadline is None else max(0.0, next_deadline - now)
@@ -434,16 +478,106 @@ class DecodeEndpoint:
         return actions
 
     def _check_exits(self, now: float) -> list[HoldAction]:
+        """Release held rooms whose writer processes are proven gone. Each
+        room's own writers: a process restarted at a rank's address proves
+        nothing for the rooms the earlier one was asked to write."""
         rooms = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
-        waiting = {rank for room in rooms for rank in self.tracker.ranks_of(room)}
+        owed: dict[tuple[int, WriterIdentity], list[int]] = {}
+        for room in rooms:
+            request = self._requests.get(room)
+            for rank in self.tracker.ranks_of(room):
+                writer = request.writers[rank] if request is not None else self._writers[rank]
+                owed.setdefault((rank, writer), []).append(room)
         actions: list[HoldAction] = []
-        gone = [rank for rank in sorted(waiting) if self._writers[rank].proven_gone(self._pid_namespace)]
+        gone = [(key, rs) for key, rs in owed.items() if key[1].proven_gone(self._pid_namespace)]
         # A dead writer's kernel still delivers what it had sent: its exit
         # proves nothing until our ends of its connections drained.
         if gone and not dead_peer_ends():
-            for rank in gone:
-                actions += self.tracker.writer_exited(rank, now)
+            for (rank, _), held in gone:
+                actions += self.tracker.writer_exited(rank, now, frozenset(held))
         return actions
+
+    # -- liveness ----------------------------------------------------------
+    def _heartbeat(self, now: float) -> list[HoldAction]:
+        """(With the lock.) Hello every rank again (its answer proves it
+        alive and names its session); a rank silent past peer_timeout_s, or
+        whose process is proven gone, is down."""
+        assert self._hello is not None
+        actions: list[HoldAction] = []
+        for rank in sorted(self._ranks):
+            writer = self._writers[rank]
+            self._outbox.send(writer.address, self._hello)
+            if rank in self._down:
+                continue
+            if writer.proven_gone(self._pid_namespace):
+                actions += self._rank_down(rank, "exited", f"its process (pid {writer.pid}) exited", now)
+            elif now - self._heard[rank] > self.config.peer_timeout_s:
+                silent = f"no answer for {now - self._heard[rank]:.1f} s"
+                actions += self._rank_down(rank, "silent", silent, now)
+        return actions
+
+    def _on_heartbeat(self, msg: HelloAck, now: float) -> list[HoldAction]:
+        """(With the lock.) A HelloAck after bootstrap: the rank's process
+        alive, or a new process at its address (re-bootstrapped: it took our
+        Hello). Rooms the earlier process was asked to write keep needing
+        its proof (exit with drain, or quarantine); they fail now."""
+        writer = self._writers.get(msg.rank)
+        if msg.address not in self._addresses or writer is None or writer.address != msg.address:
+            self._count_drop("hello_ack_changed")
+            return []
+        if msg.error or (msg.rank, msg.session) in self._retired:
+            self._count_drop("hello_refused" if msg.error else "retired_session")
+            return []
+        if msg.session == writer.session:
+            self._heard[msg.rank] = now
+            self._down.pop(msg.rank, None)
+            return []
+        self._retired.add((msg.rank, writer.session))
+        self._writers[msg.rank] = WriterIdentity.announced(msg)
+        self._heard[msg.rank] = now
+        self._down.pop(msg.rank, None)
+        self.metrics.rank_restarts.inc()
+        log.warning("prefill rank %d at %s restarted: re-bootstrapped", msg.rank, msg.address)
+        reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
+        return self._fail_rooms_of(msg.rank, writer, reason, now)
+
+    def _rank_down(self, rank: int, cause: str, reason: str, now: float) -> list[HoldAction]:
+        self._down[rank] = reason
+        self.metrics.ranks_down.labels(cause).inc()
+        log.warning("prefill rank %d is down: %s", rank, reason)
+        return self._fail_rooms_of(rank, self._writers[rank], f"rank {rank} is down: {reason}", now)
+
+    def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[HoldAction]:
+        """(With the lock.) Fail the open rooms ``writer`` was asked to write."""
+        actions: list[HoldAction] = []
+        for request in list(self._requests.values()):
+            if request.writers.get(rank) == writer and request.verdict is None and not request.aborted:
+                self.metrics.rooms_failed_by_rank.inc()
+                actions += self._fail_and_abort(request, reason, now)
+        return actions
+
+    def _fail_and_abort(self, request: _Request, reason: str, now: float) -> list[HoldAction]:
+        """(With the lock.) FAILED to the engine, then the abort path: the
+        pages are held until proof, never freed here."""
+        if self._requests.get(request.room) is not request or request.aborted or request.finished:
+            return []
+        request.fail(reason)
+        request.aborted = True
+        return self.tracker.abort(request.room, now)
+
+    def _expire_rooms(self, now: float) -> list[HoldAction]:
+        """(With the lock.) Open rooms past their transfer deadline fail."""
+        actions: list[HoldAction] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if request.verdict is None and not request.aborted:
+                timeout = self.config.transfer_timeout_s
+                self.metrics.room_deadlines.inc()
+                actions += self._fail_and_abort(request, f"not complete within {timeout} s", now)
+        return actions
+
+    def _next_room_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
 
     def _abort(self, request: _Request) -> None:
         with self._lock:

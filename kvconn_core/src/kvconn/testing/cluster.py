@@ -4,6 +4,7 @@ that lands after a release is found and counted."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -13,7 +14,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+import zmq
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
@@ -43,6 +46,23 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+T = TypeVar("T")
+
+
+def at_the_same_address(make: Callable[[], T], timeout: float = 10.0) -> T:
+    """``make()`` an endpoint at an address just given up: ZMQ closes a
+    socket on a thread of its own, so the address frees a moment after
+    close() returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class Rank:
