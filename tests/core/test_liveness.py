@@ -167,3 +167,26 @@ def test_an_exit_proves_only_the_rooms_that_process_was_asked_to_write() -> None
     released = [a for a in tracker.writer_exited(0, now=1.0, rooms=frozenset({1})) if isinstance(a, Release)]
     assert [r.room for r in released] == [1] and released[0].proof is Proof.WRITER_EXIT
     assert tracker.state(2) is HoldState.HELD
+
+
+def test_a_sender_whose_request_never_comes_fails_and_a_late_request_writes_nothing() -> None:
+    now = [0.0]
+    rank = PrefillRank(
+        NullBackend(), 0, 16 * 4096, Config(room_bootstrap_timeout_s=5.0), clock=lambda: now[0]
+    )
+    decode = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], Config())
+    try:
+        tx = rank.sender(3)
+        assert tx.poll() is KVPoll.BOOTSTRAPPING
+        now[0] = 5.0  # the room's bootstrap deadline
+        assert tx.poll() is KVPoll.FAILED
+        assert rank.metrics.value("kvconn_room_bootstrap_timeouts_total") == 1.0
+        rx = decode.receiver(3, (0, 1))  # decode's request, late
+        wait_for(lambda: rx.poll() is KVPoll.FAILED, WAIT_S, "decode told at once")
+        assert "gave up" in (rx.failure() or "")
+        with pytest.raises(RuntimeError, match="room 3: this sender gave up"):
+            tx.send([0, 1], last=True)
+        assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == 0.0
+    finally:
+        decode.close()
+        rank.close()

@@ -37,6 +37,11 @@ class Config:
     #: pages stay held until proof) that is not complete this long after
     #: ``receiver()``. None: no deadline (the engine keeps its own).
     transfer_timeout_s: float | None = None
+    #: Prefill fails a room whose decode request has not arrived this long
+    #: after ``sender()`` (SGLang's bootstrap timeout): its Sender says
+    #: FAILED, and a request arriving later is refused at once (decode is
+    #: told FAILED) and writes nothing. None: the sender waits.
+    room_bootstrap_timeout_s: float | None = None
     #: Decode re-sends its Hello to every rank this often: the answer proves
     #: the rank alive and names its session (a restart shows as a new one).
     heartbeat_interval_s: float = attrs.field(default=1.0, validator=_positive)
@@ -61,8 +66,10 @@ class Config:
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)
-        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
-            raise ValueError(f"transfer_timeout_s must be > 0 or None, got {self.transfer_timeout_s}")
+        for name in ("transfer_timeout_s", "room_bootstrap_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
         if self.peer_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"peer_timeout_s ({self.peer_timeout_s} s) must be longer than heartbeat_interval_s "

@@ -64,6 +64,11 @@ class Metrics:
         self.releases = Counter("kvconn_releases", "Held rooms released, by proof", ["proof"], registry=r)
         self.released_pages = Counter("kvconn_released_pages", "Held pages released", ["proof"], registry=r)
         self.quarantines = Counter("kvconn_quarantines", "Rooms moved to quarantine", registry=r)
+        self.room_bootstrap_timeouts = Counter(
+            "kvconn_room_bootstrap_timeouts",
+            "Rooms a prefill sender gave up on: decode's request did not arrive in time",
+            registry=r,
+        )
         self.room_deadlines = Counter(
             "kvconn_room_deadlines", "Open rooms failed by their transfer deadline", registry=r
         )

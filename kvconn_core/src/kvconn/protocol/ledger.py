@@ -189,6 +189,19 @@ class RoomLedger:
             entry = self._rooms[room] = self._new_entry()
         return self._mark_failed(room, entry, reason) + self._try_ack(room, entry)
 
+    def give_up(self, room: int, now: float) -> bool:
+        """The engine stopped waiting for decode's request for ``room``: if it
+        has not come, leave a Failed tombstone, so that a request arriving
+        later writes nothing (the caller tells decode). Returns whether the
+        room was given up (False: the request is here after all)."""
+        if room in self._rooms:
+            return False
+        entry = self._rooms[room] = self._new_entry(expires=now + self.tombstone_ttl)
+        entry.status = KVPoll.FAILED
+        entry.tombstone = True
+        self._touched.add(room)
+        return True
+
     # -- the transfer worker's path ----------------------------------------
     def dequeue(self, room: int, incarnation: int | None = None) -> bool:
         """A worker took a chunk of ``room`` (queued for that incarnation of

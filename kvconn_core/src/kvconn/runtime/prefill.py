@@ -236,7 +236,10 @@ class PrefillRank:
                 if status is KVPoll.FAILED:
                     # Failed or tombstoned here: it will write nothing, say so, or
                     # decode waits for a transfer that never comes.
-                    reason = "room is failed or tombstoned at this rank (aborted, or its id reused too soon)"
+                    reason = (
+                        "room is failed or tombstoned at this rank (aborted, its sender gave up "
+                        "waiting for this request, or its id reused too soon)"
+                    )
                     failed = self.ledger.room_status(msg.room, msg.decode, RoomOutcome.FAILED, reason)
                     self._outbox.send(self._peers[msg.decode].reply_to, failed)
             if self.on_request is not None:
@@ -532,6 +535,10 @@ class Sender:
         self._entry: RoomEntry | None = None
         self._verdict: KVPoll | None = None
         self._cleared = False
+        self._gave_up = False
+        timeout = rank.config.room_bootstrap_timeout_s
+        #: When this sender stops waiting for decode's request (None: never).
+        self._bootstrap_deadline = None if timeout is None else rank.clock() + timeout
 
     @property
     def _incarnation(self) -> int | None:
@@ -546,6 +553,14 @@ class Sender:
             return self._verdict
         current = self._rank.ledger.entry(self.room)
         if self._entry is None:
+            deadline = self._bootstrap_deadline
+            if current is None and deadline is not None and self._rank.clock() >= deadline:
+                self._rank.ledger.give_up(self.room, self._rank.clock())
+                self._rank.metrics.room_bootstrap_timeouts.inc()
+                self._entry = self._rank.ledger.entry(self.room)
+                self._verdict = KVPoll.FAILED
+                self._gave_up = True
+                return self._verdict
             if current is None or current.status not in LIVE:
                 # Not requested yet, or a concluded room that may be the
                 # previous request's, not yet cleared: not this sender's.
@@ -584,6 +599,8 @@ class Sender:
             )
         if self._cleared:
             raise RoomStateError(f"this sender was cleared ({polled.name})", self.room)
+        if self._gave_up:
+            raise RoomStateError("this sender gave up waiting for decode's request", self.room)
         if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
             raise RoomStateError(f"not bootstrapped yet (poll() says {polled.name})", self.room)
         if self._entry is None:
