@@ -26,9 +26,10 @@ class RoomStateError(KvconnError, RuntimeError):
     one, its last chunk already sent."""
 
 
-class RoomInUseError(RoomStateError):
+class RoomInUseError(RoomStateError, ValueError):
     """A new request for a room id this endpoint still tracks (open, held or
-    quarantined): the id is free again once its pages came back."""
+    quarantined): the id is free again once its pages came back. (Also a
+    ValueError: what this call raised before.)"""
 
 
 class PageError(KvconnError, ValueError):

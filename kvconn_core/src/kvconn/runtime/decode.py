@@ -168,8 +168,9 @@ class DecodeEndpoint:
         self._bootstrapped = threading.Condition(self._lock)
         #: The current request of every room the tracker has (open or held).
         self._requests: dict[int, _Request] = {}
-        #: Pages of tracked rooms (1: in use), when config.check_pages.
-        self._in_use = bytearray(num_pages if self.config.check_pages else 0)
+        #: Pages of tracked rooms, when config.check_pages (a set: its C-level
+        #: isdisjoint/update cost ~15 us for 1024 pages, a Python loop ~100).
+        self._in_use: set[int] = set()
         #: Liveness: when each rank's current process last answered, which
         #: ranks are down (and why), and sessions of processes replaced at a
         #: rank's address (their late answers are not a restart).
@@ -243,14 +244,13 @@ class DecodeEndpoint:
             state = self.tracker.state(room)
             if state is not None:
                 raise RoomInUseError(f"still tracked ({state.value}): its pages are not back yet", room)
-            if self._in_use:
-                taken = [p for p in pages if self._in_use[p]]
-                if taken:
+            if self.config.check_pages:
+                if not self._in_use.isdisjoint(pages):
+                    taken = sorted(self._in_use.intersection(pages))
                     raise PageError(
                         f"pages {taken[:8]} belong to another room not finished or released yet", room
                     )
-                for p in pages:
-                    self._in_use[p] = 1
+                self._in_use.update(pages)
             self.tracker.open(room, pages, ranks)
             writers = {rank: self._writers[rank] for rank in ranks}
             request = self._requests[room] = _Request(room, pages, writers)
@@ -522,7 +522,10 @@ class DecodeEndpoint:
         Hello). Rooms the earlier process was asked to write keep needing
         its proof (exit with drain, or quarantine); they fail now."""
         writer = self._writers.get(msg.rank)
-        if msg.address not in self._addresses or writer is None or writer.address != msg.address:
+        if msg.address not in self._addresses:
+            self._count_drop("stranger_hello")
+            return []
+        if writer is None or writer.address != msg.address:
             self._count_drop("hello_ack_changed")
             return []
         if msg.error or (msg.rank, msg.session) in self._retired:
@@ -610,9 +613,8 @@ class DecodeEndpoint:
     def _forget(self, room: int) -> None:
         """(With the lock.) The room left the tracker: its pages are free."""
         request = self._requests.pop(room, None)
-        if request is not None and self._in_use:
-            for p in request.pages:
-                self._in_use[p] = 0
+        if request is not None and self.config.check_pages:
+            self._in_use.difference_update(request.pages)
 
     def _execute(self, actions: Sequence[HoldAction]) -> list[Release]:
         """Carry out tracker actions (lock held); releases are returned so the
