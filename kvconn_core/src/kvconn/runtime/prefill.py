@@ -20,8 +20,10 @@ from typing import Any
 
 import attrs
 
+from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config, check_deadlines
+from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
 from kvconn.protocol.ledger import LIVE, KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
 from kvconn.protocol.messages import (
@@ -35,10 +37,10 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
-from kvconn.runtime.layout import PageLayout
+from kvconn.runtime.layout import EngineLayout, PageLayout, peer_layout
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import own_connections
-from kvconn.transport import Backend, Settlement, capabilities_of
+from kvconn.transport import Backend, Settlement, Writer, capabilities_of, register_writer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class FenceGate:
 class _Peer:
     __slots__ = ("last_seq", "layout", "reply_to")
 
-    def __init__(self, reply_to: str, layout: PageLayout) -> None:
+    def __init__(self, reply_to: str, layout: PageLayout | EngineLayout) -> None:
         self.reply_to = reply_to
         self.layout = layout
         self.last_seq = 0  #: the last request's sequence number: a fresh one is higher
@@ -101,23 +103,34 @@ class _Peer:
 class PrefillRank:
     """One prefill rank process's kvconn endpoint.
 
-    ``backend`` writes; ``source_bytes`` of registered source memory hold the
-    rank's KV shards (``writer.write`` fills them). Decode endpoints reach it
-    at :attr:`address`.
+    ``backend`` writes from the rank's source memory: either the engine's
+    own KV buffers (``buffers``, laid out as ``layout`` says: no copy), or
+    ``source_bytes`` that kvconn allocates, holding the rank's KV shards
+    (``writer.write`` fills them). Decode endpoints reach it at :attr:`address`.
     """
 
     def __init__(
         self,
         backend: Backend,
         rank: int,
-        source_bytes: int,
+        source_bytes: int | None = None,
         config: Config | None = None,
         observers: Iterable[object] = (),
         clock: Callable[[], float] = time.monotonic,
         on_request: Callable[[int, int], None] | None = None,
+        *,
+        buffers: Sequence[object] | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         """``on_request(room, npages)`` runs on the listener thread when decode
-        asks for a room: an engine may start filling and sending it."""
+        asks for a room: an engine may start filling and sending it.
+
+        ``buffers`` (anything :meth:`kvconn.buffers.Buffer.of` takes: the
+        engine's per-layer tensors, arrays) and ``layout`` (this rank's
+        :class:`~kvconn.layout.KVLayout`, ``tp_rank`` = ``rank``) go together,
+        instead of ``source_bytes``."""
+        engine_buffers = _source_buffers(rank, source_bytes, buffers, layout)
+        self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
         self.on_request = on_request
@@ -141,7 +154,12 @@ class PrefillRank:
         #: them, so decode can wait for its ends to drain (runtime/sockets.py).
         self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
         self._closed_by_fences: tuple[TcpConnection, ...] = ()  # their union, as acks carry it
-        self.writer = backend.open_writer(source_bytes, self.config.backend_options)
+        self.writer: Writer
+        if engine_buffers is not None:
+            self.writer = register_writer(backend, engine_buffers, self.config.backend_options)
+        else:
+            assert source_bytes is not None  # _source_buffers checked
+            self.writer = backend.open_writer(source_bytes, self.config.backend_options)
         self.pm = HookManager()
         self.pm.register(self.writer, name="transport")
         for i, observer in enumerate(observers):
@@ -242,7 +260,7 @@ class PrefillRank:
             limit = self.capabilities.max_write_timeout_s
             if limit is not None:
                 check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
-            layout = PageLayout(msg.page_bytes, msg.num_ranks)
+            layout = peer_layout(self.layout, msg.page_bytes, msg.num_ranks, msg.layout)
             with self._lock:
                 known = self._peers.get(msg.decode)
             if known is None:
@@ -486,6 +504,22 @@ class PrefillRank:
 
     def _count_drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()
+
+
+def _source_buffers(
+    rank: int, source_bytes: int | None, buffers: Sequence[object] | None, layout: KVLayout | None
+) -> tuple[Buffer, ...] | None:
+    """The engine's source buffers, checked against the layout (None: kvconn
+    allocates ``source_bytes``)."""
+    if (buffers is None) != (layout is None):
+        raise ValueError("buffers= and layout= go together")
+    if (buffers is None) == (source_bytes is None):
+        raise ValueError("give a prefill rank either source_bytes or buffers= and layout=")
+    if buffers is None or layout is None:
+        return None
+    if layout.tp_rank != rank:
+        raise ValueError(f"rank {rank} with a layout for tp_rank {layout.tp_rank}")
+    return checked_buffers(buffers, layout)
 
 
 class Sender:
