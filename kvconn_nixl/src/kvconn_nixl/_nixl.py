@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvconn.buffers import Buffer, FlatSpace, buffers_of
-from kvconn.memory import MEMORY_KINDS, Memory
+from kvconn.memory import MEMORY_KINDS, MemorySpace
 from kvconn.options import BackendOptions
 
 #: Set (if unset) before nixl/UCX is loaded. ``UCX_MODULES=^ib``: without it
@@ -293,54 +293,14 @@ class RegionInfo:
 # memory
 
 
-class Space:
-    """An endpoint's registered memory: ``nbytes`` kvconn allocates (of the
-    kind ``opts`` names), or buffers the engine owns (never freed here)."""
+class Space(MemorySpace):
+    """An endpoint's registered memory (see :class:`~kvconn.memory.MemorySpace`),
+    with its NIXL memory type and device."""
 
     def __init__(self, source: int | Sequence[Buffer], opts: Options) -> None:
-        self._mem: Memory | None = None
-        if isinstance(source, int):
-            self._mem = Memory(source, opts.memory, opts.device)
-            self.flat = FlatSpace([Buffer(self._mem.addr, source, opts.memory, opts.dev_id, owner=self._mem)])
-        else:
-            self.flat = FlatSpace(buffers_of(source))
-        self.nbytes = self.flat.nbytes
-        self.mem_type = "VRAM" if self.flat.kind == "vram" else "DRAM"
-        self.dev_id = self.flat.device if self.flat.kind == "vram" else 0
-
-    @property
-    def owned(self) -> bool:
-        """kvconn allocated it (and frees it)."""
-        return self._mem is not None
-
-    @property
-    def addr(self) -> int:
-        return self.flat.buffers[0].address
-
-    def ranges(self) -> tuple[tuple[int, int], ...]:
-        return tuple((b.address, b.nbytes) for b in self.flat.buffers)
-
-    def array(self) -> npt.NDArray[np.uint8]:
-        if self._mem is None:
-            raise TypeError("array() is for memory kvconn allocated; engine buffers are the engine's")
-        return self._mem.array()
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        if self._mem is not None:
-            return self._mem.read(offset, nbytes)
-        return self.flat.read(offset, nbytes)
-
-    def write(self, offset: int, data: bytes) -> None:
-        if self._mem is not None:
-            self._mem.write(offset, data)
-        else:
-            self.flat.write(offset, data)
-
-    def free(self) -> None:
-        """Free what kvconn allocated; engine buffers are only let go of."""
-        if self._mem is not None:
-            self._mem.free()
-        self.flat = FlatSpace([Buffer(1, 1)])
+        super().__init__(source, opts.memory, opts.dev_id)
+        self.mem_type = "VRAM" if self.kind == "vram" else "DRAM"
+        self.dev_id = self.device
 
 
 def options_for(source: int | Sequence[Buffer], opts: Options) -> Options:
