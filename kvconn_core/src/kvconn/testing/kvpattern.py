@@ -128,6 +128,22 @@ def fill_page(
         _page(arrays[i], part, page)[:] = page_contents(shape, layout, i, room, index)
 
 
+def wrong_buffers(
+    shape: EngineShape,
+    layout: KVLayout,
+    arrays: Sequence[npt.NDArray[np.uint8]],
+    room: int,
+    index: int,
+    page: int,
+) -> list[int]:
+    """The buffers whose ``page`` does not hold the ``index``-th page of ``room``."""
+    return [
+        i
+        for i, part in enumerate(layout.buffers)
+        if not np.array_equal(_page(arrays[i], part, page), page_contents(shape, layout, i, room, index))
+    ]
+
+
 def page_matches(
     shape: EngineShape,
     layout: KVLayout,
@@ -137,10 +153,7 @@ def page_matches(
     page: int,
 ) -> bool:
     """Whether ``page`` holds the ``index``-th page of ``room`` in every buffer."""
-    return all(
-        np.array_equal(_page(arrays[i], part, page), page_contents(shape, layout, i, room, index))
-        for i, part in enumerate(layout.buffers)
-    )
+    return not wrong_buffers(shape, layout, arrays, room, index, page)
 
 
 def fill_canary(layout: KVLayout, arrays: Sequence[npt.NDArray[np.uint8]], pages: Sequence[int]) -> None:
