@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 from kvconn.config import Config
@@ -115,3 +116,24 @@ def test_a_decode_layout_the_rank_cannot_serve_is_refused_at_bootstrap() -> None
         other = EngineShape(layers=3, pages=16, tokens=8, heads=4, head_bytes=32)
         with pytest.raises(BootstrapError, match="tokens"):
             _decode(other, addresses, 1, 0, releases)
+
+
+def test_a_rooms_extras_land_in_the_slot_decode_named_written_once() -> None:
+    shape = EngineShape(layers=2, pages=16, tokens=4, heads=4, head_bytes=32, extras_bytes=96, extras_slots=8)
+    releases: list[Release] = []
+    with ranks(shape, 2) as addresses:
+        dec, arrays, layout = _decode(shape, addresses, 1, 0, releases)
+        try:
+            arrays[-1][:] = 0xA5
+            rx = dec.receiver(7, [2, 3, 4], extras_slot=5)
+            wait_for(lambda: rx.poll() in (KVPoll.SUCCESS, KVPoll.FAILED), 30, "room 7")
+            assert rx.poll() is KVPoll.SUCCESS, rx.failure()
+            assert shape.extras_match(arrays, 7, 5)
+            others = np.delete(arrays[-1].reshape(8, 96), 5, axis=0)
+            assert (others == 0xA5).all()
+            for index, page in enumerate([2, 3, 4]):
+                assert page_matches(shape, layout, arrays, 7, index, page)
+            with pytest.raises(ValueError, match="extras slot 8 outside"):
+                dec.receiver(8, [9], extras_slot=8)
+        finally:
+            dec.close()
