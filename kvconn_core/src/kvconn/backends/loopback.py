@@ -22,9 +22,20 @@ Options (strings, from ``Config.backend_options``):
     BROKEN on purpose: the DONE barrier answers LANDED without waiting.
 ``no_fence``
     BROKEN on purpose: the fence returns at once, the NIC keeps writing.
+``freeze_chunks``
+    comma-separated ``rank:room:index`` triples: the rank writes the first
+    half of that chunk, then stops its own process (SIGSTOP: a GC pause, a
+    host frozen mid-write) until something sends it SIGCONT; the second half
+    was already handed to the NIC and lands at once on SIGCONT, whatever a
+    fence says (the fence waits for it). A fault at a point the test fixes,
+    where a SIGSTOP sent from outside lands wherever the rank happens to be.
 
 Any other key is refused when a region or writer opens (a typo is an error,
 not a default silently applied).
+
+The DONE barrier answers LANDED (or FAILED_SETTLED) only for a chunk that
+settled by its deadline; one that settles later (its process was frozen) is
+UNSETTLED, as it would be had the barrier looked at the deadline.
 
 The fence (``on_fence``) stops the NIC thread between pieces and joins it:
 once it returns no thread of this writer touches the region, so nothing
@@ -36,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import queue
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -66,6 +78,7 @@ class LoopbackOptions:
     linger_after_fail: bool = False
     early_done: bool = False
     no_fence: bool = False
+    freeze_chunks: frozenset[tuple[int, int, int]] = frozenset()
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
@@ -79,6 +92,7 @@ class LoopbackOptions:
             linger_after_fail=opts.flag("linger_after_fail", default.linger_after_fail),
             early_done=opts.flag("early_done", default.early_done),
             no_fence=opts.flag("no_fence", default.no_fence),
+            freeze_chunks=_rank_chunk_ids(opts, "freeze_chunks"),
         )
 
 
@@ -106,12 +120,21 @@ class LoopbackRegion:
 
 
 class _Handle:
-    __slots__ = ("error", "finished", "pieces")
+    __slots__ = ("error", "finished", "finished_at", "pieces", "programmed")
 
-    def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
+    def __init__(self, pieces: list[tuple[int, int, int]], programmed: bool = False) -> None:
         self.pieces = pieces
+        #: Already handed to the hardware: lands whole, a fence cannot stop it.
+        self.programmed = programmed
         self.finished = threading.Event()
+        self.finished_at = float("inf")
         self.error: str | None = None
+
+    def finish(self, error: str | None = None) -> None:
+        if error is not None:
+            self.error = error
+        self.finished_at = time.monotonic()
+        self.finished.set()
 
 
 class _Peer:
@@ -182,8 +205,26 @@ class LoopbackWriter:
             fail = (chunk.room, chunk.index) in self.options.fail_chunks or (
                 self.options.fail_every > 0 and self._posted % self.options.fail_every == 0
             )
+        if (chunk.rank, chunk.room, chunk.index) in self.options.freeze_chunks:
+            return self._freeze_mid_write(pieces)
         handle = _Handle(pieces)
         self._nic_queue.put((handle, len(pieces) // 2 if fail else -1))
+        return handle
+
+    def _freeze_mid_write(self, pieces: list[tuple[int, int, int]]) -> _Handle:
+        """Write half, stop this process, then hand the rest to the NIC as one
+        programmed transfer. In on_post, so before the chunk's DONE barrier
+        can look at its deadline: the freeze happens mid-write, always."""
+        half = max(1, len(pieces) // 2)
+        for src, dst, n in pieces[:half]:
+            ctypes.memmove(dst, src, n)
+        # To this thread: a signal to the process may be taken by another
+        # thread, and this one would run on until the group stop reached it.
+        # A stop signal stops every thread; this one on return from the call.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        # Queued after the stop: the NIC must not finish it before the freeze.
+        handle = _Handle(pieces[half:], programmed=True)
+        self._nic_queue.put((handle, -1))
         return handle
 
     @hookimpl
@@ -191,6 +232,8 @@ class LoopbackWriter:
         if self.options.early_done:
             return Settlement.LANDED
         if not posted.finished.wait(max(0.0, deadline - time.monotonic())):
+            return Settlement.UNSETTLED
+        if posted.finished_at > deadline:  # settled late (frozen past the deadline)
             return Settlement.UNSETTLED
         return Settlement.LANDED if posted.error is None else Settlement.FAILED_SETTLED
 
@@ -224,12 +267,18 @@ class LoopbackWriter:
             if job is None:
                 break
             handle, fail_at = job
+            if handle.programmed:
+                for src, dst, n in handle.pieces:
+                    ctypes.memmove(dst, src, n)
+                handle.finish()
+                continue
+            error = None
             for i, (src, dst, n) in enumerate(handle.pieces):
                 if stop.is_set():
-                    handle.error = "fenced"
+                    error = "fenced"
                     break
                 if i == fail_at:
-                    handle.error = "injected failure"
+                    error = "injected failure"
                     if self.options.linger_after_fail:
                         rest = handle.pieces[i:]
                         threading.Thread(target=self._linger, args=(rest,), daemon=True).start()
@@ -237,16 +286,21 @@ class LoopbackWriter:
                 if self.options.piece_delay_s:
                     time.sleep(self.options.piece_delay_s)
                 ctypes.memmove(dst, src, n)
-            handle.finished.set()
+            handle.finish(error)
         # Posted but never started: settled without writing a byte.
         while True:
             try:
                 job = jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
-                job[0].error = "fenced"
-                job[0].finished.set()
+            if job is None:
+                continue
+            if job[0].programmed:  # the hardware has it: it lands, and the fence waits
+                for src, dst, n in job[0].pieces:
+                    ctypes.memmove(dst, src, n)
+                job[0].finish()
+            else:
+                job[0].finish("fenced")
 
     def _linger(self, pieces: list[tuple[int, int, int]]) -> None:
         time.sleep(max(self.options.piece_delay_s, 0.05) * 4)
@@ -293,6 +347,21 @@ def _chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int]]:
             ids.add((int(room), int(index)))
         except ValueError:
             raise OptionError(f"loopback option {key}: expected room:index pairs, got {item!r}") from None
+    return frozenset(ids)
+
+
+def _rank_chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int, int]]:
+    """``rank:room:index`` triples, comma-separated."""
+    ids = set()
+    for item in filter(None, (x.strip() for x in opts.text(key).split(","))):
+        parts = item.split(":")
+        try:
+            rank, room, index = (int(p) for p in parts)
+        except ValueError:
+            raise OptionError(
+                f"loopback option {key}: expected rank:room:index triples, got {item!r}"
+            ) from None
+        ids.add((rank, room, index))
     return frozenset(ids)
 
 

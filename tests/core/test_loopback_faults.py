@@ -1,0 +1,41 @@
+"""loopback's fault injection and its DONE barrier, in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconn.backends.loopback import LoopbackOptions, LoopbackRegion, LoopbackWriter
+from kvconn.chunk import Chunk, Segment
+from kvconn.options import OptionError
+from kvconn.plugins import get_backend
+from kvconn.transport import Settlement
+
+NBYTES = 1 << 16
+
+
+def chunk(room: int = 1, index: int = 0, rank: int = 0) -> Chunk:
+    return Chunk(room=room, index=index, last=True, rank=rank, peer="decode", src_pages=(0,), dst_pages=(0,))
+
+
+def test_a_chunk_that_settles_after_its_deadline_is_unsettled() -> None:
+    """A rank frozen while its chunk was in flight finds it landed only after
+    the deadline: LANDED would tell the core a late write was on time."""
+    region = LoopbackRegion(NBYTES)
+    writer = LoopbackWriter(NBYTES, {})
+    try:
+        writer.connect("decode", region.metadata)
+        posted = writer.on_post(chunk(), [Segment(0, 0, 4096)])
+        assert posted.finished.wait(5)
+        assert writer.on_done_barrier(chunk(), posted, posted.finished_at + 1) is Settlement.LANDED
+        assert writer.on_done_barrier(chunk(), posted, posted.finished_at - 1e-3) is Settlement.UNSETTLED
+    finally:
+        writer.close()
+        region.close()
+
+
+def test_freeze_chunks_reads_rank_room_index() -> None:
+    assert LoopbackOptions.parse({"freeze_chunks": " 0:3000:0, 1:7:2"}).freeze_chunks == frozenset(
+        {(0, 3000, 0), (1, 7, 2)}
+    )
+    with pytest.raises(OptionError, match=r"freeze_chunks: expected rank:room:index triples, got '3000:0'"):
+        get_backend("loopback").open_writer(4096, {"freeze_chunks": "3000:0"})
