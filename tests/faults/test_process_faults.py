@@ -134,7 +134,9 @@ def test_sigstop_past_deadline_quarantine_then_late_ack() -> None:
         assert c.metric("kvconn_quarantine_seconds_total") == pytest.approx(rel.quarantined_for)
         # the writer hit its own deadline and fenced itself
         m0 = c.ranks[0]
-        assert m0.value("kvconn_chunks_total", outcome="unsettled") == 1, {k: v for k, v in m0.metrics().items() if "chunk" in k[0] or "fence" in k[0]}
+        assert m0.value("kvconn_chunks_total", outcome="unsettled") == 1, {
+            k: v for k, v in m0.metrics().items() if "chunk" in k[0] or "fence" in k[0]
+        }
         assert m0.value("kvconn_fences_total", result="ok") >= 1
         assert m0.value("kvconn_poisoned_rooms") == 0
         # and still serves new rooms
