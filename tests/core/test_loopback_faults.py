@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvconn.backends.loopback import LoopbackOptions, LoopbackRegion, LoopbackWriter
@@ -39,3 +41,26 @@ def test_freeze_chunks_reads_rank_room_index() -> None:
     )
     with pytest.raises(OptionError, match=r"freeze_chunks: expected rank:room:index triples, got '3000:0'"):
         get_backend("loopback").open_writer(4096, {"freeze_chunks": "3000:0"})
+
+
+def test_a_late_chunk_is_unsettled_and_the_fence_waits_for_its_late_half() -> None:
+    region = LoopbackRegion(NBYTES)
+    options = {"piece_bytes": "1024", "late_chunks": "0:1:0", "late_delivery_s": "0.3"}
+    writer = LoopbackWriter(NBYTES, options)
+    try:
+        writer.connect("decode", region.metadata)
+        writer.write(0, b"\x11" * 8192)
+        t0 = time.monotonic()
+        posted = writer.on_post(chunk(), [Segment(0, 0, 8192)])
+        assert region.read(0, 4096) == b"\x11" * 4096  # the first half at once
+        assert region.read(4096, 4096) == bytes(4096)
+        assert writer.on_done_barrier(chunk(), posted, time.monotonic() + 0.05) is Settlement.UNSETTLED
+        assert writer.on_fence() is True
+        # the queued half was handed to hardware: the fence returned only once it landed
+        assert time.monotonic() - t0 >= 0.3
+        assert region.read(0, 8192) == b"\x11" * 8192
+        other = writer.on_post(chunk(room=2), [Segment(0, 8192, 1024)])  # not a late chunk
+        assert writer.on_done_barrier(chunk(room=2), other, time.monotonic() + 5) is Settlement.LANDED
+    finally:
+        writer.close()
+        region.close()

@@ -29,6 +29,13 @@ Options (strings, from ``Config.backend_options``):
     was already handed to the NIC and lands at once on SIGCONT, whatever a
     fence says (the fence waits for it). A fault at a point the test fixes,
     where a SIGSTOP sent from outside lands wherever the rank happens to be.
+``late_chunks``
+    ``rank:room:index`` triples: the first half of that chunk lands at once,
+    the second half sits in the NIC's queue (handed to hardware: a fence
+    waits for it) and lands ``late_delivery_s`` after the post, as a queue
+    behind a congested or retransmitting link delivers.
+``late_delivery_s``
+    how late (default 2.0).
 
 Any other key is refused when a region or writer opens (a typo is an error,
 not a default silently applied).
@@ -79,6 +86,8 @@ class LoopbackOptions:
     early_done: bool = False
     no_fence: bool = False
     freeze_chunks: frozenset[tuple[int, int, int]] = frozenset()
+    late_chunks: frozenset[tuple[int, int, int]] = frozenset()
+    late_delivery_s: float = 2.0
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
@@ -93,6 +102,8 @@ class LoopbackOptions:
             early_done=opts.flag("early_done", default.early_done),
             no_fence=opts.flag("no_fence", default.no_fence),
             freeze_chunks=_rank_chunk_ids(opts, "freeze_chunks"),
+            late_chunks=_rank_chunk_ids(opts, "late_chunks"),
+            late_delivery_s=opts.number("late_delivery_s", default.late_delivery_s, low=0.0),
         )
 
 
@@ -120,12 +131,16 @@ class LoopbackRegion:
 
 
 class _Handle:
-    __slots__ = ("error", "finished", "finished_at", "pieces", "programmed")
+    __slots__ = ("error", "finished", "finished_at", "not_before", "pieces", "programmed")
 
-    def __init__(self, pieces: list[tuple[int, int, int]], programmed: bool = False) -> None:
+    def __init__(
+        self, pieces: list[tuple[int, int, int]], programmed: bool = False, not_before: float = 0.0
+    ) -> None:
         self.pieces = pieces
         #: Already handed to the hardware: lands whole, a fence cannot stop it.
         self.programmed = programmed
+        #: A programmed transfer lands no earlier than this (time.monotonic()).
+        self.not_before = not_before
         self.finished = threading.Event()
         self.finished_at = float("inf")
         self.error: str | None = None
@@ -205,8 +220,11 @@ class LoopbackWriter:
             fail = (chunk.room, chunk.index) in self.options.fail_chunks or (
                 self.options.fail_every > 0 and self._posted % self.options.fail_every == 0
             )
-        if (chunk.rank, chunk.room, chunk.index) in self.options.freeze_chunks:
+        key = (chunk.rank, chunk.room, chunk.index)
+        if key in self.options.freeze_chunks:
             return self._freeze_mid_write(pieces)
+        if key in self.options.late_chunks:
+            return self._deliver_late(pieces)
         handle = _Handle(pieces)
         self._nic_queue.put((handle, len(pieces) // 2 if fail else -1))
         return handle
@@ -224,6 +242,15 @@ class LoopbackWriter:
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         # Queued after the stop: the NIC must not finish it before the freeze.
         handle = _Handle(pieces[half:], programmed=True)
+        self._nic_queue.put((handle, -1))
+        return handle
+
+    def _deliver_late(self, pieces: list[tuple[int, int, int]]) -> _Handle:
+        half = max(1, len(pieces) // 2)
+        for src, dst, n in pieces[:half]:
+            ctypes.memmove(dst, src, n)
+        late = time.monotonic() + self.options.late_delivery_s
+        handle = _Handle(pieces[half:], programmed=True, not_before=late)
         self._nic_queue.put((handle, -1))
         return handle
 
@@ -268,9 +295,7 @@ class LoopbackWriter:
                 break
             handle, fail_at = job
             if handle.programmed:
-                for src, dst, n in handle.pieces:
-                    ctypes.memmove(dst, src, n)
-                handle.finish()
+                self._land(handle)
                 continue
             error = None
             for i, (src, dst, n) in enumerate(handle.pieces):
@@ -296,11 +321,17 @@ class LoopbackWriter:
             if job is None:
                 continue
             if job[0].programmed:  # the hardware has it: it lands, and the fence waits
-                for src, dst, n in job[0].pieces:
-                    ctypes.memmove(dst, src, n)
-                job[0].finish()
+                self._land(job[0])
             else:
                 job[0].finish("fenced")
+
+    @staticmethod
+    def _land(handle: _Handle) -> None:
+        """A programmed transfer: nothing stops it, not even a fence."""
+        time.sleep(max(0.0, handle.not_before - time.monotonic()))
+        for src, dst, n in handle.pieces:
+            ctypes.memmove(dst, src, n)
+        handle.finish()
 
     def _linger(self, pieces: list[tuple[int, int, int]]) -> None:
         time.sleep(max(self.options.piece_delay_s, 0.05) * 4)
