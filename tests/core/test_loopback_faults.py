@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from multiprocessing import resource_tracker
 
 import pytest
 
@@ -19,13 +20,21 @@ def chunk(room: int = 1, index: int = 0, rank: int = 0) -> Chunk:
     return Chunk(room=room, index=index, last=True, rank=rank, peer="decode", src_pages=(0,), dst_pages=(0,))
 
 
+def connect(writer: LoopbackWriter, region: LoopbackRegion) -> None:
+    """The writer attaches the region as a rank would, which unregisters the
+    segment from this process's resource tracker; the region (same process
+    here) still unlinks it at close, so register it again."""
+    writer.connect("decode", region.metadata)
+    resource_tracker.register(region._shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
 def test_a_chunk_that_settles_after_its_deadline_is_unsettled() -> None:
     """A rank frozen while its chunk was in flight finds it landed only after
     the deadline: LANDED would tell the core a late write was on time."""
     region = LoopbackRegion(NBYTES)
     writer = LoopbackWriter(NBYTES, {})
     try:
-        writer.connect("decode", region.metadata)
+        connect(writer, region)
         posted = writer.on_post(chunk(), [Segment(0, 0, 4096)])
         assert posted.finished.wait(5)
         assert writer.on_done_barrier(chunk(), posted, posted.finished_at + 1) is Settlement.LANDED
@@ -48,7 +57,7 @@ def test_a_late_chunk_is_unsettled_and_the_fence_waits_for_its_late_half() -> No
     options = {"piece_bytes": "1024", "late_chunks": "0:1:0", "late_delivery_s": "0.3"}
     writer = LoopbackWriter(NBYTES, options)
     try:
-        writer.connect("decode", region.metadata)
+        connect(writer, region)
         writer.write(0, b"\x11" * 8192)
         t0 = time.monotonic()
         posted = writer.on_post(chunk(), [Segment(0, 0, 8192)])
