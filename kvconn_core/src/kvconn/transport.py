@@ -42,8 +42,9 @@ class Settlement(enum.Enum):
     #: The chunk failed and the transport proved nothing more of it can land
     #: (every handle settled).
     FAILED_SETTLED = "failed_settled"
-    #: The chunk failed or ran past its deadline and some bytes may still land.
-    #: The core poisons the room: no ack until a fence or the writer's exit.
+    #: The chunk failed or ran past its deadline and some bytes may still land
+    #: (also a chunk that landed only after its deadline). The core poisons
+    #: the room: no ack until a fence or the writer's exit.
     UNSETTLED = "unsettled"
 
 
@@ -105,7 +106,10 @@ class Writer(Protocol):
     def connect(self, peer: str, metadata: bytes) -> None:
         """Make ``peer`` (a page owner's id) reachable, given its region metadata.
 
-        Called again with the same peer after a fence or a decode restart.
+        Called once per peer, when that decode's first Hello reaches the rank.
+        A restarted decode has a new id and gets a call of its own; nothing
+        says when an old one is gone. Never called again after a fence: the
+        fence must leave the writer able to write to every peer it knew.
         """
 
     def close(self) -> None:

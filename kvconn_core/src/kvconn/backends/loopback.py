@@ -40,6 +40,24 @@ Options (strings, from ``Config.backend_options``):
     BROKEN on purpose: into a region of several buffers, what is meant for
     the second buffer is written into the first, at the same offset (a
     layer's slice in the wrong layer).
+``freeze_chunks``
+    comma-separated ``rank:room:index`` triples: the rank writes the first
+    half of that chunk, then stops its own process (SIGSTOP: a GC pause, a
+    host frozen mid-write) until something sends it SIGCONT; the second half
+    was already handed to the NIC and lands at once on SIGCONT, whatever a
+    fence says (the fence waits for it). A fault at a point the test fixes,
+    where a SIGSTOP sent from outside lands wherever the rank happens to be.
+``late_chunks``
+    ``rank:room:index`` triples: the first half of that chunk lands at once,
+    the second half sits in the NIC's queue (handed to hardware: a fence
+    waits for it) and lands ``late_delivery_s`` after the post, as a queue
+    behind a congested or retransmitting link delivers.
+``late_delivery_s``
+    how late (default 2.0).
+
+The DONE barrier answers LANDED (or FAILED_SETTLED) only for a chunk that
+settled by its deadline; one that settles later (its process was frozen) is
+UNSETTLED, as it would be had the barrier looked at the deadline.
 
 Any other key is refused when a region or writer opens (a typo is an error,
 not a default silently applied).
@@ -58,6 +76,7 @@ import mmap
 import os
 import queue
 import select
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -114,6 +133,9 @@ class LoopbackOptions:
     early_done: bool = False
     no_fence: bool = False
     misplace_buffer: bool = False
+    freeze_chunks: frozenset[tuple[int, int, int]] = frozenset()
+    late_chunks: frozenset[tuple[int, int, int]] = frozenset()
+    late_delivery_s: float = 2.0
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
@@ -128,6 +150,9 @@ class LoopbackOptions:
             early_done=opts.flag("early_done", default.early_done),
             no_fence=opts.flag("no_fence", default.no_fence),
             misplace_buffer=opts.flag("misplace_buffer", default.misplace_buffer),
+            freeze_chunks=_rank_chunk_ids(opts, "freeze_chunks"),
+            late_chunks=_rank_chunk_ids(opts, "late_chunks"),
+            late_delivery_s=opts.number("late_delivery_s", default.late_delivery_s, low=0.0),
         )
 
 
@@ -189,13 +214,26 @@ class LoopbackEngineRegion:
 
 
 class _Handle:
-    __slots__ = ("error", "finished", "steps")
+    __slots__ = ("error", "finished", "finished_at", "not_before", "programmed", "steps")
 
-    def __init__(self, steps: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, steps: list[tuple[int, int]], programmed: bool = False, not_before: float = 0.0
+    ) -> None:
         #: (first, end) rows of the chunk's pieces, one step each
         self.steps = steps
+        #: Already handed to the hardware: lands whole, a fence cannot stop it.
+        self.programmed = programmed
+        #: A programmed transfer lands no earlier than this (time.monotonic()).
+        self.not_before = not_before
         self.finished = threading.Event()
+        self.finished_at = float("inf")
         self.error: str | None = None
+
+    def finish(self, error: str | None = None) -> None:
+        if error is not None:
+            self.error = error
+        self.finished_at = time.monotonic()
+        self.finished.set()
 
 
 class _ShmPeer:
@@ -358,8 +396,42 @@ class LoopbackWriter:
             fail = (chunk.room, chunk.index) in self.options.fail_chunks or (
                 self.options.fail_every > 0 and self._posted % self.options.fail_every == 0
             )
+        key = (chunk.rank, chunk.room, chunk.index)
+        if key in self.options.freeze_chunks:
+            return self._freeze_mid_write(peer, pieces, steps)
+        if key in self.options.late_chunks:
+            return self._deliver_late(peer, pieces, steps)
         handle = _Handle(steps)
         self._nic_queue.put((handle, peer, pieces, len(steps) // 2 if fail else -1))
+        return handle
+
+    def _freeze_mid_write(
+        self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]
+    ) -> _Handle:
+        """Write half, stop this process, then hand the rest to the NIC as one
+        programmed transfer. In on_post, so before the chunk's DONE barrier
+        can look at its deadline: the freeze happens mid-write, always."""
+        half = max(1, len(steps) // 2)
+        for first, end in steps[:half]:
+            peer.copy(pieces, first, end)
+        # To this thread: a signal to the process may be taken by another
+        # thread, and this one would run on until the group stop reached it.
+        # A stop signal stops every thread; this one on return from the call.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        # Queued after the stop: the NIC must not finish it before the freeze.
+        handle = _Handle(steps[half:], programmed=True)
+        self._nic_queue.put((handle, peer, pieces, -1))
+        return handle
+
+    def _deliver_late(
+        self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]
+    ) -> _Handle:
+        half = max(1, len(steps) // 2)
+        for first, end in steps[:half]:
+            peer.copy(pieces, first, end)
+        late = time.monotonic() + self.options.late_delivery_s
+        handle = _Handle(steps[half:], programmed=True, not_before=late)
+        self._nic_queue.put((handle, peer, pieces, -1))
         return handle
 
     @hookimpl
@@ -367,6 +439,8 @@ class LoopbackWriter:
         if self.options.early_done:
             return Settlement.LANDED
         if not posted.finished.wait(max(0.0, deadline - time.monotonic())):
+            return Settlement.UNSETTLED
+        if posted.finished_at > deadline:  # settled late (frozen past the deadline)
             return Settlement.UNSETTLED
         return Settlement.LANDED if posted.error is None else Settlement.FAILED_SETTLED
 
@@ -400,12 +474,16 @@ class LoopbackWriter:
             if job is None:
                 break
             handle, peer, pieces, fail_at = job
+            if handle.programmed:
+                self._land(handle, peer, pieces)
+                continue
+            error = None
             for i, (first, end) in enumerate(handle.steps):
                 if stop.is_set():
-                    handle.error = "fenced"
+                    error = "fenced"
                     break
                 if i == fail_at:
-                    handle.error = "injected failure"
+                    error = "injected failure"
                     if self.options.linger_after_fail:
                         rest = (peer, pieces, handle.steps[i:])
                         threading.Thread(target=self._linger, args=rest, daemon=True).start()
@@ -414,18 +492,30 @@ class LoopbackWriter:
                     time.sleep(self.options.piece_delay_s)
                 error = peer.copy(pieces, first, end)
                 if error is not None:
-                    handle.error = error  # the call returned: nothing of it is still in flight
-                    break
-            handle.finished.set()
+                    break  # the call returned: nothing of it is still in flight
+            handle.finish(error)
         # Posted but never started: settled without writing a byte.
         while True:
             try:
                 job = jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
-                job[0].error = "fenced"
-                job[0].finished.set()
+            if job is None:
+                continue
+            handle, peer, pieces, _ = job
+            if handle.programmed:  # the hardware has it: it lands, and the fence waits
+                self._land(handle, peer, pieces)
+            else:
+                handle.finish("fenced")
+
+    @staticmethod
+    def _land(handle: _Handle, peer: _Peer, pieces: npt.NDArray[np.int64]) -> None:
+        """A programmed transfer: nothing stops it, not even a fence."""
+        time.sleep(max(0.0, handle.not_before - time.monotonic()))
+        error = None
+        for first, end in handle.steps:
+            error = peer.copy(pieces, first, end) or error
+        handle.finish(error)
 
     def _linger(self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]) -> None:
         time.sleep(max(self.options.piece_delay_s, 0.05) * 4)
@@ -491,6 +581,21 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     if buf is None:
         raise ValueError(f"shared memory {shm.name} is closed")
     return buf
+
+
+def _rank_chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int, int]]:
+    """``rank:room:index`` triples, comma-separated."""
+    ids = set()
+    for item in filter(None, (x.strip() for x in opts.text(key).split(","))):
+        parts = item.split(":")
+        try:
+            rank, room, index = (int(p) for p in parts)
+        except ValueError:
+            raise OptionError(
+                f"loopback option {key}: expected rank:room:index triples, got {item!r}"
+            ) from None
+        ids.add((rank, room, index))
+    return frozenset(ids)
 
 
 def _chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int]]:

@@ -161,7 +161,10 @@ class Cluster:
         wrap: Sequence[str] = (),
         bootstrap_timeout_s: float = 20.0,
         start_decode: bool = True,
+        legacy: bool = False,
     ) -> None:
+        """``legacy``: the timeout-only mode kvconn is compared with (ranks
+        send no acks, decode frees pages at its deadline without proof)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -179,6 +182,8 @@ class Cluster:
             host=decode_host,
             auth_key=key,
             backend_options=self.options,
+            unsafe_release_at_deadline=legacy,
+            acks_enabled=not legacy,
         )
         rk = key if rank_key == "same" else rank_key
         self.ranks: list[Rank] = []
@@ -202,6 +207,7 @@ class Cluster:
                     "backend_options": self.options,
                     "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
+                    "acks_enabled": not legacy,
                 }
                 if rk:
                     assert isinstance(rk, bytes)
@@ -282,6 +288,13 @@ class Cluster:
     def _dirty(self, page: int) -> int:
         data = self.dec.region.read(page * self.page_bytes, self.page_bytes)
         return len(data) - data.count(CANARY)
+
+    def late_pages(self, pages: Sequence[int] | None = None) -> list[int]:
+        """Pages handed back (of ``pages``, or all) that a write reached after
+        they were given back."""
+        with self.lock:
+            free = sorted(self.free if pages is None else self.free & set(pages))
+        return [p for p in free if self._dirty(p)]
 
     def late_bytes(self) -> int:
         """Bytes written into free pages (pages handed back) after they were
