@@ -9,18 +9,20 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("mooncake.engine")
+from kvconn.testing.libraries import require_library
 
-import numpy as np
-import pluggy
+require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 
-from kvconn import hookspecs
-from kvconn.chunk import Chunk, SegmentTable
-from kvconn.testing.kvpattern import EngineShape, fill_page, page_matches
-from kvconn.transport import Settlement, register_region, register_writer
-from kvconn_mooncake import backend
-from kvconn_mooncake._engine import pack_metadata, unpack_buffers
-from kvconn_mooncake.raw import RawWriter
+import numpy as np  # noqa: E402
+import pluggy  # noqa: E402
+
+from kvconn import hookspecs  # noqa: E402
+from kvconn.chunk import Chunk, SegmentTable  # noqa: E402
+from kvconn.testing.kvpattern import EngineShape, fill_page, page_matches  # noqa: E402
+from kvconn.transport import Settlement, register_region, register_writer  # noqa: E402
+from kvconn_mooncake import backend  # noqa: E402
+from kvconn_mooncake._engine import pack_metadata, unpack_buffers  # noqa: E402
+from kvconn_mooncake.raw import RawWriter  # noqa: E402
 
 SHAPE = EngineShape(layers=4, pages=32, tokens=16, heads=4, head_bytes=64, order="NHD")
 

@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-import kvconn_nixl
+from kvconn.testing.libraries import require_library
 
-kvconn_nixl.prepare_env()  # before anything imports nixl (UCX_MODULES=^ib)
-pytest.importorskip("nixl")
+require_library("nixl", module_level=True)  # by the library: the plugin installs without it
 
 import numpy as np  # noqa: E402
 import pluggy  # noqa: E402
