@@ -75,9 +75,13 @@ def _is_kvconn_receiver(receiver: object) -> bool:
 
 def around_decode_queue_init(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> None:
     original(queue, *args, **kwargs)
-    from sglang.srt.runtime_context import get_disagg
+    # The same view of the configuration the queue itself was built from.
+    from sglang.srt.disaggregation import decode
 
-    if get_disagg().disaggregation_transfer_backend == BACKEND_NAME and not queue.enable_deferred_kv_release:
+    if (
+        decode.get_disagg().disaggregation_transfer_backend == BACKEND_NAME
+        and not queue.enable_deferred_kv_release
+    ):
         log.info("kvconn: aborted rooms are held until released (deferred decode KV release is on)")
         queue.enable_deferred_kv_release = True
 

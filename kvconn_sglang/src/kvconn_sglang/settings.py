@@ -32,7 +32,8 @@ def _number(environ: Mapping[str, str], name: str, default: float) -> float:
 class Settings:
     """``transport``: the kvconn backend (``kvconn backends`` lists them).
     ``port_base``: prefill rank r listens at ``port_base + r`` (0: any free
-    port, logged). ``memory``: "dram" or "vram", the kind of SGLang's KV pool."""
+    port, logged). ``KVCONN_SGLANG_BACKEND_OPTIONS`` (``k=v,k=v``) go to
+    the transport. ``memory``: "dram" or "vram", the kind of SGLang's KV pool."""
 
     transport: str
     host: str
@@ -48,6 +49,7 @@ class Settings:
             abort_timeout_s=_number(environ, "ABORT_TIMEOUT_S", 30.0),
             resend_interval_s=_number(environ, "RESEND_INTERVAL_S", 1.0),
             host=host,
+            backend_options=_options(environ.get(PREFIX + "BACKEND_OPTIONS", "")),
         )
         memory = environ.get(PREFIX + "MEMORY", "")
         if memory not in ("", "dram", "vram"):
@@ -59,6 +61,17 @@ class Settings:
             memory=memory or _default_memory(),
             config=config,
         )
+
+
+def _options(text: str) -> dict[str, str]:
+    """``key=value,key=value``: options passed to the kvconn transport."""
+    options = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SettingsError(f"{PREFIX}BACKEND_OPTIONS: expected key=value, got {item!r}")
+        options[key.strip()] = value.strip()
+    return options
 
 
 def _default_memory() -> str:
