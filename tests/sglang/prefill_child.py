@@ -66,6 +66,11 @@ def main() -> None:
             reply({"sent": len(cmd["pages"])})
         elif op == "poll":
             reply({"states": {r: int(senders[(r, room)].poll()) for r in managers}})
+        elif op == "abort":
+            # SGLang's prefill aborting a request it is sending (AbortReq).
+            for r in managers:
+                senders[(r, room)].abort()
+            reply({"aborted": room})
         elif op == "clear":
             for r in managers:
                 senders.pop((r, room)).clear()

@@ -220,3 +220,66 @@ def test_prefill_two_ranks_fill_one_decode_rank_byte_exact(
         prefill.call(op="clear", room=room)
     finally:
         manager.close()
+
+
+def test_a_prefill_abort_mid_transfer_fails_decode_and_frees_after_kvconns_release(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure decode did not initiate: SGLang's queue sees Failed, arms
+    ensure_abort_notified(force_arm=True), holds, and frees after kvconn's release."""
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    manager, pool = decode_rank(utils, prefill.addresses, 1, 0)
+    released = Released()
+    try:
+        queue = transfer_queue(monkeypatch, gloo_group, released)
+        room, dst = next(ROOM_SEQ), [3, 4, 5]
+        rx = receiver(utils, manager, room, dst)
+        prefill.call(op="begin", room=room, num_pages=3, wait_s=20)
+        prefill.call(op="send", room=room, pages=[7])
+        wait_for(lambda: pool.page_matches(3, 7), 20, "the first chunk at decode")
+        dreq = decode_request(rx, room, slot=2)
+        queue.add(dreq)
+        prefill.call(op="abort", room=room)
+        wait_for(lambda: rx.poll() == utils.KVPoll.Failed, 20, "decode told Failed")
+        assert queue.pop_transferred() == []
+        assert rx.abort_notified  # SGLang armed the hold through ensure_abort_notified
+        assert dreq.req.finished_reason is not None
+        wait_for(lambda: manager.is_abort_release_safe(room, 1), 30, "kvconn's release of the room")
+        queue.resolve_deferred_releases()
+        assert released.reqs == [dreq.req] and queue.freed_slots == [2]
+        # At prefill, Failed is said only once no chunk reads the source pages.
+        assert prefill.call(op="poll", room=room)["states"] == {"0": int(utils.KVPoll.Failed)}
+        prefill.call(op="clear", room=room)
+    finally:
+        manager.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvconn-core keys a room by its id at a prefill rank, and SGLang's decode ranks share one "
+    "bootstrap_room: a second decode rank asking the same rank for the room is refused until rooms are "
+    "keyed per decode (kvconn-core, handoff work)",
+)
+def test_one_prefill_rank_fills_two_decode_ranks(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    (m0, p0), (m1, p1) = (decode_rank(utils, prefill.addresses, 2, r) for r in (0, 1))
+    try:
+        room, src, dst = next(ROOM_SEQ), [1, 2], [5, 6]
+        receivers = [receiver(utils, m, room, dst) for m in (m0, m1)]
+        prefill.call(op="begin", room=room, num_pages=2, wait_s=20)
+        prefill.call(op="send", room=room, pages=src)
+        wait_for(
+            lambda: utils.poll_and_all_reduce(receivers, gloo_group) == [int(utils.KVPoll.Success)] * 2,
+            20,
+            "Success on both decode ranks",
+        )
+        for pool in (p0, p1):
+            assert all(pool.page_matches(d, s) for s, d in zip(src, dst, strict=True))
+    finally:
+        prefill.call(op="clear", room=room)
+        m0.close()
+        m1.close()
