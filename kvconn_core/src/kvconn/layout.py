@@ -298,12 +298,17 @@ class KVLayout:
         _check_pages(dpg, dst.num_pages, "destination")
         return SegmentTable(_lower(plan, src, dpg))
 
+    def writes_extras_to(self, dst: KVLayout) -> bool:
+        """Whether this (prefill) side writes ``dst``'s per-room extras: one
+        rank per decode rank does, ``dst.tp_rank % tp_size``."""
+        return bool(self.extras) and dst.tp_rank % self.tp_size == self.tp_rank
+
     def extra_segments(self, dst: KVLayout, src_slot: int, dst_slot: int) -> SegmentTable:
         """Segments copying this side's extras slot ``src_slot`` into ``dst``'s
         ``dst_slot`` (empty if another prefill rank writes ``dst``'s extras)."""
         if len(self.extras) != len(dst.extras):
             raise LayoutError(f"{len(self.extras)} extras buffers here, {len(dst.extras)} at the destination")
-        if not self.extras or dst.tp_rank % self.tp_size != self.tp_rank:
+        if not self.writes_extras_to(dst):
             return SegmentTable(())
         if not 0 <= src_slot < self.num_slots or not 0 <= dst_slot < dst.num_slots:
             raise LayoutError(

@@ -78,6 +78,14 @@ class TransferRequest:
     dst_pages: tuple[int, ...]
     session: int
     seq: int
+    #: 1 + decode's slot for the room's per-room extras (aux data), which
+    #: travel with its last chunk; 0: the room has none.
+    extras_slot: int = 0
+
+    @property
+    def extras(self) -> int | None:
+        """Decode's extras slot for the room, or None."""
+        return self.extras_slot - 1 if self.extras_slot else None
 
 
 @attrs.frozen(slots=True)

@@ -48,7 +48,7 @@ _U32 = struct.Struct(">I")
 _SCHEMA: dict[type[Message], str] = {
     Hello: "sssuuubb",
     HelloAck: "ussuusu",
-    TransferRequest: "uspuu",
+    TransferRequest: "uspuuu",
     Abort: "uuss",
     AbortAck: "uuu?suc",
     RoomStatus: "uuossu",

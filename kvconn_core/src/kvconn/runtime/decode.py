@@ -210,9 +210,22 @@ class DecodeEndpoint:
             return self._writers[rank].session
 
     # -- engine API --------------------------------------------------------
-    def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
-        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``."""
+    def receiver(
+        self,
+        room: int,
+        pages: Sequence[int],
+        ranks: frozenset[int] | None = None,
+        extras_slot: int | None = None,
+    ) -> Receiver:
+        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``, and
+        its per-room extras into slot ``extras_slot`` of the layout's extras
+        (with the room's last chunk, covered by the same acks and proofs)."""
         ranks = self.ranks if ranks is None else ranks
+        if extras_slot is not None and not (
+            self.layout is not None and 0 <= extras_slot < self.layout.num_slots
+        ):
+            slots = 0 if self.layout is None else self.layout.num_slots
+            raise ValueError(f"extras slot {extras_slot} outside the layout's {slots} slots")
         if not ranks <= self.ranks:
             raise ValueError(f"unknown ranks {sorted(ranks - self.ranks)}")
         pages = tuple(pages)
@@ -230,7 +243,9 @@ class DecodeEndpoint:
             for rank in sorted(ranks):
                 writer = self._writers[rank]
                 self._request_seq += 1
-                request = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
+                request = TransferRequest(
+                    room, self.name, pages, writer.session, self._request_seq, _slot_field(extras_slot)
+                )
                 if not self._outbox.send(writer.address, request):
                     unsent.append(rank)
         if unsent:
@@ -486,6 +501,10 @@ class DecodeEndpoint:
 
     def _count_drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()
+
+
+def _slot_field(slot: int | None) -> int:
+    return 0 if slot is None else slot + 1
 
 
 class Receiver:

@@ -116,4 +116,8 @@ def peer_layout(
             f"decode bootstraps {num_ranks} prefill ranks; this rank's layout says tp_size {own.tp_size}"
         )
     own.writes_to(dst)  # raises LayoutError (a ValueError) if the pair does not fit
+    if len(own.extras) != len(dst.extras):
+        raise ValueError(
+            f"decode's layout has {len(dst.extras)} extras buffers, this rank's {len(own.extras)}"
+        )
     return EngineLayout(own, dst)

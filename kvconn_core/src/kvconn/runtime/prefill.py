@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, SegmentTable
@@ -169,6 +170,8 @@ class PrefillRank:
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._peers: dict[str, _Peer] = {}
         self._dst_pages: dict[int, tuple[int, ...]] = {}
+        #: decode's extras slot of a room (rooms with extras only), as its pages
+        self._dst_extras: dict[int, int] = {}
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         # SimpleQueue (C): a get or put costs well under a microsecond, against
         # a few for queue.Queue's Python-level condition variables.
@@ -235,8 +238,13 @@ class PrefillRank:
                     # taking its pages: write into the pages of this request, never
                     # into the earlier pages, which decode may have handed out again.
                     self._dst_pages[msg.room] = msg.dst_pages
+                    self._dst_extras.pop(msg.room, None)
+                    if msg.extras is not None:
+                        self._dst_extras[msg.room] = msg.extras
                 else:
                     self._dst_pages.setdefault(msg.room, msg.dst_pages)
+                    if msg.extras is not None:
+                        self._dst_extras.setdefault(msg.room, msg.extras)
                 self.ledger.request(msg.room, msg.decode)
                 if status is KVPoll.FAILED:
                     # Failed or tombstoned here: it will write nothing, say so, or
@@ -311,6 +319,7 @@ class PrefillRank:
         with self._lock:
             for room in self.ledger.expire(self.clock()):
                 self._dst_pages.pop(room, None)
+                self._dst_extras.pop(room, None)
         return None
 
     # -- transfer workers --------------------------------------------------
@@ -506,6 +515,22 @@ class PrefillRank:
         self.metrics.dropped.labels(reason).inc()
 
 
+def _with_extras(
+    room: int, layout: PageLayout | EngineLayout, segments: SegmentTable, src_slot: int | None, dst_slot: int
+) -> SegmentTable:
+    """A last chunk's segments, and its room's extras after them."""
+    if not isinstance(layout, EngineLayout):
+        raise ValueError(f"room {room}: decode asked for extras, but its pages are no engine layout")
+    if not layout.src.writes_extras_to(layout.dst):
+        return segments
+    if src_slot is None:
+        raise ValueError(
+            f"room {room}: decode asked for its extras; the last chunk must name this rank's slot"
+        )
+    extras = layout.src.extra_segments(layout.dst, src_slot, dst_slot)
+    return SegmentTable(np.concatenate([segments.rows, extras.rows]))
+
+
 def _source_buffers(
     rank: int, source_bytes: int | None, buffers: Sequence[object] | None, layout: KVLayout | None
 ) -> tuple[Buffer, ...] | None:
@@ -548,8 +573,13 @@ class Sender:
                 self._incarnation = self._rank.ledger.incarnation(self.room)
         return KVPoll.BOOTSTRAPPING if status is None else status
 
-    def send(self, src_pages: Sequence[int], last: bool = False) -> None:
+    def send(self, src_pages: Sequence[int], last: bool = False, extras_slot: int | None = None) -> None:
         """Queue the next ``len(src_pages)`` pages of the room for writing.
+
+        ``extras_slot``: with the last chunk, this rank's slot of the room's
+        per-room extras (its layout's ``extras``), written into the slot
+        decode asked for along with the pages. Required then if decode asked
+        for extras and this rank writes them (see ``KVLayout.extra_segments``).
 
         ``last``: this is the room's final chunk. Once it lands, decode is told
         Success and may hand the pages out again, so no chunk may follow it:
@@ -562,6 +592,7 @@ class Sender:
         with rank._lock:
             status = rank.ledger.status(self.room)
             dst_all = rank._dst_pages.get(self.room)
+            dst_extras = rank._dst_extras.get(self.room)
             entry_decode = rank.ledger.decode_of(self.room)
             incarnation = rank.ledger.incarnation(self.room)
         if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
@@ -582,7 +613,10 @@ class Sender:
         chunk = Chunk(self.room, self._index, last, rank.rank, entry_decode, tuple(src_pages), tuple(dst))
         # Lowered here, on the engine's thread, while the worker writes the
         # previous chunk (1024 scattered pages: ~0.08 ms).
-        segments = rank._peers[entry_decode].layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+        layout = rank._peers[entry_decode].layout
+        segments = layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+        if last and dst_extras is not None:
+            segments = _with_extras(self.room, layout, segments, extras_slot, dst_extras)
         self._sent += len(src_pages)
         self._index += 1
         self._last_sent = last
@@ -607,3 +641,4 @@ class Sender:
             self._rank.ledger.clear(self.room, self._incarnation)
             if self._rank.ledger.status(self.room) is None:
                 self._rank._dst_pages.pop(self.room, None)
+                self._rank._dst_extras.pop(self.room, None)

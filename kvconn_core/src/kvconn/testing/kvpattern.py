@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from kvconn.layout import KVLayout, PagedBuffer
+from kvconn.layout import ExtraSlots, KVLayout, PagedBuffer
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -41,6 +41,8 @@ class EngineShape:
     head_bytes: int = 256  #: head dim x dtype size (128 x fp16)
     order: str = "HND"
     replicated: bool = False  #: MLA: one latent buffer per layer, on every rank whole
+    extras_bytes: int = 0  #: per-room extras (aux) slot size, in one more buffer; 0: none
+    extras_slots: int = 8
 
     @property
     def num_buffers(self) -> int:
@@ -56,18 +58,47 @@ class EngineShape:
     def layout(self, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
         page = self.page_bytes(tp_size)
         sizes = (page * self.pages,) * self.num_buffers
+        extras: tuple[ExtraSlots, ...] = ()
+        if self.extras_bytes:
+            sizes += (self.extras_bytes * self.extras_slots,)
+            extras = (ExtraSlots(self.num_buffers, self.extras_bytes, self.extras_slots),)
         if self.replicated:
             parts = tuple(PagedBuffer(page, self.pages, buffer=i) for i in range(self.num_buffers))
-            return KVLayout(parts, sizes, tp_size, tp_rank, replicated=True)
+            return KVLayout(parts, sizes, tp_size, tp_rank, replicated=True, extras=extras)
         heads = self.heads // tp_size
         return KVLayout.uniform(
-            sizes, self.pages, self.tokens, heads, self.head_bytes, self.order, tp_size, tp_rank
+            sizes,
+            self.pages,
+            self.tokens,
+            heads,
+            self.head_bytes,
+            self.order,
+            tp_size,
+            tp_rank,
+            extras=extras,
+            kv_buffers=self.num_buffers,
         )
 
     def buffers(self, tp_size: int = 1, fill: int = 0) -> list[npt.NDArray[np.uint8]]:
-        """The rank's per-layer buffers, as an engine allocates them."""
+        """The rank's per-layer buffers (and its extras buffer), as an engine allocates them."""
         page = self.page_bytes(tp_size)
-        return [np.full(page * self.pages, fill, dtype=np.uint8) for _ in range(self.num_buffers)]
+        arrays = [np.full(page * self.pages, fill, dtype=np.uint8) for _ in range(self.num_buffers)]
+        if self.extras_bytes:
+            arrays.append(np.full(self.extras_bytes * self.extras_slots, fill, dtype=np.uint8))
+        return arrays
+
+    def extras_contents(self, room: int) -> npt.NDArray[np.uint8]:
+        """A room's extras (the same on every rank: one of them writes it)."""
+        return _bytes(np.arange(self.extras_bytes, dtype=np.int64) + (room + 1) * (1 << 24))
+
+    def _slot(self, arrays: Sequence[npt.NDArray[np.uint8]], slot: int) -> npt.NDArray[np.uint8]:
+        return arrays[self.num_buffers][slot * self.extras_bytes : (slot + 1) * self.extras_bytes]
+
+    def fill_extras(self, arrays: Sequence[npt.NDArray[np.uint8]], room: int, slot: int) -> None:
+        self._slot(arrays, slot)[:] = self.extras_contents(room)
+
+    def extras_match(self, arrays: Sequence[npt.NDArray[np.uint8]], room: int, slot: int) -> bool:
+        return bool(np.array_equal(self._slot(arrays, slot), self.extras_contents(room)))
 
     def to_args(self) -> dict[str, Any]:
         return attrs.asdict(self)

@@ -127,12 +127,17 @@ class Driver:
                 sender.fail("prefill-initiated failure (injected)")
                 break
             src = list(range(first + sent, first + sent + n))
+            last = sent + n == npages
+            extras_slot = None
+            if self.shape is not None and self.shape.extras_bytes and last:
+                extras_slot = room % self.shape.extras_slots
+                self.shape.fill_extras(self.arrays, room, extras_slot)
             for i, page in zip(range(sent, sent + n), src, strict=True):
                 if self.shape is not None:
                     fill_page(self.shape, self.layout, self.arrays, room, i, page)
                 else:
                     self.rank.writer.write(page * self.shard, shard_bytes(room, self.rank_id, i, self.shard))
-            sender.send(src, last=sent + n == npages)
+            sender.send(src, last=last, extras_slot=extras_slot)
             sent += n
             if self.chunk_gap_s:
                 time.sleep(self.chunk_gap_s)
