@@ -35,6 +35,7 @@ class Pool:
         self.heads = TOTAL_HEADS // tp_size
         self.global_heads = range(tp_rank * self.heads, (tp_rank + 1) * self.heads)
         self.tp_rank = tp_rank
+        self.metadata: Any = None
         self.arrays = [
             np.zeros((NUM_PAGES, PAGE_TOKENS, self.heads, HEAD_BYTES), np.uint8) for _ in range(2 * LAYERS)
         ]
@@ -43,8 +44,11 @@ class Pool:
                 for p in range(NUM_PAGES):
                     array[p] = pattern(b, p, self.global_heads)
 
-    def kv_args(self, kv_args_class: type) -> Any:
+    def kv_args(self, kv_args_class: type, metadata: Any = None) -> Any:
+        """SGLang's KVArgs over this pool; ``metadata``: SGLang's MetadataBuffers (aux)."""
         args = kv_args_class()
+        if metadata is not None:
+            args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = metadata.get_buf_infos()
         args.engine_rank = self.tp_rank
         args.kv_data_ptrs = [a.ctypes.data for a in self.arrays]
         args.kv_data_lens = [a.nbytes for a in self.arrays]

@@ -21,8 +21,10 @@ import standins
 
 standins.install()
 
+import torch  # noqa: E402
 from kvpool import Pool  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 
 
@@ -38,8 +40,10 @@ def main() -> None:
     tp_size = spec["tp_size"]
     server_args = SimpleNamespace(tp_size=tp_size, enable_dp_attention=False)
     pools = {r: Pool(tp_size, r, fill=True) for r in spec["ranks"]}
+    # SGLang's own aux rows (first output token, logprobs, the room id ...), on CPU as in SGLang.
+    metadata = {r: MetadataBuffers(8, 16, torch.float32, 0) for r in pools}
     managers = {
-        r: manager_class(pool.kv_args(kv_args_class), DisaggregationMode.PREFILL, server_args)
+        r: manager_class(pool.kv_args(kv_args_class, metadata[r]), DisaggregationMode.PREFILL, server_args)
         for r, pool in pools.items()
     }
     senders: dict[tuple[int, int], Any] = {}
@@ -58,7 +62,11 @@ def main() -> None:
                     time.sleep(0.005)
                 states[r] = int(state)
                 if state == KVPoll.WaitingForInput:
-                    sender.init(cmd["num_pages"], 0)
+                    # What SGLang's prefill writes into its slot before the last chunk.
+                    slot = cmd.get("aux_slot", 0)
+                    metadata[r].bootstrap_room[slot, 0] = room
+                    metadata[r].output_ids[slot, 0] = cmd.get("first_token", 0)
+                    sender.init(cmd["num_pages"], slot)
             reply({"states": states})
         elif op == "send":
             for r in managers:

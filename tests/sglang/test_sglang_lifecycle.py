@@ -36,7 +36,9 @@ class Released:
         self.reqs.append(req)
 
 
-def decode_rank(utils: Any, children_addresses: list[str], tp_size: int, tp_rank: int) -> tuple[Any, Pool]:
+def decode_rank(
+    utils: Any, children_addresses: list[str], tp_size: int, tp_rank: int, metadata: Any = None
+) -> tuple[Any, Pool]:
     """A decode scheduler rank's kvconn manager, built as SGLang builds it."""
     from kvconn_sglang import routing
 
@@ -44,19 +46,24 @@ def decode_rank(utils: Any, children_addresses: list[str], tp_size: int, tp_rank
     backend = utils.TransferBackend("kvconn")
     manager_class = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
     pool = Pool(tp_size, tp_rank, fill=False)
-    args = pool.kv_args(utils.get_kv_class(backend, utils.KVClassType.KVARGS))
+    if metadata is None:
+        import torch
+
+        metadata = utils.MetadataBuffers(8, 16, torch.float32, 0)  # SGLang's aux rows, always there
+    pool.metadata = metadata  # registered with kvconn: kept alive with the pool
+    args = pool.kv_args(utils.get_kv_class(backend, utils.KVClassType.KVARGS), metadata)
     server_args = SimpleNamespace(tp_size=tp_size, enable_dp_attention=False)
     return manager_class(args, utils.DisaggregationMode.DECODE, server_args), pool
 
 
-def receiver(utils: Any, manager: Any, room: int, pages: list[int]) -> Any:
+def receiver(utils: Any, manager: Any, room: int, pages: list[int], aux_slot: int = 0) -> Any:
     """SGLang's prealloc queue: a receiver, init(), then send_metadata(pages)."""
     receiver_class = utils.get_kv_class(utils.TransferBackend("kvconn"), utils.KVClassType.RECEIVER)
     rx = receiver_class(manager, BOOTSTRAP, room)
     assert rx.poll() == utils.KVPoll.Bootstrapping
     rx.init(0)
     assert rx.poll() == utils.KVPoll.WaitingForInput
-    rx.send_metadata(pages, aux_index=0)
+    rx.send_metadata(pages, aux_index=aux_slot)
     return rx
 
 
@@ -190,26 +197,43 @@ def test_sglangs_deadline_frees_a_held_room_without_the_plugins_hook(
     assert released.reqs == [dreq.req]
 
 
-def test_prefill_two_ranks_fill_one_decode_rank_byte_exact(
+def test_prefill_two_ranks_fill_one_decode_rank_byte_exact_with_sglangs_aux_row(
     sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
 ) -> None:
     """Heterogeneous TP 2 -> 1: each prefill rank writes its heads of every
-    page; SGLang's poll reduction says Success only once both did."""
+    page, rank 0 SGLang's aux row with the last chunk; SGLang's poll
+    reduction with its metadata gate (Success only once the aux row's room id
+    landed) says Success, and every byte is where it belongs."""
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
     utils = sglang_with_kvconn
     prefill = prefill_children[2]
-    manager, pool = decode_rank(utils, prefill.addresses, 1, 0)
+    metadata = MetadataBuffers(8, 16, torch.float32, 0)
+    manager, pool = decode_rank(utils, prefill.addresses, 1, 0, metadata)
     try:
-        room, src, dst = next(ROOM_SEQ), [2, 3, 4, 5, 6], [15, 1, 8, 0, 13]
-        rx = receiver(utils, manager, room, dst)
-        states = prefill.call(op="begin", room=room, num_pages=len(dst), wait_s=20)["states"]
-        assert set(states.values()) == {int(utils.KVPoll.WaitingForInput)}
+        room, src, dst, slot, token = next(ROOM_SEQ), [2, 3, 4, 5, 6], [15, 1, 8, 0, 13], 5, 4242
+        rx = receiver(utils, manager, room, dst, aux_slot=slot)
+        dreq = decode_request(rx, room, slot)
+        states = prefill.call(
+            op="begin", room=room, num_pages=len(dst), wait_s=20, aux_slot=1, first_token=token
+        )
+        assert set(states["states"].values()) == {int(utils.KVPoll.WaitingForInput)}
         prefill.call(op="send", room=room, pages=src[:2])
+        assert utils.poll_and_all_reduce([rx], gloo_group, [dreq], metadata) != [int(utils.KVPoll.Success)]
         prefill.call(op="send", room=room, pages=src[2:])  # completes the room: the last chunk
         wait_for(
-            lambda: utils.poll_and_all_reduce([rx], gloo_group) == [int(utils.KVPoll.Success)], 30, "Success"
+            lambda: (
+                utils.poll_and_all_reduce([rx], gloo_group, [dreq], metadata) == [int(utils.KVPoll.Success)]
+            ),
+            30,
+            "Success past SGLang's metadata gate",
         )
+        assert int(metadata.bootstrap_room[slot, 0]) == room
+        assert int(metadata.output_ids[slot, 0]) == token
+        assert all(int(metadata.bootstrap_room[s, 0]) == 0 for s in range(8) if s != slot)
         for s, d in zip(src, dst, strict=True):
-            assert pool.page_matches(d, s), f"decode page {d} is not prefill page {src}"
+            assert pool.page_matches(d, s), f"decode page {d} is not prefill page {s}"
         untouched = set(range(NUM_PAGES)) - set(dst)
         assert all(pool.page_untouched(p) for p in untouched)
         wait_for(

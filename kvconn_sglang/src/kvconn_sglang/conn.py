@@ -186,11 +186,13 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self.bootstrap_room = bootstrap_room
         self._sender = mgr.rank.sender(bootstrap_room)
         self._num_pages: int | None = None
+        self._aux_slot: int | None = None
         self._pages_sent = 0
         self._failure: str | None = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
+        self._aux_slot = None if aux_index is None else int(aux_index)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A last chunk with no page still has to conclude the room.
@@ -214,7 +216,8 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         pages = [int(p) for p in kv_indices]
         self._pages_sent += len(pages)
         try:
-            self._sender.send(pages, last=self._pages_sent >= self._num_pages)
+            last = self._pages_sent >= self._num_pages
+            self._sender.send(pages, last=last, extras_slot=self._aux_slot if last else None)
         except (RuntimeError, ValueError) as exc:
             self._fail(str(exc))
 
@@ -286,7 +289,9 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             self._failure = "state buffers (Mamba/SWA/DSA) are not carried by kvconn yet"
             return
         try:
-            self._receiver = self._endpoint.receiver(self.bootstrap_room, [int(p) for p in kv_indices])
+            pages = [int(p) for p in kv_indices]
+            slot = None if aux_index is None or not self.kv_mgr.engine_kv.layout.extras else int(aux_index)
+            self._receiver = self._endpoint.receiver(self.bootstrap_room, pages, extras_slot=slot)
         except ValueError as exc:
             self._failure = str(exc)
             return

@@ -6,6 +6,11 @@ then each layer's V; one latent buffer per layer with MLA) its address
 ``kv_item_lens[i]``. Its MHA pool stores a layer as ``[tokens, heads,
 head_dim]``, token-major, which is kvconn's "NHD" page order. kvconn
 registers those buffers in place (no copy) and never frees them.
+
+SGLang's aux buffers (``aux_data_ptrs`` / ``_lens`` / ``_item_lens``: the
+first output token, logprobs, hidden states, the room id its decode checks)
+hold one row per request slot: they become kvconn's per-room extras, written
+with a room's last chunk under the same acks and proofs as its pages.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 import attrs
 
 from kvconn.buffers import Buffer
-from kvconn.layout import KVLayout, PagedBuffer
+from kvconn.layout import ExtraSlots, KVLayout, PagedBuffer
 
 
 class KVArgsError(ValueError):
@@ -66,12 +71,35 @@ def engine_kv(kv_args: Any, tp_size: int, tp_rank: int, is_mla: bool, kind: str 
                 order="NHD",
             )
         )
-    buffers = tuple(
-        Buffer(int(ptr), int(nbytes), kind=kind, device=int(getattr(kv_args, "gpu_id", 0) or 0))
+    device = int(getattr(kv_args, "gpu_id", 0) or 0)
+    buffers = [
+        Buffer(int(ptr), int(nbytes), kind=kind, device=device)
         for ptr, nbytes in zip(ptrs, lens, strict=True)
-    )
-    layout = KVLayout(tuple(parts), tuple(int(n) for n in lens), tp_size, tp_rank, replicated=is_mla)
-    return EngineKV(buffers, layout)
+    ]
+    sizes = [int(n) for n in lens]
+    extras = []
+    aux = _aux(kv_args)
+    for i, (ptr, nbytes, item) in enumerate(aux):
+        if item <= 0 or nbytes < item:
+            raise KVArgsError(f"aux buffer {i}: {nbytes} bytes cannot hold a slot of {item} bytes")
+        # SGLang's aux rows live in host memory (MetadataBuffers on "cpu").
+        extras.append(ExtraSlots(len(buffers), item, nbytes // item))
+        buffers.append(Buffer(ptr, nbytes, kind="dram"))
+        sizes.append(nbytes)
+    layout = KVLayout(tuple(parts), tuple(sizes), tp_size, tp_rank, replicated=is_mla, extras=tuple(extras))
+    return EngineKV(tuple(buffers), layout)
+
+
+def _aux(kv_args: Any) -> list[tuple[int, int, int]]:
+    ptrs = list(getattr(kv_args, "aux_data_ptrs", None) or [])
+    lens = list(getattr(kv_args, "aux_data_lens", None) or [])
+    items = list(getattr(kv_args, "aux_item_lens", None) or [])
+    if not len(ptrs) == len(lens) == len(items):
+        raise KVArgsError(
+            f"aux_data_ptrs, aux_data_lens and aux_item_lens must be of one length, "
+            f"got {len(ptrs)}, {len(lens)}, {len(items)}"
+        )
+    return [(int(p), int(n), int(i)) for p, n, i in zip(ptrs, lens, items, strict=True)]
 
 
 __all__ = ["EngineKV", "KVArgsError", "engine_kv"]
