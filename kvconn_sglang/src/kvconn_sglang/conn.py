@@ -75,6 +75,8 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         is_mla_backend: bool | None = False,
         settings: Settings | None = None,
     ) -> None:
+        if int(getattr(server_args, "pp_size", 1) or 1) > 1:
+            raise NotImplementedError("kvconn_sglang: pipeline-parallel prefill/decode is not supported yet")
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
@@ -287,6 +289,9 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return
         if state_indices is not None and len(state_indices) > 0:
             self._failure = "state buffers (Mamba/SWA/DSA) are not carried by kvconn yet"
+            return
+        if decode_prefix_len:
+            self._failure = "a decode-side radix-cache prefix is not supported by kvconn yet"
             return
         try:
             pages = [int(p) for p in kv_indices]
