@@ -94,7 +94,10 @@ class PrefillChild:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return self._read(timeout_s)
+        answer = self._read(timeout_s)
+        if "error" in answer:
+            raise AssertionError(f"prefill child failed {cmd['op']}: {answer['error']}")
+        return answer
 
     def _read(self, timeout_s: float) -> Any:
         assert self.proc.stdout is not None

@@ -104,6 +104,16 @@ def transfer_queue(monkeypatch: pytest.MonkeyPatch, gloo: Any, released: Release
     return queue
 
 
+def prefill_done(prefill: Any, room: int) -> dict[str, tuple[bool, bool, bool]]:
+    """Per prefill rank, after a pass of SGLang's inflight queue: (concluded,
+    failed, source KV freed). Once concluded, later passes no longer see it."""
+    seen = prefill.seen = getattr(prefill, "seen", {})
+    for rank, state in prefill.call(op="inflight", room=room)["ranks"].items():
+        if state["done"] or (rank, room) not in seen:
+            seen[(rank, room)] = (state["done"], state["failed"], state["released"])
+    return {rank: state for (rank, r), state in seen.items() if r == room}
+
+
 def decode_request(rx: Any, room: int, slot: int) -> Any:
     from sglang.srt.disaggregation.decode import DecodeRequest
 
@@ -169,7 +179,10 @@ def test_abort_mid_transfer_is_held_past_sglangs_deadline_until_kvconn_releases(
         assert dreq.kv_receiver is None
         # The second chunk was never sent: those pages saw no write.
         assert pool.page_untouched(11) and pool.page_untouched(12)
-        prefill.call(op="clear", room=room)
+        # SGLang's prefill inflight queue sees Failed and frees the request's source KV.
+        wait_for(
+            lambda: prefill_done(prefill, room) == {"0": (True, True, True)}, 30, "prefill concluded Failed"
+        )
     finally:
         manager.close()
 
@@ -215,9 +228,7 @@ def test_prefill_two_ranks_fill_one_decode_rank_byte_exact_with_sglangs_aux_row(
         room, src, dst, slot, token = next(ROOM_SEQ), [2, 3, 4, 5, 6], [15, 1, 8, 0, 13], 5, 4242
         rx = receiver(utils, manager, room, dst, aux_slot=slot)
         dreq = decode_request(rx, room, slot)
-        states = prefill.call(
-            op="begin", room=room, num_pages=len(dst), wait_s=20, aux_slot=1, first_token=token
-        )
+        states = prefill.call(op="begin", room=room, num_pages=len(dst), wait_s=20, first_token=token)
         assert set(states["states"].values()) == {int(utils.KVPoll.WaitingForInput)}
         prefill.call(op="send", room=room, pages=src[:2])
         assert utils.poll_and_all_reduce([rx], gloo_group, [dreq], metadata) != [int(utils.KVPoll.Success)]
@@ -236,12 +247,12 @@ def test_prefill_two_ranks_fill_one_decode_rank_byte_exact_with_sglangs_aux_row(
             assert pool.page_matches(d, s), f"decode page {d} is not prefill page {s}"
         untouched = set(range(NUM_PAGES)) - set(dst)
         assert all(pool.page_untouched(p) for p in untouched)
+        # Both ranks' SGLang inflight queues: Success, and only then the source KV is freed.
         wait_for(
-            lambda: set(prefill.call(op="poll", room=room)["states"].values()) == {int(utils.KVPoll.Success)},
+            lambda: prefill_done(prefill, room) == {"0": (True, False, True), "1": (True, False, True)},
             30,
-            "prefill ranks told Success",
+            "prefill ranks concluded Success",
         )
-        prefill.call(op="clear", room=room)
     finally:
         manager.close()
 
@@ -272,9 +283,10 @@ def test_a_prefill_abort_mid_transfer_fails_decode_and_frees_after_kvconns_relea
         wait_for(lambda: manager.is_abort_release_safe(room, 1), 30, "kvconn's release of the room")
         queue.resolve_deferred_releases()
         assert released.reqs == [dreq.req] and queue.freed_slots == [2]
-        # At prefill, Failed is said only once no chunk reads the source pages.
-        assert prefill.call(op="poll", room=room)["states"] == {"0": int(utils.KVPoll.Failed)}
-        prefill.call(op="clear", room=room)
+        # SGLang's prefill inflight queue: Failed (said once no chunk reads the source), source freed.
+        wait_for(
+            lambda: prefill_done(prefill, room) == {"0": (True, True, True)}, 30, "prefill concluded Failed"
+        )
     finally:
         manager.close()
 
@@ -304,6 +316,5 @@ def test_one_prefill_rank_fills_two_decode_ranks(
         for pool in (p0, p1):
             assert all(pool.page_matches(d, s) for s, d in zip(src, dst, strict=True))
     finally:
-        prefill.call(op="clear", room=room)
         m0.close()
         m1.close()
