@@ -23,6 +23,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# The adapter's pure parts (routing, settings) are tested without installing it;
+# SGLang finds it through its entry point only once it is installed.
+sys.path.insert(0, str(HERE.parents[1] / "kvconn_sglang" / "src"))
 
 SGLANG_MISSING = "sglang is not installed in this interpreter: run scripts/setup-sglang-venv.sh (CI does)"
 
