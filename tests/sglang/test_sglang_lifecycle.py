@@ -253,6 +253,12 @@ def test_prefill_two_ranks_fill_one_decode_rank_byte_exact_with_sglangs_aux_row(
             30,
             "prefill ranks concluded Success",
         )
+        # SGLang cleared the senders; a later poll still says Success.
+        later = prefill.call(op="inflight", room=room)["ranks"]
+        assert {r: v["poll"] for r, v in later.items()} == {
+            "0": int(utils.KVPoll.Success),
+            "1": int(utils.KVPoll.Success),
+        }
     finally:
         manager.close()
 
@@ -287,6 +293,36 @@ def test_a_prefill_abort_mid_transfer_fails_decode_and_frees_after_kvconns_relea
         wait_for(
             lambda: prefill_done(prefill, room) == {"0": (True, True, True)}, 30, "prefill concluded Failed"
         )
+    finally:
+        manager.close()
+
+
+def test_a_zero_page_last_chunk_still_carries_the_aux_row(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    """SGLang sends a last chunk with no page (everything cached at decode, or
+    a one-token prompt): the room must still conclude, with its aux row."""
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    metadata = MetadataBuffers(8, 16, torch.float32, 0)
+    manager, _ = decode_rank(utils, prefill.addresses, 1, 0, metadata)
+    try:
+        room, slot, token = next(ROOM_SEQ), 6, 77
+        rx = receiver(utils, manager, room, [], aux_slot=slot)
+        dreq = decode_request(rx, room, slot)
+        prefill.call(op="begin", room=room, num_pages=0, wait_s=20, first_token=token)
+        prefill.call(op="send", room=room, pages=[])
+        wait_for(
+            lambda: (
+                utils.poll_and_all_reduce([rx], gloo_group, [dreq], metadata) == [int(utils.KVPoll.Success)]
+            ),
+            30,
+            "Success past SGLang's metadata gate",
+        )
+        assert int(metadata.bootstrap_room[slot, 0]) == room and int(metadata.output_ids[slot, 0]) == token
     finally:
         manager.close()
 

@@ -47,11 +47,12 @@ _CONCLUDED = (KvconnPoll.SUCCESS, KvconnPoll.FAILED)
 class KVConnTransferError(RuntimeError):
     """A room's transfer failed; ``failure_reason`` says why (SGLang reads it)."""
 
-    def __init__(self, room: int, reason: str) -> None:
+    def __init__(self, room: int, reason: str, is_from_another_rank: bool = False) -> None:
         super().__init__(f"kvconn: room {room} failed: {reason}")
         self.room = room
         self.failure_reason = reason
-        self.is_from_another_rank = False
+        #: SGLang logs a failure that another rank already reported at debug level.
+        self.is_from_another_rank = is_from_another_rank
 
 
 def _attention_tp(server_args: Any, engine_rank: int) -> tuple[int, int]:
@@ -191,6 +192,8 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self._aux_slot: int | None = None
         self._pages_sent = 0
         self._failure: str | None = None
+        #: Success or Failed once said: SGLang may poll a sender it cleared.
+        self._concluded: int | None = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
@@ -228,19 +231,26 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self._sender.fail(reason)
 
     def poll(self) -> int:
+        if self._concluded is not None:
+            return self._concluded
         status = self._sender.poll()
         # SGLang reuses the source pages once told Success or Failed: say so
         # only when no chunk of the room is still being read from them.
         if status in _CONCLUDED and not self._sender.settled():
             return int(KVPoll.Transferring)
-        return to_sglang(status, KVPoll)
+        value = to_sglang(status, KVPoll)
+        if status in _CONCLUDED:
+            self._concluded = value
+        return value
 
     def poll_pp_consensus(self) -> int:
         return self.poll()
 
     def failure_exception(self) -> None:
         raise KVConnTransferError(
-            self.bootstrap_room, self._failure or "failed at the decode or another rank"
+            self.bootstrap_room,
+            self._failure or "failed at the decode or another rank",
+            is_from_another_rank=self._failure is None,
         )
 
     def abort(self) -> None:
@@ -270,6 +280,7 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._failure: str | None = None
         self._aborted = False
         self._finished = False
+        self._cleared = False
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         try:
@@ -305,6 +316,10 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
     def poll(self) -> int:
         if self._failure is not None or self._aborted:
             return int(KVPoll.Failed)
+        if self._finished:
+            return int(KVPoll.Success)
+        if self._cleared:
+            return int(KVPoll.Failed)  # cleared before it concluded: it never will
         if self._endpoint is None:
             return int(KVPoll.Bootstrapping)
         if self._receiver is None:
@@ -340,7 +355,13 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._receiver.abort()
 
     def clear(self) -> None:
+        if self._receiver is not None and not self._finished and not self.abort_notified:
+            # SGLang drops a room kvconn still has live: stop its writers now;
+            # whatever SGLang does with the pages, kvconn can no longer guard them.
+            log.warning("kvconn: room %d cleared before it concluded; aborting it", self.bootstrap_room)
+            self.ensure_abort_notified()
         self._receiver = None
+        self._cleared = True
 
 
 __all__ = ["KVConnKVManager", "KVConnKVReceiver", "KVConnKVSender", "KVConnTransferError"]
