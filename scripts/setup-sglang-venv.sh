@@ -13,11 +13,11 @@ TORCH_VERSION=2.13.0+cpu
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# The CPU wheel: from pip's configured indexes or wheel folders where present,
-# else from PyTorch's CPU index. Never torchvision from an index: it pulls a
-# CUDA torch.
-"${PIP[@]}" "torch==$TORCH_VERSION" 2>/dev/null ||
-    "${PIP[@]}" "torch==$TORCH_VERSION" --extra-index-url https://download.pytorch.org/whl/cpu
+# The CPU wheel, from pip's configured indexes or wheel folders (where pip
+# finds none, pass an index that has it in SGLANG_PIP_ARGS). Never torchvision
+# from an index: it pulls a CUDA torch.
+# shellcheck disable=SC2086
+"${PIP[@]}" ${SGLANG_PIP_ARGS:-} "torch==$TORCH_VERSION"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
 CONSTRAINT=$(mktemp)
 trap 'rm -f "$CONSTRAINT"' EXIT
