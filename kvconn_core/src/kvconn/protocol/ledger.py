@@ -66,8 +66,7 @@ class RoomKey(NamedTuple):
     room: int
 
 
-# eq=False: entries are compared by identity (a handle keeps its own), and hashable
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True)
 class _Room:
     status: KVPoll = KVPoll.BOOTSTRAPPING
     #: The decode endpoint of the room (its key's).

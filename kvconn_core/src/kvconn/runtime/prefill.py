@@ -188,9 +188,10 @@ class PrefillRank:
         #: Rooms a Sender gave up waiting for (room -> until when): a decode's
         #: request arriving later is refused, whichever decode sends it.
         self._given_up: dict[int, float] = {}
-        #: Requests a Sender took: another Sender of the same room id takes
-        #: another decode's (one Sender per request, as on_request comes).
-        self._taken: weakref.WeakSet[RoomEntry] = weakref.WeakSet()
+        #: Requests (ledger incarnations) a live Sender took: another Sender
+        #: of the same room id takes another decode's (one Sender per
+        #: request, as on_request comes). A sender dropped unused frees them.
+        self._taken: weakref.WeakValueDictionary[int, Sender] = weakref.WeakValueDictionary()
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         # SimpleQueue (C): a get or put costs well under a microsecond, against
         # a few for queue.Queue's Python-level condition variables.
@@ -656,11 +657,11 @@ class Sender:
         live = sorted(
             (entry.incarnation, decode, entry)
             for decode, entry in self._rank.ledger.decodes_of(self.room).items()
-            if entry not in taken and entry.status in LIVE
+            if entry.incarnation not in taken and entry.status in LIVE
         )
         for _, decode, entry in live[: self.decodes - len(self._legs)]:
             self._legs.append(_Leg(RoomKey(decode, self.room), entry))
-            taken.add(entry)
+            taken[entry.incarnation] = self
 
     def _leg_status(self, leg: _Leg) -> KVPoll:
         status = leg.entry.status
