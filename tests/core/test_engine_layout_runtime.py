@@ -91,7 +91,6 @@ def test_one_prefill_rank_fills_two_decode_ranks_with_their_heads() -> None:
         d0, a0, l0 = _decode(SHAPE, addresses, 2, 0, releases)
         d1, a1, l1 = _decode(SHAPE, addresses, 2, 1, releases)
         try:
-            # Room ids are global at a rank until rooms are keyed per decode: distinct ids here.
             _transfer(SHAPE, d0, a0, l0, 5, [0, 1, 2, 3])
             _transfer(SHAPE, d1, a1, l1, 6, [7, 8, 9, 10])
         finally:
