@@ -354,10 +354,14 @@ class PrefillRank:
         return None
 
     # -- transfer workers --------------------------------------------------
-    def _enqueue(self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None) -> None:
+    def _enqueue(
+        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None, key: RoomKey | None = None
+    ) -> None:
         """Queue ``chunk`` for the worker of its room; ``incarnation``: the
-        request it belongs to (a chunk of an earlier one is skipped)."""
-        self._queues[chunk.room % len(self._queues)].put((chunk, segments, incarnation))
+        request it belongs to (a chunk of an earlier one is skipped); ``key``:
+        its room's, made once here rather than at every ledger call."""
+        key = _key(chunk) if key is None else key
+        self._queues[chunk.room % len(self._queues)].put((chunk, segments, incarnation, key))
 
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         # One chunk is in the transport at a time, as ever. But a chunk that
@@ -370,7 +374,7 @@ class PrefillRank:
         # Sender's) meets a concluded room at dequeue and is skipped, instead
         # of being posted while decode hears SUCCESS. With nothing queued, a
         # landed chunk is accounted for at once too.
-        landed: Chunk | None = None
+        landed: tuple[Chunk, RoomKey] | None = None
         while True:
             if landed is None:
                 item = q.get()
@@ -378,38 +382,39 @@ class PrefillRank:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
-                    self._account_landed(landed)
+                    self._account_landed(*landed)
                     landed = None
                     continue
             if item is _STOP:
                 if landed is not None:
-                    self._account_landed(landed)
+                    self._account_landed(*landed)
                 return
-            chunk, segments, incarnation = item
-            in_flight = self._post(chunk, segments, incarnation)
+            chunk, segments, incarnation, key = item
+            in_flight = self._post(chunk, segments, incarnation, key)
             if landed is not None:
-                self._account_landed(landed)
+                self._account_landed(*landed)
                 landed = None
             if in_flight is not None and self._settle(chunk, *in_flight):
                 if chunk.last:
-                    self._account_landed(chunk)
+                    self._account_landed(chunk, key)
                 else:
-                    landed = chunk
+                    landed = (chunk, key)
 
     def _transfer(self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None) -> None:
         """One chunk's whole path, accounted for at once."""
-        in_flight = self._post(chunk, segments, incarnation)
+        key = _key(chunk)
+        in_flight = self._post(chunk, segments, incarnation, key)
         if in_flight is not None and self._settle(chunk, *in_flight):
-            self._account_landed(chunk)
+            self._account_landed(chunk, key)
 
     def _post(
-        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None
+        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None, key: RoomKey
     ) -> tuple[ChunkHooks, object, float] | None:
         """Count the chunk, then post it: (hooks, handle, deadline) with the
         fence gate entered, or None if it was skipped or failed (accounted)."""
         hooks = self._hooks.current()
         with self._lock:
-            write = self.ledger.dequeue(_key(chunk), incarnation)  # invariant D: counted here
+            write = self.ledger.dequeue(key, incarnation)  # invariant D: counted here
         try:
             if hooks.has_dequeue:
                 hooks.dequeue(chunk)
@@ -421,7 +426,7 @@ class PrefillRank:
         if not write:
             with self._lock:
                 self._chunk_outcomes["skipped"] += 1
-                self._execute(self.ledger.skipped(_key(chunk)))
+                self._execute(self.ledger.skipped(key))
             return None
         self._gate.enter()
         # The deadline covers post and write: a writer frozen inside on_post
@@ -467,10 +472,10 @@ class PrefillRank:
             self._fence()
         return False
 
-    def _account_landed(self, chunk: Chunk) -> None:
+    def _account_landed(self, chunk: Chunk, key: RoomKey) -> None:
         with self._lock:
             self._chunk_outcomes["landed"] += 1
-            self._execute(self.ledger.landed(_key(chunk), chunk.last))
+            self._execute(self.ledger.landed(key, chunk.last))
 
     def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
         """A hook raised with the chunk counted: poison, never uncount."""
@@ -735,7 +740,7 @@ class Sender:
             ]
             # A room that is complete here, and not this sender's: its pages
             # are decode's again, whoever sent it.
-            complete = any(
+            complete = len(legs) < self.decodes and any(
                 entry.status is KVPoll.SUCCESS for entry in rank.ledger.decodes_of(self.room).values()
             )
         for leg, current, _, _ in legs:
@@ -748,7 +753,7 @@ class Sender:
             raise RoomStateError(f"this sender was cleared ({polled.name})", self.room)
         if self._gave_up:
             raise RoomStateError("this sender gave up waiting for decode's request", self.room)
-        if len(legs) < self.decodes and complete:
+        if complete:
             raise RoomStateError("complete at this rank: no chunk may follow its last", self.room)
         if len(legs) < self.decodes or any(dst is None for _, _, dst, _ in legs):
             raise RoomStateError(
@@ -767,7 +772,7 @@ class Sender:
         self._index += 1
         self._last_sent = last
         for (chunk, segments), (leg, _, _, _) in zip(work, legs, strict=True):
-            rank._enqueue(chunk, segments, leg.entry.incarnation)
+            rank._enqueue(chunk, segments, leg.entry.incarnation, leg.key)
 
     def _lowered(
         self,
