@@ -275,8 +275,9 @@ class DecodeEndpoint:
         (rank ``rank`` of instance ``prefill``, by default the one given at
         construction): acks and statuses that name another are dropped."""
         with self._lock:
-            instance = self._default if prefill is None else self._instances[tuple(prefill)]
-            assert instance is not None, "no prefill instance given"
+            instance = self._default if prefill is None else self._instances.get(tuple(prefill))
+            if instance is None:
+                raise ValueError(f"no bootstrapped prefill instance {prefill}")
             return self._writers[instance.ids[rank]].session
 
     def instances(self) -> list[tuple[str, ...]]:

@@ -134,8 +134,10 @@ class PrefillRank:
         buffers: Sequence[object] | None = None,
         layout: KVLayout | None = None,
     ) -> None:
-        """``on_request(room, npages)`` runs on the listener thread when decode
-        asks for a room: an engine may start filling and sending it.
+        """``on_request(room, npages)`` runs on the listener thread when a
+        decode asks for a room (once per decode that asks: with prefill TP
+        smaller than decode TP, every decode rank asks for the same room):
+        an engine may start filling and sending it.
 
         ``buffers`` (anything :meth:`kvconn.buffers.Buffer.of` takes: the
         engine's per-layer tensors, arrays) and ``layout`` (this rank's
