@@ -15,7 +15,7 @@ import pytest
 from kvconn.config import Config
 from kvconn.errors import BootstrapError
 from kvconn.plugins import get_backend
-from kvconn.protocol.hold import Proof, Release
+from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.testing.cluster import LOOPBACK_SLOW, Rank, free_port, wait_for
@@ -209,3 +209,27 @@ def test_the_constructor_form_still_bootstraps_its_instance_eagerly() -> None:
             assert dec.instances() == [tuple(addresses)]
         finally:
             dec.close()
+
+
+def test_a_killed_rank_of_an_instance_named_per_request_frees_its_rooms_only_by_its_exit(
+    decode: tuple[DecodeEndpoint, list[Release]],
+) -> None:
+    """The exit proof works per rank of every instance: a frozen rank's
+    aborted room stays held (no ack can come), another instance's rooms go
+    on, and the rank's proven exit releases it."""
+    dec, releases = decode
+    with instance(1) as one, instance(2) as two:
+        pages = list(range(48))
+        rx = dec.receiver(1, pages, prefill=[one[0].address])
+        wait_for(lambda: dec.region.read(0, 64) != canary(64), 10, "the room's first bytes")
+        one[0].signal(signal.SIGSTOP)
+        assert rx.poll() is KVPoll.TRANSFERRING  # 48 slow pages: not done before the freeze
+        rx.abort()
+        assert rx.state() is HoldState.HELD
+        other = dec.receiver(2, [50, 51], prefill=[r.address for r in two])
+        _succeeds(other)
+        assert _written(dec, 2, [50, 51], 2)
+        assert not releases and rx.state() in (HoldState.HELD, HoldState.QUARANTINED)
+        one[0].signal(signal.SIGKILL)
+        wait_for(lambda: bool(releases), 30, "the release by the rank's exit")
+        assert [(r.room, r.proof) for r in releases] == [(1, Proof.WRITER_EXIT)]
