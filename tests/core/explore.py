@@ -17,6 +17,12 @@ It checks, in every reachable state:
 * L2: every terminal state has the room released or quarantined (nothing
   stuck in HELD), and with no ERR left unsettled and no dropped message, the
   room is released.
+
+With ``decodes=2`` every rank serves the same room id to two decode
+endpoints (prefill TP smaller than decode TP): each rank has one worker lane
+per decode over one shared ledger, and the second decode aborts at any point
+too. S1 and S2 are then per decode: an ack to one decode while that decode's
+write can still land, or a write landing in its released pages.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import attrs
 
 from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
 from kvconn.protocol.hold import _Room as HoldRoom
-from kvconn.protocol.ledger import RoomLedger, SendAck
+from kvconn.protocol.ledger import RoomKey, RoomLedger, SendAck
 from kvconn.protocol.messages import Abort, AbortAck
 
 ROOM = 7
 DECODE = "decode"
+DECODE2 = "decode-2"  #: the second decode of a two-decode world
 
 
 class Violation(AssertionError):
@@ -54,6 +61,19 @@ class Rank:
     must_try: bool = False  # an ABORT was registered, its one try still to come
     incarnation: int | None = None  # the ledger entry of the room's request, its chunks name it
     rerequested: bool = False  # decode reused the room id for a new request after the release
+    decode: str = DECODE  # the decode this worker lane writes the room into
+
+
+@dataclass
+class Side:
+    """The second decode of a two-decode world (the first one's are World's own fields)."""
+
+    tracker: HoldTracker
+    aborted: bool = False
+    released: bool = False
+
+    def key(self) -> tuple[object, ...]:
+        return (_tracker_key(self.tracker), self.aborted, self.released)
 
 
 @dataclass
@@ -65,6 +85,7 @@ class World:
     ticked: bool = False
     released: bool = False
     unsettled_errors: int = 0
+    second: Side | None = None
 
     def key(self) -> tuple[object, ...]:
         """Everything that decides the future, as a hashable value; acks in
@@ -77,19 +98,23 @@ class World:
             self.ticked,
             self.released,
             self.unsettled_errors,
+            None if self.second is None else self.second.key(),
         )
 
     def clone(self) -> World:
         # deepcopy was most of the explorer's time; these objects are small
         # and flat, so a copy of their mutable parts is enough.
+        ledgers: dict[int, RoomLedger] = {}  # the lanes of a rank keep sharing its ledger
+        second = self.second
         return World(
-            [_clone_rank(r) for r in self.ranks],
+            [_clone_rank(r, ledgers) for r in self.ranks],
             _clone_tracker(self.tracker),
             list(self.acks),
             self.aborted,
             self.ticked,
             self.released,
             self.unsettled_errors,
+            None if second is None else Side(_clone_tracker(second.tracker), second.aborted, second.released),
         )
 
 
@@ -125,6 +150,7 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
         rank.must_try,
         rank.rerequested,
         getattr(rank.ledger, "mutant_state", None),
+        rank.decode,
     )
 
 
@@ -143,14 +169,25 @@ def _tracker_key(tracker: HoldTracker) -> tuple[object, ...]:
     return (rooms, tracker._generations.__reduce__()[1])
 
 
-def _clone_rank(rank: Rank) -> Rank:
-    ledger = copy.copy(rank.ledger)
-    ledger._poisoned = set(rank.ledger._poisoned)
+def _clone_ledger(old: RoomLedger) -> RoomLedger:
+    ledger = copy.copy(old)
+    ledger._poisoned = set(old._poisoned)
     ledger._rooms = {
-        k: attrs.evolve(v, targets=dict(v.targets), acked=set(v.acked)) for k, v in rank.ledger._rooms.items()
+        k: attrs.evolve(v, targets=dict(v.targets), acked=set(v.acked)) for k, v in old._rooms.items()
     }
-    ledger._touched = set(rank.ledger._touched)
-    ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in rank.ledger._expiry]
+    ledger._by_room = {}
+    for k, v in ledger._rooms.items():
+        ledger._by_room.setdefault(k.room, {})[k.decode] = v
+    ledger._touched = set(old._touched)
+    ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in old._expiry]
+    return ledger
+
+
+def _clone_rank(rank: Rank, ledgers: dict[int, RoomLedger] | None = None) -> Rank:
+    ledgers = {} if ledgers is None else ledgers
+    ledger = ledgers.get(id(rank.ledger))
+    if ledger is None:
+        ledger = ledgers[id(rank.ledger)] = _clone_ledger(rank.ledger)
     return Rank(
         ledger,
         rank.requested,
@@ -164,6 +201,7 @@ def _clone_rank(rank: Rank) -> Rank:
         rank.must_try,
         rank.incarnation,
         rank.rerequested,
+        rank.decode,
     )
 
 
@@ -204,10 +242,38 @@ class Report:
 LedgerFactory = Callable[[int], RoomLedger]
 
 
-def initial(ranks: int, ledger_factory: LedgerFactory, tracker_factory: Callable[[], HoldTracker]) -> World:
+def initial(
+    ranks: int, ledger_factory: LedgerFactory, tracker_factory: Callable[[], HoldTracker], decodes: int = 1
+) -> World:
     tracker = tracker_factory()
     tracker.open(ROOM, (0, 1), frozenset(range(ranks)))
-    return World([Rank(ledger_factory(r)) for r in range(ranks)], tracker)
+    if decodes == 1:
+        return World([Rank(ledger_factory(r)) for r in range(ranks)], tracker)
+    # Every rank writes ROOM into both decodes: one lane each, over one ledger.
+    second = HoldTracker(DECODE2, "reply-2", abort_timeout=10.0)
+    second.open(ROOM, (0, 1), frozenset(range(ranks)))
+    lanes = []
+    for r in range(ranks):
+        ledger = ledger_factory(r)
+        lanes += [Rank(ledger), Rank(ledger, decode=DECODE2)]
+    return World(lanes, tracker, second=Side(second))
+
+
+def _key(rank: Rank) -> RoomKey:
+    return RoomKey(rank.decode, ROOM)
+
+
+def _side(world: World, decode: str) -> World | Side:
+    """The decode's tracker and flags (``tracker``, ``aborted``, ``released``)."""
+    if decode == DECODE:
+        return world
+    assert world.second is not None
+    return world.second
+
+
+def _lane(world: World, rank: int, decode: str) -> Rank:
+    """Rank ``rank``'s worker lane for ``decode``."""
+    return next(rk for rk in world.ranks if rk.ledger.rank == rank and rk.decode == decode)
 
 
 def default_tracker() -> HoldTracker:
@@ -215,24 +281,27 @@ def default_tracker() -> HoldTracker:
 
 
 def _ack_out(world: World, r: int, actions: list[object]) -> None:
-    rank = world.ranks[r]
     for action in actions:
         if isinstance(action, SendAck):
+            # the lane of the decode the ack is for: the same rank's other
+            # decode's writes are into other pages
+            rank = _lane(world, world.ranks[r].ledger.rank, action.ack.decode)
             if rank.in_flight or rank.phase == "write":
                 raise Violation(
-                    f"S1: rank {r} acked generation {action.ack.generation} with a write that can land"
+                    f"S1: rank {r} acked generation {action.ack.generation} to {action.ack.decode} "
+                    "with a write that can land"
                 )
             world.acks.append(action.ack)
 
 
-def _release(world: World, actions: list[object]) -> None:
+def _release(world: World, actions: list[object], decode: str = DECODE) -> None:
     for action in actions:
         if isinstance(action, Release):
-            if any(rank.in_flight or rank.phase == "write" for rank in world.ranks):
-                raise Violation("S2: pages released while a write can still land")
-            world.released = True
+            if any(rank.in_flight or rank.phase == "write" for rank in world.ranks if rank.decode == decode):
+                raise Violation(f"S2: {decode}'s pages released while a write can still land")
+            _side(world, decode).released = True
         elif isinstance(action, SendAbort):
-            world.ranks[action.rank].inbox.append(action.abort)
+            _lane(world, action.rank, decode).inbox.append(action.abort)
 
 
 def steps(
@@ -244,16 +313,16 @@ def steps(
 
             def request(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
-                rk.ledger.request(ROOM, DECODE, 1)
+                rk.ledger.request(_key(rk), 1)
                 rk.requested = True
-                rk.incarnation = rk.ledger.incarnation(ROOM)
+                rk.incarnation = rk.ledger.incarnation(_key(rk))
 
             yield f"r{r}:request", request
         if rank.requested and rank.phase == "idle" and rank.next_chunk < chunks and not rank.cleared:
 
             def dequeue(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
-                write = rk.ledger.dequeue(ROOM, rk.incarnation)
+                write = rk.ledger.dequeue(_key(rk), rk.incarnation)
                 rk.phase = "write" if write else "skip"
 
             yield f"r{r}:dequeue", dequeue
@@ -262,7 +331,7 @@ def steps(
             def skip(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.phase, rk.next_chunk = "idle", rk.next_chunk + 1
-                _ack_out(w, r, list(rk.ledger.skipped(ROOM)))
+                _ack_out(w, r, list(rk.ledger.skipped(_key(rk))))
 
             yield f"r{r}:skip", skip
         if rank.phase == "write":
@@ -270,7 +339,7 @@ def steps(
             def post(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 if hasattr(rk.ledger, "count_at_post"):  # a mutant that counts late
-                    rk.ledger.count_at_post(ROOM)
+                    rk.ledger.count_at_post(_key(rk))
                 rk.phase, rk.landed = "posted", False
                 rk.in_flight.add(rk.next_chunk)
 
@@ -278,9 +347,9 @@ def steps(
         for chunk in sorted(rank.in_flight):
 
             def land(w: World, r: int = r, chunk: int = chunk) -> None:
-                if w.released:
-                    raise Violation(f"S2: rank {r} chunk {chunk} landed after decode released the pages")
                 rk = w.ranks[r]
+                if _side(w, rk.decode).released:
+                    raise Violation(f"S2: rank {r} chunk {chunk} landed after decode released the pages")
                 rk.in_flight.discard(chunk)
                 if rk.phase == "posted" and chunk == rk.next_chunk:
                     rk.landed = True
@@ -291,7 +360,7 @@ def steps(
             def done(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.phase, rk.next_chunk = "idle", rk.next_chunk + 1
-                _ack_out(w, r, list(rk.ledger.landed(ROOM, rk.next_chunk == chunks)))
+                _ack_out(w, r, list(rk.ledger.landed(_key(rk), rk.next_chunk == chunks)))
 
             yield f"r{r}:done", done
         if rank.phase == "posted" and sum(rk.errors for rk in world.ranks) < errors:
@@ -300,21 +369,26 @@ def steps(
                 rk = w.ranks[r]
                 rk.in_flight.discard(rk.next_chunk)  # settled: landed or never will
                 rk.phase, rk.next_chunk, rk.errors = "idle", rk.next_chunk + 1, rk.errors + 1
-                _ack_out(w, r, list(rk.ledger.failed(ROOM, True, "err")))
+                _ack_out(w, r, list(rk.ledger.failed(_key(rk), True, "err")))
 
             def err_unsettled(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.phase, rk.next_chunk, rk.errors = "idle", rk.next_chunk + 1, rk.errors + 1
                 w.unsettled_errors += 1
-                _ack_out(w, r, list(rk.ledger.failed(ROOM, False, "err")))
+                _ack_out(w, r, list(rk.ledger.failed(_key(rk), False, "err")))
 
             yield f"r{r}:err_settled", err_settled
             yield f"r{r}:err_unsettled", err_unsettled
-        if rank.phase == "idle" and rank.ledger.poisoned():
+        # The fence is the rank's (one writer for every decode): it waits
+        # until none of its lanes is posting, and stops all of them.
+        lanes = [rk for rk in world.ranks if rk.ledger is rank.ledger]
+        if rank is lanes[0] and all(rk.phase == "idle" for rk in lanes) and rank.ledger.poisoned():
 
             def fence(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
-                rk.in_flight.clear()  # the fence stops every byte posted before it
+                for lane in w.ranks:
+                    if lane.ledger is rk.ledger:
+                        lane.in_flight.clear()  # the fence stops every byte posted before it
                 _ack_out(w, r, list(rk.ledger.fenced()))
 
             yield f"r{r}:fence", fence
@@ -322,17 +396,17 @@ def steps(
 
             def clear(w: World, r: int = r) -> None:
                 w.ranks[r].cleared = True
-                _ack_out(w, r, list(w.ranks[r].ledger.clear(ROOM)))
+                _ack_out(w, r, list(w.ranks[r].ledger.clear(_key(w.ranks[r]))))
 
             yield f"r{r}:clear", clear
-        if reuse and world.released and rank.requested and not rank.rerequested:
+        if reuse and _side(world, rank.decode).released and rank.requested and not rank.rerequested:
 
             def request_again(w: World, r: int = r) -> None:
                 # Decode has its pages back and reuses the id: the rank may take
                 # it as a new request, and the old request's chunks (still
                 # queued here) must then write nothing.
                 rk = w.ranks[r]
-                rk.ledger.request(ROOM, DECODE, 2)
+                rk.ledger.request(_key(rk), 2)
                 rk.rerequested = True
 
             yield f"r{r}:request_again", request_again
@@ -350,7 +424,7 @@ def steps(
             def try_after_abort(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.must_try = False
-                _ack_out(w, r, list(rk.ledger.try_ack(ROOM)))
+                _ack_out(w, r, list(rk.ledger.try_ack(_key(rk))))
 
             yield f"r{r}:abort_try", try_after_abort
     if not world.aborted:
@@ -367,11 +441,19 @@ def steps(
             _release(w, list(w.tracker.tick(now=1e9)))
 
         yield "decode:deadline", tick
+    if world.second is not None and not world.second.aborted:
+
+        def abort_second(w: World) -> None:
+            assert w.second is not None
+            w.second.aborted = True
+            _release(w, list(w.second.tracker.abort(ROOM, now=0.0)), DECODE2)
+
+        yield "decode2:abort", abort_second
     for i in range(len(world.acks)):
 
         def deliver_ack(w: World, i: int = i) -> None:
             ack = w.acks.pop(i)
-            _release(w, list(w.tracker.ack(ack, now=0.0)))
+            _release(w, list(_side(w, ack.decode).tracker.ack(ack, now=0.0)), ack.decode)
 
         yield f"decode:ack{i}", deliver_ack
 
@@ -384,10 +466,11 @@ def explore(
     reuse: bool = True,  # decode may reuse the room id once released
     ledger_factory: LedgerFactory = RoomLedger,
     tracker_factory: Callable[[], HoldTracker] = default_tracker,
+    decodes: int = 1,  # 2: every rank serves the room to two decodes
 ) -> Report:
     """Visit every reachable state; raise :class:`Violation` on the first bad one."""
     report = Report()
-    start = initial(ranks, ledger_factory, tracker_factory)
+    start = initial(ranks, ledger_factory, tracker_factory, decodes)
     seen = {start.key()}
     stack = [start]
     while stack:
@@ -406,13 +489,19 @@ def explore(
                 seen.add(key)
                 stack.append(nxt)
                 report.reuses += any(
-                    rk.rerequested and rk.ledger.incarnation(ROOM) not in (None, rk.incarnation)
+                    rk.rerequested and rk.ledger.incarnation(_key(rk)) not in (None, rk.incarnation)
                     for rk in nxt.ranks
                 )
     return report
 
 
 def _check_terminal(world: World) -> None:
+    if world.second is not None and world.second.aborted:
+        state = world.second.tracker.state(ROOM)
+        if state is HoldState.HELD:
+            raise Violation(f"L2: {DECODE2}'s aborted room is still held with nothing left to happen")
+        if not world.second.released and world.unsettled_errors == 0:
+            raise Violation(f"L2: {DECODE2}'s room not released although every write settled (state {state})")
     if not world.aborted:
         return
     state = world.tracker.state(ROOM)

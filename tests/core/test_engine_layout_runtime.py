@@ -94,9 +94,34 @@ def test_one_prefill_rank_fills_two_decode_ranks_with_their_heads() -> None:
         d0, a0, l0 = _decode(SHAPE, addresses, 2, 0, releases)
         d1, a1, l1 = _decode(SHAPE, addresses, 2, 1, releases)
         try:
-            # Room ids are global at a rank until rooms are keyed per decode: distinct ids here.
             _transfer(SHAPE, d0, a0, l0, 5, [0, 1, 2, 3])
             _transfer(SHAPE, d1, a1, l1, 6, [7, 8, 9, 10])
+        finally:
+            d0.close()
+            d1.close()
+
+
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+def test_one_prefill_rank_writes_one_room_id_into_two_decode_ranks_at_once(order: str) -> None:
+    """Prefill TP 1, decode TP 2: both decode ranks ask the one prefill rank
+    for the same room id (as the router names it), each into its own pages;
+    the rank writes each its head slice (one sender per request)."""
+    shape = EngineShape(layers=3, pages=16, tokens=4, heads=4, head_bytes=32, order=order)
+    releases: list[Release] = []
+    with ranks(shape, 1) as addresses:
+        d0, a0, l0 = _decode(shape, addresses, 2, 0, releases)
+        d1, a1, l1 = _decode(shape, addresses, 2, 1, releases)
+        try:
+            rx0, rx1 = d0.receiver(5, [0, 1, 2, 3]), d1.receiver(5, [9, 4, 7, 10])
+            for rx in (rx0, rx1):
+                wait_for(lambda rx=rx: rx.poll() in (KVPoll.SUCCESS, KVPoll.FAILED), 30, "room 5")  # type: ignore[misc]
+                assert rx.poll() is KVPoll.SUCCESS, rx.failure()
+            assert rx0.finish() == (0, 1, 2, 3) and rx1.finish() == (9, 4, 7, 10)
+            for index, page in enumerate([0, 1, 2, 3]):
+                assert page_matches(shape, l0, a0, 5, index, page), f"decode rank 0 page {page} wrong"
+            for index, page in enumerate([9, 4, 7, 10]):
+                assert page_matches(shape, l1, a1, 5, index, page), f"decode rank 1 page {page} wrong"
+            assert not page_matches(shape, l1, a1, 5, 0, 0)  # rank 1's page 0 was not written
         finally:
             d0.close()
             d1.close()

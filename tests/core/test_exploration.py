@@ -14,10 +14,17 @@ CONFIGS = [
     dict(ranks=2, chunks=2, errors=1, deadline=False),
     dict(ranks=2, chunks=1, errors=1, deadline=True, reuse=False),
     dict(ranks=1, chunks=3, errors=2, deadline=True),
+    # one rank serves the room to two decodes (prefill TP < decode TP), each
+    # aborting at any point; ERRs, fences, clears and reuse on either lane
+    dict(ranks=1, chunks=2, errors=1, deadline=False, decodes=2),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{ranks}r{chunks}c{errors}e{deadline}".format(**c))
+@pytest.mark.parametrize(
+    "config",
+    CONFIGS,
+    ids=lambda c: "{ranks}r{chunks}c{errors}e{deadline}".format(**c) + "2d" * (c.get("decodes") == 2),
+)
 def test_core_is_safe_in_every_interleaving(
     config: dict[str, int | bool], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -58,6 +65,16 @@ def test_mutant_is_caught(name: str) -> None:
         for config in (dict(ranks=1, chunks=2, errors=1), dict(ranks=2, chunks=1, errors=1)):
             explore.explore(**config, ledger_factory=CAUGHT[name])  # type: ignore[arg-type]
     assert str(info.value).startswith(("S1", "S2"))
+
+
+def test_acking_one_decode_on_the_other_decodes_count_is_caught() -> None:
+    # One rank writes the room into two decodes: an ack to one decode must
+    # wait for that decode's own writes, whatever the other decode's count.
+    with pytest.raises(explore.Violation) as info:
+        explore.explore(ranks=1, chunks=1, errors=0, decodes=2, ledger_factory=mutants.AckOnOtherDecodesCount)
+    assert str(info.value).startswith("S1")
+    # the same world on the real core is safe
+    assert explore.explore(ranks=1, chunks=1, errors=0, decodes=2).terminals > 0
 
 
 def test_register_before_failed_is_harmless_only_while_ack_demands_failed() -> None:

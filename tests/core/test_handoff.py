@@ -44,6 +44,12 @@ class Pair:
         wait_for(lambda: tx.poll() >= KVPoll.WAITING_FOR_INPUT, 10, f"room {room} at the rank")
         return rx, tx
 
+    def rank_status(self, room: int) -> KVPoll | None:
+        """The rank's status of this decode's ``room``."""
+        from kvconn.protocol.ledger import RoomKey
+
+        return self.rank.ledger.status(RoomKey(self.decode.name, room))
+
     def close(self) -> None:
         self.decode.close()
         self.rank.close()
@@ -80,7 +86,7 @@ def test_a_stale_receiver_never_acts_on_a_newer_request_for_the_same_room(pair: 
     first.abort()  # a client cancel racing the first request's completion, arriving late
     assert second.state() is HoldState.OPEN
     assert pair.decode.tracker.state(1) is HoldState.OPEN
-    assert pair.rank.ledger.status(1) is KVPoll.WAITING_FOR_INPUT  # no ABORT reached the rank
+    assert pair.rank_status(1) is KVPoll.WAITING_FOR_INPUT  # no ABORT reached the rank
     assert first.poll() is KVPoll.SUCCESS  # its own verdict, not the new request's
     assert first.state() is None
     with pytest.raises(RoomStateError, match=r"room 1: finish\(\) was already called"):
@@ -115,7 +121,7 @@ def test_verdicts_stay_final_on_both_handles(pair: Pair) -> None:
     assert rx.poll() is KVPoll.SUCCESS
     tx.clear()
     assert tx.poll() is KVPoll.SUCCESS
-    assert pair.rank.ledger.status(1) is None  # forgotten at the rank, yet the handle keeps its verdict
+    assert pair.rank_status(1) is None  # forgotten at the rank, yet the handle keeps its verdict
 
     failed, ftx = pair.open(2, (2, 3))
     ftx.fail("the engine gave up")
@@ -181,17 +187,18 @@ def test_pages_of_a_held_room_are_refused_until_proven_free() -> None:
 
 
 def test_the_ledger_fails_a_live_room_on_clear_and_acks_only_once_drained() -> None:
-    from kvconn.protocol.ledger import NotifyDecode, RoomLedger, SendAck
+    from kvconn.protocol.ledger import NotifyDecode, RoomKey, RoomLedger, SendAck
     from kvconn.protocol.messages import Abort, RoomOutcome
 
     ledger = RoomLedger(0)
-    ledger.request(1, "d")
-    assert ledger.dequeue(1)  # a chunk is being written
-    actions = ledger.clear(1)
+    key = RoomKey("d", 1)
+    ledger.request(key)
+    assert ledger.dequeue(key)  # a chunk is being written
+    actions = ledger.clear(key)
     assert [a.status.outcome for a in actions if isinstance(a, NotifyDecode)] == [RoomOutcome.FAILED]
     ledger.abort(Abort(1, 5, "d", "tcp://d"), now=0.0)
-    assert not [a for a in ledger.try_ack(1) if isinstance(a, SendAck)]  # the write may still land
-    assert [a.ack.generation for a in ledger.landed(1, last=False) if isinstance(a, SendAck)] == [5]
+    assert not [a for a in ledger.try_ack(key) if isinstance(a, SendAck)]  # the write may still land
+    assert [a.ack.generation for a in ledger.landed(key, last=False) if isinstance(a, SendAck)] == [5]
 
 
 def test_an_aborted_room_id_is_reusable_once_its_abort_was_acked(pair: Pair) -> None:

@@ -66,9 +66,13 @@ class _Request:
 
     room: int
     pages: tuple[int, ...]
-    #: The rank processes asked to write it: only theirs are its acks,
-    #: statuses and exit proofs, whatever process has the rank's address now.
+    #: The rank processes asked to write it (by endpoint-wide rank id): only
+    #: theirs are its acks, statuses and exit proofs, whatever process has
+    #: the rank's address now.
     writers: dict[int, WriterIdentity]
+    #: Its prefill instance's endpoint-wide rank ids, by the ranks' own
+    #: (TP) rank: how an ack or status naming rank r is told apart.
+    ids: tuple[int, ...] = ()
     #: SUCCESS (every rank reported every chunk landed) or FAILED; final.
     verdict: KVPoll | None = None
     failure: str | None = None
@@ -120,6 +124,21 @@ class WriterIdentity:
         return start_time != self.start_time or state in ("Z", "X")
 
 
+@attrs.define(slots=True, eq=False)
+class _Instance:
+    """One prefill instance (its ranks' control addresses, in rank order),
+    bootstrapped or being bootstrapped. Its ranks get endpoint-wide ids
+    (``ids[r]`` for its rank ``r``): the hold tracker and the liveness
+    tables know a rank by that id, since every instance has a rank 0."""
+
+    addresses: tuple[str, ...]
+    hello: Hello
+    ids: tuple[int, ...] = ()
+    #: While bootstrapping: answers by the rank's own rank, refusals by address.
+    answers: dict[int, WriterIdentity] = attrs.Factory(dict)
+    refusals: dict[str, str] = attrs.Factory(dict)
+
+
 class DecodeEndpoint:
     """One decode process's kvconn endpoint over ``num_pages`` pages: either
     the engine's own KV buffers (``buffers``, laid out as ``layout`` says: a
@@ -157,8 +176,6 @@ class DecodeEndpoint:
         elif num_pages is None or page_bytes is None:
             raise ValueError("a decode endpoint needs num_pages and page_bytes, or buffers= and layout=")
         self.layout = layout
-        if not prefill:
-            raise ValueError("a decode endpoint needs at least one prefill rank address")
         self.config = config or Config()
         self.config.apply_to_process()
         limit = capabilities_of(backend, self.config.backend_options).max_write_timeout_s
@@ -186,10 +203,22 @@ class DecodeEndpoint:
         self._request_lock = threading.Lock()
         self._request_seq = 0
         self._request_seq_heap = 0
+        #: Every bootstrapped rank's process, by endpoint-wide rank id.
         self._writers: dict[int, WriterIdentity] = {}
-        #: The ranks, fixed once bootstrap is over: a later HelloAck adds none.
+        #: Every bootstrapped rank (ids), of every prefill instance.
         self._ranks: frozenset[int] = frozenset()
-        self._refusals: dict[str, str] = {}
+        #: Prefill instances, bootstrapped on first use and kept: by their
+        #: addresses, and which instance (and rank in it) each id is.
+        self._instances: dict[tuple[str, ...], _Instance] = {}
+        self._default: _Instance | None = None
+        self._rank_of: dict[int, tuple[_Instance, int]] = {}
+        self._id_at: dict[str, int] = {}
+        #: (rank, session) of every current writer -> its id: an ack for a
+        #: room no longer tracked still names whose it is.
+        self._id_of_session: dict[tuple[int, int], int] = {}
+        #: Addresses of instances being bootstrapped now.
+        self._pending: dict[str, _Instance] = {}
+        self._bootstrap_lock = threading.Lock()
         self._bootstrapped = threading.Condition(self._lock)
         #: The current request of every room the tracker has (open or held).
         self._requests: dict[int, _Request] = {}
@@ -202,7 +231,6 @@ class DecodeEndpoint:
         self._heard: dict[int, float] = {}
         self._down: dict[int, str] = {}
         self._retired: set[tuple[int, int]] = set()
-        self._hello: Hello | None = None
         self._next_heartbeat = 0.0
         #: (deadline, seq, request) of open rooms, when config.transfer_timeout_s.
         self._deadlines: list[tuple[float, int, _Request]] = []
@@ -210,7 +238,6 @@ class DecodeEndpoint:
         #: Fenced acks held back until decode's ends of the connections the
         #: fence closed have drained (see runtime/sockets.py).
         self._draining: dict[tuple[int, int, int], AbortAck] = {}
-        self._addresses: frozenset[str] = frozenset()
         self._listener = Listener(
             self.name,
             self.config.host,
@@ -230,21 +257,33 @@ class DecodeEndpoint:
         )
         self._gauge_hold_state()
         self._listener.start()
-        try:
-            self._bootstrap(list(prefill))
-        except BaseException:
-            self.close()
-            raise
+        if prefill:
+            try:
+                self._default = self._instance(prefill)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def ranks(self) -> frozenset[int]:
-        return self._ranks
+        """The ranks of the prefill instance given at construction (none if
+        none was: every request then names its instance)."""
+        return frozenset(self._default.ids) if self._default is not None else frozenset()
 
-    def session_of(self, rank: int) -> int:
-        """The session of the rank process this endpoint bootstrapped with:
-        acks and statuses that name another are dropped."""
+    def session_of(self, rank: int, prefill: Sequence[str] | None = None) -> int:
+        """The session of the rank process this endpoint bootstrapped with
+        (rank ``rank`` of instance ``prefill``, by default the one given at
+        construction): acks and statuses that name another are dropped."""
         with self._lock:
-            return self._writers[rank].session
+            instance = self._default if prefill is None else self._instances.get(tuple(prefill))
+            if instance is None:
+                raise ValueError(f"no bootstrapped prefill instance {prefill}")
+            return self._writers[instance.ids[rank]].session
+
+    def instances(self) -> list[tuple[str, ...]]:
+        """The prefill instances bootstrapped so far, by their ranks' addresses."""
+        with self._lock:
+            return list(self._instances)
 
     # -- engine API --------------------------------------------------------
     def receiver(
@@ -253,24 +292,42 @@ class DecodeEndpoint:
         pages: Sequence[int],
         ranks: frozenset[int] | None = None,
         extras_slot: int | None = None,
+        prefill: Sequence[str] | None = None,
     ) -> Receiver:
-        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``, and
-        its per-room extras into slot ``extras_slot`` of the layout's extras
+        """Ask every rank (or ``ranks``) of prefill instance ``prefill`` (its
+        ranks' control addresses, in rank order; by default the instance
+        given at construction) to write ``room`` into ``pages``, and its
+        per-room extras into slot ``extras_slot`` of the layout's extras
         (with the room's last chunk, covered by the same acks and proofs).
+
+        An instance not seen before is bootstrapped first (Hello, re-sent
+        until answered, within ``Config.bootstrap_timeout_s``: this call
+        blocks meanwhile, and raises :class:`~kvconn.errors.BootstrapError`
+        as the constructor does), then kept: heartbeats, restarts and exit
+        proofs as for every rank. Room ids are unique per endpoint, across
+        instances.
 
         Refused (nothing sent, nothing tracked) with
         :class:`~kvconn.errors.PageError` for pages out of range or
         duplicated, or (``Config.check_pages``) still in use by another room,
         and with :class:`~kvconn.errors.RoomInUseError` while ``room`` itself
         is still tracked."""
-        ranks = self.ranks if ranks is None else ranks
+        if prefill is None:
+            instance = self._default
+            if instance is None:
+                raise ValueError(f"room {room}: no prefill instance: name its ranks' addresses (prefill=)")
+        else:
+            instance = self._instance(prefill)
+        known = frozenset(range(len(instance.ids)))
+        local = known if ranks is None else frozenset(ranks)
+        if not local <= known:
+            raise ValueError(f"unknown ranks {sorted(local - known)}")
+        ranks = frozenset(instance.ids[r] for r in local)
         if extras_slot is not None and not (
             self.layout is not None and 0 <= extras_slot < self.layout.num_slots
         ):
             slots = 0 if self.layout is None else self.layout.num_slots
             raise ValueError(f"extras slot {extras_slot} outside the layout's {slots} slots")
-        if not ranks <= self.ranks:
-            raise ValueError(f"unknown ranks {sorted(ranks - self.ranks)}")
         pages = tuple(pages)
         bad = [p for p in pages if not 0 <= p < self.num_pages]
         if bad:
@@ -291,7 +348,7 @@ class DecodeEndpoint:
                 self._in_use.update(pages)
             self.tracker.open(room, pages, ranks)
             writers = {rank: self._writers[rank] for rank in ranks}
-            request = self._requests[room] = _Request(room, pages, writers)
+            request = self._requests[room] = _Request(room, pages, writers, instance.ids)
             if self.config.transfer_timeout_s is not None:
                 self._request_seq_heap += 1
                 due = self.clock() + self.config.transfer_timeout_s
@@ -345,18 +402,52 @@ class DecodeEndpoint:
             return self.tracker.pages_in(HoldState.HELD) + self.tracker.pages_in(HoldState.QUARANTINED)
 
     # -- bootstrap ---------------------------------------------------------
-    def _bootstrap(self, addresses: list[str]) -> None:
-        hello = Hello(
-            self.name,
-            self.address,
-            self.backend.name,
-            self.page_bytes,
-            len(addresses),
-            round(self.config.abort_timeout_s * 1000),
-            self.region.metadata,
-            b"" if self.layout is None else self.layout.to_bytes(),
-        )
-        self._addresses = frozenset(addresses)
+    def _instance(self, addresses: Sequence[str]) -> _Instance:
+        """The prefill instance at ``addresses``, bootstrapped now if it is new."""
+        key = tuple(addresses)
+        with self._lock:
+            known = self._instances.get(key)
+        if known is not None:
+            return known
+        if not key:
+            raise ValueError("a prefill instance needs at least one rank address")
+        if len(set(key)) != len(key):
+            raise ValueError(f"prefill addresses {list(key)} name one rank twice")
+        # One bootstrap at a time: two engine threads meeting a new instance
+        # at once bootstrap it once.
+        with self._bootstrap_lock:
+            with self._lock:
+                known = self._instances.get(key)
+                if known is not None:
+                    return known
+                taken = [a for a in key if a in self._id_at]
+                if taken:
+                    raise ValueError(
+                        f"prefill addresses {taken} are ranks of another prefill instance of this endpoint"
+                    )
+                hello = Hello(
+                    self.name,
+                    self.address,
+                    self.backend.name,
+                    self.page_bytes,
+                    len(key),
+                    round(self.config.abort_timeout_s * 1000),
+                    self.region.metadata,
+                    b"" if self.layout is None else self.layout.to_bytes(),
+                )
+                instance = _Instance(key, hello)
+                for address in key:
+                    self._pending[address] = instance
+            try:
+                self._bootstrap(instance)
+            finally:
+                with self._lock:
+                    for address in key:
+                        self._pending.pop(address, None)
+        return instance
+
+    def _bootstrap(self, instance: _Instance) -> None:
+        addresses, hello = instance.addresses, instance.hello
         # Re-sent until answered: a Hello or its HelloAck can be lost (a
         # rank's connection to an earlier decode at our address, not yet seen
         # closed, takes the HelloAck with it). A rank answers a repeated
@@ -371,32 +462,47 @@ class DecodeEndpoint:
                 resend_at = min(deadline, time.monotonic() + every)
                 while (left := resend_at - time.monotonic()) > 0 and unanswered:
                     self._bootstrapped.wait(left)
-                    answered = {w.address for w in self._writers.values()} | set(self._refusals)
+                    answered = {w.address for w in instance.answers.values()} | set(instance.refusals)
                     unanswered = [a for a in addresses if a not in answered]
                 if unanswered and time.monotonic() >= deadline:
                     raise BootstrapError(
                         f"{len(addresses) - len(unanswered)} of {len(addresses)} prefill ranks answered "
                         f"within {self.config.bootstrap_timeout_s} s"
                     )
-            if self._refusals:
-                raise BootstrapError("; ".join(f"{a}: {e}" for a, e in self._refusals.items()))
-            if sorted(self._writers) != list(range(len(addresses))):
+            if instance.refusals:
+                raise BootstrapError("; ".join(f"{a}: {e}" for a, e in instance.refusals.items()))
+            if sorted(instance.answers) != list(range(len(addresses))):
                 raise BootstrapError(
-                    f"ranks {sorted(self._writers)} answered, expected 0..{len(addresses) - 1}"
+                    f"ranks {sorted(instance.answers)} answered, expected 0..{len(addresses) - 1}"
                 )
-            self._ranks = frozenset(self._writers)
-            self._hello = hello
+            # Ids follow on from the instances before: the first instance's
+            # ranks keep their own numbers.
+            first = max(self._ranks, default=-1) + 1
+            instance.ids = tuple(range(first, first + len(addresses)))
             now = self.clock()
-            self._heard = dict.fromkeys(self._ranks, now)
-            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            for rank, writer in instance.answers.items():
+                rank_id = instance.ids[rank]
+                self._writers[rank_id] = writer
+                self._rank_of[rank_id] = (instance, rank)
+                self._id_at[writer.address] = rank_id
+                self._id_of_session[rank, writer.session] = rank_id
+                self._heard[rank_id] = now
+            if not self._ranks:
+                self._next_heartbeat = now + self.config.heartbeat_interval_s
+            self._ranks |= frozenset(instance.ids)
+            self._instances[addresses] = instance
 
     # -- control plane -----------------------------------------------------
     def _on_message(self, msg: Message) -> None:
         self.metrics.messages.labels(type(msg).__name__).inc()
         now = self.clock()
         with self._lock:
-            if isinstance(msg, AbortAck | RoomStatus) and not self._for_us(msg):
-                return
+            if isinstance(msg, AbortAck | RoomStatus):
+                rank_id = self._for_us(msg)
+                if rank_id is None:
+                    return
+                # from here on a rank is known by its endpoint-wide id
+                msg = attrs.evolve(msg, rank=rank_id)
             if isinstance(msg, AbortAck):
                 if msg.closed and undrained(msg.closed):
                     self._hold_back(msg)
@@ -414,7 +520,7 @@ class DecodeEndpoint:
                 else:
                     request.fail(msg.reason)
             elif isinstance(msg, HelloAck):
-                if not self._ranks:
+                if msg.address in self._pending:
                     self._on_hello_ack(msg)
                     return
                 actions = self._on_heartbeat(msg, now)
@@ -424,44 +530,46 @@ class DecodeEndpoint:
             releases = self._execute(actions)
         self._notify(releases)
 
-    def _for_us(self, msg: AbortAck | RoomStatus) -> bool:
-        """(With the lock.) Whether ``msg`` is for this endpoint, from the rank
-        process it bootstrapped with. Another process at that rank's address
+    def _for_us(self, msg: AbortAck | RoomStatus) -> int | None:
+        """(With the lock.) The id of the rank that sent ``msg`` if it is for
+        this endpoint, from the rank process it bootstrapped with (None:
+        dropped). An ack names its rank as that rank's own instance numbers
+        it: the room's request says which instance. Another process at that rank's address
         (a restart) never wrote for us: its ack would skip the proof our own
         writer owes (its exit, with its connections drained). An earlier
         decode at our address had rooms of the same ids: its SUCCESS would
         hand out pages a request of ours is about to write."""
         request = self._requests.get(msg.room)
-        writer = request.writers.get(msg.rank) if request is not None else self._writers.get(msg.rank)
+        if request is not None:
+            rank_id = request.ids[msg.rank] if 0 <= msg.rank < len(request.ids) else None
+            writer = request.writers.get(rank_id) if rank_id is not None else None
+        else:
+            rank_id = self._id_of_session.get((msg.rank, msg.session))
+            writer = self._writers.get(rank_id) if rank_id is not None else None
         if msg.decode != self.name:
             self._count_drop("other_decode")
-            return False
-        if writer is None or msg.session != writer.session:
+            return None
+        if writer is None or rank_id is None or msg.session != writer.session:
             self._count_drop("other_session")
-            return False
-        return True
+            return None
+        return rank_id
 
     def _on_hello_ack(self, msg: HelloAck) -> None:
-        # called with the lock held
-        if msg.address not in self._addresses:
-            self._count_drop("stranger_hello")
-            return
-        if self._ranks and msg.rank not in self._ranks:
-            # Bootstrap is over: a new rank id (from an address that is
-            # another rank's) would make every room wait for its ack.
-            self._count_drop("hello_ack_changed")
-        elif msg.error:
-            self._refusals[msg.address] = msg.error
-        elif msg.rank in self._writers and self._writers[msg.rank].address != msg.address:
-            self._refusals[msg.address] = f"rank {msg.rank} also claimed by {self._writers[msg.rank].address}"
-        elif msg.rank in self._writers:
+        # called with the lock held: an answer to a bootstrap in progress
+        instance = self._pending[msg.address]
+        answers = instance.answers
+        if msg.error:
+            instance.refusals[msg.address] = msg.error
+        elif msg.rank in answers and answers[msg.rank].address != msg.address:
+            instance.refusals[msg.address] = f"rank {msg.rank} also claimed by {answers[msg.rank].address}"
+        elif msg.rank in answers:
             # The first identity stays: a later one (a resent Hello's answer is
             # the same) could only make another process's exit count as this
             # writer's.
-            if self._writers[msg.rank] != WriterIdentity.announced(msg):
+            if answers[msg.rank] != WriterIdentity.announced(msg):
                 self._count_drop("hello_ack_changed")
         else:
-            self._writers[msg.rank] = WriterIdentity.announced(msg)
+            answers[msg.rank] = WriterIdentity.announced(msg)
         self._bootstrapped.notify_all()
 
     def _on_idle(self) -> float | None:
@@ -543,11 +651,10 @@ class DecodeEndpoint:
         """(With the lock.) Hello every rank again (its answer proves it
         alive and names its session); a rank silent past peer_timeout_s, or
         whose process is proven gone, is down."""
-        assert self._hello is not None
         actions: list[HoldAction] = []
         for rank in sorted(self._ranks):
             writer = self._writers[rank]
-            self._outbox.send(writer.address, self._hello)
+            self._outbox.send(writer.address, self._rank_of[rank][0].hello)
             if rank in self._down:
                 continue
             if writer.proven_gone(self._pid_namespace):
@@ -562,28 +669,31 @@ class DecodeEndpoint:
         alive, or a new process at its address (re-bootstrapped: it took our
         Hello). Rooms the earlier process was asked to write keep needing
         its proof (exit with drain, or quarantine); they fail now."""
-        writer = self._writers.get(msg.rank)
-        if msg.address not in self._addresses:
+        rank = self._id_at.get(msg.address)  # the endpoint-wide id of the rank there
+        if rank is None:
             self._count_drop("stranger_hello")
             return []
-        if writer is None or writer.address != msg.address:
+        writer = self._writers[rank]
+        if msg.rank != self._rank_of[rank][1]:
             self._count_drop("hello_ack_changed")
             return []
-        if msg.error or (msg.rank, msg.session) in self._retired:
+        if msg.error or (rank, msg.session) in self._retired:
             self._count_drop("hello_refused" if msg.error else "retired_session")
             return []
         if msg.session == writer.session:
-            self._heard[msg.rank] = now
-            self._down.pop(msg.rank, None)
+            self._heard[rank] = now
+            self._down.pop(rank, None)
             return []
-        self._retired.add((msg.rank, writer.session))
-        self._writers[msg.rank] = WriterIdentity.announced(msg)
-        self._heard[msg.rank] = now
-        self._down.pop(msg.rank, None)
+        self._retired.add((rank, writer.session))
+        self._writers[rank] = WriterIdentity.announced(msg)
+        self._id_of_session.pop((msg.rank, writer.session), None)
+        self._id_of_session[msg.rank, msg.session] = rank
+        self._heard[rank] = now
+        self._down.pop(rank, None)
         self.metrics.rank_restarts.inc()
         log.warning("prefill rank %d at %s restarted: re-bootstrapped", msg.rank, msg.address)
         reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
-        return self._fail_rooms_of(msg.rank, writer, reason, now)
+        return self._fail_rooms_of(rank, writer, reason, now)
 
     def _rank_down(self, rank: int, cause: str, reason: str, now: float) -> list[HoldAction]:
         self._down[rank] = reason
