@@ -24,7 +24,6 @@ import zmq
 
 from kvconn.conformance.harness import (
     ACK_PROOFS,
-    Child,
     Cluster,
     ConformanceFailure,
     OwnerProc,
@@ -33,10 +32,10 @@ from kvconn.conformance.harness import (
     wait_for,
 )
 from kvconn.conformance.plugin import require_capability
+from kvconn.conformance.transport_checks import TransportChecks
 from kvconn.protocol.hold import HoldState, Proof
 from kvconn.protocol.messages import AbortAck
 from kvconn.runtime.control import Outbox
-from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Settlement
 
 MiB = 1 << 20
@@ -146,7 +145,7 @@ def _resume_and_check(settings: Settings, owner: OwnerProc, pages: list[int], pr
 
 
 @pytest.mark.kvconn_conformance
-class ConformanceSuite:
+class ConformanceSuite(TransportChecks):
     """Subclass it (named ``Test...``) in a plugin's tests."""
 
     #: The backend under test; ``None``: the ``--kvconn-backend`` option.
@@ -214,107 +213,6 @@ class ConformanceSuite:
                     f"after SUCCESS (pages {bad[:8]})"
                 )
             cluster.finish(rx)
-
-    # -- the DONE barrier ------------------------------------------------------
-    @pytest.mark.parametrize("memory", ["dram", "vram"])
-    def test_done_barrier_means_landed(self, kvconn_settings: Settings, memory: str) -> None:
-        """Right after on_done_barrier answers LANDED, every byte is there."""
-        backend = kvconn_settings.backend
-        require_capability(
-            memory in kvconn_settings.capabilities.memory, f"memory kind {memory!r} not declared"
-        )
-        options = dict(kvconn_settings.options)
-        if memory != "dram":
-            options["memory"] = memory
-        size = 40 * MiB
-        try:
-            region = backend.open_region(size, options)
-        except Exception as exc:
-            pytest.skip(f"cannot open a {memory} region on this host: {exc}")
-        rounds: list[list[tuple[int, int, int]]] = [
-            [(0, 0, 4096)],
-            [(i * 65536, (37 * i % 61) * 262144 + 4096, 65536) for i in range(24)],
-            [(0, 8 * MiB, 24 * MiB)],
-            [(0, 3, 1), (8, 4100, 7), (4096, 9000, 4097), (20000, 30000, 65537)],
-            [(MiB, 33 * MiB, 4 * MiB), (6 * MiB, MiB, 2 * MiB)],
-            [(0, 0, 32 * MiB)],
-        ]
-        child = Child(
-            "kvconn.conformance.writer_proc",
-            {
-                "backend": kvconn_settings.backend_name,
-                "options": options,
-                "src_bytes": size,
-                "metadata": region.metadata.hex(),
-                "write_timeout_s": max(kvconn_settings.write_timeout_s, 5.0),
-                "mode": "barrier",
-                "rounds": rounds,
-            },
-        )
-        try:
-            child.expect(60, "DONE barrier: writer start", event="ready")
-            for i, segments in enumerate(rounds, start=1):
-                child.send_line()
-                event = child.expect(30, f"DONE barrier: round {i} settles", event="settled", round=i)
-                # Check tails first: a transport still writing is caught there.
-                for j, (_, dst, n) in reversed(list(enumerate(segments))):
-                    want = shard_bytes(i, 0, j, n)
-                    tail = min(n, 4096)
-                    if region.read(dst + n - tail, tail) != want[n - tail :] or region.read(dst, n) != want:
-                        raise ConformanceFailure(
-                            f"DONE barrier answered {event['settlement']!r} for round {i} but segment {j} "
-                            f"({n} bytes at {dst}) had not landed: the barrier does not mean landed"
-                        )
-                if event["settlement"] != Settlement.LANDED.value:
-                    raise ConformanceFailure(f"DONE barrier: a healthy write settled {event['settlement']!r}")
-        finally:
-            child.close()
-            region.close()
-
-    # -- the writer fence ------------------------------------------------------
-    def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
-        """A writer frozen mid-write, resumed past its deadline, fences: 0 bytes land after."""
-        backend = kvconn_settings.backend
-        require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
-        size = 32 * MiB
-        region = backend.open_region(size, kvconn_settings.options)
-        region.write(0, canary(size))
-        child = Child(
-            "kvconn.conformance.writer_proc",
-            {
-                "backend": kvconn_settings.backend_name,
-                "options": dict(kvconn_settings.options),
-                "src_bytes": size,
-                "metadata": region.metadata.hex(),
-                "write_timeout_s": kvconn_settings.write_timeout_s,
-                "mode": "fence",
-                "rounds": [[(0, 0, size)]],
-            },
-        )
-        try:
-            child.expect(60, "writer fence: writer start", event="ready")
-            child.expect(30, "writer fence: write posted", event="posted")
-            wait_for(child.stopped, 5, "writer fence: writer froze itself")
-            time.sleep(kvconn_settings.write_timeout_s + 0.1)
-            child.signal(signal.SIGCONT)
-            limit = kvconn_settings.capabilities.max_write_timeout_s or 0.0
-            event = child.expect(limit + 30, "writer fence: barrier and fence return", event="settled")
-            if event["fenced"] is not True:
-                raise ConformanceFailure(
-                    f"writer fence: the backend declares writer_fence but on_fence answered {event['fenced']!r}"
-                )
-            snapshot = region.read(0, size)
-            time.sleep(max(0.5, 2 * kvconn_settings.write_timeout_s))
-            after = region.read(0, size)
-            if after != snapshot:
-                changed = sum(1 for a, b in zip(after[::4096], snapshot[::4096], strict=True) if a != b)
-                raise ConformanceFailure(
-                    f"writer fence: bytes landed after on_fence returned True (~{changed * 4096} bytes "
-                    f"in sampled pages): the fence does not stop a resumed writer"
-                )
-        finally:
-            child.close()
-            region.close()
 
     # -- aborts: S1 at every point of a chunk's life -------------------------
     @pytest.mark.parametrize("point", RACE_POINTS)
