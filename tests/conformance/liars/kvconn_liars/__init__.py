@@ -40,6 +40,7 @@ LIES = {
     "vram": "declares vram; a memory=vram region is host memory all the same",
     "cross_host": "declares cross_host; reaches its peer through this host's /dev/shm only",
     "outlive": "a helper process does the copies and finishes queued ones after the rank died",
+    "outlive_detached": "outlive, with a helper in a session of its own (a system daemon)",
     "fence_resume": "the fence parks in-flight pieces and resumes them lie_delay_s later",
     "wide": "in a chunk of more than 24 segments, later destinations are off by one row",
     "overrun": "lengths rounded up to 4 KiB: bytes past a segment are overwritten",
@@ -128,10 +129,10 @@ class Writer:
         self._aborted: set[int] = set()
         self._jobs: list[_Job] = []
         self._parked: list[tuple[_Job, list[tuple[int, int, int]]]] = []
-        if lie == "outlive":
+        if lie.startswith("outlive"):
             self._src_shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self._src_buf: Any = self._src_shm.buf
-            self._helper = _Helper(self._src_shm.name)
+            self._helper = _Helper(self._src_shm.name, detached=lie == "outlive_detached")
         else:
             self._src_buf = mmap.mmap(-1, max(nbytes, 1))
         self._src_base, self._src_anchor = _address(self._src_buf)
@@ -154,7 +155,7 @@ class Writer:
 
     def close(self) -> None:
         self._stop()
-        if self.lie == "outlive":
+        if self.lie.startswith("outlive"):
             self._helper.close()
         with self._lock:
             for peer in self._peers.values():
@@ -187,7 +188,7 @@ class Writer:
             return job
         with self._lock:
             self._jobs.append(job)
-        if self.lie == "outlive":
+        if self.lie.startswith("outlive"):
             self._helper.submit(job, peer.name, peer.base, self._src_base)
         else:
             self._queue.put(job)
@@ -211,7 +212,7 @@ class Writer:
 
     @hookimpl
     def on_fence(self) -> bool:
-        if self.lie == "outlive":
+        if self.lie.startswith("outlive"):
             return False  # the helper cannot be fenced: only the rank's exit proves it
         self._stop()
         if self.lie == "fence_resume" and self._parked:
@@ -271,15 +272,19 @@ class _Helper:
     rank lives it copies what it is told; once the rank is gone it waits, then
     replays the writes it was given last (a retry of unacknowledged work)."""
 
-    def __init__(self, src_name: str) -> None:
+    def __init__(self, src_name: str, detached: bool) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvconn_liars.helper", src_name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            start_new_session=detached,
         )
         self._pending: dict[str, _Job] = {}
         self._lock = threading.Lock()
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":  # an engine is up before the writer is
+            raise RuntimeError("liar: the helper process did not start")
         threading.Thread(target=self._read, daemon=True).start()
 
     def submit(self, job: _Job, peer: str, peer_base: int, src_base: int) -> None:
@@ -310,7 +315,7 @@ class Backend:
         self.lie = lie
         self.name = "liar-" + lie.replace("_", "-")
         self.capabilities = Capabilities(
-            writer_fence=lie != "outlive",
+            writer_fence=not lie.startswith("outlive"),
             memory=frozenset({"dram", "vram"} if lie == "vram" else {"dram"}),
             cross_host=lie == "cross_host",
             notes=LIES[lie],

@@ -19,6 +19,8 @@ def main() -> None:
     src = _attach(sys.argv[1])
     peers: dict[str, object] = {}
     recent: list[dict[str, object]] = []
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         job = json.loads(line)
         name = str(job["peer"])
