@@ -358,6 +358,13 @@ class Cluster:
         want = canary(pb)
         return [p for p in pages if self.region.read(p * pb, pb) != want]
 
+    def changed_free_pages(self) -> list[int]:
+        """Free pages (never handed out, or released and canaried again) whose
+        canary changed: a write that landed outside the pages of its room."""
+        with self._lock:
+            free = sorted(self._free)
+        return self.changed_pages(free)
+
     def changed_after_release(self, pages: Iterable[int]) -> list[int]:
         """Released pages, not handed out again since, whose canary changed."""
         with self._lock:

@@ -230,6 +230,22 @@ class ConformanceSuite(TransportChecks):
         """Three ranks write their shards of every page."""
         self._integrity(wide, [(6, False), (13, True), (1, False)])
 
+    def test_integrity_wide_chunks(self, request: pytest.FixtureRequest, kvconn_settings: Settings) -> None:
+        """Two ranks, odd-sized shards (4099 bytes), chunks of up to 2048
+        scattered pages: thousands of segments in one chunk, as real chunks
+        carry (layers x K/V x pages)."""
+        pages = 8192 if kvconn_settings.thorough else 4096
+        with _cluster(
+            request,
+            kvconn_settings,
+            num_ranks=2,
+            page_bytes=2 * 4099,
+            num_pages=pages,
+            chunk_pages=pages // 2,
+            source_pages=pages // 2,
+        ) as cluster:
+            self._integrity(cluster, [(pages * 3 // 8, True), (pages // 4 - 1, True)])
+
     def _integrity(self, cluster: Cluster, plans: list[tuple[int, bool]]) -> None:
         rooms = []
         for n, scattered in plans:
@@ -247,6 +263,12 @@ class ConformanceSuite(TransportChecks):
                     f"after SUCCESS (pages {bad[:8]})"
                 )
             cluster.finish(rx)
+        bad = cluster.changed_free_pages()
+        if bad:
+            raise ConformanceFailure(
+                f"integrity: {len(bad)} pages that no room held changed (pages {bad[:8]}): "
+                "a write landed outside the pages of its room"
+            )
 
     # -- aborts: S1 at every point of a chunk's life -------------------------
     @pytest.mark.parametrize("point", RACE_POINTS)
