@@ -32,6 +32,7 @@ def conformance(env: dict[str, str], backend: str, *args: str, timeout: float = 
         ("wide", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS"),
         ("overrun", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS"),
         ("any_decode", "test_each_chunk_lands_in_its_decode", "was for decode 'a', and decode 'a'"),
+        ("any_decode", "test_two_decodes_share_a_rank", "of decode 1 of 2 hold wrong bytes"),
         ("cancel", "test_failed_settled_means_nothing_lands", "landed after the answer"),
         ("late_landed", "test_done_barrier_past_deadline", "LANDED past its deadline"),
         ("fence_resume", "test_writer_fence_stops_frozen_writer", "after on_fence returned True"),
@@ -54,13 +55,14 @@ def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> Non
         liar_env,
         "liar-honest",
         "-k",
-        "done_barrier or wide_chunks or fence_stops or failed_settled or its_decode or vram_claim or cross_host"
+        "done_barrier or wide_chunks or two_decodes or fence_stops or failed_settled or its_decode or vram_claim or cross_host"
         " or killed_writer or frozen_owner",
     )
     assert code == 0, out
     for check in (
         "test_done_barrier_means_landed[dram]",
         "test_integrity_wide_chunks",
+        "test_two_decodes_share_a_rank",
         "test_done_barrier_past_deadline",
         "test_writer_fence_stops_frozen_writer",
         "test_failed_settled_means_nothing_lands",

@@ -219,6 +219,7 @@ class RankProc(Child):
         chunk_pages: int,
         source_pages: int,
         faults: Mapping[int, Mapping[str, Any]] | None = None,
+        workers: int = 1,
     ) -> None:
         super().__init__(
             "kvconn.conformance.rank_proc",
@@ -233,6 +234,7 @@ class RankProc(Child):
                 "write_timeout_s": settings.write_timeout_s,
                 "abort_timeout_s": settings.effective_abort_timeout(),
                 "faults": {str(room): dict(rule) for room, rule in (faults or {}).items()},
+                "workers": workers,
             },
         )
         self.address = ""
@@ -285,15 +287,21 @@ class Cluster:
         source_pages: int = 256,
         faults: Mapping[int, Mapping[str, Any]] | None = None,
         rank_faults: Mapping[int, Mapping[int, Mapping[str, Any]]] | None = None,
+        workers: int = 1,
+        ranks_of: Cluster | None = None,
+        seed: int = 0xC0F,
     ) -> None:
+        """``ranks_of``: another cluster whose rank processes this one's decode
+        also reads from (two decodes on the same ranks); they stay its own."""
         self.settings = settings
         self.page_bytes = page_bytes
         self.num_ranks = num_ranks
         self.shard = page_bytes // num_ranks
         self.num_pages = num_pages
-        self.rng = random.Random(0xC0F)
+        self.rng = random.Random(seed)
         self._room_ids = iter(range(self.rng.randrange(1 << 40, 1 << 41), 1 << 62))
         self.ranks: list[RankProc] = []
+        self._own_ranks = ranks_of is None
         self.decode: DecodeEndpoint | None = None
         self._lock = threading.Lock()
         self.releases: dict[int, tuple[Release, float]] = {}
@@ -301,10 +309,16 @@ class Cluster:
         self._free: list[int] = list(range(num_pages))
         self._returned: set[int] = set()
         try:
-            for r in range(num_ranks):
-                rf = (rank_faults or {}).get(r, faults)
-                self.ranks.append(RankProc(settings, r, num_ranks, page_bytes, chunk_pages, source_pages, rf))
-            addresses = [rank.ready() for rank in self.ranks]
+            if ranks_of is not None:
+                self.ranks = list(ranks_of.ranks)
+                addresses = [rank.address for rank in self.ranks]
+            else:
+                for r in range(num_ranks):
+                    rf = (rank_faults or {}).get(r, faults)
+                    self.ranks.append(
+                        RankProc(settings, r, num_ranks, page_bytes, chunk_pages, source_pages, rf, workers)
+                    )
+                addresses = [rank.ready() for rank in self.ranks]
             self.decode = DecodeEndpoint(
                 settings.backend,
                 num_pages,
@@ -426,10 +440,12 @@ class Cluster:
             return self.endpoint.tracker.state(room)
 
     def close(self) -> None:
-        for rank in self.ranks:
-            rank.close()
+        if self._own_ranks:
+            for rank in self.ranks:
+                rank.close()
         if self.decode is not None:
             self.decode.close()
+            self.decode = None
 
 
 class RegionImage:

@@ -246,29 +246,62 @@ class ConformanceSuite(TransportChecks):
         ) as cluster:
             self._integrity(cluster, [(pages * 3 // 8, True), (pages // 4 - 1, True)])
 
+    def test_two_decodes_share_a_rank(
+        self, request: pytest.FixtureRequest, kvconn_settings: Settings
+    ) -> None:
+        """Two decodes read from the same two ranks (two workers each) at once,
+        then one decode restarts (a new endpoint and region): every room lands
+        in its own decode's pages and nowhere else."""
+        kwargs: dict[str, Any] = {"num_ranks": 2, "num_pages": 256, "chunk_pages": 3, "workers": 2}
+        plans = [(7, True), (2, False), (30, True), (11, True), (64, False), (5, True)]
+        with _cluster(request, kvconn_settings, **kwargs) as first:
+            second = Cluster(kvconn_settings, ranks_of=first, seed=0xDEC2, **kwargs)
+            try:
+                self._integrity_of([first, second], plans)
+            finally:
+                second.close()
+            restarted = Cluster(kvconn_settings, ranks_of=first, seed=0xDEC3, **kwargs)
+            try:
+                self._integrity_of([restarted, first], plans)
+            finally:
+                restarted.close()
+
     def _integrity(self, cluster: Cluster, plans: list[tuple[int, bool]]) -> None:
+        self._integrity_of([cluster], plans)
+
+    def _integrity_of(self, clusters: list[Cluster], plans: list[tuple[int, bool]]) -> None:
+        """Rooms of ``plans`` opened on every cluster's decode in turn, all in
+        flight together, then checked page by page."""
         rooms = []
         for n, scattered in plans:
-            pages = cluster.alloc(n, scattered)
-            room = cluster.new_room()
-            rooms.append((room, pages, cluster.receiver(room, pages)))
-        for room, pages, rx in rooms:
+            for cluster in clusters:
+                pages = cluster.alloc(n, scattered)
+                room = cluster.new_room()
+                rooms.append((cluster, room, pages, cluster.receiver(room, pages)))
+        for cluster, room, pages, rx in rooms:
             state = cluster.wait_done(rx, 30, f"integrity: room of {len(pages)} pages completes")
             if state != "SUCCESS":
                 raise ConformanceFailure(f"integrity: room {room} ended {state}: {rx.failure()}")
             bad = cluster.bad_pattern_pages(room, pages)
             if bad:
+                which = (
+                    f" of decode {clusters.index(cluster) + 1} of {len(clusters)}"
+                    if len(clusters) > 1
+                    else ""
+                )
                 raise ConformanceFailure(
-                    f"integrity: {len(bad)} of {len(pages)} pages of room {room} hold wrong bytes "
+                    f"integrity: {len(bad)} of {len(pages)} pages of room {room}{which} hold wrong bytes "
                     f"after SUCCESS (pages {bad[:8]})"
                 )
             cluster.finish(rx)
-        bad = cluster.changed_free_pages()
-        if bad:
-            raise ConformanceFailure(
-                f"integrity: {len(bad)} pages that no room held changed (pages {bad[:8]}): "
-                "a write landed outside the pages of its room"
-            )
+        for i, cluster in enumerate(clusters):
+            bad = cluster.changed_free_pages()
+            if bad:
+                which = f" of decode {i + 1} of {len(clusters)}" if len(clusters) > 1 else ""
+                raise ConformanceFailure(
+                    f"integrity: {len(bad)} pages{which} that no room held changed (pages {bad[:8]}): "
+                    "a write landed outside the pages of its room"
+                )
 
     # -- aborts: S1 at every point of a chunk's life -------------------------
     @pytest.mark.parametrize("point", RACE_POINTS)
