@@ -367,6 +367,15 @@ class Cluster:
             )
         return pages
 
+    def alloc_strided(self, n: int) -> list[int]:
+        """``n`` pages with a free page between each two: no two destinations
+        merge, so a chunk of them is one segment per page and rank, and every
+        page in between is a guard that must keep its canary."""
+        span = self.alloc(2 * n - 1)
+        with self._lock:
+            self._free.extend(span[1::2])
+        return span[::2]
+
     def changed_pages(self, pages: Iterable[int]) -> list[int]:
         pb = self.page_bytes
         want = canary(pb)

@@ -293,7 +293,11 @@ class TransportChecks:
             rows_of.append(rows)
         with _regions(settings, {"a": size, "b": size}) as regions:
             images = {name: RegionImage(region, size) for name, region in regions.items()}
-            child = BareWriter(settings, _metadata(regions), rounds, size)
+            # A healthy-write check: a first write to a new peer may set up a
+            # connection, so a deadline no transport needs to meet.
+            child = BareWriter(
+                settings, _metadata(regions), rounds, size, write_timeout_s=max(settings.write_timeout_s, 5.0)
+            )
             old: list[PageRegion] = []
             try:
                 child.expect(60, "two decodes: writer start", event="ready")
@@ -308,7 +312,9 @@ class TransportChecks:
                     child.frozen(30 + _limit(settings), f"two decodes: round {i} settles", round=i)
                     settlement = child.answer("barrier", i)["settlement"]
                     if settlement != LANDED:
-                        raise ConformanceFailure(f"two decodes: a healthy write settled {settlement!r}")
+                        raise ConformanceFailure(
+                            f"two decodes: a healthy write (round {i}, to decode {peer!r}) settled {settlement!r}"
+                        )
                     images[name].land(i, rows)
                     for other, image in images.items():
                         found = image.diff()
@@ -347,14 +353,7 @@ class TransportChecks:
                     "vram declared, and a memory=vram region opened on a host without a GPU "
                     "(no /dev/nvidiactl): the region is host memory"
                 )
-            address = next(
-                (
-                    getattr(region, a)
-                    for a in ("addr", "address", "ptr")
-                    if isinstance(getattr(region, a, None), int)
-                ),
-                None,
-            )
+            address = _region_address(region)
             if address is None:
                 pytest.skip("the region exposes no address (addr) to ask CUDA where it lives")
             kind = _cuda_memory_type(address)
@@ -373,10 +372,26 @@ class TransportChecks:
             _cross_host_round(settings, decode_ns, writer_ns)
 
 
+def _region_address(region: PageRegion) -> int | None:
+    """Where the region's memory starts, if it says: a public ``address``
+    (or ``addr``), else the :class:`kvconn.memory.Memory` it holds."""
+    for owner in (region, getattr(region, "_mem", None)):
+        for name in ("address", "addr"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
 def _cuda_memory_type(address: int) -> str:
     """CUDA's word on where ``address`` lives: device, host, or unknown."""
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuInit(0)
+    # The calling thread needs a context; the device's primary one is the
+    # one CuPy and PyTorch allocate in.
+    context = ctypes.c_void_p()
+    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0) == 0:
+        cuda.cuCtxSetCurrent(context)
     value = ctypes.c_uint(0)
     pointer_memory_type = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
     err = cuda.cuPointerGetAttribute(ctypes.byref(value), pointer_memory_type, ctypes.c_ulonglong(address))

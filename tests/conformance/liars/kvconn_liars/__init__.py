@@ -82,6 +82,7 @@ class Region:
         self.nbytes = nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
         self._buf = self._shm.buf
+        self.address, self._anchor = _address(self._buf)  # where a memory=vram region "is"
         self.metadata = json.dumps({"shm": self._shm.name, "nbytes": nbytes}).encode()
 
     def read(self, offset: int, nbytes: int) -> bytes:
@@ -91,6 +92,7 @@ class Region:
         self._buf[offset : offset + len(data)] = data
 
     def close(self) -> None:
+        del self._anchor
         del self._buf
         self._shm.close()
         self._shm.unlink()
