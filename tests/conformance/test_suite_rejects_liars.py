@@ -45,6 +45,8 @@ def conformance(env: dict[str, str], backend: str, *args: str, timeout: float = 
 def test_each_lie_fails_its_check(liar_env: dict[str, str], lie: str, check: str, message: str) -> None:
     keyword = check.split("[")[0].removeprefix("test_")
     code, out = conformance(liar_env, "liar-" + lie.replace("_", "-"), "-k", keyword)
+    if f"SKIPPED  {check}  (cross_host: cannot create network namespaces" in out:
+        pytest.skip("this host cannot create network namespaces (needs root)")
     assert code != 0, out
     assert f"FAILED   {check}" in out, out
     assert message in out, out
