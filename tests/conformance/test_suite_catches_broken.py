@@ -98,8 +98,9 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
             "--write-timeout / --abort-timeout: write_timeout_s (3.0 s) must be shorter",
         ),
         (["--abort-timeout", "0"], "--write-timeout / --abort-timeout: abort_timeout_s must be > 0"),
+        (["--watch", "-1"], "--watch must be >= 0"),
     ],
-    ids=["typo", "out_of_bounds", "no_value", "write_not_shorter", "no_deadline"],
+    ids=["typo", "out_of_bounds", "no_value", "write_not_shorter", "no_deadline", "negative_watch"],
 )
 def test_bad_options_are_refused_once_before_any_check(args: list[str], message: str) -> None:
     code, out = conformance(*args, timeout=60)
