@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -98,9 +99,19 @@ class Child:
     own: whatever it starts stays in that session unless it leaves on purpose,
     so the suite can tell what outlived it (:meth:`survivors`)."""
 
+    #: Longer arguments go through a file (a command line holds ~128 KiB).
+    INLINE_ARGS = 64 << 10
+
     def __init__(self, module: str, args: Mapping[str, Any], prefix: Sequence[str] = ()) -> None:
+        payload = json.dumps(dict(args))
+        self._args_file: str | None = None
+        if len(payload) > self.INLINE_ARGS:
+            fd, self._args_file = tempfile.mkstemp(prefix="kvconn-conformance-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(payload)
+            payload = "@" + self._args_file
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module, json.dumps(dict(args))],
+            [*prefix, sys.executable, "-m", module, payload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -199,6 +210,9 @@ class Child:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.reap_survivors()
+        if self._args_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._args_file)
 
     def frozen(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
         """The child's next ``freeze`` report, once every thread is stopped."""

@@ -12,12 +12,12 @@ import os
 import sys
 
 from kvconn.conformance.harness import RegionImage
-from kvconn.conformance.rank_proc import emit
+from kvconn.conformance.rank_proc import emit, load_args
 from kvconn.plugins import get_backend
 
 
 def main() -> None:
-    args = json.loads(sys.argv[1])
+    args = load_args(sys.argv[1])
     nbytes = int(args["nbytes"])
     region = get_backend(args["backend"]).open_region(nbytes, dict(args["options"]))
     image = RegionImage(region, nbytes)

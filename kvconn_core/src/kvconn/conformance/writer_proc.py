@@ -23,7 +23,6 @@ the writer. Every step reports one JSON line (``rank_proc.emit``).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import pluggy
 
 from kvconn import hookspecs
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.conformance.rank_proc import emit, stop_self
+from kvconn.conformance.rank_proc import emit, load_args, stop_self
 from kvconn.plugins import get_backend
 from kvconn.protocol.messages import Abort
 from kvconn.testing.patterns import shard_bytes
@@ -48,7 +47,7 @@ def fill(writer: Any, round_no: int, rows: list[list[int]]) -> None:
 
 
 def main() -> None:
-    args = json.loads(sys.argv[1])
+    args = load_args(sys.argv[1])
     backend = get_backend(args["backend"])
     writer = backend.open_writer(int(args["src_bytes"]), dict(args.get("options", {})))
     pm = pluggy.PluginManager(hookspecs.PROJECT)
