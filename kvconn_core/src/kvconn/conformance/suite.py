@@ -55,6 +55,16 @@ FORGED_ROOM = 0xF06_0001
 OWNER_ROOM = 0x0F0_0001
 
 
+def _generous(settings: Settings) -> Settings:
+    """For checks of where bytes land, not how fast: deadlines a healthy
+    write meets on a loaded host (a first write may set up a connection)."""
+    return attrs.evolve(
+        settings,
+        write_timeout_s=max(settings.write_timeout_s, 5.0),
+        abort_timeout_s=max(settings.abort_timeout_s, 10.0),
+    )
+
+
 @contextmanager
 def _cluster(request: pytest.FixtureRequest, settings: Settings, **kwargs: Any) -> Iterator[Cluster]:
     cluster = Cluster(settings, **kwargs)
@@ -192,7 +202,8 @@ class ConformanceSuite(TransportChecks):
     @pytest.fixture(scope="class")
     @classmethod
     def healthy(cls, request: pytest.FixtureRequest, kvconn_settings: Settings) -> Iterator[Cluster]:
-        with _cluster(request, kvconn_settings, num_ranks=2, num_pages=1024, chunk_pages=2) as cluster:
+        generous = _generous(kvconn_settings)
+        with _cluster(request, generous, num_ranks=2, num_pages=1024, chunk_pages=2) as cluster:
             yield cluster
 
     @pytest.fixture(scope="class")
@@ -224,7 +235,8 @@ class ConformanceSuite(TransportChecks):
 
     def test_integrity_large_pages(self, request: pytest.FixtureRequest, kvconn_settings: Settings) -> None:
         """1 MiB pages, 4 MiB chunks."""
-        with _cluster(request, kvconn_settings, page_bytes=MiB, num_pages=48, source_pages=48) as cluster:
+        settings = _generous(kvconn_settings)
+        with _cluster(request, settings, page_bytes=MiB, num_pages=48, source_pages=48) as cluster:
             self._integrity(cluster, [(16, False), (20, True)])
 
     def test_integrity_several_ranks(self, wide: Cluster) -> None:
@@ -236,16 +248,9 @@ class ConformanceSuite(TransportChecks):
         guard page between each two: 2048 segments per rank in one chunk, as
         real chunks carry thousands (layers x K/V x pages)."""
         chunk = 8192 if kvconn_settings.thorough else 2048
-        # What is checked is where the bytes land, not how fast: deadlines
-        # that a chunk of 2048 segments meets on a loaded host.
-        generous = attrs.evolve(
-            kvconn_settings,
-            write_timeout_s=max(kvconn_settings.write_timeout_s, 5.0),
-            abort_timeout_s=max(kvconn_settings.abort_timeout_s, 10.0),
-        )
         with _cluster(
             request,
-            generous,
+            _generous(kvconn_settings),
             num_ranks=2,
             page_bytes=2 * 4099,
             num_pages=4 * chunk,
@@ -262,13 +267,14 @@ class ConformanceSuite(TransportChecks):
         in its own decode's pages and nowhere else."""
         kwargs: dict[str, Any] = {"num_ranks": 2, "num_pages": 256, "chunk_pages": 3, "workers": 2}
         plans = [(7, True), (2, False), (30, True), (11, True), (64, False), (5, True)]
-        with _cluster(request, kvconn_settings, **kwargs) as first:
-            second = Cluster(kvconn_settings, ranks_of=first, seed=0xDEC2, **kwargs)
+        settings = _generous(kvconn_settings)
+        with _cluster(request, settings, **kwargs) as first:
+            second = Cluster(settings, ranks_of=first, seed=0xDEC2, **kwargs)
             try:
                 self._integrity_of([first, second], plans)
             finally:
                 second.close()
-            restarted = Cluster(kvconn_settings, ranks_of=first, seed=0xDEC3, **kwargs)
+            restarted = Cluster(settings, ranks_of=first, seed=0xDEC3, **kwargs)
             try:
                 self._integrity_of([restarted, first], plans)
             finally:
