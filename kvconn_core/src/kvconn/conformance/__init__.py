@@ -1,7 +1,7 @@
 """kvconn's transport conformance suite.
 
-Run it as ``kvconn conformance BACKEND [--strict] [-k EXPR]``, or from a
-plugin's own tests::
+Run it as ``kvconn conformance BACKEND [--strict] [--thorough] [--watch S]
+[-k EXPR]``, or from a plugin's own tests::
 
     from kvconn.conformance import ConformanceSuite
 
@@ -10,6 +10,14 @@ plugin's own tests::
 
 The fixtures and options come from :mod:`kvconn.conformance.plugin`, which
 kvconn-core registers as a pytest plugin (``pytest11`` entry point).
+
+Checks that a write did *not* land after some answer (a fence, a
+FAILED_SETTLED, a release after the writer's exit) hold the transport two
+ways: a writer process freezes itself right after the answer, so nothing
+of it moves while the suite checks and lays fresh canaries; and the pages
+are then watched for ``--watch`` seconds (3; 10 with ``--strict`` or
+``--thorough``) for what runs outside it. A rank's exit counts as proof
+only if nothing it started outlives it.
 """
 
 from __future__ import annotations

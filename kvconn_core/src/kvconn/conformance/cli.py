@@ -1,4 +1,4 @@
-"""``kvconn conformance BACKEND [--strict] [-k EXPR] [-o KEY=VALUE]``."""
+"""``kvconn conformance BACKEND [--strict] [--thorough] [--watch S] [-k EXPR] [-o KEY=VALUE]``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--write-timeout", type=float, default=0.5, help="writer deadline in s (0.5)")
     parser.add_argument("--abort-timeout", type=float, default=2.0, help="decode deadline in s (2.0)")
+    parser.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="S",
+        help="watch released pages and fenced regions this long for a late write (3; 10 with --strict)",
+    )
+    parser.add_argument(
+        "--thorough", action="store_true", help="wider chunks (20000 segments) and a 10 s watch"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="terse pytest output")
 
 
@@ -50,6 +60,13 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     ]
     if args.strict:
         argv.append("--kvconn-strict")
+    if args.thorough:
+        argv.append("--kvconn-thorough")
+    if args.watch is not None:
+        if args.watch < 0:
+            print("kvconn conformance: --watch must be >= 0", file=sys.stderr)
+            return 2
+        argv += ["--kvconn-watch", str(args.watch)]
     if args.keyword:
         argv += ["-k", args.keyword]
     for item in args.option:

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from kvconn.config import Config
-from kvconn.conformance.rank_proc import emit
+from kvconn.conformance.rank_proc import emit, load_args
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
@@ -29,7 +29,7 @@ from kvconn.testing.patterns import canary
 
 def main() -> None:
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    args = json.loads(sys.argv[1])
+    args = load_args(sys.argv[1])
     page_bytes = int(args["page_bytes"])
     fresh = canary(page_bytes)
     endpoint: DecodeEndpoint | None = None

@@ -4,6 +4,7 @@ gets back and checks it before handing the page out again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -11,12 +12,14 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
@@ -43,6 +46,19 @@ class Settings:
     write_timeout_s: float = 0.5
     abort_timeout_s: float = 2.0
     strict: bool = False
+    #: More and wider rounds (a longer run).
+    thorough: bool = False
+    #: How long released pages, guard bytes and fenced regions are watched
+    #: for a late write; ``None``: 3 s, or 10 s with ``strict`` or ``thorough``.
+    watch_s: float | None = None
+
+    @property
+    def late_write_watch_s(self) -> float:
+        """A write deferred longer than this (a helper process, a resumed
+        fence) is missed: the bound every "nothing lands after" check uses."""
+        if self.watch_s is not None:
+            return self.watch_s
+        return 10.0 if self.strict or self.thorough else 3.0
 
     @property
     def backend(self) -> Backend:
@@ -79,14 +95,27 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 
 
 
 class Child:
-    """A child process that reports JSON lines on stdout."""
+    """A child process that reports JSON lines on stdout, in a session of its
+    own: whatever it starts stays in that session unless it leaves on purpose,
+    so the suite can tell what outlived it (:meth:`survivors`)."""
 
-    def __init__(self, module: str, args: Mapping[str, Any]) -> None:
+    #: Longer arguments go through a file (a command line holds ~128 KiB).
+    INLINE_ARGS = 64 << 10
+
+    def __init__(self, module: str, args: Mapping[str, Any], prefix: Sequence[str] = ()) -> None:
+        payload = json.dumps(dict(args))
+        self._args_file: str | None = None
+        if len(payload) > self.INLINE_ARGS:
+            fd, self._args_file = tempfile.mkstemp(prefix="kvconn-conformance-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(payload)
+            payload = "@" + self._args_file
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, json.dumps(dict(args))],
+            [*prefix, sys.executable, "-m", module, payload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         self.pid = self.proc.pid
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -142,6 +171,33 @@ class Child:
         self.signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def survivors(self) -> list[str]:
+        """Processes of this child's session still alive ("pid cmdline"): a
+        helper that can write after the child is gone."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == self.pid:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                state, session = fields[0], int(fields[3])
+                if session != self.pid or state in ("Z", "X"):
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            found.append(f"{entry} {cmdline[:120]}")
+        return found
+
+    def reap_survivors(self) -> None:
+        """Kill what :meth:`survivors` found (once the check has said so)."""
+        for line in self.survivors():
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.signal(signal.SIGCONT)
@@ -153,6 +209,16 @@ class Child:
                 self.kill()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        self.reap_survivors()
+        if self._args_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._args_file)
+
+    def frozen(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
+        """The child's next ``freeze`` report, once every thread is stopped."""
+        event = self.expect(timeout, what, event="freeze", **match)
+        wait_for(self.stopped, 5, f"{what}: the child froze")
+        return event
 
 
 class RankProc(Child):
@@ -167,6 +233,7 @@ class RankProc(Child):
         chunk_pages: int,
         source_pages: int,
         faults: Mapping[int, Mapping[str, Any]] | None = None,
+        workers: int = 1,
     ) -> None:
         super().__init__(
             "kvconn.conformance.rank_proc",
@@ -181,6 +248,7 @@ class RankProc(Child):
                 "write_timeout_s": settings.write_timeout_s,
                 "abort_timeout_s": settings.effective_abort_timeout(),
                 "faults": {str(room): dict(rule) for room, rule in (faults or {}).items()},
+                "workers": workers,
             },
         )
         self.address = ""
@@ -233,15 +301,21 @@ class Cluster:
         source_pages: int = 256,
         faults: Mapping[int, Mapping[str, Any]] | None = None,
         rank_faults: Mapping[int, Mapping[int, Mapping[str, Any]]] | None = None,
+        workers: int = 1,
+        ranks_of: Cluster | None = None,
+        seed: int = 0xC0F,
     ) -> None:
+        """``ranks_of``: another cluster whose rank processes this one's decode
+        also reads from (two decodes on the same ranks); they stay its own."""
         self.settings = settings
         self.page_bytes = page_bytes
         self.num_ranks = num_ranks
         self.shard = page_bytes // num_ranks
         self.num_pages = num_pages
-        self.rng = random.Random(0xC0F)
+        self.rng = random.Random(seed)
         self._room_ids = iter(range(self.rng.randrange(1 << 40, 1 << 41), 1 << 62))
         self.ranks: list[RankProc] = []
+        self._own_ranks = ranks_of is None
         self.decode: DecodeEndpoint | None = None
         self._lock = threading.Lock()
         self.releases: dict[int, tuple[Release, float]] = {}
@@ -249,10 +323,16 @@ class Cluster:
         self._free: list[int] = list(range(num_pages))
         self._returned: set[int] = set()
         try:
-            for r in range(num_ranks):
-                rf = (rank_faults or {}).get(r, faults)
-                self.ranks.append(RankProc(settings, r, num_ranks, page_bytes, chunk_pages, source_pages, rf))
-            addresses = [rank.ready() for rank in self.ranks]
+            if ranks_of is not None:
+                self.ranks = list(ranks_of.ranks)
+                addresses = [rank.address for rank in self.ranks]
+            else:
+                for r in range(num_ranks):
+                    rf = (rank_faults or {}).get(r, faults)
+                    self.ranks.append(
+                        RankProc(settings, r, num_ranks, page_bytes, chunk_pages, source_pages, rf, workers)
+                    )
+                addresses = [rank.ready() for rank in self.ranks]
             self.decode = DecodeEndpoint(
                 settings.backend,
                 num_pages,
@@ -301,10 +381,26 @@ class Cluster:
             )
         return pages
 
+    def alloc_strided(self, n: int) -> list[int]:
+        """``n`` pages with a free page between each two: no two destinations
+        merge, so a chunk of them is one segment per page and rank, and every
+        page in between is a guard that must keep its canary."""
+        span = self.alloc(2 * n - 1)
+        with self._lock:
+            self._free.extend(span[1::2])
+        return span[::2]
+
     def changed_pages(self, pages: Iterable[int]) -> list[int]:
         pb = self.page_bytes
         want = canary(pb)
         return [p for p in pages if self.region.read(p * pb, pb) != want]
+
+    def changed_free_pages(self) -> list[int]:
+        """Free pages (never handed out, or released and canaried again) whose
+        canary changed: a write that landed outside the pages of its room."""
+        with self._lock:
+            free = sorted(self._free)
+        return self.changed_pages(free)
 
     def changed_after_release(self, pages: Iterable[int]) -> list[int]:
         """Released pages, not handed out again since, whose canary changed."""
@@ -367,7 +463,81 @@ class Cluster:
             return self.endpoint.tracker.state(room)
 
     def close(self) -> None:
-        for rank in self.ranks:
-            rank.close()
+        if self._own_ranks:
+            for rank in self.ranks:
+                rank.close()
         if self.decode is not None:
             self.decode.close()
+            self.decode = None
+
+
+class RegionImage:
+    """What a region must hold, byte for byte: the canary everywhere except
+    where rounds landed. Comparing the whole region checks the guard bytes
+    around every segment and the bytes never posted, not only the posted
+    ranges."""
+
+    def __init__(self, region: Any, nbytes: int) -> None:
+        self.region = region
+        self.nbytes = nbytes
+        self.want = np.full(nbytes, canary(1)[0], dtype=np.uint8)
+        region.write(0, canary(nbytes))
+        self.last: list[list[int]] = []
+
+    def land(self, round_no: int, rows: Sequence[Sequence[int]]) -> None:
+        """The round's pattern is due in its segments."""
+        for j, (_, dst, n) in enumerate(rows):
+            self.want[dst : dst + n] = np.frombuffer(shard_bytes(round_no, 0, j, n), dtype=np.uint8)
+        self.last = [list(r) for r in rows]
+
+    def recanary(self, rows: Sequence[Sequence[int]] | None = None) -> None:
+        """Lay a fresh canary (over ``rows``, or the whole region): a byte
+        that changes it afterwards landed after now."""
+        spans = [(0, self.nbytes)] if rows is None else [(d, n) for _, d, n in rows]
+        for dst, n in spans:
+            self.region.write(dst, canary(n))
+            self.want[dst : dst + n] = canary(1)[0]
+
+    def diff(self) -> str:
+        """ "" if the region holds what it must, else what differs and where."""
+        got = np.frombuffer(self.region.read(0, self.nbytes), dtype=np.uint8)
+        bad = np.flatnonzero(got != self.want)
+        if not bad.size:
+            return ""
+        first = int(bad[0])
+        return f"{bad.size} bytes differ, the first at offset {first} ({self._where(first)})"
+
+    def _where(self, offset: int) -> str:
+        for j, (_, dst, n) in enumerate(self.last):
+            if dst <= offset < dst + n:
+                return f"inside segment {j} of {len(self.last)} ({n} bytes at {dst}): wrong bytes"
+        before = [(dst + n, j) for j, (_, dst, n) in enumerate(self.last) if dst + n <= offset]
+        if before:
+            end, j = max(before)
+            return f"{offset - end} bytes past the end of segment {j} ({self.last[j][2]} bytes): outside any segment"
+        return "outside any segment posted"
+
+
+def scattered_rows(
+    rng: random.Random, count: int, max_len: int, src_bytes: int, dst_bytes: int
+) -> list[list[int]]:
+    """``count`` segments of odd sizes (1 to ``max_len``), scattered over the
+    destination in random order, each with guard bytes on both sides."""
+    lens = [rng.randrange(1, max_len + 1) | 1 for _ in range(count)]
+    room = dst_bytes - sum(lens) - 1
+    gaps = [rng.randrange(1, max(2, 2 * room // count)) for _ in range(count)]
+    scale = min(1.0, room / max(1, sum(gaps)))
+    rows, src, dst = [], 0, 1
+    for n, gap in zip(lens, gaps, strict=True):
+        dst += max(1, int(gap * scale))
+        rows.append([src, dst, n])
+        src, dst = src + n + rng.randrange(0, 64), dst + n
+    if src > src_bytes or dst >= dst_bytes:
+        raise ValueError("suite bug: scattered segments do not fit")
+    rng.shuffle(rows)
+    return rows
+
+
+def gpu_on_host() -> bool:
+    """Whether this host has a CUDA device at all (its driver's device nodes)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")

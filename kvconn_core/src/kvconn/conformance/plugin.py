@@ -1,7 +1,8 @@
 """The pytest plugin behind the conformance suite (entry point ``pytest11``).
 
 Options: ``--kvconn-backend NAME``, ``--kvconn-option KEY=VALUE`` (repeat),
-``--kvconn-strict``, ``--kvconn-write-timeout``, ``--kvconn-abort-timeout``.
+``--kvconn-strict``, ``--kvconn-write-timeout``, ``--kvconn-abort-timeout``,
+``--kvconn-watch`` (late-write watch window, s), ``--kvconn-thorough``.
 Fixture: ``kvconn_settings``. A check the backend's capabilities rule out is
 skipped through :func:`require_capability` (a *declared* skip); with
 ``--kvconn-strict`` every other skip of a conformance check is a failure.
@@ -45,6 +46,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvconn-strict", action="store_true", help="undeclared skips fail")
     group.addoption("--kvconn-write-timeout", type=float, default=0.5, help="writer deadline, s (0.5)")
     group.addoption("--kvconn-abort-timeout", type=float, default=2.0, help="decode deadline, s (2.0)")
+    group.addoption(
+        "--kvconn-watch",
+        type=float,
+        default=None,
+        help="how long released pages and fenced regions are watched for a late write, s "
+        "(3; 10 with --kvconn-strict or --kvconn-thorough)",
+    )
+    group.addoption(
+        "--kvconn-thorough", action="store_true", help="wider chunks and a longer watch (a longer run)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,6 +87,8 @@ def kvconn_settings(request: pytest.FixtureRequest) -> Settings:
         write_timeout_s=config.getoption("--kvconn-write-timeout"),
         abort_timeout_s=config.getoption("--kvconn-abort-timeout"),
         strict=bool(config.getoption("--kvconn-strict")),
+        thorough=bool(config.getoption("--kvconn-thorough")),
+        watch_s=config.getoption("--kvconn-watch"),
     )
 
 

@@ -47,6 +47,16 @@ def emit(event: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
+def load_args(arg: str) -> dict[str, Any]:
+    """The JSON argument, given inline or, when too long for a command line
+    (rounds of thousands of segments), as ``@PATH`` of a file holding it."""
+    if arg.startswith("@"):
+        with open(arg[1:]) as f:
+            arg = f.read()
+    args: dict[str, Any] = json.loads(arg)
+    return args
+
+
 def stop_self() -> None:
     """SIGSTOP this whole process, the calling thread included, before this returns.
 
@@ -127,7 +137,7 @@ class Faults:
 
 def main() -> None:
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    args = json.loads(sys.argv[1])
+    args = load_args(sys.argv[1])
     driver = Driver(args)
     driver.rank.pm.register(Faults(args.get("faults", {})), name="conformance-faults")
     emit({"event": "ready", "address": driver.rank.address, "pid": os.getpid()})

@@ -2,18 +2,27 @@
 directly (a pluggy PluginManager, no kvconn runtime), so the suite can check
 what the transport itself promises.
 
-``mode`` ``barrier``: for every round read a line from stdin, fill the
-source, ``on_post`` then ``on_done_barrier``, and report the settlement at
-once: the parent reads the destination right then (LANDED means landed).
+The JSON argument names the peers (``{name: metadata hex}``) and the rounds;
+a round is ``{"peer": NAME, "segments": [[src, dst, nbytes], ...], "steps":
+[...]}``, each step one of:
 
-``mode`` ``fence``: post one round, SIGSTOP itself (a frozen writer), and
-once resumed (past its deadline) wait at the barrier and call ``on_fence``;
-report, then the parent checks that nothing more lands.
+``wait``     read a line from stdin (the parent says go);
+``connect``  read a line, the peer's new metadata (hex): a decode restart;
+``post``     fill the source with the round's pattern and ``on_post``;
+``abort``    ``on_abort_notification`` for the round's room (a cancel);
+``barrier``  ``on_done_barrier`` (deadline fixed before ``post``);
+``fence``    ``on_fence``;
+``freeze``   SIGSTOP this whole process, right after the step before.
+
+``freeze`` is the suite's gate on the transport's in-flight bytes: the
+process stops within microseconds of the hook's answer, every thread with
+it (a copy thread, a progress thread), so the parent checks the destination
+against that answer at leisure and lays fresh canaries before it resumes
+the writer. Every step reports one JSON line (``rank_proc.emit``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -22,48 +31,65 @@ from typing import Any
 import pluggy
 
 from kvconn import hookspecs
-from kvconn.chunk import Chunk, Segment
-from kvconn.conformance.rank_proc import emit, stop_self
+from kvconn.chunk import Chunk, SegmentTable
+from kvconn.conformance.rank_proc import emit, load_args, stop_self
 from kvconn.plugins import get_backend
+from kvconn.protocol.messages import Abort
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Settlement
 
-PEER = "conformance-owner"
+DECODE = "conformance-decode"
 
 
-def fill(writer: Any, round_no: int, segments: list[Segment]) -> None:
-    for j, seg in enumerate(segments):
-        writer.write(seg.src, shard_bytes(round_no, 0, j, seg.nbytes))
+def fill(writer: Any, round_no: int, rows: list[list[int]]) -> None:
+    for j, (src, _, nbytes) in enumerate(rows):
+        writer.write(src, shard_bytes(round_no, 0, j, nbytes))
 
 
 def main() -> None:
-    args = json.loads(sys.argv[1])
+    args = load_args(sys.argv[1])
     backend = get_backend(args["backend"])
     writer = backend.open_writer(int(args["src_bytes"]), dict(args.get("options", {})))
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     pm.register(writer, name="transport")
-    writer.connect(PEER, bytes.fromhex(args["metadata"]))
+    try:
+        for peer, metadata in args["peers"].items():
+            writer.connect(peer, bytes.fromhex(metadata))
+    except Exception as exc:
+        emit({"event": "connect_failed", "error": f"{type(exc).__name__}: {exc}"})
+        raise
     timeout = float(args["write_timeout_s"])
-    rounds = [[Segment(*s) for s in r] for r in args["rounds"]]
     emit({"event": "ready", "pid": os.getpid()})
     try:
-        for i, segments in enumerate(rounds, start=1):
-            if args["mode"] == "barrier" and not sys.stdin.readline():
-                return
-            fill(writer, i, segments)
-            chunk = Chunk(i, 0, True, 0, PEER, (), ())
-            posted = pm.hook.on_post(chunk=chunk, segments=segments)
-            deadline = time.monotonic() + timeout
-            if args["mode"] == "fence":
-                emit({"event": "posted", "round": i})
-                stop_self()
-            settlement = pm.hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
-            value = settlement.value if isinstance(settlement, Settlement) else repr(settlement)
-            event: dict[str, Any] = {"event": "settled", "round": i, "settlement": value}
-            if args["mode"] == "fence":
-                event["fenced"] = pm.hook.on_fence()
-            emit(event)
+        for i, spec in enumerate(args["rounds"], start=1):
+            rows = spec["segments"]
+            chunk = Chunk(i, 0, True, 0, spec.get("peer", "a"), (), ())
+            posted: object = None
+            deadline = 0.0
+            for step in spec["steps"]:
+                event: dict[str, Any] = {"event": step, "round": i}
+                if step == "wait" and not sys.stdin.readline():
+                    return
+                if step == "connect":
+                    writer.connect(chunk.peer, bytes.fromhex(sys.stdin.readline().strip()))
+                elif step == "post":
+                    fill(writer, i, rows)
+                    deadline = time.monotonic() + timeout
+                    posted = pm.hook.on_post(chunk=chunk, segments=SegmentTable(rows))
+                elif step == "abort":
+                    pm.hook.on_abort_notification(abort=Abort(i, 1, DECODE, "conformance"), known=True)
+                elif step == "barrier":
+                    settlement = pm.hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
+                    value = settlement.value if isinstance(settlement, Settlement) else repr(settlement)
+                    event["settlement"] = value
+                elif step == "fence":
+                    event["fenced"] = pm.hook.on_fence()
+                elif step == "freeze":
+                    emit(event)
+                    stop_self()
+                    continue
+                emit(event)
         sys.stdin.read()
     finally:
         writer.close()

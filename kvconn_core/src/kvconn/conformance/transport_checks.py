@@ -1,0 +1,504 @@
+"""Checks of what the transport itself promises, through a bare writer
+process (:mod:`kvconn.conformance.writer_proc`) and regions in this process.
+
+Each check gates the writer the same way: the writer freezes itself (every
+thread of it) right after the hook whose answer is checked, so the suite
+compares the destination with that answer while nothing of the writer can
+move, and lays fresh canaries before it lets the writer run again. A copy
+that the answer said was over, and that runs on, is then caught whatever
+its speed. What runs outside the writer process (a DMA engine, a helper
+process) is watched for ``Settings.late_write_watch_s``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from kvconn.conformance.harness import (
+    Child,
+    ConformanceFailure,
+    RegionImage,
+    Settings,
+    gpu_on_host,
+    scattered_rows,
+)
+from kvconn.conformance.plugin import require_capability
+from kvconn.transport import PageRegion, Settlement
+
+MiB = 1 << 20
+LANDED, FAILED_SETTLED, UNSETTLED = (s.value for s in Settlement)
+
+
+class BareWriter(Child):
+    """A writer process and the rounds it runs (see ``writer_proc``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        peers: Mapping[str, bytes],
+        rounds: Sequence[Mapping[str, Any]],
+        src_bytes: int,
+        options: Mapping[str, str] | None = None,
+        write_timeout_s: float | None = None,
+        prefix: Sequence[str] = (),
+    ) -> None:
+        super().__init__(
+            "kvconn.conformance.writer_proc",
+            {
+                "backend": settings.backend_name,
+                "options": dict(settings.options if options is None else options),
+                "src_bytes": src_bytes,
+                "peers": {name: metadata.hex() for name, metadata in peers.items()},
+                "write_timeout_s": settings.write_timeout_s if write_timeout_s is None else write_timeout_s,
+                "rounds": [dict(r) for r in rounds],
+            },
+            prefix,
+        )
+
+    def answer(self, step: str, round_no: int) -> dict[str, Any]:
+        """The report of ``step`` in round ``round_no`` (already received)."""
+        for event in reversed(self.history()):
+            if event.get("event") == step and event.get("round") == round_no:
+                return dict(event)
+        raise ConformanceFailure(f"suite bug: no {step!r} report for round {round_no}")
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+
+def _round(rows: list[list[int]], steps: Sequence[str], peer: str = "a") -> dict[str, Any]:
+    return {"peer": peer, "segments": rows, "steps": list(steps)}
+
+
+@contextmanager
+def _regions(settings: Settings, sizes: Mapping[str, int], **extra: str) -> Iterator[dict[str, PageRegion]]:
+    options = {**settings.options, **extra}
+    opened: dict[str, PageRegion] = {}
+    try:
+        for name, size in sizes.items():
+            opened[name] = settings.backend.open_region(size, options)
+        yield opened
+    finally:
+        for region in opened.values():
+            region.close()
+
+
+def _metadata(regions: Mapping[str, PageRegion]) -> dict[str, bytes]:
+    return {name: region.metadata for name, region in regions.items()}
+
+
+def _limit(settings: Settings) -> float:
+    return settings.capabilities.max_write_timeout_s or 0.0
+
+
+def _watch(settings: Settings, images: Sequence[RegionImage], what: str) -> None:
+    """Watch ``images`` for the late-write window: any change is a late write."""
+    deadline = time.monotonic() + settings.late_write_watch_s
+    while True:
+        for image in images:
+            found = image.diff()
+            if found:
+                raise ConformanceFailure(f"{what}: {found}")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+
+class TransportChecks:
+    """The bare-writer checks (mixed into :class:`ConformanceSuite`)."""
+
+    # -- the DONE barrier ------------------------------------------------------
+    @pytest.mark.parametrize("memory", ["dram", "vram"])
+    def test_done_barrier_means_landed(self, kvconn_settings: Settings, memory: str) -> None:
+        """Right after on_done_barrier answers LANDED every byte is there, and
+        not one byte more: guard bytes around every segment and the bytes never
+        posted keep their canary. Rounds go up to thousands of scattered,
+        odd-sized segments in one chunk."""
+        settings = kvconn_settings
+        require_capability(memory in settings.capabilities.memory, f"memory kind {memory!r} not declared")
+        extra = {"memory": memory} if memory != "dram" else {}
+        size = 40 * MiB
+        rng = random.Random(0xB0A7)
+        wide = 20000 if settings.thorough else 3000
+        rounds_rows: list[list[list[int]]] = [
+            [[0, 0, 4096]],
+            [[i * 65536, (37 * i % 61) * 262144 + 4096, 65536] for i in range(24)],
+            [[0, 8 * MiB, 24 * MiB]],
+            [[0, 3, 1], [8, 4100, 7], [4096, 9000, 4097], [20000, 30000, 65537]],
+            [[MiB, 33 * MiB, 4 * MiB], [6 * MiB, MiB, 2 * MiB]],
+            scattered_rows(rng, 25, 9999, size, size),
+            scattered_rows(rng, wide, 4999 if wide <= 3000 else 1023, size, size),
+            [[0, 0, 32 * MiB]],
+        ]
+        try:
+            regions_cm = _regions(settings, {"a": size}, **extra)
+            regions = regions_cm.__enter__()
+        except Exception as exc:
+            pytest.skip(f"cannot open a {memory} region on this host: {exc}")
+        try:
+            image = RegionImage(regions["a"], size)
+            rounds = [_round(rows, ["wait", "post", "barrier", "freeze"]) for rows in rounds_rows]
+            child = BareWriter(settings, _metadata(regions), rounds, size, {**settings.options, **extra}, 5.0)
+            try:
+                child.expect(60, "DONE barrier: writer start", event="ready")
+                for i, rows in enumerate(rounds_rows, start=1):
+                    child.send_line()
+                    child.frozen(30 + _limit(settings), f"DONE barrier: round {i} settles", round=i)
+                    settlement = child.answer("barrier", i)["settlement"]
+                    if settlement != LANDED:
+                        raise ConformanceFailure(
+                            f"DONE barrier: a healthy write of {len(rows)} segments settled {settlement!r}"
+                        )
+                    image.land(i, rows)
+                    found = image.diff()
+                    if found:
+                        raise ConformanceFailure(
+                            f"DONE barrier answered LANDED for round {i} ({len(rows)} segments) but the "
+                            f"region does not hold exactly what was posted: {found}"
+                        )
+                    child.resume()
+            finally:
+                child.close()
+        finally:
+            regions_cm.__exit__(None, None, None)
+
+    def test_done_barrier_past_deadline(self, kvconn_settings: Settings) -> None:
+        """A writer frozen right after posting, resumed past its deadline: the
+        barrier answers LANDED only if every byte is there (UNSETTLED is the
+        honest answer for bytes still in flight). A backend with a fence has
+        this checked on the way to its fence (the next check)."""
+        require_capability(
+            not kvconn_settings.capabilities.writer_fence,
+            "writer_fence declared: test_writer_fence_stops_frozen_writer checks this barrier",
+        )
+        self._frozen_past_deadline(kvconn_settings, fence=False)
+
+    def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
+        """A writer frozen mid-write, resumed past its deadline: its barrier
+        answers LANDED only if every byte is there; then it fences, and from the
+        fence's answer on not one byte lands, for the whole watch window."""
+        require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
+        self._frozen_past_deadline(kvconn_settings, fence=True)
+
+    def _frozen_past_deadline(self, settings: Settings, fence: bool) -> None:
+        size = 32 * MiB
+        rows = [[i * MiB, (i * 7 % 32) * MiB, MiB] for i in range(32)]
+        steps = ["post", "freeze", "barrier", "freeze"] + (["fence", "freeze"] if fence else [])
+        with _regions(settings, {"a": size}) as regions:
+            image = RegionImage(regions["a"], size)
+            child = BareWriter(settings, _metadata(regions), [_round(rows, steps)], size)
+            try:
+                child.expect(60, "past deadline: writer start", event="ready")
+                child.frozen(30, "past deadline: write posted")
+                time.sleep(settings.write_timeout_s + 0.1)
+                child.resume()
+                child.frozen(30 + _limit(settings), "past deadline: the barrier answers")
+                settlement = child.answer("barrier", 1)["settlement"]
+                if settlement == LANDED:
+                    image.land(1, rows)
+                    found = image.diff()
+                    if found:
+                        raise ConformanceFailure(
+                            f"DONE barrier answered LANDED past its deadline while bytes were still in "
+                            f"flight: {found}"
+                        )
+                if not fence:
+                    return
+                child.resume()
+                child.frozen(_limit(settings) + 30, "writer fence: the fence returns")
+                fenced = child.answer("fence", 1)["fenced"]
+                if fenced is not True:
+                    raise ConformanceFailure(
+                        f"writer fence: the backend declares writer_fence but on_fence answered {fenced!r}"
+                    )
+                image.last = rows
+                image.recanary()  # the writer is frozen: from here on, nothing may change
+                child.resume()
+                _watch(
+                    settings,
+                    [image],
+                    f"writer fence: bytes landed within {settings.late_write_watch_s:.1f} s after on_fence "
+                    "returned True (the fence does not stop a resumed writer)",
+                )
+            finally:
+                child.close()
+
+    # -- a cancel ------------------------------------------------------------
+    def test_failed_settled_means_nothing_lands(self, kvconn_settings: Settings) -> None:
+        """An abort right after the post: whatever the barrier answers must be
+        true. FAILED_SETTLED (or LANDED) means nothing more of the chunk lands,
+        however fast or slow the transport copies."""
+        settings = kvconn_settings
+        size = 32 * MiB
+        rows = [[i * 65536, (i * 263 % 512) * 65536, 65536] for i in range(512)]
+        with _regions(settings, {"a": size}) as regions:
+            image = RegionImage(regions["a"], size)
+            child = BareWriter(
+                settings, _metadata(regions), [_round(rows, ["post", "abort", "barrier", "freeze"])], size
+            )
+            try:
+                child.expect(60, "cancel: writer start", event="ready")
+                child.frozen(30 + _limit(settings), "cancel: the barrier answers")
+                settlement = child.answer("barrier", 1)["settlement"]
+                if settlement == LANDED:
+                    image.land(1, rows)
+                    found = image.diff()
+                    if found:
+                        raise ConformanceFailure(f"cancel: the barrier answered LANDED but {found}")
+                if settlement == UNSETTLED:
+                    return  # honest: the core would poison the room and fence
+                image.last = rows
+                image.recanary(rows)
+                child.resume()
+                _watch(
+                    settings,
+                    [image],
+                    f"cancel: the barrier answered {settlement!r} (nothing more can land) but bytes of "
+                    "the chunk landed after the answer (a cancel requested is not a cancel settled)",
+                )
+            finally:
+                child.close()
+
+    # -- which decode ------------------------------------------------------------
+    def test_each_chunk_lands_in_its_decode(self, kvconn_settings: Settings) -> None:
+        """One writer, two decodes: every chunk lands in the decode it names and
+        nowhere else, also after one decode restarts (a new region, connected
+        again under the same name)."""
+        settings = kvconn_settings
+        size = 4 * MiB
+        rng = random.Random(0x2DEC)
+        plan = ["a", "b", "a", "b", "restart-a", "b", "a"]
+        go = ["wait", "post", "barrier", "freeze"]
+        rounds, rows_of = [], []
+        for peer in plan:
+            rows = scattered_rows(rng, 40, 9999, size, size)
+            restart = peer.startswith("restart-")
+            rounds.append(_round(rows, (["connect"] if restart else []) + go, peer.removeprefix("restart-")))
+            rows_of.append(rows)
+        with _regions(settings, {"a": size, "b": size}) as regions:
+            images = {name: RegionImage(region, size) for name, region in regions.items()}
+            # A healthy-write check: a first write to a new peer may set up a
+            # connection, so a deadline no transport needs to meet.
+            child = BareWriter(
+                settings, _metadata(regions), rounds, size, write_timeout_s=max(settings.write_timeout_s, 5.0)
+            )
+            old: list[PageRegion] = []
+            try:
+                child.expect(60, "two decodes: writer start", event="ready")
+                for i, (peer, rows) in enumerate(zip(plan, rows_of, strict=True), start=1):
+                    name = peer.removeprefix("restart-")
+                    if peer.startswith("restart-"):
+                        old.append(regions[name])
+                        regions[name] = settings.backend.open_region(size, settings.options)
+                        images[name] = RegionImage(regions[name], size)
+                        child.send_line(regions[name].metadata.hex())
+                    child.send_line()
+                    child.frozen(30 + _limit(settings), f"two decodes: round {i} settles", round=i)
+                    settlement = child.answer("barrier", i)["settlement"]
+                    if settlement != LANDED:
+                        raise ConformanceFailure(
+                            f"two decodes: a healthy write (round {i}, to decode {peer!r}) settled {settlement!r}"
+                        )
+                    images[name].land(i, rows)
+                    for other, image in images.items():
+                        found = image.diff()
+                        if found:
+                            raise ConformanceFailure(
+                                f"two decodes: round {i} was for decode {name!r}"
+                                f"{' (restarted)' if peer != name else ''}, and decode {other!r} "
+                                f"does not hold what it must: {found}"
+                            )
+                    child.resume()
+            finally:
+                child.close()
+                for region in old:
+                    region.close()
+
+    # -- claims ------------------------------------------------------------
+    def test_vram_claim_is_device_memory(self, kvconn_settings: Settings) -> None:
+        """A backend that declares vram: a memory=vram region is device memory
+        (a CUDA pointer query says so), and on a host without a GPU it cannot
+        open at all."""
+        settings = kvconn_settings
+        require_capability("vram" in settings.capabilities.memory, "memory kind 'vram' not declared")
+        options = {**settings.options, "memory": "vram"}
+        gpu = gpu_on_host()
+        try:
+            region = settings.backend.open_region(MiB, options)
+        except Exception as exc:
+            if gpu:
+                raise ConformanceFailure(
+                    f"vram declared, but a memory=vram region fails to open: {exc}"
+                ) from exc
+            pytest.skip(f"no GPU on this host, and the memory=vram region refused to open ({exc})")
+        try:
+            if not gpu:
+                raise ConformanceFailure(
+                    "vram declared, and a memory=vram region opened on a host without a GPU "
+                    "(no /dev/nvidiactl): the region is host memory"
+                )
+            address = _region_address(region)
+            if address is None:
+                pytest.skip("the region exposes no address (addr) to ask CUDA where it lives")
+            kind = _cuda_memory_type(address)
+            if kind != "device":
+                raise ConformanceFailure(f"vram declared, but the memory=vram region is {kind} memory")
+        finally:
+            region.close()
+
+    def test_cross_host_claim(self, kvconn_settings: Settings) -> None:
+        """A backend that declares cross_host: a writer in another network, mount
+        and PID namespace (no shared loopback, /dev/shm or processes) lands a
+        round byte-exact through the barrier."""
+        settings = kvconn_settings
+        require_capability(settings.capabilities.cross_host, "cross_host not declared")
+        with _namespace_pair() as (decode_ns, writer_ns):
+            _cross_host_round(settings, decode_ns, writer_ns)
+
+
+def _region_address(region: PageRegion) -> int | None:
+    """Where the region's memory starts, if it says: a public ``address``
+    (or ``addr``), else the :class:`kvconn.memory.Memory` it holds."""
+    for owner in (region, getattr(region, "_mem", None)):
+        for name in ("address", "addr"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def _cuda_memory_type(address: int) -> str:
+    """CUDA's word on where ``address`` lives: device, host, or unknown."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuInit(0)
+    # The calling thread needs a context; the device's primary one is the
+    # one CuPy and PyTorch allocate in.
+    context = ctypes.c_void_p()
+    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0) == 0:
+        cuda.cuCtxSetCurrent(context)
+    value = ctypes.c_uint(0)
+    pointer_memory_type = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    err = cuda.cuPointerGetAttribute(ctypes.byref(value), pointer_memory_type, ctypes.c_ulonglong(address))
+    if err != 0:
+        return f"unknown to CUDA (error {err}), i.e. not device"
+    return {1: "host", 2: "device", 3: "array", 4: "unified"}.get(value.value, f"type {value.value}")
+
+
+@contextmanager
+def _namespace_pair() -> Iterator[tuple[str, str]]:
+    """Two fresh network namespaces joined by a veth pair (10.213.x.1 and .2)."""
+    ip = shutil.which("ip")
+    if ip is None:
+        pytest.skip("cross_host: no `ip` command to create network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    names = (f"kvcc-d{tag}", f"kvcc-w{tag}")
+    octet = int(tag) % 250 + 1
+    cmds = [
+        [ip, "netns", "add", names[0]],
+        [ip, "netns", "add", names[1]],
+        [
+            ip,
+            "link",
+            "add",
+            f"kvd{tag}",
+            "netns",
+            names[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"kvw{tag}",
+            "netns",
+            names[1],
+        ],
+        [ip, "-n", names[0], "addr", "add", f"10.213.{octet}.1/30", "dev", f"kvd{tag}"],
+        [ip, "-n", names[1], "addr", "add", f"10.213.{octet}.2/30", "dev", f"kvw{tag}"],
+        *[
+            [ip, "-n", n, "link", "set", dev, "up"]
+            for n in names
+            for dev in ("lo", f"kvd{tag}" if n == names[0] else f"kvw{tag}")
+        ],
+    ]
+    try:
+        for cmd in cmds:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+            if done.returncode != 0:
+                pytest.skip(
+                    f"cross_host: cannot create network namespaces here ({' '.join(cmd[1:])}: {done.stderr.strip()})"
+                )
+        yield names
+    finally:
+        for name in names:
+            subprocess.run([ip, "netns", "del", name], capture_output=True, timeout=10)
+
+
+def _isolated(netns: str) -> list[str]:
+    """A command prefix: run in ``netns`` with a private /dev/shm (the mount
+    namespace of another host) and without sight of this host's processes."""
+    return [
+        "ip",
+        "netns",
+        "exec",
+        netns,
+        "unshare",
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "sh",
+        "-c",
+        'mount -t tmpfs kvcc /dev/shm && exec "$0" "$@"',
+    ]
+
+
+def _cross_host_round(settings: Settings, decode_ns: str, writer_ns: str) -> None:
+    size = 4 * MiB
+    rows = scattered_rows(random.Random(0xC405), 200, 9999, size, size)
+    owner = Child(
+        "kvconn.conformance.region_proc",
+        {"backend": settings.backend_name, "options": dict(settings.options), "nbytes": size},
+        _isolated(decode_ns),
+    )
+    try:
+        ready = owner.expect(60, "cross_host: region opens in its namespace", event="ready")
+        writer = BareWriter(
+            settings,
+            {"a": bytes.fromhex(ready["metadata"])},
+            [_round(rows, ["post", "barrier"])],
+            size,
+            write_timeout_s=max(settings.write_timeout_s, 5.0),
+            prefix=_isolated(writer_ns),
+        )
+        try:
+            event = writer.expect(60 + _limit(settings), "cross_host: the barrier answers", event="barrier")
+        except ConformanceFailure as exc:
+            failed = [e for e in writer.history() if e.get("event") == "connect_failed"]
+            why = failed[0]["error"] if failed else str(exc)
+            raise ConformanceFailure(
+                f"cross_host declared, but a writer in another network and mount namespace cannot write "
+                f"to the region: {why}"
+            ) from None
+        finally:
+            writer.close()
+        if event["settlement"] != LANDED:
+            raise ConformanceFailure(
+                f"cross_host: a healthy write from another namespace settled {event['settlement']!r}"
+            )
+        owner.send_line(json.dumps({"rows": rows}))
+        checked = owner.expect(30, "cross_host: the region checks the round", event="checked")
+        if checked["bad"]:
+            raise ConformanceFailure(f"cross_host: the round landed wrong: {checked['bad']}")
+    finally:
+        owner.close()

@@ -1,0 +1,42 @@
+"""The ``outlive`` liar's copy engine: a process of its own that copies what
+the rank tells it (JSON lines on stdin) and answers each job's key when done.
+When its stdin closes (the rank is gone) it waits ``LIE_DELAY_S`` and then
+replays the last jobs it was given, into pages the rank no longer owns."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from kvconn_liars import _attach
+
+LIE_DELAY_S = 1.5
+REPLAYED = 4
+
+
+def main() -> None:
+    src = _attach(sys.argv[1])
+    peers: dict[str, object] = {}
+    recent: list[dict[str, object]] = []
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        job = json.loads(line)
+        name = str(job["peer"])
+        dst = peers.get(name) or _attach(name)
+        peers[name] = dst
+        for s, d, n in job["rows"]:
+            dst.buf[d : d + n] = src.buf[s : s + n]  # type: ignore[attr-defined]
+        recent = [*recent[-(REPLAYED - 1) :], job]
+        sys.stdout.write(str(job["key"]) + "\n")
+        sys.stdout.flush()
+    time.sleep(LIE_DELAY_S)
+    for job in recent:
+        dst = peers[str(job["peer"])]
+        for s, d, n in job["rows"]:  # type: ignore[attr-defined]
+            dst.buf[d : d + n] = src.buf[s : s + n]  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()
