@@ -327,30 +327,74 @@ def test_a_zero_page_last_chunk_still_carries_the_aux_row(
         manager.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvconn-core keys a room by its id at a prefill rank, and SGLang's decode ranks share one "
-    "bootstrap_room: a second decode rank asking the same rank for the room is refused until rooms are "
-    "keyed per decode (kvconn-core, handoff work)",
-)
 def test_one_prefill_rank_fills_two_decode_ranks(
     sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
 ) -> None:
+    """Heterogeneous TP 1 -> 2: both decode ranks ask the one prefill rank for
+    the same room id, each into its own pages; SGLang's single KVSender at
+    the prefill rank (init, one send per chunk) writes each its head slice of
+    every page and its aux row, and says Success only once both have it."""
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
     utils = sglang_with_kvconn
     prefill = prefill_children[1]
-    (m0, p0), (m1, p1) = (decode_rank(utils, prefill.addresses, 2, r) for r in (0, 1))
+    metadata = [MetadataBuffers(8, 16, torch.float32, 0) for _ in range(2)]
+    (m0, p0), (m1, p1) = (decode_rank(utils, prefill.addresses, 2, r, metadata[r]) for r in (0, 1))
     try:
-        room, src, dst = next(ROOM_SEQ), [1, 2], [5, 6]
-        receivers = [receiver(utils, m, room, dst) for m in (m0, m1)]
-        prefill.call(op="begin", room=room, num_pages=2, wait_s=20)
-        prefill.call(op="send", room=room, pages=src)
+        room, src, slot, token = next(ROOM_SEQ), [1, 2, 9], 3, 515
+        dsts = [[5, 6, 14], [11, 0, 7]]  # each decode rank allocates its own pages
+        receivers = [receiver(utils, m, room, d, aux_slot=slot) for m, d in zip((m0, m1), dsts, strict=True)]
+        dreqs = [decode_request(rx, room, slot) for rx in receivers]
+        states = prefill.call(op="begin", room=room, num_pages=len(src), wait_s=20, first_token=token)
+        assert states["states"] == {"0": int(utils.KVPoll.WaitingForInput)}
+        prefill.call(op="send", room=room, pages=src[:1])
+        prefill.call(op="send", room=room, pages=src[1:])  # the last chunk
+        for rx, dreq, meta in zip(receivers, dreqs, metadata, strict=True):
+            wait_for(
+                lambda rx=rx, dreq=dreq, meta=meta: (  # type: ignore[misc]
+                    utils.poll_and_all_reduce([rx], gloo_group, [dreq], meta) == [int(utils.KVPoll.Success)]
+                ),
+                30,
+                "Success past SGLang's metadata gate on each decode rank",
+            )
+        for pool, dst, meta in zip((p0, p1), dsts, metadata, strict=True):
+            for s, d in zip(src, dst, strict=True):
+                assert pool.page_matches(d, s), f"decode rank {pool.tp_rank} page {d} is not prefill page {s}"
+            assert all(pool.page_untouched(p) for p in set(range(NUM_PAGES)) - set(dst))
+            assert int(meta.bootstrap_room[slot, 0]) == room and int(meta.output_ids[slot, 0]) == token
         wait_for(
-            lambda: utils.poll_and_all_reduce(receivers, gloo_group) == [int(utils.KVPoll.Success)] * 2,
-            20,
-            "Success on both decode ranks",
+            lambda: prefill_done(prefill, room) == {"0": (True, False, True)}, 30, "prefill concluded Success"
         )
-        for pool in (p0, p1):
-            assert all(pool.page_matches(d, s) for s, d in zip(src, dst, strict=True))
+    finally:
+        m0.close()
+        m1.close()
+
+
+def test_a_decode_rank_aborting_fails_the_prefill_rank_that_fills_both(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    """TP 1 -> 2, one decode rank aborts mid-transfer: SGLang's prefill sees
+    Failed for the request (only once nothing reads its source pages), the
+    aborted rank gets its pages back through kvconn's release, and the other
+    decode rank is told Failed (prefill fails the whole request)."""
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    (m0, p0), (m1, _) = (decode_rank(utils, prefill.addresses, 2, r) for r in (0, 1))
+    try:
+        room = next(ROOM_SEQ)
+        rx0, rx1 = receiver(utils, m0, room, [1, 2]), receiver(utils, m1, room, [3, 4])
+        prefill.call(op="begin", room=room, num_pages=2, wait_s=20)
+        prefill.call(op="send", room=room, pages=[8])
+        wait_for(lambda: p0.page_matches(1, 8), 20, "the first chunk at decode rank 0")
+        rx0.abort()
+        wait_for(lambda: m0.is_abort_release_safe(room, 1), 30, "kvconn's release at decode rank 0")
+        wait_for(
+            lambda: prefill_done(prefill, room) == {"0": (True, True, True)}, 30, "prefill concluded Failed"
+        )
+        assert p0.page_untouched(2)  # the second chunk was never sent
+        # SGLang's prefill gave the request up: the other decode rank must not wait for chunks.
+        wait_for(lambda: rx1.poll() == utils.KVPoll.Failed, 30, "decode rank 1 told Failed")
     finally:
         m0.close()
         m1.close()

@@ -34,6 +34,7 @@ from kvconn.protocol.ledger import KVPoll as KvconnPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.decode import Receiver as KvconnReceiver
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.runtime.prefill import Sender as KvconnSender
 from kvconn_sglang.memory import engine_kv
 from kvconn_sglang.poll import to_sglang
 from kvconn_sglang.routing import RoutingError, directory
@@ -42,6 +43,8 @@ from kvconn_sglang.settings import Settings
 log = logging.getLogger(__name__)
 
 _CONCLUDED = (KvconnPoll.SUCCESS, KvconnPoll.FAILED)
+#: A room failed before any decode asked fails every decode's request.
+_EVERY_DECODE = 1 << 16
 
 
 class KVConnTransferError(RuntimeError):
@@ -187,13 +190,17 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
             raise TypeError("a KVConnKVSender needs a prefill-mode KVConnKVManager")
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
-        self._sender = mgr.rank.sender(bootstrap_room)
+        self._rank = mgr.rank
+        #: Made once decode's first request for the room is here: only it
+        #: tells how many decode ranks will ask (see _bound).
+        self._sender: KvconnSender | None = None
         self._num_pages: int | None = None
         self._aux_slot: int | None = None
         self._pages_sent = 0
         self._failure: str | None = None
         #: Success or Failed once said: SGLang may poll a sender it cleared.
         self._concluded: int | None = None
+        self._failed_everywhere = False
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
@@ -218,25 +225,57 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         if state_indices is not None and len(state_indices) > 0:
             self._fail("state buffers (Mamba/SWA/DSA) are not carried by kvconn yet")
             return
+        sender = self._bound()
+        if sender is None:
+            self._fail("send() before decode asked for the room")
+            return
         pages = [int(p) for p in kv_indices]
         self._pages_sent += len(pages)
         try:
             last = self._pages_sent >= self._num_pages
-            self._sender.send(pages, last=last, extras_slot=self._aux_slot if last else None)
+            sender.send(pages, last=last, extras_slot=self._aux_slot if last else None)
         except (RuntimeError, ValueError) as exc:
             self._fail(str(exc))
 
+    def _bound(self) -> KvconnSender | None:
+        """kvconn's sender for the room, once a decode asked for it here.
+
+        Every SGLang decode rank asks every prefill rank of the request's
+        instance (see KVConnKVReceiver), so with decode TP above prefill TP
+        this rank gets one request per decode rank: as many as the TP of the
+        decode that asked first. kvconn's fan-out sender waits for all of
+        them before SGLang may send, and writes each chunk to each."""
+        if self._sender is None:
+            decode_tp = self._rank.requesting_tp(self.bootstrap_room)
+            if decode_tp is not None:
+                self._sender = self._rank.sender(self.bootstrap_room, decodes=decode_tp)
+        return self._sender
+
     def _fail(self, reason: str) -> None:
         self._failure = reason
-        self._sender.fail(reason)
+        sender = self._bound()
+        if sender is None:
+            # No decode asked yet, so how many will is unknown: fail every
+            # request of the room, here now or still to come.
+            sender = self._sender = self._rank.sender(self.bootstrap_room, decodes=_EVERY_DECODE)
+        sender.fail(reason)
 
     def poll(self) -> int:
         if self._concluded is not None:
             return self._concluded
-        status = self._sender.poll()
+        sender = self._bound()
+        if sender is None:
+            return int(KVPoll.Bootstrapping)
+        status = sender.poll()
+        if status is KvconnPoll.FAILED and sender.decodes > 1 and not self._failed_everywhere:
+            # SGLang fails the request as a whole (its decode ranks take the
+            # minimum poll): the other decode ranks are told now, rather than
+            # written the rest of a request no one will decode.
+            self._failed_everywhere = True
+            sender.fail("failed at another decode rank of the request")
         # SGLang reuses the source pages once told Success or Failed: say so
         # only when no chunk of the room is still being read from them.
-        if status in _CONCLUDED and not self._sender.settled():
+        if status in _CONCLUDED and not sender.settled():
             return int(KVPoll.Transferring)
         value = to_sglang(status, KVPoll)
         if status in _CONCLUDED:
@@ -257,6 +296,11 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self._fail("aborted by prefill")
 
     def clear(self) -> None:
+        if self._bound() is None:
+            # SGLang gave the request up before decode asked: a request
+            # arriving later must be told Failed, not wait for chunks.
+            self._fail("cleared by prefill before decode asked for the room")
+        assert self._sender is not None  # bound, or made by _fail
         self._sender.clear()
 
     def get_transfer_metric(self) -> Any:
