@@ -427,3 +427,29 @@ def test_one_decode_rank_is_routed_per_request_to_two_prefill_instances(
             assert all(pool.page_matches(d, s) for s, d in zip(src, dst, strict=True))
     finally:
         manager.close()
+
+
+def test_a_request_prefill_gave_up_before_decode_asked_fails_at_once(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    """SGLang's prefill aborts a request still waiting for decode's ask (its
+    KVSender has not bound kvconn's sender: no decode TP is known yet). Every
+    decode rank asking afterwards is told Failed at once, writes nothing, and
+    its pages come back through kvconn's release."""
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    (m0, p0), (m1, p1) = (decode_rank(utils, 2, r) for r in (0, 1))
+    try:
+        room = next(ROOM_SEQ)
+        states = prefill.call(op="begin", room=room, num_pages=2, wait_s=0.05)
+        assert states["states"] == {"0": int(utils.KVPoll.Bootstrapping)}
+        prefill.call(op="abort", room=room)
+        for manager, pool, dst in ((m0, p0, [2, 3]), (m1, p1, [4, 5])):
+            rx = receiver(utils, manager, prefill, room, dst)
+            wait_for(lambda rx=rx: rx.poll() == utils.KVPoll.Failed, 20, "decode told Failed")  # type: ignore[misc]
+            rx.ensure_abort_notified(force_arm=True)  # what SGLang's decode queue does on Failed
+            wait_for(lambda m=manager: m.is_abort_release_safe(room, 1), 30, "kvconn's release")  # type: ignore[misc]
+            assert all(pool.page_untouched(p) for p in dst)
+    finally:
+        m0.close()
+        m1.close()
