@@ -43,7 +43,8 @@ KVCONN_SGLANG_PORT_BASE=17000 "$PY" -m sglang.launch_server "${COMMON[@]}" --por
     --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 --base-gpu-id 0 \
     >"$OUT/prefill.log" 2>&1 &
 PREFILL=$!
-KVCONN_SGLANG_PREFILL="127.0.0.1:8998=127.0.0.1:17000" "$PY" -m sglang.launch_server "${COMMON[@]}" \
+# Decode finds the prefill's kvconn ranks per request, at the bootstrap server the request names.
+"$PY" -m sglang.launch_server "${COMMON[@]}" \
     --port 30001 --disaggregation-mode decode --base-gpu-id "$DECODE_GPU" >"$OUT/decode.log" 2>&1 &
 DECODE=$!
 trap 'kill $PREFILL $DECODE 2>/dev/null; wait $PREFILL $DECODE 2>/dev/null' EXIT

@@ -218,3 +218,32 @@ def test_aborts_mid_transfer_into_engine_buffers_release_only_with_proof_and_lea
                 assert len(free) == shape.pages
         finally:
             dec.close()
+
+
+def test_a_rank_names_the_tp_of_the_decode_asking_for_a_room() -> None:
+    """requesting_tp: an engine whose decode ranks each ask every prefill rank
+    learns from the first request how many to wait for (decodes=), and a
+    request a sender took no longer counts."""
+    from kvconn.runtime.prefill import PrefillRank
+
+    backend = get_backend("loopback")
+    config = Config(write_timeout_s=2.0, abort_timeout_s=6.0, bootstrap_timeout_s=20.0)
+    source = SHAPE.buffers(1)
+    rank = PrefillRank(backend, 0, config=config, buffers=source, layout=SHAPE.layout(1, 0))
+    releases: list[Release] = []
+    d0, _, _ = _decode(SHAPE, [rank.address], 2, 0, releases)
+    d1, _, _ = _decode(SHAPE, [rank.address], 2, 1, releases)
+    try:
+        assert rank.requesting_tp(7) is None  # nobody asked yet
+        d0.receiver(7, [0, 1])
+        wait_for(lambda: rank.requesting_tp(7) is not None, 10, "decode rank 0's request")
+        assert rank.requesting_tp(7) == 2
+        tx = rank.sender(7, decodes=2)
+        d1.receiver(7, [2, 3])
+        wait_for(lambda: tx.poll() is KVPoll.WAITING_FOR_INPUT, 10, "both decode ranks' requests")
+        assert rank.requesting_tp(7) is None  # both requests are the sender's
+        assert rank.requesting_tp(8) is None
+    finally:
+        d0.close()
+        d1.close()
+        rank.close()

@@ -87,11 +87,15 @@ class PrefillChild:
             env=env,
         )
         self.addresses: list[str] = []
+        #: Its SGLang bootstrap server, as a request names it (host:port).
+        self.bootstrap = ""
         self.stopped = False
 
     def wait_ready(self, timeout_s: float = 240) -> None:
-        ready = self._read(timeout_s)["ready"]
+        answer = self._read(timeout_s)
+        ready = answer["ready"]
         self.addresses = [ready[k] for k in sorted(ready, key=int)]
+        self.bootstrap = answer["bootstrap"]
 
     def call(self, timeout_s: float = 30, **cmd: Any) -> Any:
         assert self.proc.stdin is not None

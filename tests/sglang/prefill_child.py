@@ -58,13 +58,19 @@ class Rank:
     """One prefill TP rank: its manager, SGLang's bootstrap queue, and the
     scheduler state process_disagg_prefill_inflight_queue reads."""
 
-    def __init__(self, utils: Any, tp_size: int, tp_rank: int, group: Any) -> None:
+    def __init__(self, utils: Any, tp_size: int, tp_rank: int, group: Any, bootstrap_port: int) -> None:
         backend = utils.TransferBackend("kvconn")
         self.pool = Pool(tp_size, tp_rank, fill=True)
         # SGLang's own aux rows (first output token, logprobs, the room id ...), on CPU as in SGLang.
         self.metadata = MetadataBuffers(8, 16, torch.float32, 0)
         kv_args = self.pool.kv_args(utils.get_kv_class(backend, utils.KVClassType.KVARGS), self.metadata)
-        server_args = SimpleNamespace(tp_size=tp_size, enable_dp_attention=False)
+        # Each rank registers its kvconn address with the instance's bootstrap server.
+        server_args = SimpleNamespace(
+            tp_size=tp_size,
+            enable_dp_attention=False,
+            host="127.0.0.1",
+            disaggregation_bootstrap_port=bootstrap_port,
+        )
         manager_class = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
         self.manager = manager_class(kv_args, utils.DisaggregationMode.PREFILL, server_args)
         self.released: list[str] = []  # rids whose source KV SGLang freed
@@ -150,12 +156,22 @@ def main() -> None:
         optimistic_prefill_attempts=0, disaggregation_decode_allocation_policy="default"
     )
     prefill.get_parallel = lambda: SimpleNamespace(tp_rank=0, pp_rank=0)
-    ranks = {r: Rank(utils, spec["tp_size"], r, group) for r in spec["ranks"]}
+    # SGLang's prefill starts the backend's bootstrap server (start_disagg_service): the plugin's.
+    backend = utils.TransferBackend("kvconn")
+    bootstrap_port = free_port()
+    server_class = utils.get_kv_class(backend, utils.KVClassType.BOOTSTRAP_SERVER)
+    server_class(host="127.0.0.1", port=bootstrap_port)
+    ranks = {r: Rank(utils, spec["tp_size"], r, group, bootstrap_port) for r in spec["ranks"]}
     # SGLang frees a finished request's source KV through release_kv_cache.
     prefill.release_kv_cache = lambda req, tree_cache, **kw: [
         rank.released.append(req.rid) for rank in ranks.values() if rank.reqs.get(req.bootstrap_room) is req
     ]
-    reply({"ready": {r: rank.manager.rank.address for r, rank in ranks.items()}})
+    reply(
+        {
+            "ready": {r: rank.manager.rank.address for r, rank in ranks.items()},
+            "bootstrap": f"127.0.0.1:{bootstrap_port}",
+        }
+    )
     for line in sys.stdin:
         try:
             serve(json.loads(line), ranks)

@@ -23,7 +23,6 @@ from kvpool import NUM_PAGES, Pool
 from kvconn.testing.cluster import wait_for
 
 ROOM_SEQ = iter(range(1000, 1_000_000))
-BOOTSTRAP = "prefill-under-test:8998"
 
 
 class Released:
@@ -36,13 +35,8 @@ class Released:
         self.reqs.append(req)
 
 
-def decode_rank(
-    utils: Any, children_addresses: list[str], tp_size: int, tp_rank: int, metadata: Any = None
-) -> tuple[Any, Pool]:
+def decode_rank(utils: Any, tp_size: int, tp_rank: int, metadata: Any = None) -> tuple[Any, Pool]:
     """A decode scheduler rank's kvconn manager, built as SGLang builds it."""
-    from kvconn_sglang import routing
-
-    routing.set_directory_factory(lambda: routing.PrefillDirectory({BOOTSTRAP: children_addresses}))
     backend = utils.TransferBackend("kvconn")
     manager_class = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
     pool = Pool(tp_size, tp_rank, fill=False)
@@ -56,13 +50,16 @@ def decode_rank(
     return manager_class(args, utils.DisaggregationMode.DECODE, server_args), pool
 
 
-def receiver(utils: Any, manager: Any, room: int, pages: list[int], aux_slot: int = 0) -> Any:
-    """SGLang's prealloc queue: a receiver, init(), then send_metadata(pages)."""
+def receiver(utils: Any, manager: Any, prefill: Any, room: int, pages: list[int], aux_slot: int = 0) -> Any:
+    """SGLang's prealloc queue: the prefill's topology from the bootstrap
+    server the request names, a receiver, init(dp rank), send_metadata(pages)."""
+    assert manager.try_ensure_parallel_info(prefill.bootstrap)
+    assert manager.prefill_info_table[prefill.bootstrap].attn_tp_size == len(prefill.addresses)
     receiver_class = utils.get_kv_class(utils.TransferBackend("kvconn"), utils.KVClassType.RECEIVER)
-    rx = receiver_class(manager, BOOTSTRAP, room)
+    rx = receiver_class(manager, prefill.bootstrap, room)
     assert rx.poll() == utils.KVPoll.Bootstrapping
     rx.init(0)
-    assert rx.poll() == utils.KVPoll.WaitingForInput
+    assert rx.poll() == utils.KVPoll.WaitingForInput, rx.failure_exception()
     rx.send_metadata(pages, aux_index=aux_slot)
     return rx
 
@@ -134,14 +131,14 @@ def test_abort_mid_transfer_is_held_past_sglangs_deadline_until_kvconn_releases(
     from sglang.srt.disaggregation import decode
 
     prefill = prefill_children[1]
-    manager, pool = decode_rank(utils, prefill.addresses, 1, 0)
+    manager, pool = decode_rank(utils, 1, 0)
     released = Released()
     try:
         queue = transfer_queue(monkeypatch, gloo_group, released)
         # The plugin turns deferred release on: without it SGLang frees a failed room at once.
         assert queue.enable_deferred_kv_release
         room, dst = next(ROOM_SEQ), [9, 10, 11, 12]
-        rx = receiver(utils, manager, room, dst)
+        rx = receiver(utils, manager, prefill, room, dst)
         assert prefill.call(op="begin", room=room, num_pages=4, wait_s=20)["states"] == {
             "0": int(utils.KVPoll.WaitingForInput)
         }
@@ -223,10 +220,10 @@ def test_prefill_two_ranks_fill_one_decode_rank_byte_exact_with_sglangs_aux_row(
     utils = sglang_with_kvconn
     prefill = prefill_children[2]
     metadata = MetadataBuffers(8, 16, torch.float32, 0)
-    manager, pool = decode_rank(utils, prefill.addresses, 1, 0, metadata)
+    manager, pool = decode_rank(utils, 1, 0, metadata)
     try:
         room, src, dst, slot, token = next(ROOM_SEQ), [2, 3, 4, 5, 6], [15, 1, 8, 0, 13], 5, 4242
-        rx = receiver(utils, manager, room, dst, aux_slot=slot)
+        rx = receiver(utils, manager, prefill, room, dst, aux_slot=slot)
         dreq = decode_request(rx, room, slot)
         states = prefill.call(op="begin", room=room, num_pages=len(dst), wait_s=20, first_token=token)
         assert set(states["states"].values()) == {int(utils.KVPoll.WaitingForInput)}
@@ -270,12 +267,12 @@ def test_a_prefill_abort_mid_transfer_fails_decode_and_frees_after_kvconns_relea
     ensure_abort_notified(force_arm=True), holds, and frees after kvconn's release."""
     utils = sglang_with_kvconn
     prefill = prefill_children[1]
-    manager, pool = decode_rank(utils, prefill.addresses, 1, 0)
+    manager, pool = decode_rank(utils, 1, 0)
     released = Released()
     try:
         queue = transfer_queue(monkeypatch, gloo_group, released)
         room, dst = next(ROOM_SEQ), [3, 4, 5]
-        rx = receiver(utils, manager, room, dst)
+        rx = receiver(utils, manager, prefill, room, dst)
         prefill.call(op="begin", room=room, num_pages=3, wait_s=20)
         prefill.call(op="send", room=room, pages=[7])
         wait_for(lambda: pool.page_matches(3, 7), 20, "the first chunk at decode")
@@ -308,10 +305,10 @@ def test_a_zero_page_last_chunk_still_carries_the_aux_row(
     utils = sglang_with_kvconn
     prefill = prefill_children[1]
     metadata = MetadataBuffers(8, 16, torch.float32, 0)
-    manager, _ = decode_rank(utils, prefill.addresses, 1, 0, metadata)
+    manager, _ = decode_rank(utils, 1, 0, metadata)
     try:
         room, slot, token = next(ROOM_SEQ), 6, 77
-        rx = receiver(utils, manager, room, [], aux_slot=slot)
+        rx = receiver(utils, manager, prefill, room, [], aux_slot=slot)
         dreq = decode_request(rx, room, slot)
         prefill.call(op="begin", room=room, num_pages=0, wait_s=20, first_token=token)
         prefill.call(op="send", room=room, pages=[])
@@ -327,30 +324,132 @@ def test_a_zero_page_last_chunk_still_carries_the_aux_row(
         manager.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvconn-core keys a room by its id at a prefill rank, and SGLang's decode ranks share one "
-    "bootstrap_room: a second decode rank asking the same rank for the room is refused until rooms are "
-    "keyed per decode (kvconn-core, handoff work)",
-)
 def test_one_prefill_rank_fills_two_decode_ranks(
     sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
 ) -> None:
+    """Heterogeneous TP 1 -> 2: both decode ranks ask the one prefill rank for
+    the same room id, each into its own pages; SGLang's single KVSender at
+    the prefill rank (init, one send per chunk) writes each its head slice of
+    every page and its aux row, and says Success only once both have it."""
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
     utils = sglang_with_kvconn
     prefill = prefill_children[1]
-    (m0, p0), (m1, p1) = (decode_rank(utils, prefill.addresses, 2, r) for r in (0, 1))
+    metadata = [MetadataBuffers(8, 16, torch.float32, 0) for _ in range(2)]
+    (m0, p0), (m1, p1) = (decode_rank(utils, 2, r, metadata[r]) for r in (0, 1))
     try:
-        room, src, dst = next(ROOM_SEQ), [1, 2], [5, 6]
-        receivers = [receiver(utils, m, room, dst) for m in (m0, m1)]
+        room, src, slot, token = next(ROOM_SEQ), [1, 2, 9], 3, 515
+        dsts = [[5, 6, 14], [11, 0, 7]]  # each decode rank allocates its own pages
+        receivers = [
+            receiver(utils, m, prefill, room, d, aux_slot=slot) for m, d in zip((m0, m1), dsts, strict=True)
+        ]
+        dreqs = [decode_request(rx, room, slot) for rx in receivers]
+        states = prefill.call(op="begin", room=room, num_pages=len(src), wait_s=20, first_token=token)
+        assert states["states"] == {"0": int(utils.KVPoll.WaitingForInput)}
+        prefill.call(op="send", room=room, pages=src[:1])
+        prefill.call(op="send", room=room, pages=src[1:])  # the last chunk
+        for rx, dreq, meta in zip(receivers, dreqs, metadata, strict=True):
+            wait_for(
+                lambda rx=rx, dreq=dreq, meta=meta: (  # type: ignore[misc]
+                    utils.poll_and_all_reduce([rx], gloo_group, [dreq], meta) == [int(utils.KVPoll.Success)]
+                ),
+                30,
+                "Success past SGLang's metadata gate on each decode rank",
+            )
+        for pool, dst, meta in zip((p0, p1), dsts, metadata, strict=True):
+            for s, d in zip(src, dst, strict=True):
+                assert pool.page_matches(d, s), f"decode rank {pool.tp_rank} page {d} is not prefill page {s}"
+            assert all(pool.page_untouched(p) for p in set(range(NUM_PAGES)) - set(dst))
+            assert int(meta.bootstrap_room[slot, 0]) == room and int(meta.output_ids[slot, 0]) == token
+        wait_for(
+            lambda: prefill_done(prefill, room) == {"0": (True, False, True)}, 30, "prefill concluded Success"
+        )
+    finally:
+        m0.close()
+        m1.close()
+
+
+def test_a_decode_rank_aborting_fails_the_prefill_rank_that_fills_both(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    """TP 1 -> 2, one decode rank aborts mid-transfer: SGLang's prefill sees
+    Failed for the request (only once nothing reads its source pages), the
+    aborted rank gets its pages back through kvconn's release, and the other
+    decode rank is told Failed (prefill fails the whole request)."""
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    (m0, p0), (m1, _) = (decode_rank(utils, 2, r) for r in (0, 1))
+    try:
+        room = next(ROOM_SEQ)
+        rx0, rx1 = receiver(utils, m0, prefill, room, [1, 2]), receiver(utils, m1, prefill, room, [3, 4])
         prefill.call(op="begin", room=room, num_pages=2, wait_s=20)
-        prefill.call(op="send", room=room, pages=src)
+        prefill.call(op="send", room=room, pages=[8])
+        wait_for(lambda: p0.page_matches(1, 8), 20, "the first chunk at decode rank 0")
+        rx0.abort()
+        wait_for(lambda: m0.is_abort_release_safe(room, 1), 30, "kvconn's release at decode rank 0")
+        wait_for(
+            lambda: prefill_done(prefill, room) == {"0": (True, True, True)}, 30, "prefill concluded Failed"
+        )
+        assert p0.page_untouched(2)  # the second chunk was never sent
+        # SGLang's prefill gave the request up: the other decode rank must not wait for chunks.
+        wait_for(lambda: rx1.poll() == utils.KVPoll.Failed, 30, "decode rank 1 told Failed")
+    finally:
+        m0.close()
+        m1.close()
+
+
+def test_one_decode_rank_is_routed_per_request_to_two_prefill_instances(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    """Per-request routing: each request names its prefill instance's SGLang
+    bootstrap server; the decode rank reads that instance's kvconn ranks there
+    and asks them (TP 1 for one request, TP 2 for the other), through one
+    kvconn endpoint, each byte-exact."""
+    utils = sglang_with_kvconn
+    manager, pool = decode_rank(utils, 1, 0)
+    try:
+        jobs = [(prefill_children[1], [1, 2], [0, 3]), (prefill_children[2], [4, 5, 6], [8, 9, 10])]
+        receivers = []
+        for prefill, src, dst in jobs:
+            room = next(ROOM_SEQ)
+            rx = receiver(utils, manager, prefill, room, dst)
+            prefill.call(op="begin", room=room, num_pages=len(src), wait_s=20)
+            prefill.call(op="send", room=room, pages=src)
+            receivers.append(rx)
         wait_for(
             lambda: utils.poll_and_all_reduce(receivers, gloo_group) == [int(utils.KVPoll.Success)] * 2,
-            20,
-            "Success on both decode ranks",
+            30,
+            "Success from both prefill instances",
         )
-        for pool in (p0, p1):
+        assert len(manager.endpoint.instances()) == 2
+        for _, src, dst in jobs:
             assert all(pool.page_matches(d, s) for s, d in zip(src, dst, strict=True))
+    finally:
+        manager.close()
+
+
+def test_a_request_prefill_gave_up_before_decode_asked_fails_at_once(
+    sglang_with_kvconn: Any, gloo_group: Any, prefill_children: Any
+) -> None:
+    """SGLang's prefill aborts a request still waiting for decode's ask (its
+    KVSender has not bound kvconn's sender: no decode TP is known yet). Every
+    decode rank asking afterwards is told Failed at once, writes nothing, and
+    its pages come back through kvconn's release."""
+    utils = sglang_with_kvconn
+    prefill = prefill_children[1]
+    (m0, p0), (m1, p1) = (decode_rank(utils, 2, r) for r in (0, 1))
+    try:
+        room = next(ROOM_SEQ)
+        states = prefill.call(op="begin", room=room, num_pages=2, wait_s=0.05)
+        assert states["states"] == {"0": int(utils.KVPoll.Bootstrapping)}
+        prefill.call(op="abort", room=room)
+        for manager, pool, dst in ((m0, p0, [2, 3]), (m1, p1, [4, 5])):
+            rx = receiver(utils, manager, prefill, room, dst)
+            wait_for(lambda rx=rx: rx.poll() == utils.KVPoll.Failed, 20, "decode told Failed")  # type: ignore[misc]
+            rx.ensure_abort_notified(force_arm=True)  # what SGLang's decode queue does on Failed
+            wait_for(lambda m=manager: m.is_abort_release_safe(room, 1), 30, "kvconn's release")  # type: ignore[misc]
+            assert all(pool.page_untouched(p) for p in dst)
     finally:
         m0.close()
         m1.close()

@@ -86,25 +86,28 @@ def test_sglangs_kv_pointers_become_registered_buffers_and_a_layout(sglang_with_
         engine_kv(odd, 2, 1, is_mla=False)
 
 
-def test_a_receiver_with_no_known_prefill_fails_with_the_reason(sglang_with_kvconn: Any) -> None:
+def test_a_receiver_whose_bootstrap_server_does_not_answer_fails_with_the_reason(
+    sglang_with_kvconn: Any,
+) -> None:
     utils = sglang_with_kvconn
-    from kvconn_sglang import routing
-    from kvconn_sglang.conn import KVConnKVManager, KVConnKVReceiver
-
-    routing.set_directory_factory(lambda: routing.PrefillDirectory({}))
-    pool = Pool(1, 0, fill=False)
     from sglang.srt.disaggregation.base.conn import KVArgs
 
+    from kvconn.testing.cluster import free_port
+    from kvconn_sglang.conn import KVConnKVManager, KVConnKVReceiver
+
+    pool = Pool(1, 0, fill=False)
     manager = KVConnKVManager(
         pool.kv_args(KVArgs),
         utils.DisaggregationMode.DECODE,
         SimpleNamespace(tp_size=1, enable_dp_attention=False),
     )
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
     try:
-        rx = KVConnKVReceiver(manager, "nowhere:1", 5)
+        assert not manager.try_ensure_parallel_info(nowhere)  # SGLang's queue retries, then aborts
+        rx = KVConnKVReceiver(manager, nowhere, 5)
         rx.init(0)
         assert rx.poll() == utils.KVPoll.Failed
-        with pytest.raises(RuntimeError, match="KVCONN_SGLANG_PREFILL"):
+        with pytest.raises(RuntimeError, match=f"bootstrap server {nowhere}"):
             rx.failure_exception()
         # Nothing was asked of any prefill: nothing is held, SGLang may free at once.
         rx.ensure_abort_notified(force_arm=True)
@@ -112,21 +115,6 @@ def test_a_receiver_with_no_known_prefill_fails_with_the_reason(sglang_with_kvco
         assert manager.is_abort_release_safe(5, 1)
     finally:
         manager.close()
-
-
-def test_routing_table_from_the_environment() -> None:
-    from kvconn_sglang.routing import PrefillDirectory, RoutingError, parse
-
-    table = parse("10.0.0.1:8998=127.0.0.1:7000,127.0.0.1:7001; 10.0.0.2:8998=127.0.0.1:7100")
-    assert table == {
-        "10.0.0.1:8998": ("127.0.0.1:7000", "127.0.0.1:7001"),
-        "10.0.0.2:8998": ("127.0.0.1:7100",),
-    }
-    assert PrefillDirectory.from_env({"KVCONN_SGLANG_PREFILL": "a:1=b:2"}).ranks_of("a:1") == ("b:2",)
-    with pytest.raises(RoutingError, match="expected"):
-        parse("a:1")
-    with pytest.raises(RoutingError, match="no kvconn prefill ranks"):
-        PrefillDirectory().ranks_of("a:1")
 
 
 def test_settings_refuse_what_they_cannot_use() -> None:

@@ -28,20 +28,24 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+from kvconn.errors import BootstrapError
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import KVPoll as KvconnPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.decode import Receiver as KvconnReceiver
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.runtime.prefill import Sender as KvconnSender
 from kvconn_sglang.memory import engine_kv
 from kvconn_sglang.poll import to_sglang
-from kvconn_sglang.routing import RoutingError, directory
+from kvconn_sglang.routing import RoutingError, rank_addresses, register, server_info
 from kvconn_sglang.settings import Settings
 
 log = logging.getLogger(__name__)
 
 _CONCLUDED = (KvconnPoll.SUCCESS, KvconnPoll.FAILED)
+#: A room failed before any decode asked fails every decode's request.
+_EVERY_DECODE = 1 << 16
 
 
 class KVConnTransferError(RuntimeError):
@@ -60,6 +64,9 @@ def _attention_tp(server_args: Any, engine_rank: int) -> tuple[int, int]:
     if getattr(server_args, "enable_dp_attention", False):
         tp_size //= int(getattr(server_args, "dp_size", 1) or 1)
     return tp_size, engine_rank % tp_size
+
+
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
@@ -84,13 +91,18 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         self.settings = settings or Settings.from_env()
         self.backend = get_backend(self.settings.transport)
         tp_size, tp_rank = _attention_tp(server_args, int(args.engine_rank))
-        self.tp_rank = tp_rank
+        self.tp_size, self.tp_rank = tp_size, tp_rank
         self.engine_kv = engine_kv(args, tp_size, tp_rank, bool(is_mla_backend), self.settings.memory)
         self._lock = threading.Lock()
         #: Aborted rooms whose pages kvconn has not yet released (decode).
         self._held: set[int] = set()
-        self._endpoints: dict[str, DecodeEndpoint] = {}
         self.rank: PrefillRank | None = None
+        self.endpoint: DecodeEndpoint | None = None
+        #: SGLang's decode queue reads the prefill instances' topology here
+        #: (by bootstrap address), filled by try_ensure_parallel_info.
+        self.prefill_info_table: dict[str, Any] = {}
+        #: (bootstrap address, DP group) -> that group's kvconn rank addresses.
+        self._prefill_ranks: dict[tuple[str, int], tuple[str, ...]] = {}
         if _mode_name(disaggregation_mode) == "prefill":
             port = self.settings.port_base + tp_rank if self.settings.port_base else 0
             config = _with_port(self.settings, port)
@@ -102,10 +114,105 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
                 layout=self.engine_kv.layout,
             )
             log.info("kvconn prefill rank %d listening at %s", tp_rank, self.rank.address)
+            try:
+                self.register_to_bootstrap()
+            except BaseException:
+                self.rank.close()
+                raise
+        else:
+            # One endpoint serves every prefill instance: each request names its own.
+            self.endpoint = DecodeEndpoint(
+                self.backend,
+                config=_with_port(self.settings, 0),
+                on_release=self._on_release,
+                buffers=self.engine_kv.buffers,
+                layout=self.engine_kv.layout,
+            )
 
     # -- SGLang's manager API -------------------------------------------------
     def register_to_bootstrap(self) -> None:
-        """Decode finds prefill ranks through kvconn_sglang.routing, not SGLang's registry."""
+        """Tell SGLang's bootstrap server where this prefill rank's kvconn
+        listener is, as SGLang's own backends tell it theirs."""
+        assert self.rank is not None
+        from sglang.srt.utils.network import NetworkAddress
+
+        args, kv = self.server_args, self.kv_args
+        dist_init_addr = getattr(args, "dist_init_addr", None)
+        if dist_init_addr:  # multi-node: the bootstrap server is with the first node
+            host = NetworkAddress.parse(dist_init_addr).resolved().host
+        else:
+            host = str(getattr(args, "host", "") or "")
+        host = _WILDCARDS.get(host, host)
+        port = int(getattr(args, "disaggregation_bootstrap_port", 8998))
+        rank_host, _, rank_port = self.rank.address.removeprefix("tcp://").rpartition(":")
+        if rank_host in _WILDCARDS:
+            from sglang.srt.utils.network import get_local_ip_auto
+
+            rank_host = get_local_ip_auto()
+        dp_size = int(getattr(args, "dp_size", 1) or 1)
+        attn_dp = dp_size if getattr(args, "enable_dp_attention", False) else 1
+        payload = {
+            "attn_tp_size": self.tp_size,
+            "attn_tp_rank": self.tp_rank,
+            "attn_cp_size": 1,
+            "attn_cp_rank": 0,
+            "attn_dp_size": attn_dp,
+            "attn_dp_rank": int(kv.engine_rank) // self.tp_size if attn_dp > 1 else 0,
+            "pp_size": 1,
+            "pp_rank": 0,
+            "system_dp_size": dp_size,
+            "system_dp_rank": int(getattr(kv, "system_dp_rank", 0) or 0),
+            "rank_ip": rank_host,
+            "rank_port": int(rank_port),
+            "page_size": int(kv.page_size),
+            "kv_cache_dtype": getattr(kv, "kv_cache_dtype_str", None),
+            "load_balance_method": getattr(args, "load_balance_method", "follow_bootstrap_room"),
+        }
+        register(NetworkAddress(host, port).to_url() + "/route", payload)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's decode queue asks this before it makes receivers for a
+        prefill instance: fetch its topology from its bootstrap server once."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        try:
+            raw = server_info(bootstrap_addr)
+            info = PrefillServerInfo(**raw)
+        except (RoutingError, TypeError, ValueError) as exc:
+            log.warning("kvconn: no prefill topology from %s yet: %s", bootstrap_addr, exc)
+            return False
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def prefill_ranks(self, bootstrap_addr: str, dp_rank: int) -> tuple[str, ...]:
+        """The kvconn addresses of the ranks a request names (its prefill
+        instance, by bootstrap address, and DP group), from the bootstrap server."""
+        key = (bootstrap_addr, dp_rank)
+        with self._lock:
+            found = self._prefill_ranks.get(key)
+        if found is not None:
+            return found
+        if not self.try_ensure_parallel_info(bootstrap_addr):
+            raise RoutingError(f"no prefill topology from bootstrap server {bootstrap_addr}")
+        info = self.prefill_info_table[bootstrap_addr]
+        if info.attn_cp_size != 1 or info.pp_size != 1:
+            raise RoutingError(
+                f"prefill {bootstrap_addr} runs context or pipeline parallelism "
+                f"(cp {info.attn_cp_size}, pp {info.pp_size}), which kvconn_sglang does not serve yet"
+            )
+        addresses = rank_addresses(bootstrap_addr, info.attn_tp_size, dp_rank)
+        with self._lock:
+            self._prefill_ranks[key] = addresses
+        return addresses
+
+    def forget_prefill(self, bootstrap_addr: str, dp_rank: int) -> None:
+        """Its ranks did not answer: read them from the bootstrap server again
+        for the next request (the instance may have restarted elsewhere)."""
+        with self._lock:
+            self._prefill_ranks.pop((bootstrap_addr, dp_rank), None)
+        self.prefill_info_table.pop(bootstrap_addr, None)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
         """True once kvconn released the room (or this rank never held it).
@@ -122,35 +229,12 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         self.close()
 
     def close(self) -> None:
-        with self._lock:
-            endpoints, self._endpoints = list(self._endpoints.values()), {}
-        for endpoint in endpoints:
-            endpoint.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
         if self.rank is not None:
             self.rank.close()
 
     # -- decode helpers -------------------------------------------------------
-    def endpoint_for(self, bootstrap_addr: str) -> DecodeEndpoint:
-        """The decode endpoint bootstrapped with the prefill at ``bootstrap_addr``."""
-        with self._lock:
-            found = self._endpoints.get(bootstrap_addr)
-        if found is not None:
-            return found
-        addresses = directory().ranks_of(bootstrap_addr)
-        endpoint = DecodeEndpoint(
-            self.backend,
-            prefill=addresses,
-            config=_with_port(self.settings, 0),
-            on_release=self._on_release,
-            buffers=self.engine_kv.buffers,
-            layout=self.engine_kv.layout,
-        )
-        with self._lock:
-            raced = self._endpoints.setdefault(bootstrap_addr, endpoint)
-        if raced is not endpoint:
-            endpoint.close()
-        return raced
-
     def _hold(self, room: int) -> None:
         with self._lock:
             self._held.add(room)
@@ -187,13 +271,17 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
             raise TypeError("a KVConnKVSender needs a prefill-mode KVConnKVManager")
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
-        self._sender = mgr.rank.sender(bootstrap_room)
+        self._rank = mgr.rank
+        #: Made once decode's first request for the room is here: only it
+        #: tells how many decode ranks will ask (see _bound).
+        self._sender: KvconnSender | None = None
         self._num_pages: int | None = None
         self._aux_slot: int | None = None
         self._pages_sent = 0
         self._failure: str | None = None
         #: Success or Failed once said: SGLang may poll a sender it cleared.
         self._concluded: int | None = None
+        self._failed_everywhere = False
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages = int(num_kv_indices)
@@ -218,25 +306,57 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         if state_indices is not None and len(state_indices) > 0:
             self._fail("state buffers (Mamba/SWA/DSA) are not carried by kvconn yet")
             return
+        sender = self._bound()
+        if sender is None:
+            self._fail("send() before decode asked for the room")
+            return
         pages = [int(p) for p in kv_indices]
         self._pages_sent += len(pages)
         try:
             last = self._pages_sent >= self._num_pages
-            self._sender.send(pages, last=last, extras_slot=self._aux_slot if last else None)
+            sender.send(pages, last=last, extras_slot=self._aux_slot if last else None)
         except (RuntimeError, ValueError) as exc:
             self._fail(str(exc))
 
+    def _bound(self) -> KvconnSender | None:
+        """kvconn's sender for the room, once a decode asked for it here.
+
+        Every SGLang decode rank asks every prefill rank of the request's
+        instance (see KVConnKVReceiver), so with decode TP above prefill TP
+        this rank gets one request per decode rank: as many as the TP of the
+        decode that asked first. kvconn's fan-out sender waits for all of
+        them before SGLang may send, and writes each chunk to each."""
+        if self._sender is None:
+            decode_tp = self._rank.requesting_tp(self.bootstrap_room)
+            if decode_tp is not None:
+                self._sender = self._rank.sender(self.bootstrap_room, decodes=decode_tp)
+        return self._sender
+
     def _fail(self, reason: str) -> None:
         self._failure = reason
-        self._sender.fail(reason)
+        sender = self._bound()
+        if sender is None:
+            # No decode asked yet, so how many will is unknown: fail every
+            # request of the room, here now or still to come.
+            sender = self._sender = self._rank.sender(self.bootstrap_room, decodes=_EVERY_DECODE)
+        sender.fail(reason)
 
     def poll(self) -> int:
         if self._concluded is not None:
             return self._concluded
-        status = self._sender.poll()
+        sender = self._bound()
+        if sender is None:
+            return int(KVPoll.Bootstrapping)
+        status = sender.poll()
+        if status is KvconnPoll.FAILED and sender.decodes > 1 and not self._failed_everywhere:
+            # SGLang fails the request as a whole (its decode ranks take the
+            # minimum poll): the other decode ranks are told now, rather than
+            # written the rest of a request no one will decode.
+            self._failed_everywhere = True
+            sender.fail("failed at another decode rank of the request")
         # SGLang reuses the source pages once told Success or Failed: say so
         # only when no chunk of the room is still being read from them.
-        if status in _CONCLUDED and not self._sender.settled():
+        if status in _CONCLUDED and not sender.settled():
             return int(KVPoll.Transferring)
         value = to_sglang(status, KVPoll)
         if status in _CONCLUDED:
@@ -257,6 +377,11 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self._fail("aborted by prefill")
 
     def clear(self) -> None:
+        if self._bound() is None:
+            # SGLang gave the request up before decode asked: a request
+            # arriving later must be told Failed, not wait for chunks.
+            self._fail("cleared by prefill before decode asked for the room")
+        assert self._sender is not None  # bound, or made by _fail
         self._sender.clear()
 
     def get_transfer_metric(self) -> Any:
@@ -275,7 +400,9 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.require_staging = False
         #: One entry per prefill rank asked for the room (SGLang counts acks by it).
         self.bootstrap_infos: list[dict[str, int]] | None = None
-        self._endpoint: DecodeEndpoint | None = None
+        self._prefill_dp_rank = 0
+        #: The request's prefill instance: its kvconn rank addresses.
+        self._prefill: tuple[str, ...] | None = None
         self._receiver: KvconnReceiver | None = None
         self._failure: str | None = None
         self._aborted = False
@@ -283,10 +410,11 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._cleared = False
 
     def init(self, prefill_dp_rank: int = 0) -> None:
+        self._prefill_dp_rank = int(prefill_dp_rank or 0)
         try:
-            self._endpoint = self.kv_mgr.endpoint_for(self.bootstrap_addr)
-        except (RoutingError, RuntimeError, OSError) as exc:
-            self._failure = f"bootstrap with {self.bootstrap_addr} failed: {exc}"
+            self._prefill = self.kv_mgr.prefill_ranks(self.bootstrap_addr, self._prefill_dp_rank)
+        except RoutingError as exc:
+            self._failure = str(exc)
 
     def send_metadata(
         self,
@@ -296,7 +424,8 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         decode_prefix_len: int | None = None,
         destination: Any = None,
     ) -> None:
-        if self._endpoint is None or self._failure is not None or self._aborted:
+        endpoint = self.kv_mgr.endpoint
+        if endpoint is None or self._prefill is None or self._failure is not None or self._aborted:
             return
         if state_indices is not None and len(state_indices) > 0:
             self._failure = "state buffers (Mamba/SWA/DSA) are not carried by kvconn yet"
@@ -307,11 +436,17 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         try:
             pages = [int(p) for p in kv_indices]
             slot = None if aux_index is None or not self.kv_mgr.engine_kv.layout.extras else int(aux_index)
-            self._receiver = self._endpoint.receiver(self.bootstrap_room, pages, extras_slot=slot)
+            self._receiver = endpoint.receiver(
+                self.bootstrap_room, pages, extras_slot=slot, prefill=self._prefill
+            )
+        except BootstrapError as exc:
+            self.kv_mgr.forget_prefill(self.bootstrap_addr, self._prefill_dp_rank)
+            self._failure = f"bootstrap with prefill {self.bootstrap_addr} failed: {exc}"
+            return
         except ValueError as exc:
             self._failure = str(exc)
             return
-        self.bootstrap_infos = [{"rank": r} for r in sorted(self._endpoint.ranks)]
+        self.bootstrap_infos = [{"rank": r} for r in range(len(self._prefill))]
 
     def poll(self) -> int:
         if self._failure is not None or self._aborted:
@@ -320,7 +455,7 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return int(KVPoll.Success)
         if self._cleared:
             return int(KVPoll.Failed)  # cleared before it concluded: it never will
-        if self._endpoint is None:
+        if self._prefill is None:
             return int(KVPoll.Bootstrapping)
         if self._receiver is None:
             return int(KVPoll.WaitingForInput)

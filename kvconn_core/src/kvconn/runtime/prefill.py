@@ -225,6 +225,22 @@ class PrefillRank:
         them)."""
         return Sender(self, room, decodes)
 
+    def requesting_tp(self, room: int) -> int | None:
+        """The tensor-parallel size of a decode whose request for ``room`` is
+        live here and not taken by a sender (its layout's ``tp_size``; 1 for
+        a decode of equal page shards), or None while there is none.
+
+        Room ids are per request, so every decode asking for a room here is a
+        rank of one decode instance: an engine whose decode ranks each ask
+        every prefill rank knows from it, on the first request, how many
+        requests to wait for (``sender(room, decodes=...)``)."""
+        with self._lock:
+            for decode, entry in self.ledger.decodes_of(room).items():
+                if entry.status in LIVE and entry.incarnation not in self._taken:
+                    layout = self._peers[decode].layout
+                    return layout.dst.tp_size if isinstance(layout, EngineLayout) else 1
+        return None
+
     def close(self) -> None:
         for q in self._queues:
             q.put(_STOP)
