@@ -11,6 +11,4 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-NEEDS_VLLM = (
-    "needs vLLM: run with .venv-vllm/bin/python -m pytest tests/vllm (bash scripts/setup-vllm.sh makes that venv)"
-)
+NEEDS_VLLM = "needs vLLM: run with .venv-vllm/bin/python -m pytest tests/vllm (bash scripts/setup-vllm.sh makes that venv)"

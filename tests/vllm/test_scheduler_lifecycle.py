@@ -25,12 +25,12 @@ from conftest import NEEDS_VLLM
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytest.importorskip("kvconn_vllm", reason=NEEDS_VLLM)
 
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path
+from typing import Any
 
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT  # noqa: E402
-from vllm.v1.request import FinishReason, RequestStatus  # noqa: E402
-from vllm_helpers import (  # noqa: E402
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from vllm.v1.request import FinishReason, RequestStatus
+from vllm_helpers import (
     BLOCK_SIZE,
     EOS,
     free_blocks,
@@ -41,9 +41,9 @@ from vllm_helpers import (  # noqa: E402
     request_blocks,
 )
 
-from kvconn_vllm import KvconnConnector  # noqa: E402
-from kvconn_vllm.metadata import KvconnHandshake, KvconnMetadata  # noqa: E402
-from kvconn_vllm.params import RemotePrefill, room_for  # noqa: E402
+from kvconn_vllm import KvconnConnector
+from kvconn_vllm.metadata import KvconnHandshake, KvconnMetadata
+from kvconn_vllm.params import RemotePrefill, room_for
 
 PREFILL = ("tcp://127.0.0.1:5999",)
 
@@ -65,7 +65,9 @@ def meta_of(output: Any) -> KvconnMetadata:
 
 def step(scheduler: Any, result: Any = None) -> tuple[Any, Any]:
     output = scheduler.schedule()
-    outputs = scheduler.update_from_output(output, result if result is not None else EMPTY_MODEL_RUNNER_OUTPUT)
+    outputs = scheduler.update_from_output(
+        output, result if result is not None else EMPTY_MODEL_RUNNER_OUTPUT
+    )
     return output, outputs
 
 
@@ -141,7 +143,10 @@ def test_failed_transfer_is_recomputed(model: Path) -> None:
     request = make_request(70, params=remote(70))
     scheduler.add_request(request)
     step(scheduler)
-    step(scheduler, model_output([], finished_recving={request.request_id}, failed_recving={request.request_id}))
+    step(
+        scheduler,
+        model_output([], finished_recving={request.request_id}, failed_recving={request.request_id}),
+    )
     output = scheduler.schedule()
     # vLLM's load-failure path: nothing taken from the failed transfer.
     assert output.num_scheduled_tokens[request.request_id] == 70
@@ -153,7 +158,10 @@ def test_failed_transfer_fails_the_request_under_fail_policy(model: Path) -> Non
     request = make_request(70, params=remote(70))
     scheduler.add_request(request)
     step(scheduler)
-    step(scheduler, model_output([], finished_recving={request.request_id}, failed_recving={request.request_id}))
+    step(
+        scheduler,
+        model_output([], finished_recving={request.request_id}, failed_recving={request.request_id}),
+    )
     assert request.is_finished()
     assert request.status is RequestStatus.FINISHED_ERROR
 

@@ -42,7 +42,9 @@ def kv_transfer_config(role: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def make_scheduler(model: Path, role: str, num_blocks: int = 64, load_failure_policy: str = "recompute") -> Any:
+def make_scheduler(
+    model: Path, role: str, num_blocks: int = 64, load_failure_policy: str = "recompute"
+) -> Any:
     """vLLM's own Scheduler, its connector built by vLLM's factory from the
     user-facing config (no worker: the tests play its part)."""
     import torch
@@ -97,7 +99,10 @@ _ids = itertools.count(1)
 
 
 def make_request(
-    num_tokens: int, max_tokens: int = 4, params: dict[str, Any] | None = None, prompt: list[int] | None = None
+    num_tokens: int,
+    max_tokens: int = 4,
+    params: dict[str, Any] | None = None,
+    prompt: list[int] | None = None,
 ) -> Any:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 
 
 class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         settings = Settings.parse(transfer.kv_connector_extra_config)
@@ -49,9 +51,7 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         (group,) = kv_cache_config.kv_cache_groups  # one group: the hybrid manager is off
         spec = group.kv_cache_spec
-        geometry = KVGeometry(
-            kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-        )
+        geometry = KVGeometry(kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
         parallel = vllm_config.parallel_config
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -125,13 +125,17 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 addresses.append(meta.address)
         self._scheduler.addresses = tuple(addresses)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return (0,)  # every block of the request's one group is written by prefill
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

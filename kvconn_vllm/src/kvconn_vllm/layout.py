@@ -20,9 +20,9 @@ from itertools import product
 from typing import Any
 
 import attrs
+from kvconn.layout import KVLayout, PagedBuffer
 
 from kvconn.buffers import Buffer
-from kvconn.layout import KVLayout, PagedBuffer
 
 
 class UnsupportedKVCache(ValueError):

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
-
 from kvconn.layout import KVLayout
+
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import LIVE, KVPoll
@@ -87,7 +87,11 @@ class WorkerSide:
         self.buffers: list[Any] = []
         self.layout: KVLayout | None = None
         self.rank: PrefillRank | None = None
-        self.decode: DecodeEndpoint | None = None
+        #: One endpoint per prefill instance (its ranks' addresses), made at
+        #: its first request. Each tracks its own rooms over the same pages:
+        #: vLLM hands a block to one request at a time, and a block leaves an
+        #: endpoint only with proof.
+        self.decodes: dict[tuple[str, ...], DecodeEndpoint] = {}
         self._lock = threading.Lock()
         # prefill
         self._outgoing: dict[int, _Outgoing] = {}
@@ -144,8 +148,8 @@ class WorkerSide:
         return bool(self._outgoing or self._incoming)
 
     def close(self) -> None:
-        if self.decode is not None:
-            self.decode.close()
+        for endpoint in self.decodes.values():
+            endpoint.close()
         if self.rank is not None:
             self.rank.close()
 
@@ -154,7 +158,9 @@ class WorkerSide:
         if self.rank is None:
             log.error("request %s: a send, but this worker runs no prefill rank", send.req_id)
             return
-        outgoing = _Outgoing(send, self.rank.sender(send.room), self.clock() + self.settings.unrequested_timeout_s)
+        outgoing = _Outgoing(
+            send, self.rank.sender(send.room), self.clock() + self.settings.unrequested_timeout_s
+        )
         with self._lock:
             self._outgoing[send.room] = outgoing
             npages = self._early.pop(send.room, None)
@@ -204,17 +210,22 @@ class WorkerSide:
                     outgoing.given_up = True
                     outgoing.sender.fail("decode did not ask within unrequested_timeout_s")
                 req_id = outgoing.send.req_id
-                if (outgoing.sent or outgoing.given_up) and outgoing.sender.settled():
-                    if req_id in self._finished_reqs:
-                        outgoing.sender.clear()
-                        del self._outgoing[room]
-                        self._finished_reqs.discard(req_id)
-                        done.add(req_id)
+                # vLLM takes a send as finished only for a request it reported finished.
+                over = outgoing.sent or outgoing.given_up
+                if over and req_id in self._finished_reqs and outgoing.sender.settled():
+                    outgoing.sender.clear()
+                    del self._outgoing[room]
+                    self._finished_reqs.discard(req_id)
+                    done.add(req_id)
         return done
 
     # -- decode ------------------------------------------------------------
     def _start_recv(self, recv: Recv) -> None:
         try:
+            if recv.room in self._by_room:
+                # Two live requests with one room (a 63-bit hash collision):
+                # releases name rooms, so this one must not start.
+                raise RuntimeError(f"room {recv.room} is in use by request {self._by_room[recv.room]}")
             endpoint = self._endpoint_for(recv.prefill)
             receiver = endpoint.receiver(recv.room, recv.block_ids)
         except Exception as exc:
@@ -227,12 +238,12 @@ class WorkerSide:
         self._by_room[recv.room] = recv.req_id
 
     def _endpoint_for(self, prefill: tuple[str, ...]) -> DecodeEndpoint:
-        """Decode's endpoint, bootstrapped with the first request's prefill
-        ranks (one prefill instance per decode, until per-request routing)."""
-        if self.decode is None:
+        """The endpoint for ``prefill``'s ranks, bootstrapped at its first request."""
+        endpoint = self.decodes.get(prefill)
+        if endpoint is None:
             if self.layout is None:
                 raise RuntimeError("no KV cache registered")
-            self.decode = DecodeEndpoint(
+            endpoint = self.decodes[prefill] = DecodeEndpoint(
                 self.backend,
                 prefill=list(prefill),
                 config=self.settings.config,
@@ -240,10 +251,7 @@ class WorkerSide:
                 buffers=self.buffers,
                 layout=self.layout,
             )
-            self._decode_prefill = prefill
-        elif prefill != self._decode_prefill:
-            raise RuntimeError(f"prefill {list(prefill)} is not the one this decode serves")
-        return self.decode
+        return endpoint
 
     def _on_release(self, release: Release) -> None:
         # kvconn's thread (or ours, inside abort()): hand it to the engine thread.
