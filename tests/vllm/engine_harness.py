@@ -143,7 +143,11 @@ class _Child:
             block_size=BLOCK_SIZE,
             enable_prefix_caching=False,
             disable_hybrid_kv_cache_manager=True,
-            kv_transfer_config=KVTransferConfig(**kv_transfer_config(role, **extra)) if role else None,
+            kv_transfer_config=(
+                KVTransferConfig(**kv_transfer_config(role, **extra), kv_load_failure_policy="recompute")
+                if role
+                else None
+            ),
         )
         self.engine = LLMEngine.from_engine_args(args)
         self.core = self.engine.engine_core.engine_core
@@ -270,12 +274,17 @@ class _Child:
     def do_stats(self) -> dict[str, Any]:
         scheduler = self.core.scheduler
         held: dict[str, Any] = {}
+        proofs: dict[str, int] = {}
         if self.worker is not None:
-            held = self.worker.held_requests()
+            # The caller's ids: vLLM's internal ones carry a suffix.
+            external = {v: k for k, v in self.internal.items()}
+            held = {external.get(r, r): state for r, state in self.worker.held_requests().items()}
+            proofs = dict(self.worker.release_proofs)
         return {
             "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             "requests": sorted(scheduler.requests),
             "held": held,
+            "proofs": proofs,
         }
 
     def do_blocks(self, req_id: str) -> list[int]:

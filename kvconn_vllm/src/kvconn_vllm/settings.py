@@ -16,7 +16,16 @@ from kvconn.config import Config
 #: Keys that become :class:`kvconn.config.Config` fields as they are.
 _CONFIG_NUMBERS = ("write_timeout_s", "abort_timeout_s", "resend_interval_s", "bootstrap_timeout_s")
 _KEYS = frozenset(
-    {"backend", "backend_options", "host", "port", "auth_key", "unrequested_timeout_s", *_CONFIG_NUMBERS}
+    {
+        "backend",
+        "backend_options",
+        "host",
+        "port",
+        "auth_key",
+        "unrequested_timeout_s",
+        "transfer_timeout_s",
+        *_CONFIG_NUMBERS,
+    }
 )
 
 
@@ -30,11 +39,15 @@ class Settings:
     ``unrequested_timeout_s``: how long prefill keeps a finished request's
     blocks for a decode that has not asked for them yet. Nothing was written
     from them then, so giving them back is safe; a decode that asks later is
-    told the room failed and recomputes."""
+    told the room failed and recomputes. ``transfer_timeout_s``: how long
+    decode waits for a room before giving it up (a prefill that died or
+    hangs): the room is aborted, its blocks come back with proof only, and
+    the request is recomputed (vLLM's load-failure path)."""
 
     backend: str = "loopback"
     config: Config = attrs.field(factory=Config)
     unrequested_timeout_s: float = 120.0
+    transfer_timeout_s: float = 120.0
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -60,14 +73,16 @@ class Settings:
             fields["port"] = int(_number("port", extra["port"]))
         if "auth_key" in extra:
             fields["auth_key"] = str(extra["auth_key"]).encode()
-        unrequested = _number("unrequested_timeout_s", extra.get("unrequested_timeout_s", 120.0))
-        if unrequested <= 0:
-            raise SettingsError(f"unrequested_timeout_s must be > 0, got {unrequested}")
+        timeouts = {}
+        for key in ("unrequested_timeout_s", "transfer_timeout_s"):
+            timeouts[key] = _number(key, extra.get(key, 120.0))
+            if timeouts[key] <= 0:
+                raise SettingsError(f"{key} must be > 0, got {timeouts[key]}")
         try:
             config = Config(**fields)
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"kv_connector_extra_config: {exc}") from None
-        return cls(backend, config, unrequested)
+        return cls(backend, config, timeouts["unrequested_timeout_s"], timeouts["transfer_timeout_s"])
 
 
 def _number(key: str, value: object) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -60,6 +60,7 @@ class _Outgoing:
 class _Incoming:
     recv: Recv
     receiver: Receiver | None
+    deadline: float
     #: Set once the receiver was aborted: the request ends only with on_release.
     giving_up: bool = False
     failed: bool = False
@@ -103,6 +104,8 @@ class WorkerSide:
         self._released: list[Release] = []
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        #: Decode blocks handed back to vLLM after an abort or failure, by proof.
+        self.release_proofs: Counter[str] = Counter()
 
     # -- start-up ----------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -234,7 +237,8 @@ class WorkerSide:
             self._done_recving.add(recv.req_id)
             self._failed_recving.add(recv.req_id)
             return
-        self._incoming[recv.req_id] = _Incoming(recv, receiver)
+        deadline = self.clock() + self.settings.transfer_timeout_s
+        self._incoming[recv.req_id] = _Incoming(recv, receiver, deadline)
         self._by_room[recv.room] = recv.req_id
 
     def _endpoint_for(self, prefill: tuple[str, ...]) -> DecodeEndpoint:
@@ -266,6 +270,7 @@ class WorkerSide:
         incoming.receiver.abort()
 
     def _poll_recvs(self) -> None:
+        now = self.clock()
         for req_id, incoming in list(self._incoming.items()):
             if incoming.giving_up or incoming.receiver is None:
                 continue
@@ -274,18 +279,23 @@ class WorkerSide:
                 incoming.receiver.finish()
                 self._forget(req_id)
                 self._done_recving.add(req_id)
-            elif status is KVPoll.FAILED:
-                log.warning(
-                    "request %s: transfer failed (%s); its blocks come back with proof, then it is recomputed",
-                    req_id,
-                    incoming.receiver.failure(),
-                )
-                incoming.giving_up = True
-                incoming.failed = True
-                incoming.receiver.abort()
+                continue
+            if status is KVPoll.FAILED:
+                reason = incoming.receiver.failure() or "transfer failed"
+            elif now >= incoming.deadline:
+                reason = f"no transfer within transfer_timeout_s ({self.settings.transfer_timeout_s} s)"
+            else:
+                continue
+            log.warning(
+                "request %s: %s; its blocks come back with proof, then it is recomputed", req_id, reason
+            )
+            incoming.giving_up = True
+            incoming.failed = True
+            incoming.receiver.abort()
         with self._lock:
             released, self._released = self._released, []
         for release in released:
+            self.release_proofs[release.proof.value] += 1
             released_req = self._by_room.get(release.room)
             if released_req is None:
                 continue
