@@ -36,6 +36,10 @@ Options (strings, from ``Config.backend_options``):
     BROKEN on purpose: the DONE barrier answers LANDED without waiting.
 ``no_fence``
     BROKEN on purpose: the fence returns at once, the NIC keeps writing.
+``misplace_buffer``
+    BROKEN on purpose: into a region of several buffers, what is meant for
+    the second buffer is written into the first, at the same offset (a
+    layer's slice in the wrong layer).
 
 Any other key is refused when a region or writer opens (a typo is an error,
 not a default silently applied).
@@ -109,6 +113,7 @@ class LoopbackOptions:
     linger_after_fail: bool = False
     early_done: bool = False
     no_fence: bool = False
+    misplace_buffer: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
@@ -122,6 +127,7 @@ class LoopbackOptions:
             linger_after_fail=opts.flag("linger_after_fail", default.linger_after_fail),
             early_done=opts.flag("early_done", default.early_done),
             no_fence=opts.flag("no_fence", default.no_fence),
+            misplace_buffer=opts.flag("misplace_buffer", default.misplace_buffer),
         )
 
 
@@ -342,7 +348,10 @@ class LoopbackWriter:
         rows = SegmentTable.of(segments).rows_within(self.nbytes, peer.nbytes)
         pieces = _pieces(rows, self.options.piece_bytes)
         pieces[:, 0] = self._space.locate(pieces[:, 0], pieces[:, 2])[0]
-        pieces[:, 1] = peer.space.locate(pieces[:, 1], pieces[:, 2])[0]
+        pieces[:, 1], buffer = peer.space.locate(pieces[:, 1], pieces[:, 2])
+        if self.options.misplace_buffer and len(peer.space.buffers) > 1:
+            second, first = peer.space.buffers[1].address, peer.space.buffers[0].address
+            pieces[buffer == 1, 1] += first - second
         steps = peer.steps(pieces, self.options.piece_bytes)
         with self._lock:
             self._posted += 1

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvconn.config import Config
+from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
 from kvconn.protocol.hold import (
     Dropped,
@@ -40,7 +41,7 @@ from kvconn.protocol.messages import (
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends, undrained
-from kvconn.transport import Backend, PageRegion, capabilities_of
+from kvconn.transport import Backend, PageRegion, capabilities_of, register_region
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,11 @@ class WriterIdentity:
 
 
 class DecodeEndpoint:
-    """One decode process's kvconn endpoint over ``num_pages`` pages."""
+    """One decode process's kvconn endpoint over ``num_pages`` pages: either
+    the engine's own KV buffers (``buffers``, laid out as ``layout`` says: a
+    :class:`~kvconn.layout.KVLayout` whose ``tp_rank`` is this decode rank's),
+    or ``num_pages`` of ``page_bytes`` that kvconn allocates, each split
+    evenly over the prefill ranks."""
 
     EXIT_CHECK_S = 0.05
     DRAIN_CHECK_S = 0.005
@@ -106,13 +111,29 @@ class DecodeEndpoint:
     def __init__(
         self,
         backend: Backend,
-        num_pages: int,
-        page_bytes: int,
-        prefill: Sequence[str],
+        num_pages: int | None = None,
+        page_bytes: int | None = None,
+        prefill: Sequence[str] = (),
         config: Config | None = None,
         on_release: ReleaseCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        buffers: Sequence[object] | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
+        engine_buffers = None
+        if (buffers is None) != (layout is None):
+            raise ValueError("buffers= and layout= go together")
+        if layout is not None and buffers is not None:
+            if num_pages is not None or page_bytes is not None:
+                raise ValueError(
+                    "give a decode endpoint either num_pages and page_bytes, or buffers= and layout="
+                )
+            engine_buffers = checked_buffers(buffers, layout)
+            num_pages, page_bytes = layout.num_pages, 0
+        elif num_pages is None or page_bytes is None:
+            raise ValueError("a decode endpoint needs num_pages and page_bytes, or buffers= and layout=")
+        self.layout = layout
         if not prefill:
             raise ValueError("a decode endpoint needs at least one prefill rank address")
         self.config = config or Config()
@@ -132,7 +153,11 @@ class DecodeEndpoint:
         self.on_release = on_release
         self.name = f"decode-{uuid.uuid4().hex[:12]}"
         self.metrics = Metrics("decode")
-        self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
+        self.region: PageRegion
+        if engine_buffers is not None:
+            self.region = register_region(backend, engine_buffers, self.config.backend_options)
+        else:
+            self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         self._request_lock = threading.Lock()
@@ -185,9 +210,22 @@ class DecodeEndpoint:
             return self._writers[rank].session
 
     # -- engine API --------------------------------------------------------
-    def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
-        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``."""
+    def receiver(
+        self,
+        room: int,
+        pages: Sequence[int],
+        ranks: frozenset[int] | None = None,
+        extras_slot: int | None = None,
+    ) -> Receiver:
+        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``, and
+        its per-room extras into slot ``extras_slot`` of the layout's extras
+        (with the room's last chunk, covered by the same acks and proofs)."""
         ranks = self.ranks if ranks is None else ranks
+        if extras_slot is not None and not (
+            self.layout is not None and 0 <= extras_slot < self.layout.num_slots
+        ):
+            slots = 0 if self.layout is None else self.layout.num_slots
+            raise ValueError(f"extras slot {extras_slot} outside the layout's {slots} slots")
         if not ranks <= self.ranks:
             raise ValueError(f"unknown ranks {sorted(ranks - self.ranks)}")
         pages = tuple(pages)
@@ -205,7 +243,9 @@ class DecodeEndpoint:
             for rank in sorted(ranks):
                 writer = self._writers[rank]
                 self._request_seq += 1
-                request = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
+                request = TransferRequest(
+                    room, self.name, pages, writer.session, self._request_seq, _slot_field(extras_slot)
+                )
                 if not self._outbox.send(writer.address, request):
                     unsent.append(rank)
         if unsent:
@@ -243,6 +283,7 @@ class DecodeEndpoint:
             len(addresses),
             round(self.config.abort_timeout_s * 1000),
             self.region.metadata,
+            b"" if self.layout is None else self.layout.to_bytes(),
         )
         self._addresses = frozenset(addresses)
         for address in addresses:
@@ -460,6 +501,10 @@ class DecodeEndpoint:
 
     def _count_drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()
+
+
+def _slot_field(slot: int | None) -> int:
+    return 0 if slot is None else slot + 1
 
 
 class Receiver:

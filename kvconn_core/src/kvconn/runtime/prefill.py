@@ -19,9 +19,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
+import numpy as np
 
+from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config, check_deadlines
+from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
 from kvconn.protocol.ledger import LIVE, KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
 from kvconn.protocol.messages import (
@@ -35,10 +38,10 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
-from kvconn.runtime.layout import PageLayout
+from kvconn.runtime.layout import EngineLayout, PageLayout, peer_layout
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import own_connections
-from kvconn.transport import Backend, Settlement, capabilities_of
+from kvconn.transport import Backend, Settlement, Writer, capabilities_of, register_writer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ class FenceGate:
 class _Peer:
     __slots__ = ("last_seq", "layout", "reply_to")
 
-    def __init__(self, reply_to: str, layout: PageLayout) -> None:
+    def __init__(self, reply_to: str, layout: PageLayout | EngineLayout) -> None:
         self.reply_to = reply_to
         self.layout = layout
         self.last_seq = 0  #: the last request's sequence number: a fresh one is higher
@@ -101,23 +104,34 @@ class _Peer:
 class PrefillRank:
     """One prefill rank process's kvconn endpoint.
 
-    ``backend`` writes; ``source_bytes`` of registered source memory hold the
-    rank's KV shards (``writer.write`` fills them). Decode endpoints reach it
-    at :attr:`address`.
+    ``backend`` writes from the rank's source memory: either the engine's
+    own KV buffers (``buffers``, laid out as ``layout`` says: no copy), or
+    ``source_bytes`` that kvconn allocates, holding the rank's KV shards
+    (``writer.write`` fills them). Decode endpoints reach it at :attr:`address`.
     """
 
     def __init__(
         self,
         backend: Backend,
         rank: int,
-        source_bytes: int,
+        source_bytes: int | None = None,
         config: Config | None = None,
         observers: Iterable[object] = (),
         clock: Callable[[], float] = time.monotonic,
         on_request: Callable[[int, int], None] | None = None,
+        *,
+        buffers: Sequence[object] | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         """``on_request(room, npages)`` runs on the listener thread when decode
-        asks for a room: an engine may start filling and sending it."""
+        asks for a room: an engine may start filling and sending it.
+
+        ``buffers`` (anything :meth:`kvconn.buffers.Buffer.of` takes: the
+        engine's per-layer tensors, arrays) and ``layout`` (this rank's
+        :class:`~kvconn.layout.KVLayout`, ``tp_rank`` = ``rank``) go together,
+        instead of ``source_bytes``."""
+        engine_buffers = _source_buffers(rank, source_bytes, buffers, layout)
+        self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
         self.on_request = on_request
@@ -141,7 +155,12 @@ class PrefillRank:
         #: them, so decode can wait for its ends to drain (runtime/sockets.py).
         self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
         self._closed_by_fences: tuple[TcpConnection, ...] = ()  # their union, as acks carry it
-        self.writer = backend.open_writer(source_bytes, self.config.backend_options)
+        self.writer: Writer
+        if engine_buffers is not None:
+            self.writer = register_writer(backend, engine_buffers, self.config.backend_options)
+        else:
+            assert source_bytes is not None  # _source_buffers checked
+            self.writer = backend.open_writer(source_bytes, self.config.backend_options)
         self.pm = HookManager()
         self.pm.register(self.writer, name="transport")
         for i, observer in enumerate(observers):
@@ -151,6 +170,8 @@ class PrefillRank:
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._peers: dict[str, _Peer] = {}
         self._dst_pages: dict[int, tuple[int, ...]] = {}
+        #: decode's extras slot of a room (rooms with extras only), as its pages
+        self._dst_extras: dict[int, int] = {}
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         # SimpleQueue (C): a get or put costs well under a microsecond, against
         # a few for queue.Queue's Python-level condition variables.
@@ -217,8 +238,13 @@ class PrefillRank:
                     # taking its pages: write into the pages of this request, never
                     # into the earlier pages, which decode may have handed out again.
                     self._dst_pages[msg.room] = msg.dst_pages
+                    self._dst_extras.pop(msg.room, None)
+                    if msg.extras is not None:
+                        self._dst_extras[msg.room] = msg.extras
                 else:
                     self._dst_pages.setdefault(msg.room, msg.dst_pages)
+                    if msg.extras is not None:
+                        self._dst_extras.setdefault(msg.room, msg.extras)
                 self.ledger.request(msg.room, msg.decode)
                 if status is KVPoll.FAILED:
                     # Failed or tombstoned here: it will write nothing, say so, or
@@ -242,7 +268,7 @@ class PrefillRank:
             limit = self.capabilities.max_write_timeout_s
             if limit is not None:
                 check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
-            layout = PageLayout(msg.page_bytes, msg.num_ranks)
+            layout = peer_layout(self.layout, msg.page_bytes, msg.num_ranks, msg.layout)
             with self._lock:
                 known = self._peers.get(msg.decode)
             if known is None:
@@ -293,6 +319,7 @@ class PrefillRank:
         with self._lock:
             for room in self.ledger.expire(self.clock()):
                 self._dst_pages.pop(room, None)
+                self._dst_extras.pop(room, None)
         return None
 
     # -- transfer workers --------------------------------------------------
@@ -488,6 +515,38 @@ class PrefillRank:
         self.metrics.dropped.labels(reason).inc()
 
 
+def _with_extras(
+    room: int, layout: PageLayout | EngineLayout, segments: SegmentTable, src_slot: int | None, dst_slot: int
+) -> SegmentTable:
+    """A last chunk's segments, and its room's extras after them."""
+    if not isinstance(layout, EngineLayout):
+        raise ValueError(f"room {room}: decode asked for extras, but its pages are no engine layout")
+    if not layout.src.writes_extras_to(layout.dst):
+        return segments
+    if src_slot is None:
+        raise ValueError(
+            f"room {room}: decode asked for its extras; the last chunk must name this rank's slot"
+        )
+    extras = layout.src.extra_segments(layout.dst, src_slot, dst_slot)
+    return SegmentTable(np.concatenate([segments.rows, extras.rows]))
+
+
+def _source_buffers(
+    rank: int, source_bytes: int | None, buffers: Sequence[object] | None, layout: KVLayout | None
+) -> tuple[Buffer, ...] | None:
+    """The engine's source buffers, checked against the layout (None: kvconn
+    allocates ``source_bytes``)."""
+    if (buffers is None) != (layout is None):
+        raise ValueError("buffers= and layout= go together")
+    if (buffers is None) == (source_bytes is None):
+        raise ValueError("give a prefill rank either source_bytes or buffers= and layout=")
+    if buffers is None or layout is None:
+        return None
+    if layout.tp_rank != rank:
+        raise ValueError(f"rank {rank} with a layout for tp_rank {layout.tp_rank}")
+    return checked_buffers(buffers, layout)
+
+
 class Sender:
     """The engine's handle on one room at this rank (like SGLang's KVSender).
 
@@ -514,8 +573,13 @@ class Sender:
                 self._incarnation = self._rank.ledger.incarnation(self.room)
         return KVPoll.BOOTSTRAPPING if status is None else status
 
-    def send(self, src_pages: Sequence[int], last: bool = False) -> None:
+    def send(self, src_pages: Sequence[int], last: bool = False, extras_slot: int | None = None) -> None:
         """Queue the next ``len(src_pages)`` pages of the room for writing.
+
+        ``extras_slot``: with the last chunk, this rank's slot of the room's
+        per-room extras (its layout's ``extras``), written into the slot
+        decode asked for along with the pages. Required then if decode asked
+        for extras and this rank writes them (see ``KVLayout.extra_segments``).
 
         ``last``: this is the room's final chunk. Once it lands, decode is told
         Success and may hand the pages out again, so no chunk may follow it:
@@ -528,6 +592,7 @@ class Sender:
         with rank._lock:
             status = rank.ledger.status(self.room)
             dst_all = rank._dst_pages.get(self.room)
+            dst_extras = rank._dst_extras.get(self.room)
             entry_decode = rank.ledger.decode_of(self.room)
             incarnation = rank.ledger.incarnation(self.room)
         if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
@@ -548,7 +613,10 @@ class Sender:
         chunk = Chunk(self.room, self._index, last, rank.rank, entry_decode, tuple(src_pages), tuple(dst))
         # Lowered here, on the engine's thread, while the worker writes the
         # previous chunk (1024 scattered pages: ~0.08 ms).
-        segments = rank._peers[entry_decode].layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+        layout = rank._peers[entry_decode].layout
+        segments = layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+        if last and dst_extras is not None:
+            segments = _with_extras(self.room, layout, segments, extras_slot, dst_extras)
         self._sent += len(src_pages)
         self._index += 1
         self._last_sent = last
@@ -573,3 +641,4 @@ class Sender:
             self._rank.ledger.clear(self.room, self._incarnation)
             if self._rank.ledger.status(self.room) is None:
                 self._rank._dst_pages.pop(self.room, None)
+                self._rank._dst_extras.pop(self.room, None)
