@@ -153,6 +153,10 @@ class _Child:
         self.core = self.engine.engine_core.engine_core
         self.outputs: dict[str, dict[str, Any]] = {}
         self.internal: dict[str, str] = {}
+        #: CLOCK_MONOTONIC is one clock for every process here: the parent
+        #: compares these times across engines.
+        self.added: dict[str, float] = {}
+        self.first_token: dict[str, float] = {}
         self.received: dict[str, list[str]] = {}
         self.worker = None
         if role:
@@ -225,6 +229,8 @@ class _Child:
                     conn.send(("ok", reply))
             if busy:
                 for out in self.engine.step():
+                    if out.outputs and out.outputs[0].token_ids:
+                        self.first_token.setdefault(out.request_id, time.monotonic())
                     if out.finished:
                         self._finished(out)
 
@@ -235,6 +241,8 @@ class _Child:
             "tokens": list(completion.token_ids),
             "finish_reason": completion.finish_reason,
             "kv_transfer_params": out.kv_transfer_params,
+            "added": self.added.pop(out.request_id, None),
+            "first_token": self.first_token.pop(out.request_id, None),
             "time": time.monotonic(),
         }
         if out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"):
@@ -257,6 +265,7 @@ class _Child:
             ignore_eos=True,
             extra_args={"kv_transfer_params": params} if params else None,
         )
+        self.added[req_id] = time.monotonic()
         self.engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), sampling)
         # vLLM suffixes request ids inside the engine: remember this one's.
         self.internal[req_id] = self.engine.output_processor.external_req_ids[req_id][-1]
