@@ -37,7 +37,7 @@ def latency(args: argparse.Namespace, model: Path) -> None:
     try:
         for e in engines:
             assert e.info
-        one_ttft, one_e2e, pd_ttft, pd_e2e = [], [], [], []
+        one_ttft, one_e2e, pd_ttft, pd_e2e, at_decode = [], [], [], [], []
         for i in range(args.warmup + args.requests):
             p = prompt(i, args.prompt_tokens)
             rid = f"q{i}"
@@ -51,6 +51,8 @@ def latency(args: argparse.Namespace, model: Path) -> None:
             one_e2e.append(out["time"] - out["added"])
             pd_ttft.append(dec["first_token"] - pre["added"])
             pd_e2e.append(dec["time"] - pre["added"])
+            # Decode's own part: ask prefill, receive, schedule, first forward.
+            at_decode.append(dec["first_token"] - dec["added"])
         med = statistics.median
         print(f"{args.requests} requests, {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each")
         print(
@@ -62,6 +64,7 @@ def latency(args: argparse.Namespace, model: Path) -> None:
         print(
             f"  ratio P/D / one TTFT {med(pd_ttft) / med(one_ttft):8.2f}      e2e {med(pd_e2e) / med(one_e2e):8.2f}"
         )
+        print(f"  of P/D's TTFT, decode's part (request in -> first token): {med(at_decode) * 1e3:.1f} ms")
     finally:
         for e in engines:
             e.close()

@@ -24,6 +24,7 @@ _KEYS = frozenset(
         "auth_key",
         "unrequested_timeout_s",
         "transfer_timeout_s",
+        "conformance",
         *_CONFIG_NUMBERS,
     }
 )
@@ -48,6 +49,9 @@ class Settings:
     config: Config = attrs.field(factory=Config)
     unrequested_timeout_s: float = 120.0
     transfer_timeout_s: float = 120.0
+    #: Run kvconn's conformance suite on the transport at start-up (see
+    #: :mod:`kvconn_vllm.conformance`).
+    conformance: bool = False
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -82,7 +86,12 @@ class Settings:
             config = Config(**fields)
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"kv_connector_extra_config: {exc}") from None
-        return cls(backend, config, timeouts["unrequested_timeout_s"], timeouts["transfer_timeout_s"])
+        conformance = extra.get("conformance", False)
+        if not isinstance(conformance, bool):
+            raise SettingsError(f"conformance must be true or false, got {conformance!r}")
+        return cls(
+            backend, config, timeouts["unrequested_timeout_s"], timeouts["transfer_timeout_s"], conformance
+        )
 
 
 def _number(key: str, value: object) -> float:

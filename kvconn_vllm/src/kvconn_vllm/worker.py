@@ -21,14 +21,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
-from kvconn.layout import KVLayout
 
+from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import LIVE, KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.prefill import PrefillRank, Sender
 from kvconn.transport import Backend
+from kvconn_vllm.conformance import check_transport
 from kvconn_vllm.layout import KVGeometry, engine_memory
 from kvconn_vllm.metadata import KvconnMetadata, Recv, Send
 from kvconn_vllm.settings import Settings
@@ -85,6 +86,8 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.clock = clock
         self.backend: Backend = get_backend(settings.backend)
+        if settings.conformance:
+            check_transport(settings.backend, settings.config.backend_options)
         self.buffers: list[Any] = []
         self.layout: KVLayout | None = None
         self.rank: PrefillRank | None = None
