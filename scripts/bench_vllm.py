@@ -31,8 +31,26 @@ def prompt(i: int, n: int) -> list[int]:
     return [(i * 37 + j * 11) % 500 + 1 for j in range(n)]
 
 
+def nixl_push(role: str, port: int) -> dict[str, object]:
+    """vLLM's own NIXL connector in push mode, KV in host memory (CPU)."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"transfer_mode": "push"},
+        "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
+    }
+
+
 def latency(args: argparse.Namespace, model: Path) -> None:
-    engines = [Engine(model, None), Engine(model, "kv_producer"), Engine(model, "kv_consumer")]
+    if args.builtin_nixl:
+        engines = [
+            Engine(model, None),
+            Engine(model, "kv_producer", builtin=nixl_push("kv_producer", 5600)),
+            Engine(model, "kv_consumer", builtin=nixl_push("kv_consumer", 5700)),
+        ]
+    else:
+        engines = [Engine(model, None), Engine(model, "kv_producer"), Engine(model, "kv_consumer")]
     single, prefill, decode = engines
     try:
         for e in engines:
@@ -54,13 +72,12 @@ def latency(args: argparse.Namespace, model: Path) -> None:
             # Decode's own part: ask prefill, receive, schedule, first forward.
             at_decode.append(dec["first_token"] - dec["added"])
         med = statistics.median
+        label = "NIXL push P/D" if args.builtin_nixl else "kvconn P/D"
         print(f"{args.requests} requests, {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each")
         print(
             f"  one engine      TTFT {med(one_ttft) * 1e3:8.1f} ms   e2e {med(one_e2e) * 1e3:8.1f} ms (median)"
         )
-        print(
-            f"  kvconn P/D      TTFT {med(pd_ttft) * 1e3:8.1f} ms   e2e {med(pd_e2e) * 1e3:8.1f} ms (median)"
-        )
+        print(f"  {label:<15} TTFT {med(pd_ttft) * 1e3:8.1f} ms   e2e {med(pd_e2e) * 1e3:8.1f} ms (median)")
         print(
             f"  ratio P/D / one TTFT {med(pd_ttft) / med(one_ttft):8.2f}      e2e {med(pd_e2e) / med(one_e2e):8.2f}"
         )
@@ -110,11 +127,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--aborts", type=int, default=5)
+    parser.add_argument(
+        "--builtin-nixl",
+        action="store_true",
+        help="vLLM's own NixlConnector (push, CPU buffer) instead of kvconn",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
         latency(args, model)
-        if args.aborts:
+        if args.aborts and not args.builtin_nixl:
             aborts(args, model)
 
 

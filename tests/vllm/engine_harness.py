@@ -35,10 +35,20 @@ class EngineError(RuntimeError):
 class Engine:
     """The parent's handle on one engine process."""
 
-    def __init__(self, model: Path, role: str | None, start_timeout_s: float = 240.0, **extra: Any) -> None:
+    def __init__(
+        self,
+        model: Path,
+        role: str | None,
+        start_timeout_s: float = 240.0,
+        builtin: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> None:
+        """``extra``: KvconnConnector's kv_connector_extra_config. ``builtin``:
+        instead, the whole kv_transfer_config of one of vLLM's own connectors
+        (with ``env``: environment variables for that engine)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, str(model), role, extra), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, str(model), role, extra, builtin), daemon=True)
         self.process.start()
         child.close()
         self.role = role
@@ -115,12 +125,16 @@ def generate(
 
 
 # -- the child ------------------------------------------------------------------
-def _serve(conn: Connection, model: str, role: str | None, extra: dict[str, Any]) -> None:
+def _serve(
+    conn: Connection, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None
+) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if builtin is not None:
+        os.environ.update(builtin.pop("env", {}))
     try:
-        child = _Child(model, role, extra)
+        child = _Child(model, role, extra, builtin)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -129,7 +143,9 @@ def _serve(conn: Connection, model: str, role: str | None, extra: dict[str, Any]
 
 
 class _Child:
-    def __init__(self, model: str, role: str | None, extra: dict[str, Any]) -> None:
+    def __init__(
+        self, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None
+    ) -> None:
         from vllm import EngineArgs, LLMEngine
         from vllm.config import KVTransferConfig
 
@@ -144,7 +160,9 @@ class _Child:
             enable_prefix_caching=False,
             disable_hybrid_kv_cache_manager=True,
             kv_transfer_config=(
-                KVTransferConfig(**kv_transfer_config(role, **extra), kv_load_failure_policy="recompute")
+                KVTransferConfig(**builtin)
+                if builtin is not None
+                else KVTransferConfig(**kv_transfer_config(role, **extra), kv_load_failure_policy="recompute")
                 if role
                 else None
             ),
@@ -159,7 +177,7 @@ class _Child:
         self.first_token: dict[str, float] = {}
         self.received: dict[str, list[str]] = {}
         self.worker = None
-        if role:
+        if role and builtin is None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             self.worker = get_kv_transfer_group().worker_side
