@@ -101,6 +101,7 @@ class WorkerSide:
         self._outgoing: dict[int, _Outgoing] = {}
         self._early: OrderedDict[int, int] = OrderedDict()
         self._finished_reqs: set[str] = set()
+        self._given_up: dict[int, tuple[Sender, float]] = {}
         # decode
         self._incoming: dict[str, _Incoming] = {}
         self._by_room: dict[int, str] = {}
@@ -219,10 +220,19 @@ class WorkerSide:
                 # vLLM takes a send as finished only for a request it reported finished.
                 over = outgoing.sent or outgoing.given_up
                 if over and req_id in self._finished_reqs and outgoing.sender.settled():
-                    outgoing.sender.clear()
+                    if outgoing.given_up:
+                        # The failed room stays in the ledger a while: a decode
+                        # asking late must find it Failed, not a fresh room.
+                        self._given_up[room] = (outgoing.sender, now + self.settings.config.tombstone_ttl_s)
+                    else:
+                        outgoing.sender.clear()
                     del self._outgoing[room]
                     self._finished_reqs.discard(req_id)
                     done.add(req_id)
+            for room, (sender, expires) in list(self._given_up.items()):
+                if now >= expires:
+                    sender.clear()
+                    del self._given_up[room]
         return done
 
     # -- decode ------------------------------------------------------------
