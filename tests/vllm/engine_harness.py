@@ -263,7 +263,11 @@ class _Child:
             "first_token": self.first_token.pop(out.request_id, None),
             "time": time.monotonic(),
         }
-        if out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"):
+        if (
+            self.worker is not None
+            and out.kv_transfer_params
+            and out.kv_transfer_params.get("do_remote_prefill")
+        ):
             # Prefill: its blocks are still held for the send; snapshot them.
             blocks = self.core.scheduler.kv_cache_manager.get_block_ids(internal)[0]
             n = -(-out.kv_transfer_params["remote_num_tokens"] // BLOCK_SIZE)
