@@ -103,3 +103,15 @@ def test_flat_space_maps_offsets_to_addresses_and_refuses_straddling() -> None:
     space.write(148, b"xy")
     space.write(150, b"z")
     assert bytes(b[48:]) == b"xy" and bytes(c[:1]) == b"z" and space.read(148, 2) == b"xy"
+
+
+def test_torch_tensors_are_taken_in_place() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((2, 4, 16, 8), dtype=torch.float16)
+    buf = Buffer.of(t)
+    assert (buf.address, buf.nbytes, buf.kind) == (t.data_ptr(), t.numel() * 2, "dram")
+    FlatSpace([buf]).write(0, b"\x00\x3c")  # fp16 1.0, little-endian
+    assert float(t.view(-1)[0]) == 1.0  # the engine's tensor sees it: no copy
+    assert Buffer.of(t[1]).address == t[1].data_ptr()
+    with pytest.raises(TypeError, match="contiguous"):
+        Buffer.of(t.transpose(1, 2))

@@ -4,6 +4,9 @@ KVLayouts: heterogeneous TP both ways and MLA, byte for byte."""
 
 from __future__ import annotations
 
+import random
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,11 +15,11 @@ import pytest
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
-from kvconn.protocol.hold import Release
+from kvconn.protocol.hold import Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import BootstrapError, DecodeEndpoint
 from kvconn.testing.cluster import Rank, wait_for
-from kvconn.testing.kvpattern import EngineShape, fill_canary, page_matches
+from kvconn.testing.kvpattern import EngineShape, dirty_bytes, fill_canary, page_matches
 
 SHAPE = EngineShape(layers=3, pages=16, tokens=4, heads=4, head_bytes=32)
 
@@ -135,5 +138,58 @@ def test_a_rooms_extras_land_in_the_slot_decode_named_written_once() -> None:
                 assert page_matches(shape, layout, arrays, 7, index, page)
             with pytest.raises(ValueError, match="extras slot 8 outside"):
                 dec.receiver(8, [9], extras_slot=8)
+        finally:
+            dec.close()
+
+
+def test_aborts_mid_transfer_into_engine_buffers_release_only_with_proof_and_leave_no_late_byte() -> None:
+    shape = EngineShape(layers=3, pages=256, tokens=4, heads=4, head_bytes=32, order="NHD")
+    rng = random.Random(11)
+    releases: list[Release] = []
+    slow = {"backend_options": {"piece_bytes": "2048", "piece_delay_s": "0.002"}}
+    with ranks(shape, 2, **slow) as addresses:
+        dec, arrays, layout = _decode(shape, addresses, 1, 0, releases)
+        free = set(range(shape.pages))
+        lock = threading.Lock()
+
+        def on_release(release: Release) -> None:  # the engine's allocator: canary, then free
+            releases.append(release)
+            with lock:
+                fill_canary(layout, arrays, release.pages)
+                free.update(release.pages)
+
+        dec.on_release = on_release
+        try:
+            rooms = {}
+            for room in range(100, 130):
+                with lock:
+                    pages = rng.sample(sorted(free), 6)
+                    free.difference_update(pages)
+                rooms[room] = (dec.receiver(room, pages), pages)
+                if rng.random() < 0.3:
+                    time.sleep(rng.uniform(0.0, 0.03))  # abort at a random point of its transfer
+                    rooms[room][0].abort()
+            done = (KVPoll.SUCCESS, KVPoll.FAILED)
+            wait_for(lambda: all(rx.poll() in done for rx, _ in rooms.values()), 60, "every room concludes")
+            aborted = [r for r, (rx, _) in rooms.items() if rx.poll() is KVPoll.FAILED]
+            assert aborted, "no room was aborted"
+            wait_for(lambda: {rel.room for rel in releases} >= set(aborted), 30, "aborted rooms released")
+            for rel in releases:
+                assert rel.proof in (Proof.ACKS, Proof.COMPLETED), rel
+            for room, (rx, pages) in rooms.items():
+                if room not in aborted:
+                    for index, page in enumerate(pages):
+                        assert page_matches(shape, layout, arrays, room, index, page), (
+                            f"room {room} page {page}"
+                        )
+                    with lock:
+                        fill_canary(layout, arrays, rx.finish())
+                        free.update(pages)
+            time.sleep(0.2)  # a hundred piece delays: a writer still going would land more
+            with lock:
+                assert dirty_bytes(layout, arrays, sorted(free)) == 0, (
+                    "a byte landed after its page was released"
+                )
+                assert len(free) == shape.pages
         finally:
             dec.close()

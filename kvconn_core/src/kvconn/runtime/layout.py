@@ -117,5 +117,7 @@ def peer_layout(
         )
     own.writes_to(dst)  # raises LayoutError (a ValueError) if the pair does not fit
     if len(own.extras) != len(dst.extras):
-        raise ValueError(f"decode's layout has {len(dst.extras)} extras buffers, this rank's {len(own.extras)}")
+        raise ValueError(
+            f"decode's layout has {len(dst.extras)} extras buffers, this rank's {len(own.extras)}"
+        )
     return EngineLayout(own, dst)
