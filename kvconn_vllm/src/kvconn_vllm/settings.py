@@ -1,0 +1,103 @@
+"""What an operator types in ``kv_connector_extra_config``, checked once.
+
+A key this module does not know is an error naming it: a typo must not
+silently leave a deadline at its default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvconn.config import Config
+
+#: Keys that become :class:`kvconn.config.Config` fields as they are.
+_CONFIG_NUMBERS = ("write_timeout_s", "abort_timeout_s", "resend_interval_s", "bootstrap_timeout_s")
+_KEYS = frozenset(
+    {
+        "backend",
+        "backend_options",
+        "host",
+        "port",
+        "auth_key",
+        "unrequested_timeout_s",
+        "transfer_timeout_s",
+        "conformance",
+        *_CONFIG_NUMBERS,
+    }
+)
+
+
+class SettingsError(ValueError):
+    """``kv_connector_extra_config`` holds something kvconn cannot use."""
+
+
+@attrs.frozen
+class Settings:
+    """``backend``: a kvconn transport plugin (``kvconn backends`` lists them).
+    ``unrequested_timeout_s``: how long prefill keeps a finished request's
+    blocks for a decode that has not asked for them yet. Nothing was written
+    from them then, so giving them back is safe; a decode that asks later is
+    told the room failed and recomputes. ``transfer_timeout_s``: how long
+    decode waits for a room before giving it up (a prefill that died or
+    hangs): the room is aborted, its blocks come back with proof only, and
+    the request is recomputed (vLLM's load-failure path)."""
+
+    backend: str = "loopback"
+    config: Config = attrs.field(factory=Config)
+    unrequested_timeout_s: float = 120.0
+    transfer_timeout_s: float = 120.0
+    #: Run kvconn's conformance suite on the transport at start-up (see
+    #: :mod:`kvconn_vllm.conformance`).
+    conformance: bool = False
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise SettingsError(
+                f"unknown kv_connector_extra_config keys {unknown}; kvconn reads {sorted(_KEYS)}"
+            )
+        backend = extra.get("backend", "loopback")
+        if not isinstance(backend, str) or not backend:
+            raise SettingsError(f"backend must be a plugin name, got {backend!r}")
+        options = extra.get("backend_options", {})
+        if not isinstance(options, Mapping):
+            raise SettingsError(f"backend_options must be a mapping of strings, got {options!r}")
+        fields: dict[str, Any] = {"backend_options": {str(k): str(v) for k, v in options.items()}}
+        for key in _CONFIG_NUMBERS:
+            if key in extra:
+                fields[key] = _number(key, extra[key])
+        if "host" in extra:
+            fields["host"] = str(extra["host"])
+        if "port" in extra:
+            fields["port"] = int(_number("port", extra["port"]))
+        if "auth_key" in extra:
+            fields["auth_key"] = str(extra["auth_key"]).encode()
+        timeouts = {}
+        for key in ("unrequested_timeout_s", "transfer_timeout_s"):
+            timeouts[key] = _number(key, extra.get(key, 120.0))
+            if timeouts[key] <= 0:
+                raise SettingsError(f"{key} must be > 0, got {timeouts[key]}")
+        try:
+            config = Config(**fields)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"kv_connector_extra_config: {exc}") from None
+        conformance = extra.get("conformance", False)
+        if not isinstance(conformance, bool):
+            raise SettingsError(f"conformance must be true or false, got {conformance!r}")
+        return cls(
+            backend, config, timeouts["unrequested_timeout_s"], timeouts["transfer_timeout_s"], conformance
+        )
+
+
+def _number(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise SettingsError(f"{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise SettingsError(f"{key} must be a number, got {value!r}") from None

@@ -1,0 +1,334 @@
+"""The worker-side half: kvconn endpoints over vLLM's own KV tensors.
+
+Prefill runs a :class:`~kvconn.runtime.prefill.PrefillRank` whose source
+memory is the KV cache; a finished request's blocks are sent as one chunk
+into the pages decode asks for. Decode runs a
+:class:`~kvconn.runtime.decode.DecodeEndpoint` whose pages are the KV cache
+blocks. A decode block goes back to vLLM only through kvconn: a received
+room (every rank reported every byte landed), or, for a request vLLM
+aborted or a transfer that failed, ``on_release`` with its proof. Never on
+a timeout: past its deadline a room is quarantined and its blocks stay
+allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from kvconn.layout import KVLayout
+from kvconn.plugins import get_backend
+from kvconn.protocol.hold import Release
+from kvconn.protocol.ledger import LIVE, KVPoll
+from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.runtime.prefill import PrefillRank, Sender
+from kvconn.transport import Backend
+from kvconn_vllm.conformance import check_transport
+from kvconn_vllm.layout import KVGeometry, engine_memory
+from kvconn_vllm.metadata import KvconnMetadata, Recv, Send
+from kvconn_vllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: Rooms decode asked for before this worker heard of them (the proxy is
+#: quick): remembered up to this many, oldest forgotten first.
+MAX_EARLY_REQUESTS = 65536
+
+
+@attrs.frozen
+class TransferResults:
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    failed_recving: frozenset[str] = frozenset()
+
+
+@attrs.define
+class _Outgoing:
+    send: Send
+    sender: Sender
+    deadline: float
+    sent: bool = False
+    given_up: bool = False
+
+
+@attrs.define
+class _Incoming:
+    recv: Recv
+    receiver: Receiver | None
+    deadline: float
+    #: Set once the receiver was aborted: the request ends only with on_release.
+    giving_up: bool = False
+    failed: bool = False
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        settings: Settings,
+        producer: bool,
+        consumer: bool,
+        geometry: KVGeometry,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.producer = producer
+        self.consumer = consumer
+        self.geometry = geometry
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.clock = clock
+        self.backend: Backend = get_backend(settings.backend)
+        if settings.conformance:
+            check_transport(settings.backend, settings.config.backend_options)
+        self.buffers: list[Any] = []
+        self.layout: KVLayout | None = None
+        self.rank: PrefillRank | None = None
+        #: One endpoint per prefill instance (its ranks' addresses), made at
+        #: its first request. Each tracks its own rooms over the same pages:
+        #: vLLM hands a block to one request at a time, and a block leaves an
+        #: endpoint only with proof.
+        self.decodes: dict[tuple[str, ...], DecodeEndpoint] = {}
+        self._lock = threading.Lock()
+        # prefill
+        self._outgoing: dict[int, _Outgoing] = {}
+        self._early: OrderedDict[int, int] = OrderedDict()
+        self._finished_reqs: set[str] = set()
+        self._given_up: dict[int, tuple[Sender, float]] = {}
+        # decode
+        self._incoming: dict[str, _Incoming] = {}
+        self._by_room: dict[int, str] = {}
+        self._released: list[Release] = []
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        #: Decode blocks handed back to vLLM after an abort or failure, by proof.
+        self.release_proofs: Counter[str] = Counter()
+
+    # -- start-up ----------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        self.buffers, self.layout = engine_memory(kv_caches, self.geometry, self.tp_size, self.tp_rank)
+        if self.producer:
+            self.rank = PrefillRank(
+                self.backend,
+                self.tp_rank,
+                config=self.settings.config,
+                on_request=self._on_request,
+                buffers=self.buffers,
+                layout=self.layout,
+            )
+            log.info("kvconn prefill rank %d listening at %s", self.tp_rank, self.rank.address)
+
+    @property
+    def address(self) -> str:
+        return "" if self.rank is None else self.rank.address
+
+    # -- each step ---------------------------------------------------------
+    def start(self, meta: KvconnMetadata) -> None:
+        for send in meta.sends:
+            self._start_send(send)
+        aborted = set(meta.aborts)
+        for recv in meta.recvs:
+            if recv.req_id in aborted:
+                # Finished before any prefill was told these blocks: free now.
+                aborted.discard(recv.req_id)
+                self._done_recving.add(recv.req_id)
+            else:
+                self._start_recv(recv)
+        for req_id in aborted:
+            self._abort(req_id)
+
+    def results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        sending = self._settled_sends(finished_req_ids) if self.rank is not None else set()
+        self._poll_recvs()
+        recving, failed = self._done_recving, self._failed_recving
+        self._done_recving, self._failed_recving = set(), set()
+        return TransferResults(frozenset(sending), frozenset(recving), frozenset(failed))
+
+    def has_pending(self) -> bool:
+        return bool(self._outgoing or self._incoming)
+
+    def close(self) -> None:
+        for endpoint in self.decodes.values():
+            endpoint.close()
+        if self.rank is not None:
+            self.rank.close()
+
+    # -- prefill -----------------------------------------------------------
+    def _start_send(self, send: Send) -> None:
+        if self.rank is None:
+            log.error("request %s: a send, but this worker runs no prefill rank", send.req_id)
+            return
+        outgoing = _Outgoing(
+            send, self.rank.sender(send.room), self.clock() + self.settings.unrequested_timeout_s
+        )
+        with self._lock:
+            self._outgoing[send.room] = outgoing
+            npages = self._early.pop(send.room, None)
+            if npages is not None:
+                self._send(outgoing, npages)
+
+    def _on_request(self, room: int, npages: int) -> None:
+        """Decode asked for ``room`` (listener thread): send at once if the
+        engine already finished it, else remember until it does."""
+        with self._lock:
+            outgoing = self._outgoing.get(room)
+            if outgoing is None:
+                self._early[room] = npages
+                while len(self._early) > MAX_EARLY_REQUESTS:
+                    self._early.popitem(last=False)
+                return
+            self._send(outgoing, npages)
+
+    def _send(self, outgoing: _Outgoing, npages: int) -> None:
+        # with self._lock
+        if outgoing.sent or outgoing.given_up:
+            return
+        blocks = outgoing.send.block_ids
+        if npages > len(blocks) or outgoing.sender.poll() not in LIVE:
+            outgoing.given_up = True
+            outgoing.sender.fail(f"decode asked for {npages} blocks, prefill holds {len(blocks)}")
+            return
+        # A decode's local prefix-cache hit covers the first blocks: it asks
+        # for the rest.
+        try:
+            outgoing.sender.send(blocks[len(blocks) - npages :], last=True)
+        except (RuntimeError, ValueError) as exc:
+            outgoing.given_up = True
+            outgoing.sender.fail(f"send refused: {exc}")
+            return
+        outgoing.sent = True
+
+    def _settled_sends(self, finished_req_ids: Iterable[str]) -> set[str]:
+        self._finished_reqs.update(finished_req_ids)
+        now = self.clock()
+        done: set[str] = set()
+        with self._lock:
+            for room, outgoing in list(self._outgoing.items()):
+                if not outgoing.sent and not outgoing.given_up and now >= outgoing.deadline:
+                    # Nothing was written from these blocks: a decode asking
+                    # from now on is told the room failed.
+                    outgoing.given_up = True
+                    outgoing.sender.fail("decode did not ask within unrequested_timeout_s")
+                req_id = outgoing.send.req_id
+                # vLLM takes a send as finished only for a request it reported finished.
+                over = outgoing.sent or outgoing.given_up
+                if over and req_id in self._finished_reqs and outgoing.sender.settled():
+                    if outgoing.given_up:
+                        # The failed room stays in the ledger a while: a decode
+                        # asking late must find it Failed, not a fresh room.
+                        self._given_up[room] = (outgoing.sender, now + self.settings.config.tombstone_ttl_s)
+                    else:
+                        outgoing.sender.clear()
+                    del self._outgoing[room]
+                    self._finished_reqs.discard(req_id)
+                    done.add(req_id)
+            for room, (sender, expires) in list(self._given_up.items()):
+                if now >= expires:
+                    sender.clear()
+                    del self._given_up[room]
+        return done
+
+    # -- decode ------------------------------------------------------------
+    def _start_recv(self, recv: Recv) -> None:
+        try:
+            if recv.room in self._by_room:
+                # Two live requests with one room (a 63-bit hash collision):
+                # releases name rooms, so this one must not start.
+                raise RuntimeError(f"room {recv.room} is in use by request {self._by_room[recv.room]}")
+            endpoint = self._endpoint_for(recv.prefill)
+            receiver = endpoint.receiver(recv.room, recv.block_ids)
+        except Exception as exc:
+            # No prefill rank was told these blocks: nothing can write them.
+            log.warning("request %s: kvconn cannot receive (%s); it will be recomputed", recv.req_id, exc)
+            self._done_recving.add(recv.req_id)
+            self._failed_recving.add(recv.req_id)
+            return
+        deadline = self.clock() + self.settings.transfer_timeout_s
+        self._incoming[recv.req_id] = _Incoming(recv, receiver, deadline)
+        self._by_room[recv.room] = recv.req_id
+
+    def _endpoint_for(self, prefill: tuple[str, ...]) -> DecodeEndpoint:
+        """The endpoint for ``prefill``'s ranks, bootstrapped at its first request."""
+        endpoint = self.decodes.get(prefill)
+        if endpoint is None:
+            if self.layout is None:
+                raise RuntimeError("no KV cache registered")
+            endpoint = self.decodes[prefill] = DecodeEndpoint(
+                self.backend,
+                prefill=list(prefill),
+                config=self.settings.config,
+                on_release=self._on_release,
+                buffers=self.buffers,
+                layout=self.layout,
+            )
+        return endpoint
+
+    def _on_release(self, release: Release) -> None:
+        # kvconn's thread (or ours, inside abort()): hand it to the engine thread.
+        with self._lock:
+            self._released.append(release)
+
+    def _abort(self, req_id: str) -> None:
+        incoming = self._incoming.get(req_id)
+        if incoming is None or incoming.receiver is None or incoming.giving_up:
+            return  # reported already, or already aborting
+        incoming.giving_up = True
+        incoming.receiver.abort()
+
+    def _poll_recvs(self) -> None:
+        now = self.clock()
+        for req_id, incoming in list(self._incoming.items()):
+            if incoming.giving_up or incoming.receiver is None:
+                continue
+            status = incoming.receiver.poll()
+            if status is KVPoll.SUCCESS:
+                incoming.receiver.finish()
+                self._forget(req_id)
+                self._done_recving.add(req_id)
+                continue
+            if status is KVPoll.FAILED:
+                reason = incoming.receiver.failure() or "transfer failed"
+            elif now >= incoming.deadline:
+                reason = f"no transfer within transfer_timeout_s ({self.settings.transfer_timeout_s} s)"
+            else:
+                continue
+            log.warning(
+                "request %s: %s; its blocks come back with proof, then it is recomputed", req_id, reason
+            )
+            incoming.giving_up = True
+            incoming.failed = True
+            incoming.receiver.abort()
+        with self._lock:
+            released, self._released = self._released, []
+        for release in released:
+            self.release_proofs[release.proof.value] += 1
+            released_req = self._by_room.get(release.room)
+            if released_req is None:
+                continue
+            incoming = self._incoming[released_req]
+            self._forget(released_req)
+            self._done_recving.add(released_req)
+            if incoming.failed:
+                self._failed_recving.add(released_req)
+
+    def _forget(self, req_id: str) -> None:
+        incoming = self._incoming.pop(req_id)
+        self._by_room.pop(incoming.recv.room, None)
+
+    # -- what tests and operators read -------------------------------------
+    def held_requests(self) -> dict[str, str]:
+        """Aborted or failed decode requests whose blocks await proof, with
+        their hold state ("held" or "quarantined")."""
+        held = {}
+        for req_id, incoming in self._incoming.items():
+            if incoming.giving_up and incoming.receiver is not None:
+                state = incoming.receiver.state()
+                held[req_id] = "released" if state is None else state.value
+        return held

@@ -1,0 +1,338 @@
+"""A real vLLM engine (V1, CPU) in its own process, driven over a pipe.
+
+The child builds an ``LLMEngine`` on the tiny model, optionally with
+KvconnConnector, and steps it continuously (as a server's engine loop does,
+so sends and releases progress between requests). The parent adds and
+aborts requests and reads what a test must see from inside: free blocks,
+block bytes, the connector's held requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from vllm_helpers import BLOCK_SIZE, kv_transfer_config
+
+KV_CACHE_BYTES = 16 << 20
+MAX_MODEL_LEN = 256
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine:
+    """The parent's handle on one engine process."""
+
+    def __init__(
+        self,
+        model: Path,
+        role: str | None,
+        start_timeout_s: float = 240.0,
+        builtin: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> None:
+        """``extra``: KvconnConnector's kv_connector_extra_config. ``builtin``:
+        instead, the whole kv_transfer_config of one of vLLM's own connectors
+        (with ``env``: environment variables for that engine)."""
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, str(model), role, extra, builtin), daemon=True)
+        self.process.start()
+        child.close()
+        self.role = role
+        self.start_timeout_s = start_timeout_s
+        self._info: dict[str, Any] | None = None
+        self.events: dict[str, dict[str, Any]] = {}
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Waits for the engine to be up (engines start in parallel)."""
+        if self._info is None:
+            self._info = self._reply(self.start_timeout_s)
+        return self._info
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def call(self, *command: Any, timeout_s: float = 60.0) -> Any:
+        assert self.info
+        self._conn.send(command)
+        return self._reply(timeout_s)
+
+    def _reply(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(min(left, 1.0)):
+                if left <= 0:
+                    raise EngineError(f"engine {self.role} gave no answer within {timeout_s} s")
+                if not self.process.is_alive():
+                    raise EngineError(f"engine {self.role} exited with {self.process.exitcode}")
+                continue
+            kind, payload = self._conn.recv()
+            if kind == "error":
+                raise EngineError(payload)
+            return payload
+
+    def add(
+        self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None
+    ) -> None:
+        self.call("add", req_id, prompt, max_tokens, params)
+
+    def finished(self, timeout_s: float = 120.0, *req_ids: str) -> dict[str, dict[str, Any]]:
+        """Wait until each of ``req_ids`` finished; their outputs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.events.update(self.call("outputs"))
+            if all(r in self.events for r in req_ids):
+                return {r: self.events[r] for r in req_ids}
+            if time.monotonic() > deadline:
+                missing = [r for r in req_ids if r not in self.events]
+                raise EngineError(f"engine {self.role}: {missing} not finished within {timeout_s} s")
+            time.sleep(0.02)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.call("stats"))
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                os.kill(self.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.join(timeout=30)
+
+
+def generate(
+    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, params: Any = None
+) -> dict[str, Any]:
+    for req_id, prompt in prompts.items():
+        engine.add(req_id, prompt, max_tokens, params(req_id) if callable(params) else params)
+    return engine.finished(180.0, *prompts)
+
+
+# -- the child ------------------------------------------------------------------
+def _serve(
+    conn: Connection, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None
+) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if builtin is not None:
+        os.environ.update(builtin.pop("env", {}))
+    try:
+        child = _Child(model, role, extra, builtin)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", child.info()))
+    child.run(conn)
+
+
+class _Child:
+    def __init__(
+        self, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None
+    ) -> None:
+        from vllm import EngineArgs, LLMEngine
+        from vllm.config import KVTransferConfig
+
+        args = EngineArgs(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            skip_tokenizer_init=True,
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=False,
+            disable_hybrid_kv_cache_manager=True,
+            kv_transfer_config=(
+                KVTransferConfig(**builtin)
+                if builtin is not None
+                else KVTransferConfig(**kv_transfer_config(role, **extra), kv_load_failure_policy="recompute")
+                if role
+                else None
+            ),
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.core = self.engine.engine_core.engine_core
+        self.outputs: dict[str, dict[str, Any]] = {}
+        self.internal: dict[str, str] = {}
+        #: CLOCK_MONOTONIC is one clock for every process here: the parent
+        #: compares these times across engines.
+        self.added: dict[str, float] = {}
+        self.first_token: dict[str, float] = {}
+        self.received: dict[str, list[str]] = {}
+        self.worker = None
+        if role and builtin is None:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            self.worker = get_kv_transfer_group().worker_side
+            self._watch_receives()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "num_blocks": self.core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+            "address": self.worker.address if self.worker is not None else "",
+        }
+
+    def _watch_receives(self) -> None:
+        """Snapshot decode's blocks the moment a room is reported received,
+        before the request's own forward writes into its last block."""
+        worker = self.worker
+        assert worker is not None
+        start, results = worker.start, worker.results
+        recvs: dict[str, tuple[int, ...]] = {}
+
+        def watched_start(meta: Any) -> None:
+            for recv in meta.recvs:
+                recvs[recv.req_id] = recv.block_ids
+            start(meta)
+
+        def watched_results(finished: Any) -> Any:
+            out = results(finished)
+            for req_id in out.finished_recving - out.failed_recving:
+                if req_id in recvs:
+                    self.received[req_id] = self.digests(recvs.pop(req_id))
+            return out
+
+        worker.start, worker.results = watched_start, watched_results
+
+    def digests(self, blocks: Any) -> list[str]:
+        """sha256 of each block's bytes, over every layer and K/V part."""
+        worker = self.worker
+        assert worker is not None and worker.layout is not None
+        out = []
+        for block in blocks:
+            h = hashlib.sha256()
+            for part in worker.layout.buffers:
+                address = worker.buffers[part.buffer].address + part.offset + block * part.stride
+                h.update(ctypes.string_at(address, part.page_bytes))
+            out.append(h.hexdigest())
+        return out
+
+    def fill(self, blocks: Any, byte: int) -> None:
+        """Write ``byte`` over blocks: a canary standing for the next request's KV."""
+        worker = self.worker
+        assert worker is not None and worker.layout is not None
+        for block in blocks:
+            for part in worker.layout.buffers:
+                address = worker.buffers[part.buffer].address + part.offset + block * part.stride
+                ctypes.memset(address, byte, part.page_bytes)
+
+    def run(self, conn: Connection) -> None:
+        while True:
+            busy = self.core.scheduler.has_requests()
+            if conn.poll(0 if busy else 0.005):
+                command = conn.recv()
+                try:
+                    reply = getattr(self, "do_" + command[0])(*command[1:])
+                except Exception:
+                    conn.send(("error", traceback.format_exc()))
+                else:
+                    conn.send(("ok", reply))
+            if busy:
+                for out in self.engine.step():
+                    if out.outputs and out.outputs[0].token_ids:
+                        self.first_token.setdefault(out.request_id, time.monotonic())
+                    if out.finished:
+                        self._finished(out)
+
+    def _finished(self, out: Any) -> None:
+        completion = out.outputs[0]
+        internal = self.internal.pop(out.request_id)
+        event = {
+            "tokens": list(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "kv_transfer_params": out.kv_transfer_params,
+            "added": self.added.pop(out.request_id, None),
+            "first_token": self.first_token.pop(out.request_id, None),
+            "time": time.monotonic(),
+        }
+        if (
+            self.worker is not None
+            and out.kv_transfer_params
+            and out.kv_transfer_params.get("do_remote_prefill")
+        ):
+            # Prefill: its blocks are still held for the send; snapshot them.
+            blocks = self.core.scheduler.kv_cache_manager.get_block_ids(internal)[0]
+            n = -(-out.kv_transfer_params["remote_num_tokens"] // BLOCK_SIZE)
+            event["blocks"] = self.digests(blocks[:n])
+        if internal in self.received:
+            event["received"] = self.received.pop(internal)
+        self.outputs[out.request_id] = event
+
+    # -- commands ---------------------------------------------------------
+    def do_add(self, req_id: str, prompt: list[int], max_tokens: int, params: Any) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params else None,
+        )
+        self.added[req_id] = time.monotonic()
+        self.engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), sampling)
+        # vLLM suffixes request ids inside the engine: remember this one's.
+        self.internal[req_id] = self.engine.output_processor.external_req_ids[req_id][-1]
+
+    def do_abort(self, req_id: str) -> None:
+        self.engine.abort_request([req_id])
+
+    def do_internal_id(self, req_id: str) -> str:
+        return self.internal[req_id]
+
+    def do_outputs(self) -> dict[str, dict[str, Any]]:
+        out, self.outputs = self.outputs, {}
+        return out
+
+    def do_stats(self) -> dict[str, Any]:
+        scheduler = self.core.scheduler
+        held: dict[str, Any] = {}
+        proofs: dict[str, int] = {}
+        if self.worker is not None:
+            # The caller's ids: vLLM's internal ones carry a suffix.
+            external = {v: k for k, v in self.internal.items()}
+            held = {external.get(r, r): state for r, state in self.worker.held_requests().items()}
+            proofs = dict(self.worker.release_proofs)
+        return {
+            "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "requests": sorted(scheduler.requests),
+            "held": held,
+            "proofs": proofs,
+        }
+
+    def do_blocks(self, req_id: str) -> list[int]:
+        """The blocks of request ``req_id`` (the caller's id), while it has any."""
+        return list(self.core.scheduler.kv_cache_manager.get_block_ids(self.internal[req_id])[0])
+
+    def do_digests(self, blocks: list[int]) -> list[str]:
+        return self.digests(blocks)
+
+    def do_fill(self, blocks: list[int], byte: int) -> None:
+        self.fill(blocks, byte)
+
+
+@contextlib.contextmanager
+def engine(model: Path, role: str | None, **extra: Any) -> Iterator[Engine]:
+    handle = Engine(model, role, **extra)
+    try:
+        yield handle
+    finally:
+        handle.close()

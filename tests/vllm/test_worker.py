@@ -1,0 +1,163 @@
+"""The worker-side half alone, prefill and decode in one process over CPU
+torch tensors shaped like vLLM's CPU KV cache, through real kvconn
+endpoints on the loopback transport (no engine: a test plays the
+scheduler). Clocks are injected where a deadline matters."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (the vLLM venv has it)")
+
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+
+from kvconn_vllm.layout import KVGeometry  # noqa: E402
+from kvconn_vllm.metadata import KvconnMetadata, Recv, Send  # noqa: E402
+from kvconn_vllm.settings import Settings  # noqa: E402
+from kvconn_vllm.worker import TransferResults, WorkerSide  # noqa: E402
+
+GEOMETRY = KVGeometry(num_blocks=8, block_size=32, num_kv_heads=2, head_size=64)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kv_caches(fill: float) -> dict[str, torch.Tensor]:
+    g = GEOMETRY
+    caches = {}
+    for layer in range(2):
+        t = torch.zeros(g.num_blocks, g.num_kv_heads, 2 * g.block_size, g.head_size)
+        for b in range(g.num_blocks):
+            t[b].fill_(fill + 100 * layer + b)
+        caches[f"model.layers.{layer}.attn"] = t
+    return caches
+
+
+def side(
+    producer: bool, clock: Clock, fill: float, **extra: object
+) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    settings = Settings.parse({"write_timeout_s": 1, "abort_timeout_s": 2, **extra})
+    worker = WorkerSide(settings, producer=producer, consumer=not producer, geometry=GEOMETRY, clock=clock)
+    caches = kv_caches(fill)
+    worker.register(caches)
+    return worker, caches
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def pair(
+    clock: Clock,
+) -> Iterator[tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    prefill, src = side(True, clock, 1.0, unrequested_timeout_s=5)
+    decode, dst = side(False, clock, -1.0, transfer_timeout_s=5)
+    try:
+        yield prefill, decode, src, dst
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def until(
+    worker: WorkerSide, done: Callable[[TransferResults], bool], finished: set[str] = frozenset()
+) -> TransferResults:  # type: ignore[assignment]
+    seen = TransferResults()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        r = worker.results(finished)
+        seen = TransferResults(
+            seen.finished_sending | r.finished_sending,
+            seen.finished_recving | r.finished_recving,
+            seen.failed_recving | r.failed_recving,
+        )
+        if done(seen):
+            return seen
+        time.sleep(0.01)
+    raise AssertionError(f"not done within 20 s: {seen}")
+
+
+def test_blocks_arrive_byte_for_byte(pair: tuple) -> None:  # type: ignore[type-arg]
+    prefill, decode, src, dst = pair
+    prefill.start(KvconnMetadata(sends=[Send("p-1", 77, (5, 2, 3))]))
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 77, (prefill.address,), (0, 6, 7))]))
+    got = until(decode, lambda r: "d-1" in r.finished_recving)
+    assert not got.failed_recving
+    for name in src:
+        for s, d in zip((5, 2, 3), (0, 6, 7), strict=True):
+            assert torch.equal(dst[name][d], src[name][s])
+        assert torch.equal(dst[name][1], torch.full_like(dst[name][1], -1.0 + 100 * int(name[13]) + 1))
+    until(prefill, lambda r: "p-1" in r.finished_sending, {"p-1"})
+
+
+def test_decode_with_a_prefix_hit_gets_the_tail(pair: tuple) -> None:  # type: ignore[type-arg]
+    prefill, decode, src, dst = pair
+    prefill.start(KvconnMetadata(sends=[Send("p-1", 78, (1, 2, 3, 4))]))
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 78, (prefill.address,), (6, 7))]))
+    until(decode, lambda r: "d-1" in r.finished_recving)
+    for name in src:
+        assert torch.equal(dst[name][6], src[name][3]) and torch.equal(dst[name][7], src[name][4])
+
+
+def test_send_is_finished_only_for_a_request_vllm_finished(pair: tuple) -> None:  # type: ignore[type-arg]
+    prefill, decode, _, _ = pair
+    prefill.start(KvconnMetadata(sends=[Send("p-1", 79, (1,))]))
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 79, (prefill.address,), (2,))]))
+    until(decode, lambda r: "d-1" in r.finished_recving)
+    time.sleep(0.2)
+    assert not prefill.results(set()).finished_sending  # vLLM has not said p-1 finished
+    until(prefill, lambda r: "p-1" in r.finished_sending, {"p-1"})
+
+
+def test_unrequested_blocks_are_given_back_and_a_late_decode_recomputes(pair: tuple, clock: Clock) -> None:  # type: ignore[type-arg]
+    prefill, decode, _, _ = pair
+    prefill.start(KvconnMetadata(sends=[Send("p-1", 80, (1, 2))]))
+    assert not prefill.results({"p-1"}).finished_sending
+    clock.now += 5  # unrequested_timeout_s: nothing was ever written from them
+    assert prefill.results(set()).finished_sending == {"p-1"}
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 80, (prefill.address,), (3, 4))]))
+    got = until(decode, lambda r: "d-1" in r.finished_recving)
+    assert got.failed_recving == {"d-1"}  # recomputed, never garbage
+
+
+def test_abort_in_the_same_step_as_the_recv_sends_nothing(pair: tuple) -> None:  # type: ignore[type-arg]
+    prefill, decode, _, _ = pair
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 81, (prefill.address,), (3,))], aborts=["d-1"]))
+    assert decode.results(set()).finished_recving == {"d-1"}
+    assert not decode.decodes  # no prefill was even contacted
+
+
+def test_a_silent_prefill_is_given_up_after_transfer_timeout(pair: tuple, clock: Clock) -> None:  # type: ignore[type-arg]
+    prefill, decode, _, _ = pair
+    # Prefill never hears of room 82 from its engine: decode waits, then gives up.
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 82, (prefill.address,), (3,))]))
+    time.sleep(0.2)
+    assert not decode.results(set()).finished_recving
+    clock.now += 5
+    got = until(decode, lambda r: "d-1" in r.finished_recving)
+    assert got.failed_recving == {"d-1"}
+    assert sum(decode.release_proofs.values()) == 1
+    assert "unsafe_timeout" not in decode.release_proofs
+
+
+def test_a_failed_write_is_reported_failed_after_its_blocks_are_proven_free(clock: Clock) -> None:
+    prefill, _ = side(True, clock, 1.0, backend_options={"fail_chunks": "83:0"})
+    decode, _ = side(False, clock, -1.0, backend_options={"fail_chunks": "83:0"})
+    try:
+        prefill.start(KvconnMetadata(sends=[Send("p-1", 83, (1, 2))]))
+        decode.start(KvconnMetadata(recvs=[Recv("d-1", 83, (prefill.address,), (3, 4))]))
+        got = until(decode, lambda r: "d-1" in r.finished_recving)
+        assert got.failed_recving == {"d-1"}
+        assert sum(decode.release_proofs.values()) == 1
+        until(prefill, lambda r: "p-1" in r.finished_sending, {"p-1"})
+    finally:
+        decode.close()
+        prefill.close()
