@@ -6,14 +6,11 @@ SUCCESS must not hand out pages a request of the new one is about to get."""
 
 from __future__ import annotations
 
-import errno
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TypeVar
 
 import pytest
-import zmq
 
 from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
@@ -23,23 +20,10 @@ from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import HelloAck, Message, TransferRequest
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import free_port, wait_for
+from kvconn.testing.cluster import at_the_same_address, free_port, wait_for
 
 WAIT_S = 10.0
 T = TypeVar("T")
-
-
-def _at_the_same_address(make: Callable[[], T]) -> T:
-    """ZMQ closes a socket on a thread of its own: the address frees a moment
-    after close() returns."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            return make()
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
 
 
 @pytest.fixture
@@ -67,7 +51,7 @@ def test_an_ack_from_a_process_restarted_at_the_ranks_address_releases_nothing(
     rx = decode.receiver(7, (3, 4))
     wait_for(lambda: rank.sender(7).poll() is KVPoll.WAITING_FOR_INPUT, WAIT_S, "room 7 at the rank")
     rank.close()  # this process lives on (no exit proof), its address is free
-    restarted = _at_the_same_address(lambda: PrefillRank(NullBackend(), 0, 16 * 4096, config))
+    restarted = at_the_same_address(lambda: PrefillRank(NullBackend(), 0, 16 * 4096, config))
     closing += [restarted]
     assert restarted.address == rank.address
     rx.abort()  # the restarted process never saw room 7: it tombstones it and acks
@@ -103,7 +87,7 @@ def test_an_earlier_decodes_status_for_a_reused_room_id_is_not_taken(
     wait_for(lambda: rank.sender(9).poll() is KVPoll.WAITING_FOR_INPUT, WAIT_S, "room 9 at the rank")
     first_sender = rank.sender(9)
     first.close()  # dies with room 9 open
-    second = _at_the_same_address(
+    second = at_the_same_address(
         lambda: DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], decode_config)
     )
     closing += [second]
@@ -172,7 +156,7 @@ def test_a_new_decode_at_an_earlier_decodes_address_gets_a_new_connection(
     first = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], config)
     old = rank._outbox._socks[first.address][1]
     first.close()
-    second = _at_the_same_address(lambda: DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], config))
+    second = at_the_same_address(lambda: DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], config))
     closing += [second]
     assert second.address == first.address
     assert rank._outbox._socks[second.address][1] is not old

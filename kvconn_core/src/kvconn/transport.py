@@ -150,22 +150,21 @@ class EngineMemoryUnsupported(TypeError):
 
 def register_region(backend: Backend, buffers: Sequence[object], options: Mapping[str, str]) -> PageRegion:
     """``backend.register_region`` over ``buffers`` (anything :meth:`Buffer.of` takes)."""
-    register = getattr(backend, "register_region", None)
-    if register is None:
-        raise EngineMemoryUnsupported(f"backend {backend.name!r} cannot register engine-owned memory")
-    bufs = buffers_of(buffers)
-    _check_kind(backend, bufs, options)
-    return cast(PageRegion, register(bufs, options))
+    return cast(PageRegion, _register(backend, "register_region", buffers, options))
 
 
 def register_writer(backend: Backend, buffers: Sequence[object], options: Mapping[str, str]) -> Writer:
     """``backend.register_writer`` over ``buffers`` (anything :meth:`Buffer.of` takes)."""
-    register = getattr(backend, "register_writer", None)
+    return cast(Writer, _register(backend, "register_writer", buffers, options))
+
+
+def _register(backend: Backend, method: str, buffers: Sequence[object], options: Mapping[str, str]) -> object:
+    register = getattr(backend, method, None)
     if register is None:
         raise EngineMemoryUnsupported(f"backend {backend.name!r} cannot register engine-owned memory")
     bufs = buffers_of(buffers)
     _check_kind(backend, bufs, options)
-    return cast(Writer, register(bufs, options))
+    return register(bufs, options)
 
 
 def _check_kind(backend: Backend, buffers: Sequence[Buffer], options: Mapping[str, str]) -> None:
