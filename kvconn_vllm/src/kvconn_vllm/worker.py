@@ -8,8 +8,8 @@ blocks, one endpoint for every prefill instance (each request names its
 instance). A decode block goes back to vLLM only through kvconn: a received
 room (every rank reported every byte landed), or, for a request vLLM
 aborted or a transfer that failed, ``on_release`` with its proof. Never on
-a timeout: past its deadline a room is quarantined and its blocks stay
-allocated.
+a timeout: past its deadline (kvconn's per-room ``transfer_timeout_s``) a
+room fails and is aborted, and its blocks stay allocated until proof.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ class _Incoming:
     recv: Recv
     #: None while its prefill instance is being bootstrapped.
     receiver: Receiver | None
-    deadline: float
     #: Set once the receiver was aborted: the request ends only with on_release.
     giving_up: bool = False
     failed: bool = False
@@ -261,7 +260,7 @@ class WorkerSide:
                 recv.req_id, f"room {recv.room} is in use by request {self._by_room[recv.room]}"
             )
             return
-        self._incoming[recv.req_id] = _Incoming(recv, None, self.clock() + self.settings.transfer_timeout_s)
+        self._incoming[recv.req_id] = _Incoming(recv, None)
         self._by_room[recv.room] = recv.req_id
         if recv.prefill in self._connecting:
             self._connecting[recv.prefill].append(recv.req_id)
@@ -335,7 +334,6 @@ class WorkerSide:
 
     def _poll_recvs(self) -> None:
         self._take_connected()
-        now = self.clock()
         for req_id, incoming in list(self._incoming.items()):
             if incoming.giving_up or incoming.receiver is None:
                 continue
@@ -345,12 +343,12 @@ class WorkerSide:
                 self._forget(req_id)
                 self._done_recving.add(req_id)
                 continue
-            if status is KVPoll.FAILED:
-                reason = incoming.receiver.failure() or "transfer failed"
-            elif now >= incoming.deadline:
-                reason = f"no transfer within transfer_timeout_s ({self.settings.transfer_timeout_s} s)"
-            else:
+            if status is not KVPoll.FAILED:
                 continue
+            # A writer failed it, its rank is down, or kvconn's transfer
+            # deadline passed: kvconn aborted it already (abort() below is
+            # for a FAILED it did not abort, and harmless otherwise).
+            reason = incoming.receiver.failure() or "transfer failed"
             log.warning(
                 "request %s: %s; its blocks come back with proof, then it is recomputed", req_id, reason
             )
