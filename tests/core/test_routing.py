@@ -7,6 +7,7 @@ Real loopback rank processes write into the decode's own memory."""
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -233,3 +234,47 @@ def test_a_killed_rank_of_an_instance_named_per_request_frees_its_rooms_only_by_
         one[0].signal(signal.SIGKILL)
         wait_for(lambda: bool(releases), 30, "the release by the rank's exit")
         assert [(r.room, r.proof) for r in releases] == [(1, Proof.WRITER_EXIT)]
+
+
+def test_connect_bootstraps_an_instance_ahead_of_its_first_receiver() -> None:
+    config = Config(bootstrap_timeout_s=0.5, resend_interval_s=0.05)
+    dec = DecodeEndpoint(get_backend("loopback"), NUM_PAGES, PAGE_BYTES, config=config)
+    try:
+        with pytest.raises(BootstrapError, match="0 of 1 prefill ranks answered"):
+            dec.connect([f"tcp://127.0.0.1:{free_port()}"])
+        assert dec.instances() == []
+        with instance(1) as one:
+            dec.connect([one[0].address])
+            assert dec.instances() == [(one[0].address,)]
+            session = dec.session_of(0, [one[0].address])
+            dec.connect([one[0].address])  # known: kept, not bootstrapped again
+            rx = dec.receiver(1, [0], prefill=[one[0].address])
+            assert dec.session_of(0, [one[0].address]) == session
+            _succeeds(rx)
+    finally:
+        dec.close()
+
+
+def test_an_unreachable_instance_does_not_hold_up_the_bootstrap_of_another() -> None:
+    config = Config(bootstrap_timeout_s=60.0, resend_interval_s=0.05)
+    dec = DecodeEndpoint(get_backend("loopback"), NUM_PAGES, PAGE_BYTES, config=config)
+    outcome: list[BaseException] = []
+
+    def connect_silent() -> None:
+        try:
+            dec.connect([f"tcp://127.0.0.1:{free_port()}"])
+        except BootstrapError as exc:
+            outcome.append(exc)
+
+    silent = threading.Thread(target=connect_silent, daemon=True)
+    try:
+        silent.start()
+        wait_for(lambda: bool(dec._pending), timeout=10)
+        with instance(1) as one:
+            # Before: every bootstrap took one lock, so this waited the
+            # silent instance's 60 s out.
+            rx = dec.receiver(1, [0], prefill=[one[0].address])
+            _succeeds(rx)
+            assert silent.is_alive() and not outcome
+    finally:
+        dec.close()

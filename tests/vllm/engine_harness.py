@@ -306,16 +306,20 @@ class _Child:
         scheduler = self.core.scheduler
         held: dict[str, Any] = {}
         proofs: dict[str, int] = {}
+        instances: list[list[str]] = []
         if self.worker is not None:
             # The caller's ids: vLLM's internal ones carry a suffix.
             external = {v: k for k, v in self.internal.items()}
             held = {external.get(r, r): state for r, state in self.worker.held_requests().items()}
             proofs = dict(self.worker.release_proofs)
+            if self.worker.decode is not None:
+                instances = [list(i) for i in self.worker.decode.instances()]
         return {
             "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             "requests": sorted(scheduler.requests),
             "held": held,
             "proofs": proofs,
+            "instances": instances,
         }
 
     def do_blocks(self, req_id: str) -> list[int]:

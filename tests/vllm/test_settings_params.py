@@ -13,6 +13,7 @@ def test_defaults() -> None:
     settings = Settings.parse(None)
     assert settings.backend == "loopback"
     assert settings.config.abort_timeout_s == 30.0
+    assert settings.config.transfer_timeout_s == 120.0 == Settings().config.transfer_timeout_s
     assert not settings.conformance
 
 
@@ -31,7 +32,7 @@ def test_options_reach_kvconns_config() -> None:
     assert settings.config.backend_options == {"piece_delay_s": "0.1"}
     assert (settings.config.write_timeout_s, settings.config.abort_timeout_s) == (1.0, 2.0)
     assert settings.config.port == 7000
-    assert settings.transfer_timeout_s == 9.0
+    assert settings.config.transfer_timeout_s == 9.0
 
 
 @pytest.mark.parametrize(

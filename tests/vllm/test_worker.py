@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="needs torch (the vLLM venv has it)"
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 
+from kvconn.testing.cluster import free_port  # noqa: E402
 from kvconn_vllm.layout import KVGeometry  # noqa: E402
 from kvconn_vllm.metadata import KvconnMetadata, Recv, Send  # noqa: E402
 from kvconn_vllm.settings import Settings  # noqa: E402
@@ -132,7 +133,7 @@ def test_abort_in_the_same_step_as_the_recv_sends_nothing(pair: tuple) -> None: 
     prefill, decode, _, _ = pair
     decode.start(KvconnMetadata(recvs=[Recv("d-1", 81, (prefill.address,), (3,))], aborts=["d-1"]))
     assert decode.results(set()).finished_recving == {"d-1"}
-    assert not decode.decodes  # no prefill was even contacted
+    assert decode.decode is not None and decode.decode.instances() == []  # no prefill was contacted
 
 
 def test_a_silent_prefill_is_given_up_after_transfer_timeout(pair: tuple, clock: Clock) -> None:  # type: ignore[type-arg]
@@ -161,3 +162,70 @@ def test_a_failed_write_is_reported_failed_after_its_blocks_are_proven_free(cloc
     finally:
         decode.close()
         prefill.close()
+
+
+def test_one_decode_endpoint_serves_two_prefill_instances_named_per_request(clock: Clock) -> None:
+    first, src_a = side(True, clock, 1.0)
+    second, src_b = side(True, clock, 1000.0)
+    decode, dst = side(False, clock, -1.0)
+    try:
+        first.start(KvconnMetadata(sends=[Send("a-1", 90, (1, 2))]))
+        second.start(KvconnMetadata(sends=[Send("b-1", 91, (3, 4))]))
+        decode.start(
+            KvconnMetadata(
+                recvs=[
+                    Recv("d-a", 90, (first.address,), (5, 6)),
+                    Recv("d-b", 91, (second.address,), (0, 7)),
+                ]
+            )
+        )
+        got = until(decode, lambda r: {"d-a", "d-b"} <= r.finished_recving)
+        assert not got.failed_recving
+        for name in dst:
+            assert torch.equal(dst[name][5], src_a[name][1]) and torch.equal(dst[name][6], src_a[name][2])
+            assert torch.equal(dst[name][0], src_b[name][3]) and torch.equal(dst[name][7], src_b[name][4])
+        assert decode.decode is not None
+        assert sorted(decode.decode.instances()) == sorted([(first.address,), (second.address,)])
+    finally:
+        decode.close()
+        first.close()
+        second.close()
+
+
+def test_an_unreachable_prefill_does_not_stall_requests_of_other_instances(pair: tuple) -> None:  # type: ignore[type-arg]
+    prefill, _, _, _ = pair
+    decode, _ = side(False, Clock(), -1.0, bootstrap_timeout_s=60, resend_interval_s=0.1)
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        prefill.start(KvconnMetadata(sends=[Send("p-1", 92, (1,))]))
+        # The old adapter bootstrapped on the engine thread: this start()
+        # blocked for all of bootstrap_timeout_s.
+        decode.start(
+            KvconnMetadata(
+                recvs=[Recv("d-silent", 93, (silent,), (2,)), Recv("d-1", 92, (prefill.address,), (3,))]
+            )
+        )
+        got = until(decode, lambda r: "d-1" in r.finished_recving)
+        assert "d-silent" not in got.finished_recving and not got.failed_recving
+        assert decode.has_pending()  # d-silent waits for its instance's bootstrap
+        decode.start(KvconnMetadata(aborts=["d-silent"]))
+        # No prefill was ever told its blocks: they are free at once.
+        assert decode.results(set()) == TransferResults(finished_recving=frozenset({"d-silent"}))
+        assert not decode.has_pending()
+    finally:
+        decode.close()
+
+
+def test_a_request_whose_prefill_never_bootstraps_is_recomputed(clock: Clock) -> None:
+    decode, _ = side(False, clock, -1.0, bootstrap_timeout_s=0.5, resend_interval_s=0.05)
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        decode.start(
+            KvconnMetadata(recvs=[Recv("d-1", 94, (silent,), (2,)), Recv("d-2", 95, (silent,), (3,))])
+        )
+        got = until(decode, lambda r: {"d-1", "d-2"} <= r.finished_recving)
+        assert got.failed_recving == {"d-1", "d-2"}
+        assert sum(decode.release_proofs.values()) == 0  # nothing was ever asked of a writer
+        assert not decode.has_pending()
+    finally:
+        decode.close()

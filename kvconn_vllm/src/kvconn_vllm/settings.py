@@ -15,6 +15,8 @@ from kvconn.config import Config
 
 #: Keys that become :class:`kvconn.config.Config` fields as they are.
 _CONFIG_NUMBERS = ("write_timeout_s", "abort_timeout_s", "resend_interval_s", "bootstrap_timeout_s")
+#: Deadlines kvconn's Config leaves off by default that vLLM needs on.
+_DEADLINE_DEFAULT_S = 120.0
 _KEYS = frozenset(
     {
         "backend",
@@ -40,15 +42,15 @@ class Settings:
     ``unrequested_timeout_s``: how long prefill keeps a finished request's
     blocks for a decode that has not asked for them yet. Nothing was written
     from them then, so giving them back is safe; a decode that asks later is
-    told the room failed and recomputes. ``transfer_timeout_s``: how long
-    decode waits for a room before giving it up (a prefill that died or
-    hangs): the room is aborted, its blocks come back with proof only, and
-    the request is recomputed (vLLM's load-failure path)."""
+    told the room failed and recomputes. ``transfer_timeout_s`` becomes
+    ``config.transfer_timeout_s`` (kvconn's per-room deadline at decode):
+    a room not received that long after decode asked for it fails and is
+    aborted, its blocks come back with proof only, and the request is
+    recomputed (vLLM's load-failure path)."""
 
     backend: str = "loopback"
-    config: Config = attrs.field(factory=Config)
-    unrequested_timeout_s: float = 120.0
-    transfer_timeout_s: float = 120.0
+    config: Config = attrs.field(factory=lambda: Config(transfer_timeout_s=_DEADLINE_DEFAULT_S))
+    unrequested_timeout_s: float = _DEADLINE_DEFAULT_S
     #: Run kvconn's conformance suite on the transport at start-up (see
     #: :mod:`kvconn_vllm.conformance`).
     conformance: bool = False
@@ -79,9 +81,10 @@ class Settings:
             fields["auth_key"] = str(extra["auth_key"]).encode()
         timeouts = {}
         for key in ("unrequested_timeout_s", "transfer_timeout_s"):
-            timeouts[key] = _number(key, extra.get(key, 120.0))
+            timeouts[key] = _number(key, extra.get(key, _DEADLINE_DEFAULT_S))
             if timeouts[key] <= 0:
                 raise SettingsError(f"{key} must be > 0, got {timeouts[key]}")
+        fields["transfer_timeout_s"] = timeouts["transfer_timeout_s"]
         try:
             config = Config(**fields)
         except (TypeError, ValueError) as exc:
@@ -89,9 +92,7 @@ class Settings:
         conformance = extra.get("conformance", False)
         if not isinstance(conformance, bool):
             raise SettingsError(f"conformance must be true or false, got {conformance!r}")
-        return cls(
-            backend, config, timeouts["unrequested_timeout_s"], timeouts["transfer_timeout_s"], conformance
-        )
+        return cls(backend, config, timeouts["unrequested_timeout_s"], conformance)
 
 
 def _number(key: str, value: object) -> float:

@@ -4,11 +4,12 @@ Prefill runs a :class:`~kvconn.runtime.prefill.PrefillRank` whose source
 memory is the KV cache; a finished request's blocks are sent as one chunk
 into the pages decode asks for. Decode runs a
 :class:`~kvconn.runtime.decode.DecodeEndpoint` whose pages are the KV cache
-blocks. A decode block goes back to vLLM only through kvconn: a received
+blocks, one endpoint for every prefill instance (each request names its
+instance). A decode block goes back to vLLM only through kvconn: a received
 room (every rank reported every byte landed), or, for a request vLLM
 aborted or a transfer that failed, ``on_release`` with its proof. Never on
-a timeout: past its deadline a room is quarantined and its blocks stay
-allocated.
+a timeout: past its deadline (kvconn's per-room ``transfer_timeout_s``) a
+room fails and is aborted, and its blocks stay allocated until proof.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from kvconn.errors import BootstrapError
 from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
@@ -60,8 +62,8 @@ class _Outgoing:
 @attrs.define
 class _Incoming:
     recv: Recv
+    #: None while its prefill instance is being bootstrapped.
     receiver: Receiver | None
-    deadline: float
     #: Set once the receiver was aborted: the request ends only with on_release.
     giving_up: bool = False
     failed: bool = False
@@ -91,11 +93,8 @@ class WorkerSide:
         self.buffers: list[Any] = []
         self.layout: KVLayout | None = None
         self.rank: PrefillRank | None = None
-        #: One endpoint per prefill instance (its ranks' addresses), made at
-        #: its first request. Each tracks its own rooms over the same pages:
-        #: vLLM hands a block to one request at a time, and a block leaves an
-        #: endpoint only with proof.
-        self.decodes: dict[tuple[str, ...], DecodeEndpoint] = {}
+        #: Decode's one endpoint over the KV cache, for every prefill instance.
+        self.decode: DecodeEndpoint | None = None
         self._lock = threading.Lock()
         # prefill
         self._outgoing: dict[int, _Outgoing] = {}
@@ -106,6 +105,11 @@ class WorkerSide:
         self._incoming: dict[str, _Incoming] = {}
         self._by_room: dict[int, str] = {}
         self._released: list[Release] = []
+        #: Prefill instances being bootstrapped off the engine thread, with
+        #: the requests waiting on each; and the bootstraps that ended (None:
+        #: ready), handed over from their threads.
+        self._connecting: dict[tuple[str, ...], list[str]] = {}
+        self._connected: dict[tuple[str, ...], BaseException | None] = {}
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         #: Decode blocks handed back to vLLM after an abort or failure, by proof.
@@ -124,6 +128,15 @@ class WorkerSide:
                 layout=self.layout,
             )
             log.info("kvconn prefill rank %d listening at %s", self.tp_rank, self.rank.address)
+        if self.consumer:
+            self.decode = DecodeEndpoint(
+                self.backend,
+                config=self.settings.config,
+                on_release=self._on_release,
+                clock=self.clock,
+                buffers=self.buffers,
+                layout=self.layout,
+            )
 
     @property
     def address(self) -> str:
@@ -155,8 +168,8 @@ class WorkerSide:
         return bool(self._outgoing or self._incoming)
 
     def close(self) -> None:
-        for endpoint in self.decodes.values():
-            endpoint.close()
+        if self.decode is not None:
+            self.decode.close()
         if self.rank is not None:
             self.rank.close()
 
@@ -237,38 +250,68 @@ class WorkerSide:
 
     # -- decode ------------------------------------------------------------
     def _start_recv(self, recv: Recv) -> None:
-        try:
-            if recv.room in self._by_room:
-                # Two live requests with one room (a 63-bit hash collision):
-                # releases name rooms, so this one must not start.
-                raise RuntimeError(f"room {recv.room} is in use by request {self._by_room[recv.room]}")
-            endpoint = self._endpoint_for(recv.prefill)
-            receiver = endpoint.receiver(recv.room, recv.block_ids)
-        except Exception as exc:
-            # No prefill rank was told these blocks: nothing can write them.
-            log.warning("request %s: kvconn cannot receive (%s); it will be recomputed", recv.req_id, exc)
-            self._done_recving.add(recv.req_id)
-            self._failed_recving.add(recv.req_id)
+        if self.decode is None:
+            self._cannot_receive(recv.req_id, "this worker runs no decode endpoint")
             return
-        deadline = self.clock() + self.settings.transfer_timeout_s
-        self._incoming[recv.req_id] = _Incoming(recv, receiver, deadline)
-        self._by_room[recv.room] = recv.req_id
-
-    def _endpoint_for(self, prefill: tuple[str, ...]) -> DecodeEndpoint:
-        """The endpoint for ``prefill``'s ranks, bootstrapped at its first request."""
-        endpoint = self.decodes.get(prefill)
-        if endpoint is None:
-            if self.layout is None:
-                raise RuntimeError("no KV cache registered")
-            endpoint = self.decodes[prefill] = DecodeEndpoint(
-                self.backend,
-                prefill=list(prefill),
-                config=self.settings.config,
-                on_release=self._on_release,
-                buffers=self.buffers,
-                layout=self.layout,
+        if recv.room in self._by_room:
+            # Two live requests with one room (a 63-bit hash collision):
+            # releases name rooms, so this one must not start.
+            self._cannot_receive(
+                recv.req_id, f"room {recv.room} is in use by request {self._by_room[recv.room]}"
             )
-        return endpoint
+            return
+        self._incoming[recv.req_id] = _Incoming(recv, None)
+        self._by_room[recv.room] = recv.req_id
+        if recv.prefill in self._connecting:
+            self._connecting[recv.prefill].append(recv.req_id)
+        elif recv.prefill in self.decode.instances():
+            self._open(recv.req_id)
+        else:
+            # A new prefill instance: its bootstrap may take up to
+            # bootstrap_timeout_s (an unreachable instance takes all of it),
+            # so it runs on its own thread, never on the engine's.
+            self._connecting[recv.prefill] = [recv.req_id]
+            threading.Thread(
+                target=self._connect, args=(self.decode, recv.prefill), name="kvconn-connect", daemon=True
+            ).start()
+
+    def _connect(self, decode: DecodeEndpoint, prefill: tuple[str, ...]) -> None:
+        outcome: BaseException | None = None
+        try:
+            decode.connect(prefill)
+        except (BootstrapError, ValueError, RuntimeError) as exc:
+            outcome = exc
+        with self._lock:
+            self._connected[prefill] = outcome
+
+    def _take_connected(self) -> None:
+        """Start the requests whose prefill instance finished bootstrapping."""
+        with self._lock:
+            connected, self._connected = self._connected, {}
+        for prefill, outcome in connected.items():
+            for req_id in self._connecting.pop(prefill, []):
+                if outcome is None:
+                    self._open(req_id)
+                else:
+                    self._forget(req_id)
+                    self._cannot_receive(req_id, f"prefill {list(prefill)} did not bootstrap: {outcome}")
+
+    def _open(self, req_id: str) -> None:
+        assert self.decode is not None
+        recv = self._incoming[req_id].recv
+        try:
+            receiver = self.decode.receiver(recv.room, recv.block_ids, prefill=recv.prefill)
+        except Exception as exc:
+            self._forget(req_id)
+            self._cannot_receive(req_id, str(exc))
+            return
+        self._incoming[req_id].receiver = receiver
+
+    def _cannot_receive(self, req_id: str, reason: str) -> None:
+        # No prefill rank was told these blocks: nothing can write them.
+        log.warning("request %s: kvconn cannot receive (%s); it will be recomputed", req_id, reason)
+        self._done_recving.add(req_id)
+        self._failed_recving.add(req_id)
 
     def _on_release(self, release: Release) -> None:
         # kvconn's thread (or ours, inside abort()): hand it to the engine thread.
@@ -277,13 +320,20 @@ class WorkerSide:
 
     def _abort(self, req_id: str) -> None:
         incoming = self._incoming.get(req_id)
-        if incoming is None or incoming.receiver is None or incoming.giving_up:
+        if incoming is None or incoming.giving_up:
             return  # reported already, or already aborting
+        if incoming.receiver is None:
+            # Still waiting for its instance's bootstrap: no prefill was told
+            # these blocks, so they are free now.
+            self._connecting[incoming.recv.prefill].remove(req_id)
+            self._forget(req_id)
+            self._done_recving.add(req_id)
+            return
         incoming.giving_up = True
         incoming.receiver.abort()
 
     def _poll_recvs(self) -> None:
-        now = self.clock()
+        self._take_connected()
         for req_id, incoming in list(self._incoming.items()):
             if incoming.giving_up or incoming.receiver is None:
                 continue
@@ -293,12 +343,12 @@ class WorkerSide:
                 self._forget(req_id)
                 self._done_recving.add(req_id)
                 continue
-            if status is KVPoll.FAILED:
-                reason = incoming.receiver.failure() or "transfer failed"
-            elif now >= incoming.deadline:
-                reason = f"no transfer within transfer_timeout_s ({self.settings.transfer_timeout_s} s)"
-            else:
+            if status is not KVPoll.FAILED:
                 continue
+            # A writer failed it, its rank is down, or kvconn's transfer
+            # deadline passed: kvconn aborted it already (abort() below is
+            # for a FAILED it did not abort, and harmless otherwise).
+            reason = incoming.receiver.failure() or "transfer failed"
             log.warning(
                 "request %s: %s; its blocks come back with proof, then it is recomputed", req_id, reason
             )

@@ -218,7 +218,9 @@ class DecodeEndpoint:
         self._id_of_session: dict[tuple[int, int], int] = {}
         #: Addresses of instances being bootstrapped now.
         self._pending: dict[str, _Instance] = {}
-        self._bootstrap_lock = threading.Lock()
+        #: One bootstrap at a time per instance; instances in parallel, so
+        #: an unreachable one does not hold up the others.
+        self._bootstrap_locks: dict[tuple[str, ...], threading.Lock] = {}
         self._bootstrapped = threading.Condition(self._lock)
         #: The current request of every room the tracker has (open or held).
         self._requests: dict[int, _Request] = {}
@@ -284,6 +286,14 @@ class DecodeEndpoint:
         """The prefill instances bootstrapped so far, by their ranks' addresses."""
         with self._lock:
             return list(self._instances)
+
+    def connect(self, prefill: Sequence[str]) -> None:
+        """Bootstrap prefill instance ``prefill`` now if it is new (blocking,
+        within ``Config.bootstrap_timeout_s``; raises what ``receiver()``
+        raises for a new instance), so that the first ``receiver()`` naming
+        it does not wait: an engine calls this off its step thread. Known
+        instances return at once."""
+        self._instance(prefill)
 
     # -- engine API --------------------------------------------------------
     def receiver(
@@ -413,14 +423,15 @@ class DecodeEndpoint:
             raise ValueError("a prefill instance needs at least one rank address")
         if len(set(key)) != len(key):
             raise ValueError(f"prefill addresses {list(key)} name one rank twice")
-        # One bootstrap at a time: two engine threads meeting a new instance
-        # at once bootstrap it once.
-        with self._bootstrap_lock:
+        # Two engine threads meeting a new instance at once bootstrap it once.
+        with self._lock:
+            bootstrap_lock = self._bootstrap_locks.setdefault(key, threading.Lock())
+        with bootstrap_lock:
             with self._lock:
                 known = self._instances.get(key)
                 if known is not None:
                     return known
-                taken = [a for a in key if a in self._id_at]
+                taken = [a for a in key if a in self._id_at or a in self._pending]
                 if taken:
                     raise ValueError(
                         f"prefill addresses {taken} are ranks of another prefill instance of this endpoint"
