@@ -24,7 +24,9 @@ def main(mutants: Path) -> int:
         counts = Counter(status_by_exit_code[c] for c in codes.values())
         module = str(meta.relative_to(mutants)).removesuffix(".meta")
         killed = counts["killed"] + counts["timeout"]
-        rows.append((module, len(codes), killed, counts["survived"], len(codes) - killed - counts["survived"]))
+        rows.append(
+            (module, len(codes), killed, counts["survived"], len(codes) - killed - counts["survived"])
+        )
         survivors += sorted(k for k, c in codes.items() if status_by_exit_code[c] != "killed")
     print(f"{'module':45} {'total':>6} {'killed':>7} {'survived':>9} {'other':>6} {'score':>7}")
     for module, total, killed, survived, other in rows:

@@ -23,9 +23,7 @@ def send_abort(ledger: RoomLedger, decode: str, generation: int = 1) -> list[Led
 
 def acked(actions: list[LedgerAction]) -> list[tuple[str, str, int]]:
     """(reply address, decode named in the ack, generation) of every ack."""
-    return sorted(
-        (a.reply_to, a.ack.decode, a.ack.generation) for a in actions if isinstance(a, SendAck)
-    )
+    return sorted((a.reply_to, a.ack.decode, a.ack.generation) for a in actions if isinstance(a, SendAck))
 
 
 def writing(ledger: RoomLedger, chunks: int = 1, decode: str = A) -> None:
