@@ -1,8 +1,9 @@
 """Exhaustive exploration of the protocol core's interleavings.
 
 A small world: one room, ``ranks`` prefill ranks each writing ``chunks``
-chunks into decode's pages, one decode abort, and, at every point, the
-faults the brief names: a handle failing with its write settled or still in
+chunks into decode's pages, one abort by each of ``decodes`` decode endpoints
+(two: one prefill room feeding two decodes, whose ABORTs can be pending at
+once), and, at every point, the faults the brief names: a handle failing with its write settled or still in
 flight, the engine clearing the room, the writer's fence, decode's deadline.
 Every step calls the real :class:`RoomLedger` / :class:`HoldTracker`; the
 explorer only plays the network, the transport and the clocks. Messages may
@@ -35,6 +36,8 @@ from kvconn.protocol.messages import Abort, AbortAck
 
 ROOM = 7
 DECODE = "decode"
+#: Decode endpoints by index; the first is DECODE.
+DECODES = (DECODE, "decode-b")
 
 
 class Violation(AssertionError):
@@ -44,7 +47,7 @@ class Violation(AssertionError):
 @dataclass
 class Rank:
     ledger: RoomLedger
-    requested: bool = False
+    requested: set[int] = field(default_factory=set)  # the decodes whose request arrived
     next_chunk: int = 0
     phase: str = "idle"  # idle | write | posted
     landed: bool = False  # the posted chunk's bytes are in the destination
@@ -56,25 +59,41 @@ class Rank:
 
 
 @dataclass
-class World:
-    ranks: list[Rank]
+class Decode:
     tracker: HoldTracker
-    acks: list[AbortAck] = field(default_factory=list)
     aborted: bool = False
     ticked: bool = False
     released: bool = False
+
+
+@dataclass
+class World:
+    ranks: list[Rank]
+    decodes: list[Decode]
+    acks: list[AbortAck] = field(default_factory=list)
     unsettled_errors: int = 0
+
+    @property
+    def tracker(self) -> HoldTracker:
+        """The first decode's tracker (the only one in a one-decode world)."""
+        return self.decodes[0].tracker
+
+    @property
+    def aborted(self) -> bool:
+        return any(d.aborted for d in self.decodes)
+
+    @property
+    def released(self) -> bool:
+        """Some decode handed the room's pages out again."""
+        return any(d.released for d in self.decodes)
 
     def key(self) -> tuple[object, ...]:
         """Everything that decides the future, as a hashable value; acks in
         flight are a multiset (delivery order is explored anyway)."""
         return (
             tuple(_rank_key(r) for r in self.ranks),
-            _tracker_key(self.tracker),
+            tuple((_tracker_key(d.tracker), d.aborted, d.ticked, d.released) for d in self.decodes),
             tuple(sorted(attrs.astuple(a) for a in self.acks)),
-            self.aborted,
-            self.ticked,
-            self.released,
             self.unsettled_errors,
         )
 
@@ -83,11 +102,8 @@ class World:
         # and flat, so a copy of their mutable parts is enough.
         return World(
             [_clone_rank(r) for r in self.ranks],
-            _clone_tracker(self.tracker),
+            [Decode(_clone_tracker(d.tracker), d.aborted, d.ticked, d.released) for d in self.decodes],
             list(self.acks),
-            self.aborted,
-            self.ticked,
-            self.released,
             self.unsettled_errors,
         )
 
@@ -110,7 +126,7 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
     inbox = tuple((a.room, a.generation) for a in rank.inbox)
     return (
         rooms,
-        rank.requested,
+        tuple(sorted(rank.requested)),
         rank.next_chunk,
         rank.phase,
         rank.landed,
@@ -160,7 +176,7 @@ def _clone_rank(rank: Rank) -> Rank:
     ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in rank.ledger._expiry]
     return Rank(
         ledger,
-        rank.requested,
+        set(rank.requested),
         rank.next_chunk,
         rank.phase,
         rank.landed,
@@ -208,10 +224,19 @@ class Report:
 LedgerFactory = Callable[[int], RoomLedger]
 
 
-def initial(ranks: int, ledger_factory: LedgerFactory, tracker_factory: Callable[[], HoldTracker]) -> World:
-    tracker = tracker_factory()
-    tracker.open(ROOM, (0, 1), frozenset(range(ranks)))
-    return World([Rank(ledger_factory(r)) for r in range(ranks)], tracker)
+def initial(
+    ranks: int,
+    ledger_factory: LedgerFactory,
+    tracker_factory: Callable[[], HoldTracker],
+    decodes: int = 1,
+) -> World:
+    trackers = []
+    for name in DECODES[:decodes]:
+        tracker = tracker_factory()
+        tracker.decode, tracker.reply_to = name, f"reply-{name}"
+        tracker.open(ROOM, (0, 1), frozenset(range(ranks)))
+        trackers.append(tracker)
+    return World([Rank(ledger_factory(r)) for r in range(ranks)], [Decode(t) for t in trackers])
 
 
 def default_tracker() -> HoldTracker:
@@ -229,12 +254,12 @@ def _ack_out(world: World, r: int, actions: list[object]) -> None:
             world.acks.append(action.ack)
 
 
-def _release(world: World, actions: list[object]) -> None:
+def _release(world: World, d: int, actions: list[object]) -> None:
     for action in actions:
         if isinstance(action, Release):
             if any(rank.in_flight or rank.phase == "write" for rank in world.ranks):
-                raise Violation("S2: pages released while a write can still land")
-            world.released = True
+                raise Violation(f"S2: {DECODES[d]} released its pages while a write can still land")
+            world.decodes[d].released = True
         elif isinstance(action, SendAbort):
             world.ranks[action.rank].inbox.append(action.abort)
 
@@ -244,13 +269,15 @@ def steps(
 ) -> Iterator[tuple[str, Callable[[World], None]]]:
     """Every step enabled in ``world``, each as (label, mutate-a-copy)."""
     for r, rank in enumerate(world.ranks):
-        if not rank.requested:
+        for d in range(len(world.decodes)):
+            if d in rank.requested:
+                continue
 
-            def request(w: World, r: int = r) -> None:
-                w.ranks[r].ledger.request(ROOM, DECODE)
-                w.ranks[r].requested = True
+            def request(w: World, r: int = r, d: int = d) -> None:
+                w.ranks[r].ledger.request(ROOM, DECODES[d])
+                w.ranks[r].requested.add(d)
 
-            yield f"r{r}:request", request
+            yield f"r{r}:request{d}", request
         if rank.requested and rank.phase == "idle" and rank.next_chunk < chunks and not rank.cleared:
 
             def dequeue(w: World, r: int = r) -> None:
@@ -344,25 +371,27 @@ def steps(
                 _ack_out(w, r, list(rk.ledger.try_ack(ROOM)))
 
             yield f"r{r}:abort_try", try_after_abort
-    if not world.aborted:
+    for d, dec in enumerate(world.decodes):
+        if not dec.aborted:
 
-        def abort(w: World) -> None:
-            w.aborted = True
-            _release(w, list(w.tracker.abort(ROOM, now=0.0)))
+            def abort(w: World, d: int = d) -> None:
+                w.decodes[d].aborted = True
+                _release(w, d, list(w.decodes[d].tracker.abort(ROOM, now=0.0)))
 
-        yield "decode:abort", abort
-    if deadline and world.aborted and not world.ticked and not world.released:
+            yield f"{DECODES[d]}:abort", abort
+        if deadline and dec.aborted and not dec.ticked and not dec.released:
 
-        def tick(w: World) -> None:
-            w.ticked = True
-            _release(w, list(w.tracker.tick(now=1e9)))
+            def tick(w: World, d: int = d) -> None:
+                w.decodes[d].ticked = True
+                _release(w, d, list(w.decodes[d].tracker.tick(now=1e9)))
 
-        yield "decode:deadline", tick
+            yield f"{DECODES[d]}:deadline", tick
     for i in range(len(world.acks)):
 
         def deliver_ack(w: World, i: int = i) -> None:
             ack = w.acks.pop(i)
-            _release(w, list(w.tracker.ack(ack, now=0.0)))
+            d = DECODES.index(ack.decode)  # the ack names the decode that aborted
+            _release(w, d, list(w.decodes[d].tracker.ack(ack, now=0.0)))
 
         yield f"decode:ack{i}", deliver_ack
 
@@ -374,10 +403,11 @@ def explore(
     deadline: bool = True,  # decode's deadline may pass at any point
     ledger_factory: LedgerFactory = RoomLedger,
     tracker_factory: Callable[[], HoldTracker] = default_tracker,
+    decodes: int = 1,  # decode endpoints fed by the room, each aborting it at any point
 ) -> Report:
     """Visit every reachable state; raise :class:`Violation` on the first bad one."""
     report = Report()
-    start = initial(ranks, ledger_factory, tracker_factory)
+    start = initial(ranks, ledger_factory, tracker_factory, decodes)
     seen = {start.key()}
     stack = [start]
     while stack:
@@ -399,10 +429,11 @@ def explore(
 
 
 def _check_terminal(world: World) -> None:
-    if not world.aborted:
-        return
-    state = world.tracker.state(ROOM)
-    if state is HoldState.HELD:
-        raise Violation("L2: an aborted room is still held with nothing left to happen")
-    if not world.released and world.unsettled_errors == 0:
-        raise Violation(f"L2: room not released although every write settled (state {state})")
+    for name, dec in zip(DECODES, world.decodes, strict=False):
+        if not dec.aborted:
+            continue
+        state = dec.tracker.state(ROOM)
+        if state is HoldState.HELD:
+            raise Violation(f"L2: {name}'s aborted room is still held with nothing left to happen")
+        if not dec.released and world.unsettled_errors == 0:
+            raise Violation(f"L2: {name}'s room not released although every write settled (state {state})")

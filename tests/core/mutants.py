@@ -81,7 +81,8 @@ class AckUnknownAtOnce(RoomLedger):
 
     def abort(self, msg: Abort, now: float) -> bool:
         if msg.room not in self._rooms:
-            self._pending_ack = (msg.reply_to, AbortAck(msg.room, self.rank, msg.generation, False))
+            ack = AbortAck(msg.room, self.rank, msg.generation, False, msg.decode)
+            self._pending_ack = (msg.reply_to, ack)
             return False
         return super().abort(msg, now)
 
@@ -125,6 +126,18 @@ class RegisterBeforeFailedNoGuard(RegisterBeforeFailed):
             entry.status = saved
 
 
+class OneAckTargetPerRoom(RoomLedger):
+    """A newer ABORT of a room overwrites its ack target, whichever decode
+    sent it: with two decodes' ABORTs pending, the first is never acked."""
+
+    def abort(self, msg: Abort, now: float) -> bool:
+        known = super().abort(msg, now)
+        entry = self._rooms[msg.room]
+        if msg.decode in entry.targets:
+            entry.targets = {msg.decode: entry.targets[msg.decode]}
+        return known
+
+
 class AcceptAnyGeneration(HoldTracker):
     """Decode accepts an ack whatever its generation."""
 
@@ -143,6 +156,7 @@ __all__ = [
     "Dropped",
     "ErrAlwaysUncounts",
     "NoDequeueCount",
+    "OneAckTargetPerRoom",
     "RegisterBeforeFailed",
     "RegisterBeforeFailedNoGuard",
 ]

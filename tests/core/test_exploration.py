@@ -14,10 +14,18 @@ CONFIGS = [
     dict(ranks=2, chunks=2, errors=1, deadline=False),
     dict(ranks=2, chunks=1, errors=1, deadline=True),
     dict(ranks=1, chunks=3, errors=2, deadline=True),
+    # One prefill room feeding two decodes, each aborting at any point: both
+    # ABORTs can be pending at once, and each decode must get its own ack.
+    dict(ranks=1, chunks=1, errors=0, deadline=True, decodes=2),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{ranks}r{chunks}c{errors}e{deadline}".format(**c))
+def _config_id(config: dict[str, int | bool]) -> str:
+    name = "{ranks}r{chunks}c{errors}e{deadline}".format(**config)
+    return name + (f"{config['decodes']}d" if "decodes" in config else "")
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_core_is_safe_in_every_interleaving(
     config: dict[str, int | bool], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -83,3 +91,16 @@ def test_decode_accepting_any_generation_is_caught() -> None:
     assert [type(a).__name__ for a in kept] == ["Dropped"]
     broken = run(mutants.AcceptAnyGeneration("decode", "reply", abort_timeout=10.0))
     assert [type(a).__name__ for a in broken] == ["Release"]
+
+
+def test_one_ack_target_per_room_is_caught_with_two_decodes() -> None:
+    """A ledger whose newer ABORT overwrites the older one's ack target: with
+    both decodes' ABORTs pending, one decode is never acked and its pages
+    stay held although every write settled (L2)."""
+    with pytest.raises(explore.Violation) as info:
+        explore.explore(
+            ranks=1, chunks=1, errors=0, deadline=False, decodes=2, ledger_factory=mutants.OneAckTargetPerRoom
+        )
+    assert str(info.value).startswith("L2")
+    # ...and a one-decode world cannot see it
+    explore.explore(ranks=1, chunks=2, errors=1, ledger_factory=mutants.OneAckTargetPerRoom)
