@@ -1,0 +1,144 @@
+"""Decode's two socket-level proofs, on real sockets of this process (issue 25).
+
+* A writer's exit proves nothing while decode's end of a connection whose
+  other end is gone still holds bytes the writer sent before it died: the
+  kernel goes on delivering them. Only loopback-free transports have such
+  sockets, so until now only the tcpdemo plugin's conformance run caught an
+  exit counted without that drain.
+* A fenced ack naming the connections the fence closed counts only once
+  decode's ends of them drained (the ack hold-back).
+
+Both are driven by hand, with decode's clock frozen (its idle loop never
+checks exits on its own), and assert the consequence: the pages stay held
+while a byte can still arrive, and are released, with the proof named, after.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import attrs
+import pytest
+
+from kvconn.bench.overhead import NullBackend
+from kvconn.config import Config
+from kvconn.protocol.hold import HoldState, Proof, Release
+from kvconn.protocol.messages import AbortAck, TcpConnection
+from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
+from kvconn.runtime.procs import pid_namespace
+from kvconn.testing.cluster import free_port, wait_for
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+
+ROOM = 7
+WAIT_S = 10.0
+
+
+@attrs.define
+class Setup:
+    decode: DecodeEndpoint
+    rank: PrefillRank
+    released: list[Release]
+
+
+@pytest.fixture
+def setup() -> Iterator[Setup]:
+    # The rank sends no acks: only the proof under test can release.
+    rank = PrefillRank(NullBackend(), 0, 16 * 4096, Config(port=free_port(), acks_enabled=False))
+    released: list[Release] = []
+    decode = DecodeEndpoint(
+        NullBackend(), 16, 4096, [rank.address], Config(), on_release=released.append, clock=lambda: 0.0
+    )
+    try:
+        yield Setup(decode, rank, released)
+    finally:
+        decode.close()
+        rank.close()
+
+
+@pytest.fixture
+def dead_peer() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connection whose sending end is gone (as if its process died) with
+    bytes still unread at our end: (our end, the listener)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    ours, _ = server.accept()
+    client.sendall(b"written before the writer died")
+    client.close()
+    try:
+        yield ours, server
+    finally:
+        ours.close()
+        server.close()
+
+
+def _exited_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _check_exits(decode: DecodeEndpoint) -> None:
+    """One pass of decode's exit check, as its idle loop runs it."""
+    with decode._lock:
+        releases = decode._execute(decode._check_exits(decode.clock()))
+    decode._notify(releases)
+
+
+def test_a_writers_exit_waits_for_its_connections_to_drain(
+    setup: Setup, dead_peer: tuple[socket.socket, socket.socket]
+) -> None:
+    decode = setup.decode
+    rx = decode.receiver(ROOM, (3, 4))
+    # the rank's process is gone (an exited pid in our own pid namespace)
+    with decode._lock:
+        writer = decode._writers[0]
+        decode._writers[0] = attrs.evolve(writer, pid_namespace=pid_namespace(), pid=_exited_pid())
+    rx.abort()
+    _check_exits(decode)
+    assert rx.state() is HoldState.HELD and setup.released == []  # its bytes may still arrive
+    ours, _ = dead_peer
+    assert ours.recv(64)
+    ours.close()
+    wait_for(lambda: (_check_exits(decode), bool(setup.released))[1], WAIT_S, "the exit proof")
+    [release] = setup.released
+    assert release.proof is Proof.WRITER_EXIT and release.pages == (3, 4)
+
+
+def test_a_live_writer_is_not_proven_gone(setup: Setup) -> None:
+    rx = setup.decode.receiver(ROOM, (3, 4))
+    rx.abort()
+    _check_exits(setup.decode)
+    assert rx.state() is HoldState.HELD and setup.released == []
+
+
+def test_a_fenced_ack_counts_only_once_the_closed_connections_drained(setup: Setup) -> None:
+    decode = setup.decode
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    ours, _ = server.accept()
+    (lh, lp), (rh, rp) = client.getsockname(), client.getpeername()
+    closed = TcpConnection(lh, lp, rh, rp)  # as the writer's fence saw it
+    client.sendall(b"posted before the fence")
+    client.close()  # the fence closed it; the bytes are still on their way
+    try:
+        rx = decode.receiver(ROOM, (5,))
+        rx.abort()
+        with decode._lock:
+            generation = max(decode.tracker._rooms[ROOM].generations)
+        ack = AbortAck(ROOM, 0, generation, True, decode.name, decode.session_of(0), (closed,))
+        decode._on_message(ack)
+        decode._on_idle()
+        assert rx.state() is HoldState.HELD and setup.released == []
+        assert ours.recv(64)
+        ours.close()  # drained and closed at our end
+        wait_for(lambda: (decode._on_idle(), bool(setup.released))[1], WAIT_S, "the drained ack")
+        [release] = setup.released
+        assert release.proof is Proof.WRITER_FENCE
+    finally:
+        ours.close()
+        server.close()
