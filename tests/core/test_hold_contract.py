@@ -1,0 +1,79 @@
+"""Decode's hold tracker: its queries and multi-room stimuli, exactly (issue 25).
+
+The runtime sizes its waits from ``next_deadline``, exports pages per state
+and checks exits for the ranks of held rooms: a wrong answer there stalls a
+release or checks the wrong writer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconn.protocol.hold import HoldState, HoldTracker, Proof, Release, SendAbort
+from kvconn.protocol.messages import AbortAck
+
+
+def tracker() -> HoldTracker:
+    return HoldTracker("decode", "tcp://decode", abort_timeout=10.0, resend_interval=1.0)
+
+
+def generation(actions: list[object]) -> int:
+    [gen] = {a.abort.generation for a in actions if isinstance(a, SendAbort)}
+    return gen
+
+
+def test_next_deadline_of_a_quarantined_room_is_its_next_resend() -> None:
+    t = tracker()
+    t.open(1, (0,), frozenset({0}))
+    t.abort(1, now=0.0)
+    t.tick(now=10.0)  # quarantined, first re-send now, the next one a second later
+    assert t.state(1) is HoldState.QUARANTINED
+    assert t.next_deadline() == 11.0
+
+
+def test_success_counts_only_ranks_of_the_room() -> None:
+    t = tracker()
+    assert t.succeeded(1, 0) is False  # not tracked
+    t.open(1, (0,), frozenset({0, 1}))
+    assert t.succeeded(1, 5) is False  # a stranger
+    assert t.succeeded(1, 0) is False
+    with pytest.raises(ValueError, match="not completed"):
+        t.finish(1)
+    assert t.succeeded(1, 1) is True
+    assert t.finish(1) == (0,) and t.state(1) is None and t.pages_in(HoldState.OPEN) == 0
+
+
+def test_a_writer_exit_releases_every_room_it_alone_held() -> None:
+    t = tracker()
+    t.open(1, (1,), frozenset({0}))  # rank 1 does not write room 1
+    t.open(2, (2,), frozenset({0, 1}))
+    t.open(3, (3,), frozenset({1}))
+    t.abort(1, now=0.0)
+    gen = generation(t.abort(2, now=0.0))
+    t.abort(3, now=0.0)
+    t.ack(AbortAck(2, 1, gen, False), now=0.5)  # rank 1 proven for room 2 already
+    released = t.writer_exited(1, now=1.0)
+    assert [(r.room, r.proof) for r in released if isinstance(r, Release)] == [(3, Proof.WRITER_EXIT)]
+    assert t.state(1) is HoldState.HELD and t.state(2) is HoldState.HELD
+
+
+def test_hold_queries_answer_per_room_and_state() -> None:
+    t = tracker()
+    t.open(1, (1, 2), frozenset({0, 1}))
+    t.open(2, (3,), frozenset({0}))
+    assert t.ranks_of(1) == {0, 1} and t.ranks_of(9) == frozenset()
+    assert t.rooms_in(HoldState.OPEN) == [1, 2] and t.rooms_in(HoldState.HELD) == []
+    assert t.held_since(1) is None
+    t.abort(1, now=2.0)
+    assert t.held_since(1) == 2.0 and t.held_since(2) is None
+    assert t.rooms_in(HoldState.HELD) == [1] and t.rooms_in(HoldState.OPEN) == [2]
+    assert (t.pages_in(HoldState.OPEN), t.pages_in(HoldState.HELD)) == (1, 2)
+    assert t.oldest_quarantine(now=5.0) == 0.0
+    t.tick(now=12.0)
+    assert t.rooms_in(HoldState.QUARANTINED) == [1] and t.pages_in(HoldState.QUARANTINED) == 2
+    assert t.oldest_quarantine(now=15.5) == 3.5
+    assert t.held_since(1) == 2.0
+    t.abort(2, now=20.0)
+    t.tick(now=30.0)
+    assert t.oldest_quarantine(now=31.0) == 19.0  # the longest-waiting one
+    assert t.oldest_quarantine(now=11.0) == 0.0  # never negative

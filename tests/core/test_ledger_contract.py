@@ -1,0 +1,212 @@
+"""What the ledger tells decode, exactly, and how it forgets (issue 25).
+
+Every status names its room, rank, decode and rank session: decode drops a
+status naming another decode or session (a restarted peer), so a wrong field
+is a room decode waits on forever, or worse, another room's pages handed out.
+The tombstone expiry is pinned to its TTL: forgotten too early, a late
+transfer request would find no tombstone and write into freed pages.
+"""
+
+from __future__ import annotations
+
+from kvconn.protocol.ledger import KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
+from kvconn.protocol.messages import Abort, RoomOutcome, RoomStatus
+
+D = "decode-a"
+RANK, SESSION, TTL = 3, 99, 10.0
+
+
+def ledger() -> RoomLedger:
+    return RoomLedger(rank=RANK, tombstone_ttl=TTL, session=SESSION)
+
+
+def abort(led: RoomLedger, room: int, gen: int = 1, now: float = 0.0) -> list[LedgerAction]:
+    led.abort(Abort(room, gen, D, f"tcp://{D}"), now)
+    return led.try_ack(room)
+
+
+def status(room: int, outcome: RoomOutcome, reason: str) -> NotifyDecode:
+    return NotifyDecode(D, RoomStatus(room, RANK, outcome, reason, D, SESSION))
+
+
+def test_success_names_room_rank_decode_and_session() -> None:
+    led = ledger()
+    led.request(5, D)
+    led.dequeue(5)
+    assert led.landed(5, last=True) == [status(5, RoomOutcome.SUCCESS, "")]
+
+
+def test_each_failure_path_notifies_once_with_its_reason() -> None:
+    led = ledger()
+    led.request(5, D)
+    led.dequeue(5)
+    assert led.failed(5, settled=True, reason="handle error") == [
+        status(5, RoomOutcome.FAILED, "handle error")
+    ]
+    assert led.fail(5, "engine gave up") == []  # already failed: decode was told
+    led.request(6, D)
+    assert led.poison(6, "a hook raised") == [status(6, RoomOutcome.FAILED, "a hook raised")]
+    led.request(7, D)
+    assert led.fail(7, "engine gave up") == [status(7, RoomOutcome.FAILED, "engine gave up")]
+    led.request(8, D)
+    led.dequeue(8)
+    assert led.failed(8, settled=False, reason="stuck") == [status(8, RoomOutcome.FAILED, "stuck")]
+
+
+def test_an_ack_says_whether_a_fence_proved_it() -> None:
+    """The runtime attaches the fence's closed connections only to a fenced
+    ack, and decode holds those back until drained: a fence-proven ack that
+    claims no fence skips that wait."""
+    led = ledger()
+    led.request(1, D)
+    led.dequeue(1)
+    led.failed(1, settled=False, reason="stuck")
+    abort(led, 1)
+    [ack] = led.fenced()
+    assert isinstance(ack, SendAck) and ack.ack.fenced is True
+    assert (ack.ack.room, ack.ack.rank, ack.ack.decode, ack.ack.session) == (1, RANK, D, SESSION)
+    led.request(2, D)
+    [plain] = abort(led, 2)
+    assert isinstance(plain, SendAck) and plain.ack.fenced is False
+
+
+def test_abort_says_whether_the_room_was_known() -> None:
+    led = ledger()
+    led.request(1, D)
+    assert led.abort(Abort(1, 1, D, "r"), 0.0) is True
+    assert led.abort(Abort(2, 1, D, "r"), 0.0) is False  # tombstoned now
+    assert led.abort(Abort(2, 2, D, "r"), 0.0) is False  # still only a tombstone
+
+
+def test_two_chunks_failing_unsettled_are_both_held_until_the_fence() -> None:
+    led = ledger()
+    led.request(1, D)
+    led.dequeue(1)
+    led.dequeue(1)
+    led.failed(1, settled=False, reason="stuck")
+    led.failed(1, settled=False, reason="stuck")
+    assert abort(led, 1) == []
+    assert [type(a) for a in led.fenced()] == [SendAck]
+    assert led.outstanding(1) == 0
+
+
+def test_queries_of_an_unknown_room_are_empty() -> None:
+    led = ledger()
+    assert (led.status(4), led.outstanding(4), led.in_flight(4), led.decode_of(4)) == (None, 0, 0, "")
+    assert led.incarnation(4) is None
+    led.request(4, D)
+    assert led.decode_of(4) == D and led.incarnation(4) is not None
+
+
+def test_fail_keeps_the_count_of_chunks_in_flight() -> None:
+    """The engine fails a room with a chunk being written: the ack still
+    waits for that chunk (a fail() that made a fresh entry would not)."""
+    led = ledger()
+    led.request(1, D)
+    led.dequeue(1)
+    led.fail(1, "engine gave up")
+    assert led.outstanding(1) == 1
+    assert abort(led, 1) == []
+    assert [type(a) for a in led.landed(1, last=True)] == [SendAck]
+
+
+def test_fail_of_an_unknown_room_fails_a_later_request() -> None:
+    led = ledger()
+    assert led.fail(4, "engine gave up") == []  # no decode known: nobody to tell
+    assert led.status(4) is KVPoll.FAILED
+    led.request(4, D)
+    assert led.dequeue(4) is False
+
+
+def test_fail_of_an_incarnation_touches_only_that_incarnation() -> None:
+    led = ledger()
+    led.request(1, D)
+    led.dequeue(1)
+    led.landed(1, last=True)
+    old = led.incarnation(1)
+    led.request(1, D)  # the id reused by decode: a new room
+    new = led.incarnation(1)
+    assert old is not None and new is not None and new != old
+    assert led.fail(1, "late", incarnation=old) == []
+    assert led.status(1) is KVPoll.WAITING_FOR_INPUT
+    assert led.fail(1, "now", incarnation=new) == [status(1, RoomOutcome.FAILED, "now")]
+    assert led.fail(9, "gone", incarnation=new) == [] and led.status(9) is None
+
+
+def test_poison_of_an_unknown_room_holds_it_until_the_fence() -> None:
+    led = ledger()
+    assert led.poison(4, "a hook raised") == []  # no decode known yet
+    assert led.status(4) is KVPoll.FAILED and led.poisoned() == {4}
+    assert abort(led, 4) == []
+    assert [type(a) for a in led.fenced()] == [SendAck]
+
+
+# -- expiry ---------------------------------------------------------------------
+
+
+def test_a_tombstone_is_forgotten_exactly_at_its_ttl() -> None:
+    led = ledger()
+    assert [type(a) for a in abort(led, 9, now=5.0)] == [SendAck]
+    assert led.expire(now=5.0 + TTL - 0.5) == []
+    assert led.expire(now=5.0 + TTL) == [9]
+    assert led.status(9) is None
+
+
+def test_an_acked_cleared_room_is_kept_for_the_ttl_after_it_went_idle() -> None:
+    led = ledger()
+    led.request(1, D)
+    assert [type(a) for a in abort(led, 1)] == [SendAck]
+    led.clear(1)
+    assert led.expire(now=100.0) == []  # idle from now on: TTL starts here
+    assert led.expire(now=100.0 + TTL - 0.5) == []
+    assert led.status(1) is KVPoll.FAILED  # a duplicated ABORT still finds it acked
+    assert led.expire(now=100.0 + TTL) == [1]
+
+
+def test_a_cleared_room_with_a_chunk_in_flight_is_never_forgotten() -> None:
+    """Forgetting a counted room would let a re-sent ABORT find nothing and
+    be acked at once, with the chunk still being written."""
+    led = ledger()
+    led.request(1, D)
+    led.dequeue(1)
+    led.clear(1)
+    assert abort(led, 1) == []
+    assert led.expire(now=0.0) == [] and led.expire(now=10 * TTL) == []
+    assert led.outstanding(1) == 1
+    assert [type(a) for a in led.landed(1, last=False)] == [SendAck]
+
+
+def test_a_room_busy_again_when_due_is_forgotten_once_idle() -> None:
+    led = ledger()
+    led.request(1, D)
+    abort(led, 1)
+    led.clear(1)
+    led.expire(now=0.0)
+    assert led.dequeue(1) is False  # a duplicate chunk: counted, skipped
+    assert led.expire(now=TTL) == []  # due, but busy
+    led.skipped(1)
+    assert led.expire(now=TTL + 1) == [1]
+
+
+def test_expiry_goes_on_past_a_busy_room_and_a_forgotten_one() -> None:
+    led = ledger()
+    led.request(1, D)
+    led.dequeue(1)  # room 1 busy
+    led.request(2, D)
+    led.clear(2)  # room 2 drained: forgotten at once, but touched
+    abort(led, 3)  # room 3: a tombstone, acked
+    assert led.expire(now=0.0) == []
+    assert led.expire(now=TTL) == [3]
+
+
+def test_a_room_is_in_the_expiry_heap_at_most_once() -> None:
+    """expire() walks only touched rooms and pushes each room once: a room
+    touched again while scheduled (a duplicated ABORT) is not pushed again."""
+    led = ledger()
+    led.request(1, D)
+    abort(led, 1)
+    led.clear(1)
+    led.expire(now=0.0)
+    abort(led, 1)  # a duplicated ABORT touches it again
+    led.expire(now=1.0)
+    assert len(led._expiry) == 1
