@@ -77,3 +77,53 @@ def test_hold_queries_answer_per_room_and_state() -> None:
     t.tick(now=30.0)
     assert t.oldest_quarantine(now=31.0) == 19.0  # the longest-waiting one
     assert t.oldest_quarantine(now=11.0) == 0.0  # never negative
+
+
+def test_a_release_reports_how_long_the_pages_were_held_and_quarantined() -> None:
+    t = tracker()
+    t.open(1, (0, 1), frozenset({0}))
+    gen = generation(t.abort(1, now=2.0))
+    [release] = t.ack(AbortAck(1, 0, gen, False), now=3.5)
+    assert isinstance(release, Release)
+    assert (release.held_for, release.quarantined_for) == (1.5, 0.0)
+    assert t.pages_in(HoldState.HELD) == 0 and t.pages_in(HoldState.OPEN) == 0
+    t.open(2, (0, 1), frozenset({0}))
+    t.succeeded(2, 0)
+    [done] = t.abort(2, now=9.0)  # completed: released at once, never held
+    assert isinstance(done, Release) and done.proof is Proof.COMPLETED
+    assert (done.held_for, done.quarantined_for) == (0.0, 0.0)
+    assert t.pages_in(HoldState.OPEN) == 0
+
+
+def test_quarantine_names_the_room_and_its_pages() -> None:
+    t = tracker()
+    t.open(4, (7, 8), frozenset({0}))
+    t.abort(4, now=0.0)
+    quarantines = [a for a in t.tick(now=10.0) if not isinstance(a, SendAbort)]
+    assert [(q.room, q.pages) for q in quarantines] == [(4, (7, 8))]  # type: ignore[union-attr]
+
+
+def test_quarantined_aborts_are_resent_with_doubling_intervals_up_to_the_cap() -> None:
+    t = HoldTracker(
+        "decode", "tcp://decode", abort_timeout=10.0, resend_interval=1.0, max_resend_interval=3.0
+    )
+    t.open(1, (0,), frozenset({0}))
+    t.abort(1, now=0.0)
+    resent = []
+    for step in range(100, 200):  # every 0.1 s from 10.0 to 19.9
+        now = step / 10
+        if any(isinstance(a, SendAbort) for a in t.tick(now)):
+            resent.append(now)
+    assert resent == [10.0, 11.0, 13.0, 16.0, 19.0]  # intervals 1, 2, then capped at 3
+
+
+def test_the_unsafe_legacy_mode_frees_every_room_past_its_deadline() -> None:
+    t = HoldTracker("decode", "tcp://decode", abort_timeout=10.0, unsafe_release_at_deadline=True)
+    for room in (1, 2):
+        t.open(room, (room,), frozenset({0}))
+        t.abort(room, now=0.0)
+    released = t.tick(now=10.0)
+    assert [(r.room, r.proof) for r in released if isinstance(r, Release)] == [
+        (1, Proof.UNSAFE_TIMEOUT),
+        (2, Proof.UNSAFE_TIMEOUT),
+    ]
