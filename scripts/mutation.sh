@@ -3,6 +3,10 @@
 #
 #   scripts/mutation.sh              # fresh run, then a score per module
 #   scripts/mutation.sh --keep       # reuse the last run's results (after a test change)
+#   scripts/mutation.sh --keep 'kvconn.protocol.ledger.xǁRoomLedgerǁexpire*'   # re-run some
+#
+# PYTHON (default: python) must have mutmut 3 and kvconn's test dependencies;
+# JOBS (default 2) mutants run at a time.
 #
 # mutmut 3 derives a module's name from its path relative to where it runs and
 # only knows ./, src/ and source/ as source roots; kvconn's code lives in
@@ -37,11 +41,24 @@ if [[ $keep == 1 && -d $stage/mutants ]]; then
     rm -rf "$stage/mutants/tests"
 fi
 
+# What is mutated: all of the protocol core, and of the runtime only its
+# decision points (the rest of decode.py and prefill.py is plumbing that only
+# the process-level tests exercise, minutes per mutant). Names are mutmut's,
+# globs allowed; arguments replace this list.
+targets=(
+    "kvconn.protocol.*"
+    "kvconn.runtime.prefill.xǁFenceGateǁ*"
+    "kvconn.runtime.decode.xǁDecodeEndpointǁ_check_exits__mutmut_*"
+    "kvconn.runtime.decode.xǁDecodeEndpointǁ_hold_back__mutmut_*"
+    "kvconn.runtime.decode.xǁDecodeEndpointǁ_drained_acks__mutmut_*"
+)
+if [[ $# -gt 0 ]]; then targets=("$@"); fi
+
 cd "$stage"
 start=$(date +%s)
 # The staged copy is the only kvconn on the path: a PYTHONPATH into a checkout
 # would shadow nothing (mutmut puts mutants/src first) but confuses readers.
-env -u PYTHONPATH "$python" -m mutmut run --max-children "$jobs" "$@" || true
+env -u PYTHONPATH "$python" -m mutmut run --max-children "$jobs" "${targets[@]}" || true
 end=$(date +%s)
 "$python" "$root/scripts/mutation_score.py" mutants
 echo "wall time: $((end - start)) s on $jobs workers"

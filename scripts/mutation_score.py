@@ -18,7 +18,8 @@ def main(mutants: Path) -> int:
     survivors: list[str] = []
     rows = []
     for meta in sorted(mutants.rglob("*.py.meta")):
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        # mutants not run (outside the names the run was given) are not counted
+        codes = {k: c for k, c in json.loads(meta.read_text())["exit_code_by_key"].items() if c is not None}
         if not codes:
             continue
         counts = Counter(status_by_exit_code[c] for c in codes.values())
