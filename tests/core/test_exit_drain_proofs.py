@@ -142,3 +142,105 @@ def test_a_fenced_ack_counts_only_once_the_closed_connections_drained(setup: Set
     finally:
         ours.close()
         server.close()
+
+
+def test_every_gone_writer_releases_its_rooms_held_or_quarantined() -> None:
+    """Two writers gone in one check, one of whose rooms is quarantined
+    already: both rooms come back (none lost between two ranks' releases,
+    none left out for being past its deadline)."""
+    now = [0.0]
+    ranks = [
+        PrefillRank(NullBackend(), r, 16 * 4096, Config(port=free_port(), acks_enabled=False)) for r in (0, 1)
+    ]
+    released: list[Release] = []
+    decode = DecodeEndpoint(
+        NullBackend(),
+        16,
+        4096,
+        [r.address for r in ranks],
+        Config(abort_timeout_s=30.0),
+        on_release=released.append,
+        clock=lambda: now[0],
+    )
+    try:
+        first = decode.receiver(1, (1,), frozenset({0}))
+        first.abort()
+        now[0] = 100.0  # past its deadline
+        with decode._lock:
+            decode._execute(decode.tracker.tick(now[0]))
+        assert first.state() is HoldState.QUARANTINED
+        second = decode.receiver(2, (2,), frozenset({1}))
+        second.abort()
+        gone = _exited_pid()
+        with decode._lock:
+            for rank in (0, 1):
+                decode._writers[rank] = attrs.evolve(
+                    decode._writers[rank], pid_namespace=pid_namespace(), pid=gone
+                )
+        wait_for(lambda: (_check_exits(decode), len(released) == 2)[1], WAIT_S, "both exit proofs")
+        assert sorted((r.room, r.proof) for r in released) == [(1, Proof.WRITER_EXIT), (2, Proof.WRITER_EXIT)]
+    finally:
+        decode.close()
+        for rank in ranks:
+            rank.close()
+
+
+def _fenced_ack(decode: DecodeEndpoint, room: int, closed: TcpConnection) -> AbortAck:
+    with decode._lock:
+        generation = max(decode.tracker._rooms[room].generations)
+    return AbortAck(room, 0, generation, True, decode.name, decode.session_of(0), (closed,))
+
+
+def _undrained_connection() -> tuple[socket.socket, socket.socket, TcpConnection]:
+    """(our end, listener, the writer's view) of a connection its writer
+    closed with bytes unread at our end."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    ours, _ = server.accept()
+    (lh, lp), (rh, rp) = client.getsockname(), client.getpeername()
+    client.sendall(b"posted before the fence")
+    client.close()
+    return ours, server, TcpConnection(lh, lp, rh, rp)
+
+
+def test_held_back_acks_of_several_rooms_all_count_once_drained(setup: Setup) -> None:
+    decode = setup.decode
+    ours, server, closed = _undrained_connection()
+    try:
+        receivers = [decode.receiver(room, (room,)) for room in (1, 2)]
+        for rx in receivers:
+            rx.abort()
+        for room in (1, 2):
+            decode._on_message(_fenced_ack(decode, room, closed))
+        decode._on_idle()
+        assert all(rx.state() is HoldState.HELD for rx in receivers)
+        ours.recv(64)
+        ours.close()
+        wait_for(lambda: (decode._on_idle(), len(setup.released) == 2)[1], WAIT_S, "both drained acks")
+        assert sorted(r.room for r in setup.released) == [1, 2]
+    finally:
+        ours.close()
+        server.close()
+
+
+def test_a_full_drain_backlog_drops_new_acks_and_counts_them(setup: Setup) -> None:
+    decode = setup.decode
+    decode.MAX_DRAINING = 1  # type: ignore[misc]
+    ours, server, closed = _undrained_connection()
+    try:
+        for room in (1, 2):
+            decode.receiver(room, (room,)).abort()
+        first, second = (_fenced_ack(decode, room, closed) for room in (1, 2))
+        decode._on_message(first)
+        decode._on_message(first)  # the same ack again: already held back, not a new one
+        assert decode.metrics.value("kvconn_dropped_messages_total", reason="drain_backlog_full") == 0
+        decode._on_message(second)
+        assert decode.metrics.value("kvconn_dropped_messages_total", reason="drain_backlog_full") == 1
+        ours.recv(64)
+        ours.close()
+        wait_for(lambda: (decode._on_idle(), bool(setup.released))[1], WAIT_S, "the held-back ack")
+        assert [r.room for r in setup.released] == [1]  # the dropped one proves nothing
+        assert decode.tracker.state(2) is HoldState.HELD
+    finally:
+        ours.close()
+        server.close()

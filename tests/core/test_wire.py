@@ -123,7 +123,8 @@ def test_each_malformed_frame_is_refused_with_its_reason() -> None:
     assert (bad_version.reason, str(bad_version)) == ("bad_version", "bad_version: 3")
     assert refusal(header(0) + abort[4:]).reason == "unknown_tag"
     assert str(refusal(header(7) + abort[4:])) == "unknown_tag: 7"
-    assert refusal(abort[:-1]).reason == "bad_body"  # truncated inside a string
+    assert str(refusal(abort[:-1])) == "bad_body: Abort: truncated"  # inside a string
+    assert str(refusal(header(4))) == "bad_body: Abort: truncated"  # a header and no body
     trailing = refusal(abort + b"\x00")
     assert (trailing.reason, str(trailing)) == ("trailing_bytes", "trailing_bytes: Abort")
 
@@ -165,7 +166,7 @@ def test_frame_size_limits_are_exact() -> None:
     largest = Hello("", "", "", 0, 0, 0, b"x" * (wire.MAX_FRAME - base))
     frame = wire.encode(largest)
     assert len(frame) == wire.MAX_FRAME and wire.decode(frame) == largest
-    with pytest.raises(ValueError, match=f"{wire.MAX_FRAME + 1} bytes exceeds"):
+    with pytest.raises(ValueError, match=f"^Hello frame of {wire.MAX_FRAME + 1} bytes exceeds"):
         wire.encode(Hello("", "", "", 0, 0, 0, b"x" * (wire.MAX_FRAME - base + 1)))
     # with a key, the MAC counts toward the limit
     with pytest.raises(ValueError, match="exceeds"):
