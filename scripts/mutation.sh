@@ -37,8 +37,9 @@ cp -r "$root/tests/core" "$root/tests/fuzz" "$stage/tests/"
 cp "$root/pyproject.toml" "$stage/pyproject.toml"
 find "$stage" -name __pycache__ -prune -exec rm -rf {} +
 if [[ $keep == 1 && -d $stage/mutants ]]; then
-    # fresh copies of the tests and sources; mutmut re-tests what changed
-    rm -rf "$stage/mutants/tests"
+    # fresh copies of the tests; the stats (which tests reach which function)
+    # are collected again, so that new tests are run against old survivors
+    rm -rf "$stage/mutants/tests" "$stage/mutants/mutmut-stats.json"
 fi
 
 # What is mutated: all of the protocol core, and of the runtime only its

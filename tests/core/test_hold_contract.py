@@ -7,6 +7,8 @@ release or checks the wrong writer.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvconn.protocol.hold import HoldState, HoldTracker, Proof, Release, SendAbort
@@ -127,3 +129,61 @@ def test_the_unsafe_legacy_mode_frees_every_room_past_its_deadline() -> None:
         (1, Proof.UNSAFE_TIMEOUT),
         (2, Proof.UNSAFE_TIMEOUT),
     ]
+
+
+def test_pages_per_state_add_up_over_rooms() -> None:
+    t = tracker()
+    t.open(1, (1, 2), frozenset({0}))
+    t.open(2, (3, 4, 5), frozenset({0}))
+    assert t.pages_in(HoldState.OPEN) == 5
+    t.abort(1, now=0.0)
+    t.abort(2, now=0.0)
+    assert (t.pages_in(HoldState.OPEN), t.pages_in(HoldState.HELD)) == (0, 5)
+
+
+def test_abort_of_an_unknown_or_held_room_changes_nothing() -> None:
+    t = tracker()
+    assert t.abort(9, now=0.0) == []
+    t.open(1, (0,), frozenset({0}))
+    assert len(t.abort(1, now=0.0)) == 1
+    assert t.abort(1, now=5.0) == []  # the engine aborting again: no new generation
+    assert t.next_deadline() == 10.0  # nor a later deadline
+
+
+def test_every_dropped_ack_carries_the_ack_for_the_log() -> None:
+    t = tracker()
+    t.open(1, (0,), frozenset({0}))
+    gen = generation(t.abort(1, now=0.0))
+    t.open(2, (0,), frozenset({0}))
+    bogus = [
+        AbortAck(2, 0, gen, False),  # not held
+        AbortAck(1, 5, gen, False),  # stranger
+        AbortAck(1, 0, gen + 9, False),  # stale
+    ]
+    for ack in bogus:
+        [drop] = t.ack(ack, now=0.0)
+        assert drop.ack == ack  # type: ignore[union-attr]
+    t2 = tracker()
+    t2.open(1, (0,), frozenset({0, 1}))
+    gen = generation(t2.abort(1, now=0.0))
+    first = AbortAck(1, 0, gen, False)
+    t2.ack(first, now=0.0)
+    [dup] = t2.ack(first, now=0.0)
+    assert dup.ack == first  # type: ignore[union-attr]
+
+
+def test_a_room_is_opened_once_and_with_a_writer() -> None:
+    t = tracker()
+    t.open(1, (0,), frozenset({0}))
+    with pytest.raises(ValueError, match=r"^room 1 is still tracked \(open\)$"):
+        t.open(1, (0,), frozenset({0}))
+    with pytest.raises(ValueError, match=r"^a room needs at least one writing rank$"):
+        t.open(2, (0,), frozenset())
+
+
+def test_default_resends_back_off_to_thirty_seconds() -> None:
+    t = HoldTracker("decode", "tcp://decode", abort_timeout=10.0)
+    t.open(1, (0,), frozenset({0}))
+    t.abort(1, now=0.0)
+    resent = [now for now in range(10, 200) if any(isinstance(a, SendAbort) for a in t.tick(float(now)))]
+    assert [b - a for a, b in itertools.pairwise(resent)] == [1, 2, 4, 8, 16, 30, 30, 30, 30, 30]

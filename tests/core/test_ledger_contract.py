@@ -156,6 +156,7 @@ def test_an_acked_cleared_room_is_kept_for_the_ttl_after_it_went_idle() -> None:
     led = ledger()
     led.request(1, D)
     assert [type(a) for a in abort(led, 1)] == [SendAck]
+    assert led.expire(now=50.0) == []  # acked but not cleared: the engine still has it
     led.clear(1)
     assert led.expire(now=100.0) == []  # idle from now on: TTL starts here
     assert led.expire(now=100.0 + TTL - 0.5) == []
@@ -210,3 +211,28 @@ def test_a_room_is_in_the_expiry_heap_at_most_once() -> None:
     abort(led, 1)  # a duplicated ABORT touches it again
     led.expire(now=1.0)
     assert len(led._expiry) == 1
+
+
+def test_a_chunk_of_an_unknown_room_is_skipped_and_the_room_forgotten() -> None:
+    led = ledger()
+    assert led.dequeue(4) is False  # counted, never written
+    assert led.outstanding(4) == 1
+    assert led.skipped(4) == []
+    assert led.status(4) is None  # nothing left of it
+
+
+def test_a_late_clear_of_an_earlier_incarnation_leaves_the_new_room_alone() -> None:
+    led = ledger()
+    led.clear(4)  # unknown: nothing to do
+    assert led.status(4) is None
+    led.request(1, D)
+    led.dequeue(1)
+    led.landed(1, last=True)
+    old = led.incarnation(1)
+    led.request(1, D)
+    led.clear(1, incarnation=old)
+    assert led.dequeue(1) is True  # the new request is still written
+
+
+def test_a_try_of_an_unknown_room_acks_nothing() -> None:
+    assert ledger().try_ack(4) == []
