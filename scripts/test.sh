@@ -27,5 +27,12 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
 .venv/bin/kvconn backends
 .venv/bin/ruff check .
-.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src
-.venv/bin/python -m pytest -m "not slow" --durations=15 "$@"
+.venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src kvconn_sglang/src
+.venv/bin/python -m pytest -m "not slow" --durations=15 --ignore=tests/sglang "$@"
+
+# The SGLang adapter's tests run in their own venv (SGLang pins a CUDA torch).
+bash scripts/setup-sglang-venv.sh .venv-sglang
+.venv-sglang/bin/python -m pytest -m "not slow" --durations=10 tests/sglang "$@"
+
+# The READMEs' command lines, as written, in a fresh venv (3-6 min on 2 cores, mostly pip).
+python3 scripts/check_documented_commands.py

@@ -16,7 +16,7 @@ from kvconn.bench.cli import check_output_paths
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",
     "--stream-requests", "8", "--concurrency", "4", "--overhead-chunks", "500",
-    "--legacy-timeout", "0.5", "--settle-s", "0.5", "--drain-s", "3", "--no-progress",
+    "--legacy-timeout", "0.5", "--settle-s", "0.5", "--drain-s", "3", "--no-progress", "--faults", "off",
 ]  # fmt: skip
 
 
@@ -133,3 +133,31 @@ def test_output_paths_are_checked_as_files_first(tmp_path: Path) -> None:
         check_output_paths(str(tmp_path))  # a folder is no file
     with pytest.raises(ValueError, match="is not a writable folder"):
         check_output_paths(str(tmp_path / "missing" / "x.json"))
+
+
+def test_production_faults_corrupt_the_timeout_only_mode_and_not_kvconn(tmp_path: Path) -> None:
+    """A rank frozen mid-write, a late transport queue, a partitioned rank:
+    the timeout-only mode frees pages a late write then reaches, kvconn
+    quarantines them until a proof and loses none."""
+    out = tmp_path / "bench.json"
+    argv = [*SMALL[: SMALL.index("--faults")], "--requests", "4", "--stream-requests", "0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", "bench", *argv, "--json", str(out), "--faults", "short"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    faults = {(f["fault"], f["mode"]): f for f in json.loads(out.read_text())["faults"]}
+    for fault in ("frozen", "late_queue", "partition"):
+        kvconn, legacy = faults[(fault, "kvconn")], faults[(fault, "legacy")]
+        if kvconn["skipped"]:  # the partition needs root and iproute2
+            assert fault == "partition" and legacy["skipped"], kvconn
+            continue
+        assert legacy["corrupted_pages"] > 0, legacy
+        assert legacy["proofs"] == ["unsafe_timeout"]
+        assert kvconn["corrupted_pages"] == 0 and kvconn["unreleased"] == 0, kvconn
+        assert kvconn["quarantined_pages"] == kvconn["pages"] > 0
+        assert set(kvconn["proofs"]) <= {"writer_fence", "late_acks", "acks"}
+        assert all(s > 0 for s in kvconn["recovery_s"])
+    assert "production faults" in proc.stdout

@@ -134,3 +134,50 @@ def test_spot_checks_expect_the_last_writer_of_a_page() -> None:
     assert (plan.src[j][plan.dst[j].index(first)], first) in checks
     assert (plan.src[0][0], first) not in checks
     assert (plan.src[-1][-1], plan.dst[-1][-1]) in checks  # the last room's page: nothing writes it later
+
+
+def test_kv_shapes_parse_and_refuse_mixing() -> None:
+    from kvconn.bench.transport import _kv_shapes
+
+    kv = Shape.parse("kv:2x4:scattered")
+    assert (kv.layers, kv.chunk_pages, kv.scattered, kv.page_bytes) == (2, 4, True, 16 * 8 * 256)
+    assert kv.buffers == 4 and kv.chunk_bytes == 4 * 4 * 32768
+    assert kv.name == "2 layers x K/V x 4 x 32 KiB scattered"
+    for bad in ("kv:0x4", "kv:2xz", "kv:2x4:tight"):
+        with pytest.raises(ValueError, match="shape"):
+            Shape.parse(bad)
+    assert _kv_shapes([kv, Shape.parse("kv:2x8")])
+    with pytest.raises(ValueError, match="cannot run together"):
+        _kv_shapes([kv, Shape.parse("4096")])
+    with pytest.raises(ValueError, match="same number of layers"):
+        _kv_shapes([kv, Shape.parse("kv:3x4")])
+
+
+def test_kv_shape_runs_over_engine_buffers_and_counts_segments(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    args = ["--transport", "--backend", "loopback", "--repeat", "2", "--no-progress"]
+    args += [
+        "--shape",
+        "kv:2x4",
+        "--shape",
+        "kv:2x4:scattered",
+        "--bytes-per-run",
+        "2MiB",
+        "--room-bytes",
+        "512KiB",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", "bench", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (rep,) = json.loads(out.read_text())["transport"]
+    assert rep["verified"] is True  # every checked page equal to its source page, in all 4 buffers
+    runs, scattered = rep["shapes"]
+    assert runs["segments_per_chunk"] == 4  # 4 adjacent pages merge: one segment per buffer
+    assert 4 < scattered["segments_per_chunk"] <= 16
+    for s in rep["shapes"]:
+        assert s["lowering_us_per_chunk"] > 0 and s["kvconn_gbps"] > 0 and s["raw_gbps"] > 0

@@ -8,28 +8,24 @@ from typing import ClassVar
 import pytest
 
 from kvconn.conformance import ConformanceSuite
-from kvconn.plugins import BackendError, get_backend
+from kvconn.testing.libraries import why_unavailable
+
+# By the library, not the entry point: the plugins install without it.
+NIXL_MISSING = why_unavailable("nixl")
+MOONCAKE_MISSING = why_unavailable("mooncake")
 
 
-def _installed(name: str) -> bool:
-    try:
-        get_backend(name)
-    except BackendError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _installed("nixl"), reason="kvconn-nixl (and nixl) not installed")
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
 class TestNixlConformance(ConformanceSuite):
     backend_name = "nixl"
 
 
-@pytest.mark.skipif(not _installed("mooncake"), reason="kvconn-mooncake (and its engine) not installed")
+@pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=str(MOONCAKE_MISSING))
 class TestMooncakeConformance(ConformanceSuite):
     backend_name = "mooncake"
 
 
-@pytest.mark.skipif(not _installed("nixl"), reason="kvconn-nixl (and nixl) not installed")
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
 class TestNixlCmaConformance(ConformanceSuite):
     """UCX's own choice (cma on one host): no fence claimed, the rest holds."""
 

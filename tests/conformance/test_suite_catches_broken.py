@@ -45,8 +45,13 @@ def conformance(*args: str, timeout: float = 240) -> tuple[int, str]:
             "test_writer_fence_stops_frozen_writer",
             "the fence does not stop a resumed writer",
         ),
+        (
+            ["-o", "misplace_buffer=1"],
+            "test_engine_buffers_byte_exact[many_buffers]",
+            "hold wrong bytes after LANDED, in buffers [0, 1]",
+        ),
     ],
-    ids=["early_done", "linger_after_fail", "no_fence"],
+    ids=["early_done", "linger_after_fail", "no_fence", "misplace_buffer"],
 )
 def test_broken_loopback_fails_the_named_check(options: list[str], check: str, message: str) -> None:
     keyword = check.split("[")[0].removeprefix("test_")

@@ -1,9 +1,8 @@
 """Exhaustive exploration of the protocol core's interleavings.
 
 A small world: one room, ``ranks`` prefill ranks each writing ``chunks``
-chunks into decode's pages, one abort by each of ``decodes`` decode endpoints
-(two: one prefill room feeding two decodes, whose ABORTs can be pending at
-once), and, at every point, the faults the brief names: a handle failing with its write settled or still in
+chunks into decode's pages, one decode abort, and, at every point, the
+faults the brief names: a handle failing with its write settled or still in
 flight, the engine clearing the room, the writer's fence, decode's deadline.
 Every step calls the real :class:`RoomLedger` / :class:`HoldTracker`; the
 explorer only plays the network, the transport and the clocks. Messages may
@@ -18,6 +17,12 @@ It checks, in every reachable state:
 * L2: every terminal state has the room released or quarantined (nothing
   stuck in HELD), and with no ERR left unsettled and no dropped message, the
   room is released.
+
+With ``decodes=2`` every rank serves the same room id to two decode
+endpoints (prefill TP smaller than decode TP): each rank has one worker lane
+per decode over one shared ledger, and the second decode aborts at any point
+too. S1 and S2 are then per decode: an ack to one decode while that decode's
+write can still land, or a write landing in its released pages.
 """
 
 from __future__ import annotations
@@ -30,14 +35,12 @@ import attrs
 
 from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
 from kvconn.protocol.hold import _Room as HoldRoom
-from kvconn.protocol.ledger import RoomLedger, SendAck
-from kvconn.protocol.ledger import _Room as LedgerRoom
+from kvconn.protocol.ledger import RoomKey, RoomLedger, SendAck
 from kvconn.protocol.messages import Abort, AbortAck
 
 ROOM = 7
 DECODE = "decode"
-#: Decode endpoints by index; the first is DECODE.
-DECODES = (DECODE, "decode-b")
+DECODE2 = "decode-2"  #: the second decode of a two-decode world
 
 
 class Violation(AssertionError):
@@ -47,7 +50,7 @@ class Violation(AssertionError):
 @dataclass
 class Rank:
     ledger: RoomLedger
-    requested: set[int] = field(default_factory=set)  # the decodes whose request arrived
+    requested: bool = False
     next_chunk: int = 0
     phase: str = "idle"  # idle | write | posted
     landed: bool = False  # the posted chunk's bytes are in the destination
@@ -56,55 +59,62 @@ class Rank:
     cleared: bool = False
     errors: int = 0
     must_try: bool = False  # an ABORT was registered, its one try still to come
+    incarnation: int | None = None  # the ledger entry of the room's request, its chunks name it
+    rerequested: bool = False  # decode reused the room id for a new request after the release
+    decode: str = DECODE  # the decode this worker lane writes the room into
 
 
 @dataclass
-class Decode:
+class Side:
+    """The second decode of a two-decode world (the first one's are World's own fields)."""
+
     tracker: HoldTracker
     aborted: bool = False
-    ticked: bool = False
     released: bool = False
+
+    def key(self) -> tuple[object, ...]:
+        return (_tracker_key(self.tracker), self.aborted, self.released)
 
 
 @dataclass
 class World:
     ranks: list[Rank]
-    decodes: list[Decode]
+    tracker: HoldTracker
     acks: list[AbortAck] = field(default_factory=list)
+    aborted: bool = False
+    ticked: bool = False
+    released: bool = False
     unsettled_errors: int = 0
-
-    @property
-    def tracker(self) -> HoldTracker:
-        """The first decode's tracker (the only one in a one-decode world)."""
-        return self.decodes[0].tracker
-
-    @property
-    def aborted(self) -> bool:
-        return any(d.aborted for d in self.decodes)
-
-    @property
-    def released(self) -> bool:
-        """Some decode handed the room's pages out again."""
-        return any(d.released for d in self.decodes)
+    second: Side | None = None
 
     def key(self) -> tuple[object, ...]:
         """Everything that decides the future, as a hashable value; acks in
         flight are a multiset (delivery order is explored anyway)."""
         return (
             tuple(_rank_key(r) for r in self.ranks),
-            tuple((_tracker_key(d.tracker), d.aborted, d.ticked, d.released) for d in self.decodes),
+            _tracker_key(self.tracker),
             tuple(sorted(attrs.astuple(a) for a in self.acks)),
+            self.aborted,
+            self.ticked,
+            self.released,
             self.unsettled_errors,
+            None if self.second is None else self.second.key(),
         )
 
     def clone(self) -> World:
         # deepcopy was most of the explorer's time; these objects are small
         # and flat, so a copy of their mutable parts is enough.
+        ledgers: dict[int, RoomLedger] = {}  # the lanes of a rank keep sharing its ledger
+        second = self.second
         return World(
-            [_clone_rank(r) for r in self.ranks],
-            [Decode(_clone_tracker(d.tracker), d.aborted, d.ticked, d.released) for d in self.decodes],
+            [_clone_rank(r, ledgers) for r in self.ranks],
+            _clone_tracker(self.tracker),
             list(self.acks),
+            self.aborted,
+            self.ticked,
+            self.released,
             self.unsettled_errors,
+            None if second is None else Side(_clone_tracker(second.tracker), second.aborted, second.released),
         )
 
 
@@ -120,13 +130,16 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
             e.cleared,
             e.fenced,
             e.expires is None,
+            e.tombstone,
+            e.seq,
+            e.incarnation == rank.incarnation,
         )
         for k, e in sorted(rank.ledger._rooms.items())
     )
     inbox = tuple((a.room, a.generation) for a in rank.inbox)
     return (
         rooms,
-        tuple(sorted(rank.requested)),
+        rank.requested,
         rank.next_chunk,
         rank.phase,
         rank.landed,
@@ -135,7 +148,9 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
         rank.cleared,
         rank.errors,
         rank.must_try,
+        rank.rerequested,
         getattr(rank.ledger, "mutant_state", None),
+        rank.decode,
     )
 
 
@@ -154,29 +169,28 @@ def _tracker_key(tracker: HoldTracker) -> tuple[object, ...]:
     return (rooms, tracker._generations.__reduce__()[1])
 
 
-def _clone_rank(rank: Rank) -> Rank:
-    ledger = copy.copy(rank.ledger)
-    ledger._poisoned = set(rank.ledger._poisoned)
+def _clone_ledger(old: RoomLedger) -> RoomLedger:
+    ledger = copy.copy(old)
+    ledger._poisoned = set(old._poisoned)
     ledger._rooms = {
-        k: LedgerRoom(
-            v.status,
-            v.decode,
-            v.outstanding,
-            v.stuck,
-            dict(v.targets),
-            set(v.acked),
-            v.cleared,
-            v.fenced,
-            v.expires,
-            v.scheduled,
-        )
-        for k, v in rank.ledger._rooms.items()
+        k: attrs.evolve(v, targets=dict(v.targets), acked=set(v.acked)) for k, v in old._rooms.items()
     }
-    ledger._touched = set(rank.ledger._touched)
-    ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in rank.ledger._expiry]
+    ledger._by_room = {}
+    for k, v in ledger._rooms.items():
+        ledger._by_room.setdefault(k.room, {})[k.decode] = v
+    ledger._touched = set(old._touched)
+    ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in old._expiry]
+    return ledger
+
+
+def _clone_rank(rank: Rank, ledgers: dict[int, RoomLedger] | None = None) -> Rank:
+    ledgers = {} if ledgers is None else ledgers
+    ledger = ledgers.get(id(rank.ledger))
+    if ledger is None:
+        ledger = ledgers[id(rank.ledger)] = _clone_ledger(rank.ledger)
     return Rank(
         ledger,
-        set(rank.requested),
+        rank.requested,
         rank.next_chunk,
         rank.phase,
         rank.landed,
@@ -185,6 +199,9 @@ def _clone_rank(rank: Rank) -> Rank:
         rank.cleared,
         rank.errors,
         rank.must_try,
+        rank.incarnation,
+        rank.rerequested,
+        rank.decode,
     )
 
 
@@ -219,24 +236,44 @@ class Report:
     states: int = 0
     transitions: int = 0
     terminals: int = 0
+    reuses: int = 0  #: states where a rank took the reused room id as a new request
 
 
 LedgerFactory = Callable[[int], RoomLedger]
 
 
 def initial(
-    ranks: int,
-    ledger_factory: LedgerFactory,
-    tracker_factory: Callable[[], HoldTracker],
-    decodes: int = 1,
+    ranks: int, ledger_factory: LedgerFactory, tracker_factory: Callable[[], HoldTracker], decodes: int = 1
 ) -> World:
-    trackers = []
-    for name in DECODES[:decodes]:
-        tracker = tracker_factory()
-        tracker.decode, tracker.reply_to = name, f"reply-{name}"
-        tracker.open(ROOM, (0, 1), frozenset(range(ranks)))
-        trackers.append(tracker)
-    return World([Rank(ledger_factory(r)) for r in range(ranks)], [Decode(t) for t in trackers])
+    tracker = tracker_factory()
+    tracker.open(ROOM, (0, 1), frozenset(range(ranks)))
+    if decodes == 1:
+        return World([Rank(ledger_factory(r)) for r in range(ranks)], tracker)
+    # Every rank writes ROOM into both decodes: one lane each, over one ledger.
+    second = HoldTracker(DECODE2, "reply-2", abort_timeout=10.0)
+    second.open(ROOM, (0, 1), frozenset(range(ranks)))
+    lanes = []
+    for r in range(ranks):
+        ledger = ledger_factory(r)
+        lanes += [Rank(ledger), Rank(ledger, decode=DECODE2)]
+    return World(lanes, tracker, second=Side(second))
+
+
+def _key(rank: Rank) -> RoomKey:
+    return RoomKey(rank.decode, ROOM)
+
+
+def _side(world: World, decode: str) -> World | Side:
+    """The decode's tracker and flags (``tracker``, ``aborted``, ``released``)."""
+    if decode == DECODE:
+        return world
+    assert world.second is not None
+    return world.second
+
+
+def _lane(world: World, rank: int, decode: str) -> Rank:
+    """Rank ``rank``'s worker lane for ``decode``."""
+    return next(rk for rk in world.ranks if rk.ledger.rank == rank and rk.decode == decode)
 
 
 def default_tracker() -> HoldTracker:
@@ -244,45 +281,48 @@ def default_tracker() -> HoldTracker:
 
 
 def _ack_out(world: World, r: int, actions: list[object]) -> None:
-    rank = world.ranks[r]
     for action in actions:
         if isinstance(action, SendAck):
+            # the lane of the decode the ack is for: the same rank's other
+            # decode's writes are into other pages
+            rank = _lane(world, world.ranks[r].ledger.rank, action.ack.decode)
             if rank.in_flight or rank.phase == "write":
                 raise Violation(
-                    f"S1: rank {r} acked generation {action.ack.generation} with a write that can land"
+                    f"S1: rank {r} acked generation {action.ack.generation} to {action.ack.decode} "
+                    "with a write that can land"
                 )
             world.acks.append(action.ack)
 
 
-def _release(world: World, d: int, actions: list[object]) -> None:
+def _release(world: World, actions: list[object], decode: str = DECODE) -> None:
     for action in actions:
         if isinstance(action, Release):
-            if any(rank.in_flight or rank.phase == "write" for rank in world.ranks):
-                raise Violation(f"S2: {DECODES[d]} released its pages while a write can still land")
-            world.decodes[d].released = True
+            if any(rank.in_flight or rank.phase == "write" for rank in world.ranks if rank.decode == decode):
+                raise Violation(f"S2: {decode}'s pages released while a write can still land")
+            _side(world, decode).released = True
         elif isinstance(action, SendAbort):
-            world.ranks[action.rank].inbox.append(action.abort)
+            _lane(world, action.rank, decode).inbox.append(action.abort)
 
 
 def steps(
-    world: World, chunks: int, errors: int, deadline: bool = True
+    world: World, chunks: int, errors: int, deadline: bool = True, reuse: bool = True
 ) -> Iterator[tuple[str, Callable[[World], None]]]:
     """Every step enabled in ``world``, each as (label, mutate-a-copy)."""
     for r, rank in enumerate(world.ranks):
-        for d in range(len(world.decodes)):
-            if d in rank.requested:
-                continue
+        if not rank.requested:
 
-            def request(w: World, r: int = r, d: int = d) -> None:
-                w.ranks[r].ledger.request(ROOM, DECODES[d])
-                w.ranks[r].requested.add(d)
+            def request(w: World, r: int = r) -> None:
+                rk = w.ranks[r]
+                rk.ledger.request(_key(rk), 1)
+                rk.requested = True
+                rk.incarnation = rk.ledger.incarnation(_key(rk))
 
-            yield f"r{r}:request{d}", request
+            yield f"r{r}:request", request
         if rank.requested and rank.phase == "idle" and rank.next_chunk < chunks and not rank.cleared:
 
             def dequeue(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
-                write = rk.ledger.dequeue(ROOM)
+                write = rk.ledger.dequeue(_key(rk), rk.incarnation)
                 rk.phase = "write" if write else "skip"
 
             yield f"r{r}:dequeue", dequeue
@@ -291,7 +331,7 @@ def steps(
             def skip(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.phase, rk.next_chunk = "idle", rk.next_chunk + 1
-                _ack_out(w, r, list(rk.ledger.skipped(ROOM)))
+                _ack_out(w, r, list(rk.ledger.skipped(_key(rk))))
 
             yield f"r{r}:skip", skip
         if rank.phase == "write":
@@ -299,7 +339,7 @@ def steps(
             def post(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 if hasattr(rk.ledger, "count_at_post"):  # a mutant that counts late
-                    rk.ledger.count_at_post(ROOM)
+                    rk.ledger.count_at_post(_key(rk))
                 rk.phase, rk.landed = "posted", False
                 rk.in_flight.add(rk.next_chunk)
 
@@ -307,9 +347,9 @@ def steps(
         for chunk in sorted(rank.in_flight):
 
             def land(w: World, r: int = r, chunk: int = chunk) -> None:
-                if w.released:
-                    raise Violation(f"S2: rank {r} chunk {chunk} landed after decode released the pages")
                 rk = w.ranks[r]
+                if _side(w, rk.decode).released:
+                    raise Violation(f"S2: rank {r} chunk {chunk} landed after decode released the pages")
                 rk.in_flight.discard(chunk)
                 if rk.phase == "posted" and chunk == rk.next_chunk:
                     rk.landed = True
@@ -320,7 +360,7 @@ def steps(
             def done(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.phase, rk.next_chunk = "idle", rk.next_chunk + 1
-                _ack_out(w, r, list(rk.ledger.landed(ROOM, rk.next_chunk == chunks)))
+                _ack_out(w, r, list(rk.ledger.landed(_key(rk), rk.next_chunk == chunks)))
 
             yield f"r{r}:done", done
         if rank.phase == "posted" and sum(rk.errors for rk in world.ranks) < errors:
@@ -329,21 +369,26 @@ def steps(
                 rk = w.ranks[r]
                 rk.in_flight.discard(rk.next_chunk)  # settled: landed or never will
                 rk.phase, rk.next_chunk, rk.errors = "idle", rk.next_chunk + 1, rk.errors + 1
-                _ack_out(w, r, list(rk.ledger.failed(ROOM, True, "err")))
+                _ack_out(w, r, list(rk.ledger.failed(_key(rk), True, "err")))
 
             def err_unsettled(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.phase, rk.next_chunk, rk.errors = "idle", rk.next_chunk + 1, rk.errors + 1
                 w.unsettled_errors += 1
-                _ack_out(w, r, list(rk.ledger.failed(ROOM, False, "err")))
+                _ack_out(w, r, list(rk.ledger.failed(_key(rk), False, "err")))
 
             yield f"r{r}:err_settled", err_settled
             yield f"r{r}:err_unsettled", err_unsettled
-        if rank.phase == "idle" and rank.ledger.poisoned():
+        # The fence is the rank's (one writer for every decode): it waits
+        # until none of its lanes is posting, and stops all of them.
+        lanes = [rk for rk in world.ranks if rk.ledger is rank.ledger]
+        if rank is lanes[0] and all(rk.phase == "idle" for rk in lanes) and rank.ledger.poisoned():
 
             def fence(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
-                rk.in_flight.clear()  # the fence stops every byte posted before it
+                for lane in w.ranks:
+                    if lane.ledger is rk.ledger:
+                        lane.in_flight.clear()  # the fence stops every byte posted before it
                 _ack_out(w, r, list(rk.ledger.fenced()))
 
             yield f"r{r}:fence", fence
@@ -351,9 +396,20 @@ def steps(
 
             def clear(w: World, r: int = r) -> None:
                 w.ranks[r].cleared = True
-                w.ranks[r].ledger.clear(ROOM)
+                _ack_out(w, r, list(w.ranks[r].ledger.clear(_key(w.ranks[r]))))
 
             yield f"r{r}:clear", clear
+        if reuse and _side(world, rank.decode).released and rank.requested and not rank.rerequested:
+
+            def request_again(w: World, r: int = r) -> None:
+                # Decode has its pages back and reuses the id: the rank may take
+                # it as a new request, and the old request's chunks (still
+                # queued here) must then write nothing.
+                rk = w.ranks[r]
+                rk.ledger.request(_key(rk), 2)
+                rk.rerequested = True
+
+            yield f"r{r}:request_again", request_again
         if rank.inbox:
 
             def deliver_abort(w: World, r: int = r) -> None:
@@ -368,30 +424,36 @@ def steps(
             def try_after_abort(w: World, r: int = r) -> None:
                 rk = w.ranks[r]
                 rk.must_try = False
-                _ack_out(w, r, list(rk.ledger.try_ack(ROOM)))
+                _ack_out(w, r, list(rk.ledger.try_ack(_key(rk))))
 
             yield f"r{r}:abort_try", try_after_abort
-    for d, dec in enumerate(world.decodes):
-        if not dec.aborted:
+    if not world.aborted:
 
-            def abort(w: World, d: int = d) -> None:
-                w.decodes[d].aborted = True
-                _release(w, d, list(w.decodes[d].tracker.abort(ROOM, now=0.0)))
+        def abort(w: World) -> None:
+            w.aborted = True
+            _release(w, list(w.tracker.abort(ROOM, now=0.0)))
 
-            yield f"{DECODES[d]}:abort", abort
-        if deadline and dec.aborted and not dec.ticked and not dec.released:
+        yield "decode:abort", abort
+    if deadline and world.aborted and not world.ticked and not world.released:
 
-            def tick(w: World, d: int = d) -> None:
-                w.decodes[d].ticked = True
-                _release(w, d, list(w.decodes[d].tracker.tick(now=1e9)))
+        def tick(w: World) -> None:
+            w.ticked = True
+            _release(w, list(w.tracker.tick(now=1e9)))
 
-            yield f"{DECODES[d]}:deadline", tick
+        yield "decode:deadline", tick
+    if world.second is not None and not world.second.aborted:
+
+        def abort_second(w: World) -> None:
+            assert w.second is not None
+            w.second.aborted = True
+            _release(w, list(w.second.tracker.abort(ROOM, now=0.0)), DECODE2)
+
+        yield "decode2:abort", abort_second
     for i in range(len(world.acks)):
 
         def deliver_ack(w: World, i: int = i) -> None:
             ack = w.acks.pop(i)
-            d = DECODES.index(ack.decode)  # the ack names the decode that aborted
-            _release(w, d, list(w.decodes[d].tracker.ack(ack, now=0.0)))
+            _release(w, list(_side(w, ack.decode).tracker.ack(ack, now=0.0)), ack.decode)
 
         yield f"decode:ack{i}", deliver_ack
 
@@ -401,9 +463,10 @@ def explore(
     chunks: int = 2,
     errors: int = 1,  # ERRs in the whole run, each at any point
     deadline: bool = True,  # decode's deadline may pass at any point
+    reuse: bool = True,  # decode may reuse the room id once released
     ledger_factory: LedgerFactory = RoomLedger,
     tracker_factory: Callable[[], HoldTracker] = default_tracker,
-    decodes: int = 1,  # decode endpoints fed by the room, each aborting it at any point
+    decodes: int = 1,  # 2: every rank serves the room to two decodes
 ) -> Report:
     """Visit every reachable state; raise :class:`Violation` on the first bad one."""
     report = Report()
@@ -413,7 +476,7 @@ def explore(
     while stack:
         world = stack.pop()
         report.states += 1
-        enabled = list(steps(world, chunks, errors, deadline))
+        enabled = list(steps(world, chunks, errors, deadline, reuse))
         if not enabled:
             report.terminals += 1
             _check_terminal(world)
@@ -425,15 +488,24 @@ def explore(
             if key not in seen:
                 seen.add(key)
                 stack.append(nxt)
+                report.reuses += any(
+                    rk.rerequested and rk.ledger.incarnation(_key(rk)) not in (None, rk.incarnation)
+                    for rk in nxt.ranks
+                )
     return report
 
 
 def _check_terminal(world: World) -> None:
-    for name, dec in zip(DECODES, world.decodes, strict=False):
-        if not dec.aborted:
-            continue
-        state = dec.tracker.state(ROOM)
+    if world.second is not None and world.second.aborted:
+        state = world.second.tracker.state(ROOM)
         if state is HoldState.HELD:
-            raise Violation(f"L2: {name}'s aborted room is still held with nothing left to happen")
-        if not dec.released and world.unsettled_errors == 0:
-            raise Violation(f"L2: {name}'s room not released although every write settled (state {state})")
+            raise Violation(f"L2: {DECODE2}'s aborted room is still held with nothing left to happen")
+        if not world.second.released and world.unsettled_errors == 0:
+            raise Violation(f"L2: {DECODE2}'s room not released although every write settled (state {state})")
+    if not world.aborted:
+        return
+    state = world.tracker.state(ROOM)
+    if state is HoldState.HELD:
+        raise Violation("L2: an aborted room is still held with nothing left to happen")
+    if not world.released and world.unsettled_errors == 0:
+        raise Violation(f"L2: room not released although every write settled (state {state})")

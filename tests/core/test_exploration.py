@@ -12,20 +12,19 @@ CONFIGS = [
     # 2 ranks x 2 chunks, one ERR (settled or not) anywhere, clear, fence and
     # abort at every point; decode's deadline is explored in the next ones.
     dict(ranks=2, chunks=2, errors=1, deadline=False),
-    dict(ranks=2, chunks=1, errors=1, deadline=True),
+    dict(ranks=2, chunks=1, errors=1, deadline=True, reuse=False),
     dict(ranks=1, chunks=3, errors=2, deadline=True),
-    # One prefill room feeding two decodes, each aborting at any point: both
-    # ABORTs can be pending at once, and each decode must get its own ack.
-    dict(ranks=1, chunks=1, errors=0, deadline=True, decodes=2),
+    # one rank serves the room to two decodes (prefill TP < decode TP), each
+    # aborting at any point; ERRs, fences, clears and reuse on either lane
+    dict(ranks=1, chunks=2, errors=1, deadline=False, decodes=2),
 ]
 
 
-def _config_id(config: dict[str, int | bool]) -> str:
-    name = "{ranks}r{chunks}c{errors}e{deadline}".format(**config)
-    return name + (f"{config['decodes']}d" if "decodes" in config else "")
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+@pytest.mark.parametrize(
+    "config",
+    CONFIGS,
+    ids=lambda c: "{ranks}r{chunks}c{errors}e{deadline}".format(**c) + "2d" * (c.get("decodes") == 2),
+)
 def test_core_is_safe_in_every_interleaving(
     config: dict[str, int | bool], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -36,6 +35,7 @@ def test_core_is_safe_in_every_interleaving(
             f"{report.terminals} terminal interleavings"
         )
     assert report.terminals > 0 and report.states > 1000
+    assert report.reuses > 0 or not config.get("reuse", True)  # a rank took the reused id anew
 
 
 @pytest.mark.slow
@@ -54,6 +54,8 @@ CAUGHT = {
     "test_err_with_write_in_flight_uncounts": mutants.ErrAlwaysUncounts,
     "test_unknown_room_acked_without_tombstone": mutants.AckUnknownAtOnce,
     "test_invariant_F_register_before_failed_without_ack_guard": mutants.RegisterBeforeFailedNoGuard,
+    "test_chunk_of_a_reused_rooms_earlier_request_written": mutants.DequeueIgnoresIncarnation,
+    "test_failed_room_reused_before_it_drained": mutants.ReuseFailedRoomAtOnce,
 }
 
 
@@ -63,6 +65,16 @@ def test_mutant_is_caught(name: str) -> None:
         for config in (dict(ranks=1, chunks=2, errors=1), dict(ranks=2, chunks=1, errors=1)):
             explore.explore(**config, ledger_factory=CAUGHT[name])  # type: ignore[arg-type]
     assert str(info.value).startswith(("S1", "S2"))
+
+
+def test_acking_one_decode_on_the_other_decodes_count_is_caught() -> None:
+    # One rank writes the room into two decodes: an ack to one decode must
+    # wait for that decode's own writes, whatever the other decode's count.
+    with pytest.raises(explore.Violation) as info:
+        explore.explore(ranks=1, chunks=1, errors=0, decodes=2, ledger_factory=mutants.AckOnOtherDecodesCount)
+    assert str(info.value).startswith("S1")
+    # the same world on the real core is safe
+    assert explore.explore(ranks=1, chunks=1, errors=0, decodes=2).terminals > 0
 
 
 def test_register_before_failed_is_harmless_only_while_ack_demands_failed() -> None:
@@ -93,14 +105,14 @@ def test_decode_accepting_any_generation_is_caught() -> None:
     assert [type(a).__name__ for a in broken] == ["Release"]
 
 
-def test_one_ack_target_per_room_is_caught_with_two_decodes() -> None:
-    """A ledger whose newer ABORT overwrites the older one's ack target: with
-    both decodes' ABORTs pending, one decode is never acked and its pages
-    stay held although every write settled (L2)."""
+def test_one_ack_target_per_room_id_is_caught_with_two_decodes() -> None:
+    """A ledger keeping one ack target per room id (not per (decode, room)):
+    with both decodes' ABORTs pending, the first decode is never acked and its
+    pages stay held although every write settled (L2)."""
     with pytest.raises(explore.Violation) as info:
         explore.explore(
-            ranks=1, chunks=1, errors=0, deadline=False, decodes=2, ledger_factory=mutants.OneAckTargetPerRoom
+            ranks=1, chunks=1, errors=0, deadline=False, decodes=2, ledger_factory=mutants.OneAckTargetPerRoomId
         )
     assert str(info.value).startswith("L2")
     # ...and a one-decode world cannot see it
-    explore.explore(ranks=1, chunks=2, errors=1, ledger_factory=mutants.OneAckTargetPerRoom)
+    explore.explore(ranks=1, chunks=2, errors=1, ledger_factory=mutants.OneAckTargetPerRoomId)

@@ -10,17 +10,19 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvconn.protocol.ledger import LedgerAction, RoomLedger, _expirable
+from kvconn.protocol.ledger import LedgerAction, RoomKey, RoomLedger, _expirable
 from kvconn.protocol.messages import Abort
 
-ROOMS = st.integers(0, 3)
+#: Two decodes naming the same room ids: each (decode, room) is its own room.
+KEYS = [RoomKey(decode, room) for decode in ("decode-a", "decode-b") for room in range(3)]
+ROOMS = st.sampled_from(KEYS)
 TTL = 10.0
 
 
 class ScanningLedger(RoomLedger):
     """The reference: every call walks every room."""
 
-    def expire(self, now: float) -> list[int]:
+    def expire(self, now: float) -> list[RoomKey]:
         forgotten = []
         for room, entry in list(self._rooms.items()):
             if not _expirable(entry):
@@ -28,7 +30,7 @@ class ScanningLedger(RoomLedger):
             if entry.expires is None:
                 entry.expires = now + self.tombstone_ttl
             elif entry.expires <= now:
-                del self._rooms[room]
+                self._drop(room)
                 forgotten.append(room)
         return forgotten
 
@@ -40,7 +42,7 @@ class SameAsScanning(RuleBasedStateMachine):
         self.ref = ScanningLedger(0, TTL)
         self.now = 0.0
         self.generation = 0
-        self.writing: dict[int, list[bool]] = {}  # room -> dequeued chunks: written or skipped
+        self.writing: dict[RoomKey, list[bool]] = {}  # room -> dequeued chunks: written or skipped
 
     def both(self, name: str, *args: object) -> list[LedgerAction] | None:
         got = getattr(self.fast, name)(*args)
@@ -51,23 +53,23 @@ class SameAsScanning(RuleBasedStateMachine):
         return got  # type: ignore[no-any-return]
 
     @rule(room=ROOMS)
-    def request(self, room: int) -> None:
-        self.both("request", room, "decode-a")
+    def request(self, room: RoomKey) -> None:
+        self.both("request", room)
 
     @rule(room=ROOMS)
-    def clear(self, room: int) -> None:
+    def clear(self, room: RoomKey) -> None:
         self.both("clear", room)
 
     @rule(room=ROOMS)
-    def fail(self, room: int) -> None:
+    def fail(self, room: RoomKey) -> None:
         self.both("fail", room, "engine gave up")
 
     @rule(room=ROOMS)
-    def poison(self, room: int) -> None:
+    def poison(self, room: RoomKey) -> None:
         self.both("poison", room, "plugin raised")
 
     @rule(room=ROOMS)
-    def dequeue(self, room: int) -> None:
+    def dequeue(self, room: RoomKey) -> None:
         write = self.both("dequeue", room)
         self.writing.setdefault(room, []).append(bool(write))
 
@@ -88,10 +90,10 @@ class SameAsScanning(RuleBasedStateMachine):
         self.both("fenced")
 
     @rule(room=ROOMS, again=st.booleans())
-    def abort(self, room: int, again: bool) -> None:
+    def abort(self, room: RoomKey, again: bool) -> None:
         if not again:
             self.generation += 1
-        msg = Abort(room, max(self.generation, 1), "decode-a", "tcp://decode-a")
+        msg = Abort(room.room, max(self.generation, 1), room.decode, f"tcp://{room.decode}")
         self.both("abort", msg, self.now)
         self.both("try_ack", room)
 
@@ -104,7 +106,7 @@ class SameAsScanning(RuleBasedStateMachine):
     def same_rooms(self) -> None:
         if not hasattr(self, "fast"):
             return
-        for room in range(4):
+        for room in KEYS:
             assert self.fast.status(room) == self.ref.status(room), room
             assert self.fast.outstanding(room) == self.ref.outstanding(room), room
         assert self.fast.poisoned() == self.ref.poisoned()
@@ -119,13 +121,16 @@ def test_expire_leaves_remembered_rooms_alone() -> None:
     heap holds each once and the touched set empties."""
     ledger = RoomLedger(0, TTL)
     for room in range(1000):
-        ledger.request(room, "decode-a")
+        key = RoomKey("decode-a", room)
+        ledger.request(key)
         ledger.abort(Abort(room, 1, "decode-a", "tcp://decode-a"), 0.0)
-        ledger.try_ack(room)
-        ledger.clear(room)
+        ledger.try_ack(key)
+        ledger.clear(key)
     ledger.expire(0.0)
     assert len(ledger._expiry) == 1000 and not ledger._touched
     ledger.expire(5.0)
-    assert len(ledger._expiry) == 1000 and ledger.status(999) is not None
-    assert sorted(ledger.expire(TTL)) == list(range(1000))
-    assert not ledger._expiry and all(ledger.status(room) is None for room in range(1000))
+    assert len(ledger._expiry) == 1000 and ledger.status(RoomKey("decode-a", 999)) is not None
+    assert sorted(ledger.expire(TTL)) == [RoomKey("decode-a", room) for room in range(1000)]
+    assert not ledger._expiry and all(
+        ledger.status(RoomKey("decode-a", room)) is None for room in range(1000)
+    )

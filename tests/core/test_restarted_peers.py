@@ -133,3 +133,47 @@ def test_a_hello_ack_after_bootstrap_adds_no_rank(closing: list[PrefillRank | De
     assert decode.ranks == {0}
     decode.receiver(8, (5,))
     assert decode.tracker.ranks_of(8) == {0}
+
+
+def test_a_lost_hello_ack_is_answered_again(
+    closing: list[PrefillRank | DecodeEndpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22 item 11: a HelloAck lost on the way (written into a connection
+    to an earlier decode at this address, not yet seen closed) left bootstrap
+    waiting bootstrap_timeout_s for an answer nobody would send again."""
+    rank = PrefillRank(NullBackend(), 0, 16 * 4096, Config())
+    closing += [rank]
+    answer = DecodeEndpoint._on_hello_ack
+    lost: list[HelloAck] = []
+
+    def lossy(self: DecodeEndpoint, msg: HelloAck) -> None:
+        if not lost:
+            lost.append(msg)  # the first answer never arrives
+            return
+        answer(self, msg)
+
+    monkeypatch.setattr(DecodeEndpoint, "_on_hello_ack", lossy)
+    decode = DecodeEndpoint(
+        NullBackend(), 16, 4096, [rank.address], Config(bootstrap_timeout_s=5.0, resend_interval_s=0.05)
+    )
+    closing += [decode]
+    assert lost and decode.ranks == {0}
+
+
+def test_a_new_decode_at_an_earlier_decodes_address_gets_a_new_connection(
+    closing: list[PrefillRank | DecodeEndpoint],
+) -> None:
+    """The rank's connection to the earlier decode may not have been seen to
+    close: what it writes there is lost. A new decode's answers go out on a
+    connection of their own."""
+    rank = PrefillRank(NullBackend(), 0, 16 * 4096, Config())
+    closing += [rank]
+    config = Config(port=free_port())
+    first = DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], config)
+    old = rank._outbox._socks[first.address][1]
+    first.close()
+    second = _at_the_same_address(lambda: DecodeEndpoint(NullBackend(), 16, 4096, [rank.address], config))
+    closing += [second]
+    assert second.address == first.address
+    assert rank._outbox._socks[second.address][1] is not old
+    assert old.closed

@@ -19,7 +19,7 @@ from kvconn.bench.overhead import NullBackend, NullWriter
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
-from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.ledger import KVPoll, RoomKey
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.prefill import _STOP, PrefillRank
 from kvconn.transport import Settlement
@@ -116,13 +116,14 @@ def _rooms(
 
 def _status(rank: PrefillRank, room: int) -> KVPoll | None:
     with rank._lock:
-        return rank.ledger.status(room)
+        entries = rank.ledger.decodes_of(room)  # one decode here
+        return next(iter(entries.values())).status if entries else None
 
 
 def _in_flight(rank: PrefillRank, room: int) -> int:
     """Chunks of ``room`` counted (dequeued) and not yet accounted for."""
     with rank._lock:
-        return rank.ledger.in_flight(room)
+        return sum(rank.ledger.in_flight(RoomKey(decode, room)) for decode in rank.ledger.decodes_of(room))
 
 
 def test_landed_chunk_is_accounted_after_the_next_post_before_its_barrier(

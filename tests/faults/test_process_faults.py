@@ -14,8 +14,8 @@ import pytest
 
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
-from kvconn.runtime.procs import pid_namespace
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.runtime.procs import pid_namespace, wait_until_stopped
+from kvconn.testing.cluster import LOOPBACK_SLOW, PROOFS, Cluster, total, wait_for
 
 ROOM_PAGES = 16
 
@@ -102,11 +102,16 @@ def test_a_writer_in_its_own_pid_namespace_is_never_proven_gone() -> None:
 
 
 def test_sigstop_past_deadline_quarantine_then_late_ack() -> None:
-    c = Cluster(write_timeout_s=0.4, abort_timeout_s=1.2)
+    # Rank 0 stops itself half way through its first chunk of the room
+    # (loopback's freeze_chunks). A SIGSTOP sent from here once landed, under
+    # load, where rank 0 had no chunk in flight (before its first, between two
+    # or after its last), and then nothing was unsettled.
+    options = {**LOOPBACK_SLOW, "freeze_chunks": "0:3000:0"}
+    c = Cluster(write_timeout_s=0.4, abort_timeout_s=1.2, backend_options=options)
     try:
         rx, pages = c.open(3000, ROOM_PAGES)
-        _mid_transfer(c, pages)
-        c.ranks[0].signal(signal.SIGSTOP)
+        wait_until_stopped(c.ranks[0].proc.pid, timeout=20)
+        assert c.landed_bytes(pages) > 0 and not c.correct(3000, pages, ranks=[0])  # frozen mid-write
         t0 = time.monotonic()
         rx.abort()
         wait_for(lambda: rx.state() is HoldState.QUARANTINED, 5, "quarantine")
@@ -129,7 +134,9 @@ def test_sigstop_past_deadline_quarantine_then_late_ack() -> None:
         assert c.metric("kvconn_quarantine_seconds_total") == pytest.approx(rel.quarantined_for)
         # the writer hit its own deadline and fenced itself
         m0 = c.ranks[0]
-        assert m0.value("kvconn_chunks_total", outcome="unsettled") >= 1
+        assert m0.value("kvconn_chunks_total", outcome="unsettled") == 1, {
+            k: v for k, v in m0.metrics().items() if "chunk" in k[0] or "fence" in k[0]
+        }
         assert m0.value("kvconn_fences_total", result="ok") >= 1
         assert m0.value("kvconn_poisoned_rooms") == 0
         # and still serves new rooms

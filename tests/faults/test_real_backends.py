@@ -1,6 +1,6 @@
 """The same faults over the real transports, where their plugins load:
 abort mid-transfer (acks), and a rank SIGKILLed mid-transfer (proven exit).
-Skipped with the reason when a plugin is not installed or does not load."""
+Skipped with the reason when a plugin or its library does not import here."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvconn.plugins import get_backend
 from kvconn.protocol.ledger import KVPoll
 from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.testing.libraries import require_library
 
 ROOM_PAGES = 32
 # mooncake may take 10 s to fail a write: decode's deadline must be longer
@@ -19,10 +19,7 @@ TIMEOUTS = {"nixl": (0.5, 2.0), "mooncake": (0.5, 12.0)}
 
 
 def _cluster(backend: str) -> Cluster:
-    try:
-        get_backend(backend)
-    except Exception as exc:  # not installed, or it does not import here
-        pytest.skip(f"{backend} plugin unavailable: {exc}")
+    require_library(backend)
     wt, at = TIMEOUTS[backend]
     return Cluster(
         backend=backend,

@@ -49,10 +49,16 @@ u64 = st.integers(0, (1 << 64) - 1)
 u32 = st.integers(0, (1 << 32) - 1)
 text = st.text(max_size=40)
 messages: st.SearchStrategy[Message] = st.one_of(
-    st.builds(Hello, text, text, text, u64, u64, u64, st.binary(max_size=64)),
+    st.builds(Hello, text, text, text, u64, u64, u64, st.binary(max_size=64), st.binary(max_size=64)),
     st.builds(HelloAck, u64, text, text, u64, u64, text, u64),
     st.builds(
-        TransferRequest, u64, text, st.lists(st.integers(0, (1 << 32) - 1), max_size=64).map(tuple), u64, u64
+        TransferRequest,
+        u64,
+        text,
+        st.lists(st.integers(0, (1 << 32) - 1), max_size=64).map(tuple),
+        u64,
+        u64,
+        u64,
     ),
     st.builds(Abort, u64, u64, text, text),
     st.builds(

@@ -10,18 +10,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
-pytest.importorskip("mooncake.engine")
-
-import numpy as np
-
 from kvconn.chunk import Chunk, Segment
+from kvconn.testing.libraries import require_library
 from kvconn.transport import Settlement
 from kvconn_mooncake import _batch_status as bs
 from kvconn_mooncake import backend as be
 from kvconn_mooncake._engine import new_engine
 from kvconn_mooncake.backend import DEFAULT_HOT_POLL_S, Posted
+
+require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 
 MiB = 1 << 20
 PAGE = 4096

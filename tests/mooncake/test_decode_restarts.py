@@ -4,12 +4,11 @@ and the core has no "decode gone" signal. The Mooncake writer's engines
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("mooncake.engine")
-
 from kvconn.protocol.ledger import KVPoll
 from kvconn.testing.cluster import Cluster, wait_for
+from kvconn.testing.libraries import require_library
+
+require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 
 ROOM_PAGES = 4
 

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("mooncake.engine")
+from kvconn.testing.libraries import require_library
+
+require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 
 MiB = 1 << 20
 PAGE = 4096

@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 
 from kvconn.chunk import Chunk, Segment
+from kvconn.testing.libraries import require_library
 from kvconn.transport import Settlement
 from kvconn_mooncake import MooncakeRegion, MooncakeWriter, backend
+
+require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 
 MiB = 1 << 20
 

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 import kvconn_nixl
+from kvconn.testing.libraries import require_library
 
 kvconn_nixl.prepare_env()  # before anything imports nixl (UCX_MODULES=^ib)
-pytest.importorskip("nixl")
+require_library("nixl", module_level=True)  # by the library: the plugin installs without it
 
 import numpy as np  # noqa: E402
 import pluggy  # noqa: E402
@@ -105,7 +106,9 @@ def test_entry_point_and_capabilities() -> None:
 
 
 def test_metadata_roundtrip_and_rejects_garbage() -> None:
-    info = RegionInfo("agent-x", b"\x00md\xff" * 10, 0x7F00_0000_1000, 123 * MiB, "VRAM", 3)
+    ranges = ((0x7F00_0000_1000, 123 * MiB), (0x7F00_4000_0000, 5))
+    info = RegionInfo("agent-x", b"\x00md\xff" * 10, ranges, "VRAM", 3)
+    assert (info.addr, info.nbytes) == (0x7F00_0000_1000, 123 * MiB + 5)
     assert RegionInfo.decode(info.encode()) == info
     for bad in (b"", b"nope" * 20, info.encode()[:-1], info.encode() + b"x"):
         with pytest.raises(ValueError):

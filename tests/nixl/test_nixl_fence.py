@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 import kvconn_nixl
+from kvconn.testing.libraries import require_library
 
 kvconn_nixl.prepare_env()
-pytest.importorskip("nixl")
+require_library("nixl", module_level=True)  # by the library: the plugin installs without it
 
 from nixl_procs import PAGE, children, decode_main, writer_main  # noqa: E402
 

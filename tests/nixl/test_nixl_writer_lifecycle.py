@@ -13,9 +13,10 @@ import attrs
 import pytest
 
 import kvconn_nixl
+from kvconn.testing.libraries import require_library
 
 kvconn_nixl.prepare_env()  # before anything imports nixl (UCX_MODULES=^ib)
-pytest.importorskip("nixl")
+require_library("nixl", module_level=True)  # by the library: the plugin installs without it
 
 from kvconn.chunk import Chunk, Segment  # noqa: E402
 from kvconn.transport import Settlement  # noqa: E402

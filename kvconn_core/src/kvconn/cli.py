@@ -33,22 +33,50 @@ def _backends(args: argparse.Namespace) -> int:
     return 0 if infos and all(i.backend is not None for i in infos) else 1
 
 
-def _lazy(module: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Any:
+#: How to install a third-party module a subcommand imports, when it is missing
+#: (a partial install, or one that skipped dependencies).
+INSTALL_HINTS = {
+    "pytest": "pip install 'pytest>=8'  (a dependency of kvconn-core: reinstall it with `pip install ./kvconn_core`)",
+    "matplotlib": "pip install 'kvconn-core[plot]'",
+}
+
+
+class MissingDependency(Exception):
+    """A subcommand needs a module that is not installed; says how to install it."""
+
+    def __init__(self, command: str, module: str) -> None:
+        hint = INSTALL_HINTS.get(module, f"pip install {module}")
+        super().__init__(
+            f"kvconn {command} needs the Python package {module!r}, which is not installed: {hint}"
+        )
+        self.command = command
+        self.module = module
+
+
+def _import_subcommand(command: str, module: str) -> Any:
+    """Import a subcommand's module; a missing third-party module is a
+    MissingDependency (a missing part of kvconn itself stays a bug, raised as is)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if not missing or missing == "kvconn":
+            raise
+        raise MissingDependency(command, missing) from exc
+
+
+def _lazy(command: str, module: str, parser: argparse.ArgumentParser) -> Any:
     def run(args: argparse.Namespace) -> int:
-        mod = importlib.import_module(module)
+        mod = _import_subcommand(command, module)
         code: int = mod.main(parser, args)
         return code
 
     return run
 
 
-def _add_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+def _add_arguments(command: str, module: str, parser: argparse.ArgumentParser) -> None:
     """Let the chosen subcommand's module declare its options before parsing."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return
-    add = getattr(mod, "add_arguments", None)
+    add = getattr(_import_subcommand(command, module), "add_arguments", None)
     if add is not None:
         add(parser)
 
@@ -64,11 +92,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("conformance", "kvconn.conformance.cli", "run the conformance suite against a backend"),
     ):
         sub_parser = sub.add_parser(name, help=help_text)
-        sub_parser.set_defaults(func=_lazy(module, sub_parser, argv))
+        sub_parser.set_defaults(func=_lazy(name, module, sub_parser))
         if name in args_in[:1]:
-            _add_arguments(module, sub_parser)
+            # Before parsing: a module that cannot be imported would otherwise
+            # leave its options unregistered, and argparse would blame the user.
+            try:
+                _add_arguments(name, module, sub_parser)
+            except MissingDependency as exc:
+                print(f"kvconn: error: {exc}", file=sys.stderr)
+                return 2
     args = parser.parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except MissingDependency as exc:  # an import a subcommand makes only when it runs
+        print(f"kvconn: error: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

@@ -33,7 +33,25 @@ class Config:
     unsafe_release_at_deadline: bool = False
     #: Whether prefill ranks send ABORT_ACK at all (off = timeout-only legacy).
     acks_enabled: bool = True
+    #: Decode fails a room (FAILED to the engine, then the abort path: its
+    #: pages stay held until proof) that is not complete this long after
+    #: ``receiver()``. None: no deadline (the engine keeps its own).
+    transfer_timeout_s: float | None = None
+    #: Prefill fails a room whose decode request has not arrived this long
+    #: after ``sender()`` (SGLang's bootstrap timeout): its Sender says
+    #: FAILED, and a request arriving later is refused at once (decode is
+    #: told FAILED) and writes nothing. None: the sender waits.
+    room_bootstrap_timeout_s: float | None = None
+    #: Decode re-sends its Hello to every rank this often: the answer proves
+    #: the rank alive and names its session (a restart shows as a new one).
+    heartbeat_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    #: A rank not heard from this long is down: its open rooms fail (and
+    #: are aborted), new rooms on it fail at once, until it answers again.
+    peer_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     workers: int = 1
+    #: Decode refuses a request whose pages belong to another room not yet
+    #: finished or released (one byte per page, one pass over the pages).
+    check_pages: bool = True
     host: str = "127.0.0.1"
     port: int = 0
     #: Shared deployment key: every control frame carries an HMAC-SHA256.
@@ -48,6 +66,15 @@ class Config:
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)
+        for name in ("transfer_timeout_s", "room_bootstrap_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if self.peer_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"peer_timeout_s ({self.peer_timeout_s} s) must be longer than heartbeat_interval_s "
+                f"({self.heartbeat_interval_s} s)"
+            )
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.host in ("", "*", "0.0.0.0", "::"):

@@ -64,11 +64,13 @@ def on_post(chunk: Chunk, segments: Sequence[Segment]) -> object | None:
     takes arrays reads ``SegmentTable.of(segments).rows`` (``(n, 3)`` int64:
     src, dst, nbytes) instead of building a request per Segment object;
     ``of`` returns a table unchanged and builds one from any other sequence.
-    The transport returns an opaque token (its handles) that the core hands
-    back to ``on_done_barrier``. It must not wait for the data to land, and
-    the token must not keep transport resources alive on its own (the core
-    drops it before a fence; a NIXL handle that pins its agent defeats the
-    fence): keep handles in the writer and hand out keys.
+    The transport returns an opaque token that the core hands back, once, to
+    ``on_done_barrier``. It must not wait for the data to land. The token may
+    be a plain record (an event and an error field, as tcpdemo's); it must
+    not be a library object that keeps transport resources alive by being
+    referenced (a NIXL transfer handle pins its agent, and a fence that
+    destroys the agent then does nothing): keep such handles in the writer
+    under a key and return the key.
     Raising means "some writes may have been posted": the core poisons the
     room. The transport answers; observers return ``None``.
     """
@@ -90,8 +92,14 @@ def on_done_barrier(chunk: Chunk, posted: object, deadline: float) -> Settlement
       handle with live siblings, the deadline reached). Releasing or dropping
       a handle is not cancellation.
 
-    The core uncounts the chunk for the first two, and poisons the room for
-    the third. The transport answers; observers may wrap it.
+    A chunk that landed only after ``deadline`` (its writer was frozen in
+    between) is ``UNSETTLED``, not ``LANDED``.
+
+    The core uncounts the chunk for the first two, and poisons the room and
+    fences for the third. A token is asked about once: after ``UNSETTLED``
+    and the fence that follows, the core never hands it back, so the writer
+    may forget everything posted before the fence. The transport answers;
+    observers may wrap it.
     """
 
 
@@ -103,6 +111,11 @@ def on_abort_notification(abort: Abort, known: bool) -> None:
     was not ``known``) and registered the ack target, and before it tries to
     ack. The transport may start tearing down the room's transfers early; it
     can neither send nor delay the ack. Return value: ignored.
+
+    Runs on the rank's listener thread, concurrently with ``on_post`` and
+    ``on_done_barrier`` on the workers (a fence does not wait for it either):
+    state it shares with them needs a lock. Raising poisons the room and
+    starts a fence.
     """
 
 
@@ -111,7 +124,9 @@ def on_fence() -> bool | None:
     """Make every write posted so far unable to land, then reconnect.
 
     Called by the core only while no worker is inside ``on_post`` or
-    ``on_done_barrier``, when rooms are poisoned. Return ``True`` once
+    ``on_done_barrier``, when rooms are poisoned: every token posted before
+    it has had its barrier and is never handed back. ``connect`` is not
+    called again: the writer must be able to write to every peer it knew. Return ``True`` once
     the transport has proven quiescence (e.g. destroyed its agent or engine)
     and can write again; the core then acks the poisoned rooms. A transport
     that cannot fence does not implement it (``None``): rooms stay poisoned.

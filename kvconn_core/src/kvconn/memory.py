@@ -8,7 +8,10 @@ kvconn-core itself does not depend on them.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from kvconn.buffers import Buffer, FlatSpace, buffers_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -95,3 +98,61 @@ class Memory:
 
     def free(self) -> None:
         self._buf = None
+
+
+class MemorySpace:
+    """A transport endpoint's memory: ``nbytes`` kvconn allocates (of
+    ``kind`` on ``device``), or the engine's buffers, which it never frees.
+    Offsets are flat over the buffers (:class:`~kvconn.buffers.FlatSpace`)."""
+
+    def __init__(self, source: int | Sequence[Buffer], kind: str = "dram", device: int = 0) -> None:
+        self._mem: Memory | None = None
+        if isinstance(source, int):
+            self._mem = Memory(source, kind, device)
+            self.flat = FlatSpace([Buffer(self._mem.addr, source, kind, device, owner=self._mem)])
+        else:
+            self.flat = FlatSpace(buffers_of(source))
+        self.nbytes = self.flat.nbytes
+        self.kind = self.flat.kind
+        self.device = self.flat.device if self.kind == "vram" else 0
+
+    @property
+    def owned(self) -> bool:
+        """kvconn allocated it (and frees it)."""
+        return self._mem is not None
+
+    @property
+    def single(self) -> bool:
+        """One buffer: an offset is its address minus :attr:`addr`."""
+        return len(self.flat.buffers) == 1
+
+    @property
+    def addr(self) -> int:
+        """The first buffer's address."""
+        return self.flat.buffers[0].address
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """(address, bytes) of every buffer, in offset order."""
+        return tuple((b.address, b.nbytes) for b in self.flat.buffers)
+
+    def array(self) -> npt.NDArray[np.uint8]:
+        if self._mem is None:
+            raise TypeError("array() is for memory kvconn allocated; engine buffers are the engine's")
+        return self._mem.array()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        if self._mem is not None:
+            return self._mem.read(offset, nbytes)
+        return self.flat.read(offset, nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        if self._mem is not None:
+            self._mem.write(offset, data)
+        else:
+            self.flat.write(offset, data)
+
+    def free(self) -> None:
+        """Free what kvconn allocated; engine buffers are only let go of."""
+        if self._mem is not None:
+            self._mem.free()
+        self.flat = FlatSpace([Buffer(1, 1)])

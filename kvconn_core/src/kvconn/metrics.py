@@ -64,6 +64,25 @@ class Metrics:
         self.releases = Counter("kvconn_releases", "Held rooms released, by proof", ["proof"], registry=r)
         self.released_pages = Counter("kvconn_released_pages", "Held pages released", ["proof"], registry=r)
         self.quarantines = Counter("kvconn_quarantines", "Rooms moved to quarantine", registry=r)
+        self.room_bootstrap_timeouts = Counter(
+            "kvconn_room_bootstrap_timeouts",
+            "Rooms a prefill sender gave up on: decode's request did not arrive in time",
+            registry=r,
+        )
+        self.room_deadlines = Counter(
+            "kvconn_room_deadlines", "Open rooms failed by their transfer deadline", registry=r
+        )
+        self.ranks_down = Counter(
+            "kvconn_ranks_down", "Prefill ranks found dead or unreachable, by cause", ["cause"], registry=r
+        )
+        self.rank_restarts = Counter(
+            "kvconn_rank_restarts", "Prefill ranks re-bootstrapped with a new session", registry=r
+        )
+        self.rooms_failed_by_rank = Counter(
+            "kvconn_rooms_failed_by_rank",
+            "Open rooms failed because a rank died, went silent or restarted",
+            registry=r,
+        )
         self.rooms_held = Gauge("kvconn_rooms_held", "Rooms held after abort", registry=r)
         self.acks_draining = Gauge(
             "kvconn_acks_awaiting_drain",

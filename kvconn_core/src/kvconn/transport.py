@@ -9,6 +9,14 @@ of endpoints:
 * on each prefill rank, a :class:`Writer`: the rank's registered source
   memory and its connections to page owners.
 
+Either is opened over memory the backend allocates (``open_region(nbytes)``,
+``open_writer(nbytes)``: for the bench and tests) or over memory the engine
+already owns (``register_region(buffers)``, ``register_writer(buffers)``: a
+list of :class:`kvconn.buffers.Buffer`, e.g. an engine's per-layer K and V
+tensors). Offsets in segments address the buffers laid end to end in list
+order; a segment never straddles two. Registered memory stays the engine's:
+``close()`` deregisters it and frees nothing.
+
 The per-chunk work (post the writes, wait at the DONE barrier, fence) is not
 a method here: the writer registers itself as a pluggy plugin and implements
 the hooks in :mod:`kvconn.hookspecs`, so the core can fire them around its
@@ -18,10 +26,12 @@ own bookkeeping and observers can watch the same points.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Protocol, cast, runtime_checkable
 
 import attrs
+
+from kvconn.buffers import Buffer, buffers_of
 
 
 class Settlement(enum.Enum):
@@ -32,8 +42,9 @@ class Settlement(enum.Enum):
     #: The chunk failed and the transport proved nothing more of it can land
     #: (every handle settled).
     FAILED_SETTLED = "failed_settled"
-    #: The chunk failed or ran past its deadline and some bytes may still land.
-    #: The core poisons the room: no ack until a fence or the writer's exit.
+    #: The chunk failed or ran past its deadline and some bytes may still land
+    #: (also a chunk that landed only after its deadline). The core poisons
+    #: the room: no ack until a fence or the writer's exit.
     UNSETTLED = "unsettled"
 
 
@@ -72,7 +83,7 @@ class PageRegion(Protocol):
         """Copy bytes into the region locally (used to lay canaries)."""
 
     def close(self) -> None:
-        """Unregister and free the region."""
+        """Unregister the region; free it only if the backend allocated it."""
 
 
 @runtime_checkable
@@ -95,11 +106,14 @@ class Writer(Protocol):
     def connect(self, peer: str, metadata: bytes) -> None:
         """Make ``peer`` (a page owner's id) reachable, given its region metadata.
 
-        Called again with the same peer after a fence or a decode restart.
+        Called once per peer, when that decode's first Hello reaches the rank.
+        A restarted decode has a new id and gets a call of its own; nothing
+        says when an old one is gone. Never called again after a fence: the
+        fence must leave the writer able to write to every peer it knew.
         """
 
     def close(self) -> None:
-        """Release every transport resource."""
+        """Release every transport resource (engine-owned memory is deregistered, not freed)."""
 
 
 class Backend(Protocol):
@@ -120,6 +134,44 @@ class Backend(Protocol):
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> Writer:
         """Allocate and register ``nbytes`` of source memory on a prefill rank."""
+
+    # Optional (a backend without them serves self-allocated memory only):
+    #
+    # def register_region(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> PageRegion:
+    #     """Register the page owner's engine-owned ``buffers`` as one region."""
+    #
+    # def register_writer(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> Writer:
+    #     """Register a prefill rank's engine-owned source ``buffers``."""
+
+
+class EngineMemoryUnsupported(TypeError):
+    """The backend cannot register memory the engine owns."""
+
+
+def register_region(backend: Backend, buffers: Sequence[object], options: Mapping[str, str]) -> PageRegion:
+    """``backend.register_region`` over ``buffers`` (anything :meth:`Buffer.of` takes)."""
+    register = getattr(backend, "register_region", None)
+    if register is None:
+        raise EngineMemoryUnsupported(f"backend {backend.name!r} cannot register engine-owned memory")
+    bufs = buffers_of(buffers)
+    _check_kind(backend, bufs, options)
+    return cast(PageRegion, register(bufs, options))
+
+
+def register_writer(backend: Backend, buffers: Sequence[object], options: Mapping[str, str]) -> Writer:
+    """``backend.register_writer`` over ``buffers`` (anything :meth:`Buffer.of` takes)."""
+    register = getattr(backend, "register_writer", None)
+    if register is None:
+        raise EngineMemoryUnsupported(f"backend {backend.name!r} cannot register engine-owned memory")
+    bufs = buffers_of(buffers)
+    _check_kind(backend, bufs, options)
+    return cast(Writer, register(bufs, options))
+
+
+def _check_kind(backend: Backend, buffers: Sequence[Buffer], options: Mapping[str, str]) -> None:
+    kind = buffers[0].kind
+    if kind not in capabilities_of(backend, options).memory:
+        raise EngineMemoryUnsupported(f"backend {backend.name!r} cannot register {kind} memory")
 
 
 def capabilities_of(backend: Backend, options: Mapping[str, str]) -> Capabilities:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvconn_mooncake._options import read as read_options
@@ -100,9 +100,38 @@ def shared_engine(host: str, protocol: str, device: str) -> Any:
         return engine
 
 
-def pack_metadata(session: str, base: int, nbytes: int, protocol: str) -> bytes:
-    doc = {"backend": "mooncake", "session": session, "base": base, "nbytes": nbytes, "protocol": protocol}
+def pack_metadata(
+    session: str, base: int, nbytes: int, protocol: str, buffers: Sequence[tuple[int, int]] = ()
+) -> bytes:
+    """``buffers``: (address, bytes) of each registered buffer, when the
+    region is several (engine buffers); ``base`` and ``nbytes`` are then the
+    first one's address and the total."""
+    doc: dict[str, Any] = {
+        "backend": "mooncake",
+        "session": session,
+        "base": base,
+        "nbytes": nbytes,
+        "protocol": protocol,
+    }
+    if buffers:
+        doc["buffers"] = [list(b) for b in buffers]
     return json.dumps(doc, sort_keys=True).encode()
+
+
+def unpack_buffers(metadata: bytes) -> tuple[tuple[int, int], ...]:
+    """(address, bytes) of each buffer of a region, in offset order."""
+    doc = json.loads(metadata)
+    _, base, nbytes = unpack_metadata(metadata)
+    raw = doc.get("buffers")
+    if raw is None:
+        return ((base, nbytes),)
+    try:
+        buffers = tuple((int(a), int(n)) for a, n in raw)
+    except (TypeError, ValueError):
+        raise ValueError("malformed mooncake region metadata (buffers)") from None
+    if not buffers or sum(n for _, n in buffers) != nbytes or buffers[0][0] != base:
+        raise ValueError("mooncake region metadata: buffers disagree with base and nbytes")
+    return buffers
 
 
 def unpack_metadata(metadata: bytes) -> tuple[str, int, int]:

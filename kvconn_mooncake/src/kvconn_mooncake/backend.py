@@ -67,6 +67,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
 from kvconn.transport import Capabilities, Settlement
@@ -79,9 +80,17 @@ from kvconn_mooncake._engine import (
     pack_metadata,
     session_id,
     shared_engine,
+    unpack_buffers,
     unpack_metadata,
 )
-from kvconn_mooncake._memory import MEMORY_KINDS, MemoryOptions, cuda_engine_installed, open_memory
+from kvconn_mooncake._memory import (
+    MEMORY_KINDS,
+    MemoryOptions,
+    cuda_engine_installed,
+    open_space,
+    register_space,
+    unregister_space,
+)
 from kvconn_mooncake._options import read as read_options
 
 configure_env()
@@ -139,23 +148,23 @@ class WriterOptions:
 
 
 class MooncakeRegion:
-    """Decode's page memory (DRAM, or VRAM with ``memory=vram``), registered
-    with the process's shared engine."""
+    """Decode's page memory (DRAM, or VRAM with ``memory=vram``), or the
+    engine's buffers, registered with the process's shared engine."""
 
-    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
-        if nbytes <= 0:
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
+        """``source``: bytes to allocate, or the engine's buffers to register."""
+        if isinstance(source, int) and source <= 0:
             raise ValueError("region size must be positive")
         host, protocol, device = engine_settings(options)
-        self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
-        self._mem = open_memory(nbytes, self.memory)
+        self._mem = open_space(source, self.memory)
+        self.nbytes = self._mem.nbytes
         self.base: int = self._mem.addr
         self._engine = shared_engine(host, protocol, device)
-        rc = self._engine.register_memory(self.base, nbytes)
-        if rc != 0:
-            raise RuntimeError(f"mooncake register_memory({nbytes} bytes) returned {rc}")
+        register_space(self._engine, self._mem)
         self.session = session_id(self._engine, host)
-        self.metadata: bytes = pack_metadata(self.session, self.base, nbytes, protocol)
+        ranges = () if self._mem.single else self._mem.ranges()
+        self.metadata: bytes = pack_metadata(self.session, self.base, self.nbytes, protocol, ranges)
         self._closed = False
 
     def array(self) -> npt.NDArray[np.uint8]:
@@ -172,7 +181,7 @@ class MooncakeRegion:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._engine.unregister_memory(self.base)
+            unregister_space(self._engine, self._mem)
 
 
 class Pieces:
@@ -214,6 +223,10 @@ class Channel:
     session: str
     base: int
     nbytes: int
+    #: The region's buffers (address, bytes); one for memory kvconn allocated.
+    buffers: tuple[tuple[int, int], ...] = ()
+    #: Their offsets as addresses at decode.
+    space: FlatSpace | None = None
     #: None until the opening thread made one (or after a fence destroyed it).
     engine: Any = None
     #: Non-blocking many-task batch status (None: one transfer per segment).
@@ -249,10 +262,12 @@ class Channel:
 
     @classmethod
     def of(cls, metadata: bytes) -> Channel:
-        return cls(*unpack_metadata(metadata))
+        buffers = unpack_buffers(metadata)
+        space = FlatSpace([Buffer(a, n) for a, n in buffers])
+        return cls(*unpack_metadata(metadata), buffers=buffers, space=space)
 
     def same_region(self, other: Channel) -> bool:
-        return (self.session, self.base, self.nbytes) == (other.session, other.base, other.nbytes)
+        return (self.session, self.buffers) == (other.session, other.buffers)
 
     def fail_queued(self) -> None:
         """Its queued chunks will never be submitted here: nothing of their
@@ -305,14 +320,15 @@ class MooncakeWriter:
     one blocking engine call, run on opening threads outside it.
     """
 
-    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
-        if nbytes <= 0:
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
+        """``source``: bytes to allocate, or the engine's buffers to register."""
+        if isinstance(source, int) and source <= 0:
             raise ValueError("source size must be positive")
         self._host, self._protocol, self._device = engine_settings(options)
         self.options = WriterOptions.parse(options)
-        self.nbytes = nbytes
         self.memory = MemoryOptions.parse(options)
-        self._mem = open_memory(nbytes, self.memory)
+        self._mem = open_space(source, self.memory)
+        self.nbytes = self._mem.nbytes
         self.base: int = self._mem.addr
         self._lock = threading.Lock()
         self._channels: dict[str, Channel] = {}
@@ -397,9 +413,7 @@ class MooncakeWriter:
 
     def _new_engine(self) -> tuple[Any, BatchPoller | None]:
         engine = new_engine(self._host, self._protocol, self._device)
-        rc = engine.register_memory(self.base, self.nbytes)
-        if rc != 0:
-            raise RuntimeError(f"mooncake register_memory({self.nbytes} bytes) returned {rc}")
+        register_space(engine, self._mem)
         poller = None if self.options.batch_status == "off" else bind(engine)
         if poller is None and self.options.batch_status == "on":
             raise RuntimeError("mooncake batch_status=on, but the batch status check failed (see log)")
@@ -584,9 +598,7 @@ class MooncakeWriter:
             channel = self._channels.get(chunk.peer)
             if channel is None:
                 raise KeyError(f"mooncake writer not connected to peer {chunk.peer!r}")
-            srcs, dsts, lens = SegmentTable.of(segments).columns_within(
-                self.nbytes, channel.nbytes, self.base, channel.base
-            )
+            srcs, dsts, lens = self._addresses(SegmentTable.of(segments), channel)
             tok = Posted(self._generation, channel, Pieces(srcs, dsts, lens), sum(lens))
             if not lens:
                 return tok
@@ -598,6 +610,17 @@ class MooncakeWriter:
             else:
                 self._start_opening(channel)
             return tok
+
+    def _addresses(self, table: SegmentTable, channel: Channel) -> tuple[list[int], list[int], list[int]]:
+        """Source addresses, destination addresses and lengths of ``table``'s
+        segments (checked to lie inside, and within one buffer each side)."""
+        if self._mem.single and len(channel.buffers) == 1:
+            return table.columns_within(self.nbytes, channel.nbytes, self.base, channel.base)
+        rows = table.rows_within(self.nbytes, channel.nbytes)
+        srcs = self._mem.flat.locate(rows[:, 0], rows[:, 2])[0]
+        assert channel.space is not None  # Channel.of made it
+        dsts = channel.space.locate(rows[:, 1], rows[:, 2])[0]
+        return srcs.tolist(), dsts.tolist(), rows[:, 2].tolist()
 
     @hookimpl
     def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement | None:
@@ -757,6 +780,16 @@ class MooncakeBackend:
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> MooncakeWriter:
         return MooncakeWriter(nbytes, options)
+
+    def register_region(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> MooncakeRegion:
+        """Decode's engine buffers as one region (registered with the
+        process's shared engine, in one batch); ``close()`` unregisters them."""
+        return MooncakeRegion(buffers, options)
+
+    def register_writer(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> MooncakeWriter:
+        """A prefill rank's engine buffers as its source (registered with
+        each engine the writer makes)."""
+        return MooncakeWriter(buffers, options)
 
 
 backend = MooncakeBackend()

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvconn_mooncake._engine import engine_settings, new_engine, unpack_metadata
-from kvconn_mooncake._memory import MemoryOptions, open_memory
+from kvconn.buffers import Buffer, FlatSpace
+from kvconn_mooncake._engine import engine_settings, new_engine, unpack_buffers, unpack_metadata
+from kvconn_mooncake._memory import MemoryOptions, open_space, register_space, unregister_space
 from kvconn_mooncake._options import read as read_options
 
 __all__ = ["MAX_BATCH", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
@@ -70,18 +71,19 @@ class RawWriter:
     """Source memory (DRAM, or VRAM with ``memory=vram``) registered with its
     own engine (P2P handshake)."""
 
-    def __init__(self, nbytes: int, options: Mapping[str, str] | None = None) -> None:
-        if nbytes <= 0:
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str] | None = None) -> None:
+        """``source``: bytes to allocate, or engine buffers to register."""
+        if isinstance(source, int) and source <= 0:
             raise ValueError("nbytes must be positive")
         host, protocol, device = engine_settings(options or {})
         self.max_batch = read_options(options or {}).integer("max_batch", MAX_BATCH, low=1)
-        self.nbytes = nbytes
-        self._mem = open_memory(nbytes, MemoryOptions.parse(options or {}))
+        self._mem = open_space(source, MemoryOptions.parse(options or {}))
+        self.nbytes = self._mem.nbytes
         self.base = self._mem.addr
         self._engine: Any = new_engine(host, protocol, device)
-        if self._engine.register_memory(self.base, nbytes) != 0:
-            raise RuntimeError("register_memory failed")
+        register_space(self._engine, self._mem)
         self._peers: dict[str, tuple[str, int, int]] = {}
+        self._spaces: dict[str, FlatSpace] = {}
 
     def array(self) -> npt.NDArray[np.uint8]:
         """The DRAM source itself (no copy); DRAM only. A method, as on the
@@ -96,18 +98,28 @@ class RawWriter:
 
     def connect(self, peer: str, metadata: bytes) -> None:
         self._peers[peer] = unpack_metadata(metadata)
+        self._spaces[peer] = FlatSpace([Buffer(a, n) for a, n in unpack_buffers(metadata)])
 
     def transfer(self, peer: str, segments: Iterable[Any]) -> int:
         """``batch_transfer_async_write`` of at most ``max_batch`` requests at a
         time, each awaited with ``get_batch_transfer_status``. Returns the bytes
         written; raises RuntimeError on a failed batch (whose bytes may land)."""
         session, dst_base, _ = self._peers[peer]
-        return _write(self._engine, session, self.base, dst_base, segments, self.max_batch)
+        space = self._spaces[peer]
+        if self._mem.single and len(space.buffers) == 1:
+            return _write(self._engine, session, self.base, dst_base, segments, self.max_batch)
+        # Several buffers on a side: offsets become addresses (vectorised), then bases are 0.
+        srcs, dsts, lens = (np.asarray(c, dtype=np.int64) for c in segment_lists(segments))
+        rows = np.empty((len(lens), 3), dtype=np.int64)
+        rows[:, 0] = self._mem.flat.locate(srcs, lens)[0]
+        rows[:, 1] = space.locate(dsts, lens)[0]
+        rows[:, 2] = lens
+        return _write(self._engine, session, 0, 0, rows, self.max_batch)
 
     def close(self) -> None:
         if self._engine is None:
             return
-        self._engine.unregister_memory(self.base)
+        unregister_space(self._engine, self._mem)
         self._engine = None
         self._peers.clear()
         gc.collect()  # engine teardown: ~1 s

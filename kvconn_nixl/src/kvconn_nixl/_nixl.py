@@ -23,7 +23,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvconn.memory import MEMORY_KINDS, Memory
+from kvconn.buffers import Buffer, FlatSpace, buffers_of
+from kvconn.memory import MEMORY_KINDS, MemorySpace
 from kvconn.options import BackendOptions
 
 #: Set (if unset) before nixl/UCX is loaded. ``UCX_MODULES=^ib``: without it
@@ -227,60 +228,98 @@ def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
 
 
 # --------------------------------------------------------------------------
-# region metadata: b"KVNX" v1, mem, dev, addr, len, name, agent metadata
+# region metadata: b"KVNX" v2, mem, dev, buffer count, name length, agent
+# metadata length, then (addr, len) per buffer, the name, the agent metadata
 
 _MAGIC = b"KVNX"
-_HEAD = struct.Struct("<4sBBHQQII")
+_HEAD = struct.Struct("<4sBBHIII")
+_RANGE = struct.Struct("<QQ")
+_MAX_BUFFERS = 1 << 16
 
 
 @attrs.frozen
 class RegionInfo:
     agent_name: str
     agent_md: bytes
-    addr: int
-    nbytes: int
+    #: (address, bytes) of each registered buffer, in the region's offset order
+    buffers: tuple[tuple[int, int], ...]
     mem: str  # "DRAM" | "VRAM"
     dev_id: int
+
+    @property
+    def addr(self) -> int:
+        return self.buffers[0][0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.buffers)
+
+    def space(self) -> FlatSpace:
+        """The region's offsets as addresses on its host."""
+        kind = "vram" if self.mem == "VRAM" else "dram"
+        return FlatSpace([Buffer(a, n, kind, self.dev_id) for a, n in self.buffers])
 
     def encode(self) -> bytes:
         name = self.agent_name.encode()
         head = _HEAD.pack(
             _MAGIC,
-            1,
+            2,
             1 if self.mem == "VRAM" else 0,
             self.dev_id,
-            self.addr,
-            self.nbytes,
+            len(self.buffers),
             len(name),
             len(self.agent_md),
         )
-        return head + name + self.agent_md
+        ranges = b"".join(_RANGE.pack(a, n) for a, n in self.buffers)
+        return head + ranges + name + self.agent_md
 
     @classmethod
     def decode(cls, data: bytes) -> RegionInfo:
         if len(data) < _HEAD.size:
             raise ValueError("nixl region metadata too short")
-        magic, ver, mem, dev, addr, nbytes, nlen, mlen = _HEAD.unpack_from(data)
-        if magic != _MAGIC or ver != 1:
+        magic, ver, mem, dev, count, nlen, mlen = _HEAD.unpack_from(data)
+        if magic != _MAGIC or ver != 2:
             raise ValueError("not kvconn-nixl region metadata (bad magic/version)")
-        if len(data) != _HEAD.size + nlen + mlen:
+        if not 0 < count <= _MAX_BUFFERS or len(data) != _HEAD.size + count * _RANGE.size + nlen + mlen:
             raise ValueError("nixl region metadata has the wrong length")
         off = _HEAD.size
+        buffers = tuple(_RANGE.unpack_from(data, off + i * _RANGE.size) for i in range(count))
+        off += count * _RANGE.size
         name = data[off : off + nlen].decode()
-        return cls(name, bytes(data[off + nlen :]), addr, nbytes, "VRAM" if mem else "DRAM", dev)
+        return cls(name, bytes(data[off + nlen :]), buffers, "VRAM" if mem else "DRAM", dev)
 
 
 # --------------------------------------------------------------------------
 # memory
 
 
-def open_memory(nbytes: int, opts: Options) -> Memory:
-    """Zeroed page or source memory of the kind ``opts`` names."""
-    return Memory(nbytes, opts.memory, opts.device)
+class Space(MemorySpace):
+    """An endpoint's registered memory (see :class:`~kvconn.memory.MemorySpace`),
+    with its NIXL memory type and device."""
+
+    def __init__(self, source: int | Sequence[Buffer], opts: Options) -> None:
+        super().__init__(source, opts.memory, opts.dev_id)
+        self.mem_type = "VRAM" if self.kind == "vram" else "DRAM"
+        self.dev_id = self.device
 
 
-def register(agent: Any, mem: Memory, opts: Options) -> Any:
-    return agent.register_memory([(mem.addr, mem.nbytes, opts.dev_id, "")], opts.nixl_mem)
+def options_for(source: int | Sequence[Buffer], opts: Options) -> Options:
+    """``opts`` with the memory kind and device of engine buffers (which
+    decide them: the fence, for one, is proven for DRAM only)."""
+    if isinstance(source, int):
+        return opts
+    bufs = buffers_of(source)
+    return attrs.evolve(opts, memory=bufs[0].kind, device=bufs[0].device if bufs[0].kind == "vram" else 0)
+
+
+def open_memory(source: int | Sequence[Buffer], opts: Options) -> Space:
+    """Page or source memory: zeroed of the kind ``opts`` names, or the engine's."""
+    return Space(source, opts)
+
+
+def register(agent: Any, mem: Space, opts: Options) -> Any:
+    """One registration of every buffer (a descriptor list)."""
+    return agent.register_memory([(a, n, mem.dev_id, "") for a, n in mem.ranges()], mem.mem_type)
 
 
 #: Up to this many rows, descriptors are built from Python lists: numpy's
@@ -292,32 +331,42 @@ LIST_MAX_ROWS = 16
 def write_xfer(
     agent: Any,
     opts: Options,
-    base: int,
+    local: Space,
     peer: RegionInfo,
     rows: npt.NDArray[np.int64] | Sequence[tuple[int, int, int]],
+    peer_space: FlatSpace | None = None,
 ) -> Any:
     """A prepared WRITE handle for ``rows`` (``(n, 3)`` int64, or a list of
-    triples: source offset, destination offset, bytes) from ``agent``'s
-    memory at ``base`` into ``peer``'s region: one transfer of every row."""
-    if not isinstance(rows, np.ndarray):
+    triples: source offset, destination offset, bytes) from ``local`` into
+    ``peer``'s region: one transfer of every row. Offsets become addresses
+    in numpy (``peer_space``: ``peer.space()``, kept by the caller)."""
+    single = len(local.flat.buffers) == 1 and len(peer.buffers) == 1
+    base = local.addr
+    if single and not isinstance(rows, np.ndarray):
         return agent.initialize_xfer(
             "WRITE",
-            agent.get_xfer_descs([(base + s, n, opts.dev_id) for s, _, n in rows], opts.nixl_mem),
+            agent.get_xfer_descs([(base + s, n, local.dev_id) for s, _, n in rows], local.mem_type),
             agent.get_xfer_descs([(peer.addr + d, n, peer.dev_id) for _, d, n in rows], peer.mem),
             peer.agent_name,
         )
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
     n = len(rows)
-    local = np.empty((n, 3), dtype=np.uint64)
-    local[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(base)
-    local[:, 1] = rows[:, 2].astype(np.uint64)
-    local[:, 2] = opts.dev_id
+    local_descs = np.empty((n, 3), dtype=np.uint64)
     remote = np.empty((n, 3), dtype=np.uint64)
-    remote[:, 0] = rows[:, 1].astype(np.uint64) + np.uint64(peer.addr)
-    remote[:, 1] = local[:, 1]
+    local_descs[:, 1] = rows[:, 2].astype(np.uint64)
+    remote[:, 1] = local_descs[:, 1]
+    if single:
+        local_descs[:, 0] = rows[:, 0].astype(np.uint64) + np.uint64(base)
+        remote[:, 0] = rows[:, 1].astype(np.uint64) + np.uint64(peer.addr)
+    else:
+        space = peer_space if peer_space is not None else peer.space()
+        local_descs[:, 0] = local.flat.locate(rows[:, 0], rows[:, 2])[0].astype(np.uint64)
+        remote[:, 0] = space.locate(rows[:, 1], rows[:, 2])[0].astype(np.uint64)
+    local_descs[:, 2] = local.dev_id
     remote[:, 2] = peer.dev_id
     return agent.initialize_xfer(
         "WRITE",
-        agent.get_xfer_descs(local, opts.nixl_mem),
+        agent.get_xfer_descs(local_descs, local.mem_type),
         agent.get_xfer_descs(remote, peer.mem),
         peer.agent_name,
     )

@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
 from kvconn.transport import Capabilities, Settlement
@@ -28,6 +29,7 @@ from kvconn_nixl._nixl import (
     RegionInfo,
     make_agent,
     open_memory,
+    options_for,
     register,
     remote_disconnect_error,
     write_xfer,
@@ -52,10 +54,11 @@ class NixlRegion:
     so writes land without anyone polling the region from Python.
     """
 
-    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
-        self.options = Options.parse(options)
-        self.nbytes = nbytes
-        self._mem = open_memory(nbytes, self.options)
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
+        """``source``: bytes to allocate, or the engine's buffers to register."""
+        self.options = options_for(source, Options.parse(options))
+        self._mem = open_memory(source, self.options)
+        self.nbytes = self._mem.nbytes
         # Always: nothing lands in pages whose agent nobody progresses
         # (``progress_thread`` is the writers' choice).
         self._agent: Any = make_agent("region", self.options, progress_thread=True)
@@ -63,10 +66,9 @@ class NixlRegion:
         self.metadata = RegionInfo(
             agent_name=self._agent.name,
             agent_md=self._agent.get_agent_metadata(),
-            addr=self._mem.addr,
-            nbytes=nbytes,
-            mem=self.options.nixl_mem,
-            dev_id=self.options.dev_id,
+            buffers=self._mem.ranges(),
+            mem=self._mem.mem_type,
+            dev_id=self._mem.dev_id,
         ).encode()
 
     def array(self) -> np.ndarray:
@@ -95,6 +97,7 @@ class NixlRegion:
 class _Peer:
     info: RegionInfo
     metadata: bytes
+    space: FlatSpace
 
 
 @attrs.frozen
@@ -115,10 +118,11 @@ class NixlWriter:
     ``on_done_barrier`` and ``on_fence``.
     """
 
-    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
-        self.options = Options.parse(options)
-        self.nbytes = nbytes
-        self._mem = open_memory(nbytes, self.options)
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
+        """``source``: bytes to allocate, or the engine's buffers to register."""
+        self.options = options_for(source, Options.parse(options))
+        self._mem = open_memory(source, self.options)
+        self.nbytes = self._mem.nbytes
         self._prog = bool(self.options.progress_thread)
         self._lock = threading.Lock()  # handle table, peers, agent swap
         self._handles: dict[int, Any] = {}
@@ -163,7 +167,7 @@ class NixlWriter:
                     name = name.decode()
                 if name != info.agent_name:
                     raise ValueError(f"metadata names agent {info.agent_name!r}, nixl loaded {name!r}")
-            self._peers[peer] = _Peer(info, metadata)
+            self._peers[peer] = _Peer(info, metadata, info.space())
 
     # -- hooks -----------------------------------------------------------
     @hookimpl
@@ -182,7 +186,7 @@ class NixlWriter:
         if not len(rows):
             return Posted((), self._generation, 0)
         agent = self._agent
-        handle = write_xfer(agent, self.options, self._mem.addr, peer.info, rows)
+        handle = write_xfer(agent, self.options, self._mem, peer.info, rows, peer.space)
         with self._lock:
             key = next(self._keys)
             self._handles[key] = handle
@@ -394,6 +398,15 @@ class NixlBackend:
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> NixlWriter:
         return NixlWriter(nbytes, options)
+
+    def register_region(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> NixlRegion:
+        """Decode's engine buffers as one region (one ``register_memory`` of
+        their descriptor list); ``close()`` deregisters them."""
+        return NixlRegion(buffers, options)
+
+    def register_writer(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> NixlWriter:
+        """A prefill rank's engine buffers as its source (one ``register_memory``)."""
+        return NixlWriter(buffers, options)
 
 
 backend = NixlBackend()

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvconn.buffers import Buffer, FlatSpace
 from kvconn_nixl import _nixl
-from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, register, write_xfer
+from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, options_for, register, write_xfer
 
 __all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
 
@@ -51,16 +52,18 @@ class RawWriter:
     own nixl agent (no progress thread unless ``progress_thread`` is set:
     progress happens inside ``check_xfer_state``, as in kvconn's writer)."""
 
-    def __init__(self, nbytes: int, options: Mapping[str, str] | None = None) -> None:
-        if nbytes <= 0:
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str] | None = None) -> None:
+        """``source``: bytes to allocate, or engine buffers to register."""
+        if isinstance(source, int) and source <= 0:
             raise ValueError("nbytes must be positive")
-        self.options = Options.parse(options or {})
-        self.nbytes = nbytes
-        self._mem = open_memory(nbytes, self.options)
+        self.options = options_for(source, Options.parse(options or {}))
+        self._mem = open_memory(source, self.options)
+        self.nbytes = self._mem.nbytes
         self.base = self._mem.addr
         self._agent: Any = make_agent("raw", self.options, progress_thread=bool(self.options.progress_thread))
         self._reg: Any = register(self._agent, self._mem, self.options)
         self._peers: dict[str, RegionInfo] = {}
+        self._spaces: dict[str, FlatSpace] = {}
 
     def array(self) -> npt.NDArray[np.uint8]:
         """The DRAM source itself (no copy); DRAM only. A method, as on the
@@ -79,6 +82,7 @@ class RawWriter:
         if info.agent_name not in known:
             self._agent.add_remote_agent(info.agent_md)
         self._peers[peer] = info
+        self._spaces[peer] = info.space()
 
     def transfer(self, peer: str, segments: Iterable[Any], timeout_s: float = 60.0) -> int:
         """One WRITE transfer of every segment; poll ``check_xfer_state`` until
@@ -95,7 +99,7 @@ class RawWriter:
             return 0
         nbytes = sum(n for _, _, n in rows) if isinstance(rows, list) else int(rows[:, 2].sum())
         agent = self._agent
-        handle = write_xfer(agent, self.options, self.base, info, rows)
+        handle = write_xfer(agent, self.options, self._mem, info, rows, self._spaces[peer])
         try:
             state = agent.transfer(handle)
             deadline = time.monotonic() + timeout_s

@@ -1,10 +1,13 @@
 """``tcpdemo``: a kvconn transport over plain TCP sockets.
 
-The page owner (decode) keeps its pages in a ``bytearray`` and runs a
-receiver thread per connection that copies incoming write frames straight
-into them. A writer (prefill rank) streams frames from a sender thread and
+The page owner (decode) keeps its pages in a ``bytearray``, or in the
+engine's own buffers (``register_region``: per-layer tensors, arrays), and
+runs a receiver thread per connection that copies incoming write frames
+straight into them. A writer sends from its ``bytearray`` or from the
+engine's buffers (``register_writer``), without a copy either way. A writer (prefill rank) streams frames from a sender thread and
 counts the receiver's per-segment acks. Written only against kvconn's public
-API: :mod:`kvconn.transport`, :mod:`kvconn.hookspecs`, :mod:`kvconn.chunk`.
+API: :mod:`kvconn.transport`, :mod:`kvconn.hookspecs`, :mod:`kvconn.chunk`,
+:mod:`kvconn.buffers`.
 
 Wire: ``!BQQQ`` header (kind, id, offset, length), then ``length`` bytes for
 a WRITE; the receiver answers ``!BQ`` (kind, id) after applying a frame.
@@ -16,7 +19,9 @@ and nothing else will ever be sent: no byte posted before the fence can land.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
 import itertools
 import json
 import queue
@@ -26,6 +31,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, Segment
 from kvconn.hookspecs import hookimpl
 from kvconn.options import BackendOptions
@@ -47,15 +53,49 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+class _Memory:
+    """Memory as one offset space: a ``bytearray`` of our own, or the
+    engine's buffers end to end (a range never spans two)."""
+
+    def __init__(self, source: int | Sequence[Buffer]) -> None:
+        if isinstance(source, int):
+            self._own: bytearray | None = bytearray(max(source, 1))
+            self._views = [memoryview(self._own)]
+            self.sizes = [source]
+        else:
+            # The engine keeps its memory alive; a Buffer's owner is referenced here too.
+            self._own, self._buffers = None, list(source)
+            self._views = [
+                memoryview((ctypes.c_char * b.nbytes).from_address(b.address)).cast("B") for b in source
+            ]
+            self.sizes = [b.nbytes for b in source]
+        self.starts = list(itertools.accumulate([0, *self.sizes[:-1]]))
+        self.nbytes = sum(self.sizes)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes at ``offset``, in place; ValueError outside or across buffers."""
+        i = _buffer_of(self.starts, self.sizes, offset, nbytes)
+        at = offset - self.starts[i]
+        return self._views[i][at : at + nbytes]
+
+
+def _buffer_of(starts: Sequence[int], sizes: Sequence[int], offset: int, nbytes: int) -> int:
+    i = bisect.bisect_right(starts, offset) - 1
+    if offset < 0 or nbytes < 0 or i < 0 or offset + nbytes > starts[i] + sizes[i]:
+        raise ValueError(f"range [{offset}, {offset + nbytes}) lies outside one buffer of {sizes}")
+    return i
+
+
 class TcpRegion:
     """Decode's pages, and the receiver that writes into them."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._mem = bytearray(max(nbytes, 1))
+    def __init__(self, source: int | Sequence[Buffer]) -> None:
+        self._mem = _Memory(source)
+        self.nbytes = self._mem.nbytes
         self._server = socket.create_server(("127.0.0.1", 0))
         host, port = self._server.getsockname()[:2]
-        self.metadata = json.dumps({"host": host, "port": port, "nbytes": nbytes}).encode()
+        info = {"host": host, "port": port, "nbytes": self.nbytes, "sizes": self._mem.sizes}
+        self.metadata = json.dumps(info).encode()
         self._conns: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="tcpdemo-accept").start()
@@ -72,14 +112,15 @@ class TcpRegion:
 
     def _serve(self, conn: socket.socket) -> None:
         header = bytearray(HEADER.size)
-        mem = memoryview(self._mem)
         try:
             while _recv_exact(conn, memoryview(header)):
                 kind, ident, offset, length = HEADER.unpack(header)
                 if kind == WRITE:
-                    if offset + length > self.nbytes:
+                    try:
+                        target = self._mem.view(offset, length)
+                    except ValueError:
                         return  # a broken writer: drop the connection
-                    if not _recv_exact(conn, mem[offset : offset + length]):
+                    if not _recv_exact(conn, target):
                         return
                 elif kind != FENCE:
                     return
@@ -90,12 +131,10 @@ class TcpRegion:
             conn.close()
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        _check(offset, nbytes, self.nbytes)
-        return bytes(self._mem[offset : offset + nbytes])
+        return bytes(self._mem.view(offset, nbytes))
 
     def write(self, offset: int, data: bytes) -> None:
-        _check(offset, len(data), self.nbytes)
-        self._mem[offset : offset + len(data)] = data
+        self._mem.view(offset, len(data))[:] = data
 
     def close(self) -> None:
         self._server.close()
@@ -119,13 +158,15 @@ class _Handle:
 class _Connection:
     """A writer's connection to one page owner: a sender and an ack reader."""
 
-    def __init__(self, metadata: bytes, src: bytearray) -> None:
+    def __init__(self, metadata: bytes, src: _Memory) -> None:
         info = json.loads(metadata)
         self.nbytes = int(info["nbytes"])
+        self.sizes = [int(n) for n in info.get("sizes", [self.nbytes])]
+        self.starts = list(itertools.accumulate([0, *self.sizes[:-1]]))
         self.sock = socket.create_connection((info["host"], info["port"]), timeout=10)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._src = memoryview(src)
+        self._src = src
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, _Handle] = {}
@@ -193,7 +234,7 @@ class _Connection:
             ident, seg = job
             try:
                 self.sock.sendall(HEADER.pack(WRITE, ident, seg.dst, seg.nbytes))
-                self.sock.sendall(self._src[seg.src : seg.src + seg.nbytes])
+                self.sock.sendall(self._src.view(seg.src, seg.nbytes))
             except OSError:
                 return  # the ack reader fails the pending handles
 
@@ -229,19 +270,17 @@ class _Connection:
 class TcpWriter:
     """A prefill rank's source memory and its connections."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._src = bytearray(max(nbytes, 1))
+    def __init__(self, source: int | Sequence[Buffer]) -> None:
+        self._src = _Memory(source)
+        self.nbytes = self._src.nbytes
         self._conns: dict[str, _Connection] = {}
         self._metadata: dict[str, bytes] = {}
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        _check(offset, nbytes, self.nbytes)
-        return bytes(self._src[offset : offset + nbytes])
+        return bytes(self._src.view(offset, nbytes))
 
     def write(self, offset: int, data: bytes) -> None:
-        _check(offset, len(data), self.nbytes)
-        self._src[offset : offset + len(data)] = data
+        self._src.view(offset, len(data))[:] = data
 
     def connect(self, peer: str, metadata: bytes) -> None:
         old = self._conns.pop(peer, None)
@@ -259,8 +298,9 @@ class TcpWriter:
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> _Handle:
         conn = self._conns[chunk.peer]
         for seg in segments:
-            _check(seg.src, seg.nbytes, self.nbytes)
-            _check(seg.dst, seg.nbytes, conn.nbytes)
+            # each segment inside one buffer on both sides (raises otherwise)
+            _buffer_of(self._src.starts, self._src.sizes, seg.src, seg.nbytes)
+            _buffer_of(conn.starts, conn.sizes, seg.dst, seg.nbytes)
         return conn.post(segments)
 
     @hookimpl
@@ -297,10 +337,15 @@ class TcpBackend:
         BackendOptions(self.name, options, known=())
         return TcpWriter(nbytes)
 
+    def register_region(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> TcpRegion:
+        """Decode's pages in the engine's buffers (host memory): received in place."""
+        BackendOptions(self.name, options, known=())
+        return TcpRegion(buffers)
 
-def _check(offset: int, nbytes: int, size: int) -> None:
-    if offset < 0 or nbytes < 0 or offset + nbytes > size:
-        raise ValueError(f"range [{offset}, {offset + nbytes}) outside a region of {size} bytes")
+    def register_writer(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> TcpWriter:
+        """A prefill rank sending straight from the engine's buffers."""
+        BackendOptions(self.name, options, known=())
+        return TcpWriter(buffers)
 
 
 backend = TcpBackend()

@@ -1,15 +1,29 @@
-"""The embedded ``loopback`` transport: real cross-process writes into shared
+"""The embedded ``loopback`` transport: real cross-process writes into decode's
 memory, asynchronous like a NIC, with deterministic fault injection.
 
-Decode's region is a POSIX shared-memory segment. A prefill rank attaches it
-and a "NIC" thread of the writer copies posted segments into it piece by
-piece (``ctypes.memmove`` releases the GIL), so a write really is in flight
-when an abort arrives, and a SIGSTOPped writer really resumes writing.
+Decode's region is either a POSIX shared-memory segment it allocates
+(``open_region``), which a prefill rank attaches and a "NIC" thread of the
+writer copies posted segments into piece by piece (``ctypes.memmove``
+releases the GIL); or memory the engine already owns (``register_region``):
+private memory of the decode process, which no other process can map. The
+NIC thread then writes straight into decode's addresses with Linux
+``process_vm_writev`` (it needs ptrace access to decode: the same user
+without Yama restrictions, or CAP_SYS_PTRACE). Either way a write really is
+in flight when an abort arrives, and a SIGSTOPped writer really resumes
+writing; and since each piece is one call that completes before it returns,
+a writer stopped between pieces, or gone, lands nothing more.
+
+A writer checks, when it connects, that decode's pid still names decode
+(its start time) and holds a pidfd on it; before every write it polls that
+pidfd, so it never writes once decode exited (a pid is reused only after
+its process is reaped, and pids would have to wrap around in between).
 
 Options (strings, from ``Config.backend_options``):
 
 ``piece_bytes``
     bytes copied per step (default 262144): the granularity of in-flight data.
+    Into engine-owned memory a step is one ``process_vm_writev`` of up to
+    this many bytes over up to 1024 ranges.
 ``piece_delay_s``
     sleep before every piece (default 0): slow writes, wide abort windows.
 ``fail_chunks``
@@ -22,6 +36,28 @@ Options (strings, from ``Config.backend_options``):
     BROKEN on purpose: the DONE barrier answers LANDED without waiting.
 ``no_fence``
     BROKEN on purpose: the fence returns at once, the NIC keeps writing.
+``misplace_buffer``
+    BROKEN on purpose: into a region of several buffers, what is meant for
+    the second buffer is written into the first, at the same offset (a
+    layer's slice in the wrong layer).
+``freeze_chunks``
+    comma-separated ``rank:room:index`` triples: the rank writes the first
+    half of that chunk, then stops its own process (SIGSTOP: a GC pause, a
+    host frozen mid-write) until something sends it SIGCONT; the second half
+    was already handed to the NIC and lands at once on SIGCONT, whatever a
+    fence says (the fence waits for it). A fault at a point the test fixes,
+    where a SIGSTOP sent from outside lands wherever the rank happens to be.
+``late_chunks``
+    ``rank:room:index`` triples: the first half of that chunk lands at once,
+    the second half sits in the NIC's queue (handed to hardware: a fence
+    waits for it) and lands ``late_delivery_s`` after the post, as a queue
+    behind a congested or retransmitting link delivers.
+``late_delivery_s``
+    how late (default 2.0).
+
+The DONE barrier answers LANDED (or FAILED_SETTLED) only for a chunk that
+settled by its deadline; one that settles later (its process was frozen) is
+UNSETTLED, as it would be had the barrier looked at the deadline.
 
 Any other key is refused when a region or writer opens (a typo is an error,
 not a default silently applied).
@@ -34,19 +70,49 @@ posted before it can land; then a new NIC thread serves new posts.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import json
 import mmap
+import os
 import queue
+import select
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
+from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 
+from kvconn.buffers import Buffer, FlatSpace, buffers_of
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
 from kvconn.options import BackendOptions, OptionError
+from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.transport import Capabilities, Settlement
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+#: Region metadata of engine-owned memory starts with this; a shared-memory
+#: segment's is its name, which never does.
+_PROCESS_TAG = b"pvm1:"
+#: Most ranges one process_vm_writev takes (the kernel's UIO_MAXIOV).
+_IOV_MAX = 1024
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_process_vm_writev = _libc.process_vm_writev
+_process_vm_writev.restype = ctypes.c_ssize_t
+_process_vm_writev.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 def _address(buf: memoryview | mmap.mmap) -> tuple[int, ctypes.c_char]:
@@ -66,6 +132,10 @@ class LoopbackOptions:
     linger_after_fail: bool = False
     early_done: bool = False
     no_fence: bool = False
+    misplace_buffer: bool = False
+    freeze_chunks: frozenset[tuple[int, int, int]] = frozenset()
+    late_chunks: frozenset[tuple[int, int, int]] = frozenset()
+    late_delivery_s: float = 2.0
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> LoopbackOptions:
@@ -79,6 +149,10 @@ class LoopbackOptions:
             linger_after_fail=opts.flag("linger_after_fail", default.linger_after_fail),
             early_done=opts.flag("early_done", default.early_done),
             no_fence=opts.flag("no_fence", default.no_fence),
+            misplace_buffer=opts.flag("misplace_buffer", default.misplace_buffer),
+            freeze_chunks=_rank_chunk_ids(opts, "freeze_chunks"),
+            late_chunks=_rank_chunk_ids(opts, "late_chunks"),
+            late_delivery_s=opts.number("late_delivery_s", default.late_delivery_s, low=0.0),
         )
 
 
@@ -105,37 +179,172 @@ class LoopbackRegion:
         self._shm.unlink()
 
 
-class _Handle:
-    __slots__ = ("error", "finished", "pieces")
+class LoopbackEngineRegion:
+    """Decode's pages in buffers the engine owns (this process's memory).
 
-    def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
-        self.pieces = pieces
+    The metadata names this process (pid, start time, pid namespace) and the
+    buffers' addresses; ``close()`` forgets them and frees nothing."""
+
+    def __init__(self, buffers: Sequence[Buffer]) -> None:
+        self._space = FlatSpace(buffers_of(buffers))
+        if self._space.kind != "dram":
+            raise ValueError("loopback regions live in dram; these buffers are vram")
+        self.nbytes = self._space.nbytes
+        pid = os.getpid()
+        self.metadata = (
+            _PROCESS_TAG
+            + json.dumps(
+                {
+                    "pid": pid,
+                    "start_time": proc_stat(pid)[1],
+                    "pid_namespace": pid_namespace(),
+                    "buffers": [[b.address, b.nbytes] for b in self._space.buffers],
+                }
+            ).encode()
+        )
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self._space.read(offset, nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._space.write(offset, data)
+
+    def close(self) -> None:
+        """Nothing was registered with a kernel or device: forget the buffers."""
+
+
+class _Handle:
+    __slots__ = ("error", "finished", "finished_at", "not_before", "programmed", "steps")
+
+    def __init__(
+        self, steps: list[tuple[int, int]], programmed: bool = False, not_before: float = 0.0
+    ) -> None:
+        #: (first, end) rows of the chunk's pieces, one step each
+        self.steps = steps
+        #: Already handed to the hardware: lands whole, a fence cannot stop it.
+        self.programmed = programmed
+        #: A programmed transfer lands no earlier than this (time.monotonic()).
+        self.not_before = not_before
         self.finished = threading.Event()
+        self.finished_at = float("inf")
         self.error: str | None = None
 
+    def finish(self, error: str | None = None) -> None:
+        if error is not None:
+            self.error = error
+        self.finished_at = time.monotonic()
+        self.finished.set()
 
-class _Peer:
+
+class _ShmPeer:
+    """Decode's shared-memory region, mapped here: pieces are memmoves."""
+
     def __init__(self, name: str) -> None:
         self.shm = shared_memory.SharedMemory(name=name)
         # Attaching registers the segment with this process's resource
         # tracker, which would unlink decode's memory when we exit.
         resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-        self.base, self.anchor = _address(_buffer(self.shm))
+        base, self.anchor = _address(_buffer(self.shm))
         self.nbytes = self.shm.size
+        self.space = FlatSpace([Buffer(base, self.nbytes)])
+
+    def steps(self, pieces: npt.NDArray[np.int64], step_bytes: int) -> list[tuple[int, int]]:
+        return [(i, i + 1) for i in range(len(pieces))]
+
+    def copy(self, pieces: npt.NDArray[np.int64], first: int, end: int) -> str | None:
+        for src, dst, n in pieces[first:end].tolist():
+            ctypes.memmove(dst, src, n)
+        return None
 
     def close(self) -> None:
         del self.anchor
         self.shm.close()
 
 
+class _ProcessPeer:
+    """Engine-owned memory of another process on this host: pieces are
+    process_vm_writev calls into it."""
+
+    def __init__(self, metadata: bytes) -> None:
+        try:
+            meta = json.loads(metadata[len(_PROCESS_TAG) :])
+            self.pid = int(meta["pid"])
+            start_time = int(meta["start_time"])
+            namespace = str(meta["pid_namespace"])
+            buffers = [Buffer(int(a), int(n)) for a, n in meta["buffers"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"malformed loopback region metadata: {exc}") from None
+        if not namespace or namespace != pid_namespace():
+            raise ValueError(
+                "decode's pid is not visible from here: loopback needs one host and pid namespace"
+            )
+        self.pidfd = os.pidfd_open(self.pid)
+        try:
+            # Checked after the pidfd is held: it then names this very process.
+            if proc_stat(self.pid)[1] != start_time:
+                raise ValueError(f"decode process {self.pid} is gone (its pid now names another process)")
+        except BaseException:
+            os.close(self.pidfd)
+            raise
+        self.space = FlatSpace(buffers)
+        self.nbytes = self.space.nbytes
+        self._exited = select.poll()
+        self._exited.register(self.pidfd, select.POLLIN)
+
+    def steps(self, pieces: npt.NDArray[np.int64], step_bytes: int) -> list[tuple[int, int]]:
+        # Consecutive pieces of up to step_bytes together (at least one), at
+        # most _IOV_MAX of them: one system call each.
+        if not len(pieces):
+            return []
+        before = np.cumsum(pieces[:, 2]) - pieces[:, 2]
+        group = before // step_bytes
+        firsts = [*np.flatnonzero(np.diff(group, prepend=-1)).tolist(), len(pieces)]
+        steps = []
+        for first, end in itertools.pairwise(firsts):
+            steps += [(i, min(i + _IOV_MAX, end)) for i in range(first, end, _IOV_MAX)]
+        return steps
+
+    def copy(self, pieces: npt.NDArray[np.int64], first: int, end: int) -> str | None:
+        if self._exited.poll(0):
+            return f"decode process {self.pid} exited"
+        rows = pieces[first:end]
+        # struct iovec is {void *base; size_t len}: two 64-bit words a range.
+        local = np.ascontiguousarray(rows[:, [0, 2]], dtype=np.uint64)
+        remote = np.ascontiguousarray(rows[:, [1, 2]], dtype=np.uint64)
+        want = int(rows[:, 2].sum())
+        n = len(rows)
+        done = _process_vm_writev(self.pid, local.ctypes.data, n, remote.ctypes.data, n, 0)
+        if done != want:
+            err = ctypes.get_errno()
+            return (
+                f"process_vm_writev wrote {done} of {want} bytes: {os.strerror(err) if done < 0 else 'short'}"
+            )
+        return None
+
+    def close(self) -> None:
+        os.close(self.pidfd)
+
+
+_Peer = _ShmPeer | _ProcessPeer
+
+
 class LoopbackWriter:
     """A prefill rank's source memory and its NIC thread."""
 
-    def __init__(self, nbytes: int, options: Mapping[str, str]) -> None:
+    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
+        """``source``: bytes of memory to allocate, or the engine's buffers."""
         self.options = LoopbackOptions.parse(options)
-        self.nbytes = nbytes
-        self._src = mmap.mmap(-1, max(nbytes, 1))
-        self._src_base, self._src_anchor = _address(self._src)
+        self._src: mmap.mmap | None = None
+        if isinstance(source, int):
+            self._src = mmap.mmap(-1, max(source, 1))
+            base, self._src_anchor = _address(self._src)
+            self._space = FlatSpace([Buffer(base, max(source, 1), owner=self._src)])
+            self.nbytes = source
+        else:
+            self._space = FlatSpace(buffers_of(source))
+            if self._space.kind != "dram":
+                raise ValueError("loopback writes from dram; these buffers are vram")
+            self.nbytes = self._space.nbytes
         self._peers: dict[str, _Peer] = {}
         self._posted = 0
         self._lock = threading.Lock()
@@ -144,16 +353,18 @@ class LoopbackWriter:
     # -- Writer ------------------------------------------------------------
     def read(self, offset: int, nbytes: int) -> bytes:
         _check(offset, nbytes, self.nbytes)
-        return self._src[offset : offset + nbytes]
+        return self._space.read(offset, nbytes)
 
     def write(self, offset: int, data: bytes) -> None:
         _check(offset, len(data), self.nbytes)
-        self._src[offset : offset + len(data)] = data
+        self._space.write(offset, data)
 
     def connect(self, peer: str, metadata: bytes) -> None:
+        new: _Peer
+        new = _ProcessPeer(metadata) if metadata.startswith(_PROCESS_TAG) else _ShmPeer(metadata.decode())
         with self._lock:
             old = self._peers.pop(peer, None)
-            self._peers[peer] = _Peer(metadata.decode())
+            self._peers[peer] = new
         if old is not None:
             old.close()
 
@@ -163,27 +374,64 @@ class LoopbackWriter:
             for peer in self._peers.values():
                 peer.close()
             self._peers.clear()
-        del self._src_anchor
-        self._src.close()
+        if self._src is not None:
+            del self._src_anchor
+            self._space = FlatSpace([Buffer(1, 1)])  # drops the last reference to the map
+            self._src.close()
 
     # -- hooks -------------------------------------------------------------
     @hookimpl
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> _Handle:
         peer = self._peers[chunk.peer]
-        table = SegmentTable.of(segments)
-        srcs, dsts, lens = table.columns_within(self.nbytes, peer.nbytes, self._src_base, peer.base)
-        step = self.options.piece_bytes
-        pieces = []
-        for src, dst, nbytes in zip(srcs, dsts, lens, strict=True):
-            for off in range(0, nbytes, step):
-                pieces.append((src + off, dst + off, min(step, nbytes - off)))
+        rows = SegmentTable.of(segments).rows_within(self.nbytes, peer.nbytes)
+        pieces = _pieces(rows, self.options.piece_bytes)
+        pieces[:, 0] = self._space.locate(pieces[:, 0], pieces[:, 2])[0]
+        pieces[:, 1], buffer = peer.space.locate(pieces[:, 1], pieces[:, 2])
+        if self.options.misplace_buffer and len(peer.space.buffers) > 1:
+            second, first = peer.space.buffers[1].address, peer.space.buffers[0].address
+            pieces[buffer == 1, 1] += first - second
+        steps = peer.steps(pieces, self.options.piece_bytes)
         with self._lock:
             self._posted += 1
             fail = (chunk.room, chunk.index) in self.options.fail_chunks or (
                 self.options.fail_every > 0 and self._posted % self.options.fail_every == 0
             )
-        handle = _Handle(pieces)
-        self._nic_queue.put((handle, len(pieces) // 2 if fail else -1))
+        key = (chunk.rank, chunk.room, chunk.index)
+        if key in self.options.freeze_chunks:
+            return self._freeze_mid_write(peer, pieces, steps)
+        if key in self.options.late_chunks:
+            return self._deliver_late(peer, pieces, steps)
+        handle = _Handle(steps)
+        self._nic_queue.put((handle, peer, pieces, len(steps) // 2 if fail else -1))
+        return handle
+
+    def _freeze_mid_write(
+        self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]
+    ) -> _Handle:
+        """Write half, stop this process, then hand the rest to the NIC as one
+        programmed transfer. In on_post, so before the chunk's DONE barrier
+        can look at its deadline: the freeze happens mid-write, always."""
+        half = max(1, len(steps) // 2)
+        for first, end in steps[:half]:
+            peer.copy(pieces, first, end)
+        # To this thread: a signal to the process may be taken by another
+        # thread, and this one would run on until the group stop reached it.
+        # A stop signal stops every thread; this one on return from the call.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        # Queued after the stop: the NIC must not finish it before the freeze.
+        handle = _Handle(steps[half:], programmed=True)
+        self._nic_queue.put((handle, peer, pieces, -1))
+        return handle
+
+    def _deliver_late(
+        self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]
+    ) -> _Handle:
+        half = max(1, len(steps) // 2)
+        for first, end in steps[:half]:
+            peer.copy(pieces, first, end)
+        late = time.monotonic() + self.options.late_delivery_s
+        handle = _Handle(steps[half:], programmed=True, not_before=late)
+        self._nic_queue.put((handle, peer, pieces, -1))
         return handle
 
     @hookimpl
@@ -191,6 +439,8 @@ class LoopbackWriter:
         if self.options.early_done:
             return Settlement.LANDED
         if not posted.finished.wait(max(0.0, deadline - time.monotonic())):
+            return Settlement.UNSETTLED
+        if posted.finished_at > deadline:  # settled late (frozen past the deadline)
             return Settlement.UNSETTLED
         return Settlement.LANDED if posted.error is None else Settlement.FAILED_SETTLED
 
@@ -204,7 +454,7 @@ class LoopbackWriter:
     # -- the NIC -----------------------------------------------------------
     def _start_nic(self) -> None:
         self._nic_stop = threading.Event()
-        self._nic_queue: queue.Queue[tuple[_Handle, int] | None] = queue.Queue()
+        self._nic_queue: queue.Queue[_Job | None] = queue.Queue()
         self._nic = threading.Thread(
             target=self._run_nic,
             args=(self._nic_queue, self._nic_stop),
@@ -218,40 +468,81 @@ class LoopbackWriter:
         self._nic_queue.put(None)
         self._nic.join()
 
-    def _run_nic(self, jobs: queue.Queue[tuple[_Handle, int] | None], stop: threading.Event) -> None:
+    def _run_nic(self, jobs: queue.Queue[_Job | None], stop: threading.Event) -> None:
         while not stop.is_set():
             job = jobs.get()
             if job is None:
                 break
-            handle, fail_at = job
-            for i, (src, dst, n) in enumerate(handle.pieces):
+            handle, peer, pieces, fail_at = job
+            if handle.programmed:
+                self._land(handle, peer, pieces)
+                continue
+            error = None
+            for i, (first, end) in enumerate(handle.steps):
                 if stop.is_set():
-                    handle.error = "fenced"
+                    error = "fenced"
                     break
                 if i == fail_at:
-                    handle.error = "injected failure"
+                    error = "injected failure"
                     if self.options.linger_after_fail:
-                        rest = handle.pieces[i:]
-                        threading.Thread(target=self._linger, args=(rest,), daemon=True).start()
+                        rest = (peer, pieces, handle.steps[i:])
+                        threading.Thread(target=self._linger, args=rest, daemon=True).start()
                     break
                 if self.options.piece_delay_s:
                     time.sleep(self.options.piece_delay_s)
-                ctypes.memmove(dst, src, n)
-            handle.finished.set()
+                error = peer.copy(pieces, first, end)
+                if error is not None:
+                    break  # the call returned: nothing of it is still in flight
+            handle.finish(error)
         # Posted but never started: settled without writing a byte.
         while True:
             try:
                 job = jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
-                job[0].error = "fenced"
-                job[0].finished.set()
+            if job is None:
+                continue
+            handle, peer, pieces, _ = job
+            if handle.programmed:  # the hardware has it: it lands, and the fence waits
+                self._land(handle, peer, pieces)
+            else:
+                handle.finish("fenced")
 
-    def _linger(self, pieces: list[tuple[int, int, int]]) -> None:
+    @staticmethod
+    def _land(handle: _Handle, peer: _Peer, pieces: npt.NDArray[np.int64]) -> None:
+        """A programmed transfer: nothing stops it, not even a fence."""
+        time.sleep(max(0.0, handle.not_before - time.monotonic()))
+        error = None
+        for first, end in handle.steps:
+            error = peer.copy(pieces, first, end) or error
+        handle.finish(error)
+
+    def _linger(self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]) -> None:
         time.sleep(max(self.options.piece_delay_s, 0.05) * 4)
-        for src, dst, n in pieces:
-            ctypes.memmove(dst, src, n)
+        for first, end in steps:
+            peer.copy(pieces, first, end)
+
+
+#: What the NIC thread is given: the handle, the peer, the pieces (source
+#: address, destination address, bytes) and the step to fail at (-1: none).
+_Job = tuple[_Handle, _Peer, "npt.NDArray[np.int64]", int]
+
+
+def _pieces(rows: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.int64]:
+    """``rows`` (offset, offset, bytes) cut in pieces of at most ``step`` bytes,
+    as a fresh writable array."""
+    lens = rows[:, 2]
+    if not len(rows) or int(lens.max()) <= step:
+        return np.array(rows, dtype=np.int64)
+    counts = -(-lens // step)
+    row = np.repeat(np.arange(len(rows)), counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    offset = within * step
+    pieces = np.empty((len(row), 3), dtype=np.int64)
+    pieces[:, 0] = rows[row, 0] + offset
+    pieces[:, 1] = rows[row, 1] + offset
+    pieces[:, 2] = np.minimum(step, lens[row] - offset)
+    return pieces
 
 
 class LoopbackBackend:
@@ -260,7 +551,8 @@ class LoopbackBackend:
         writer_fence=True,
         memory=frozenset({"dram"}),
         cross_host=False,
-        notes="POSIX shared memory on one host; writes are async pieces on a NIC thread",
+        notes="POSIX shared memory, or process_vm_writev into engine-owned memory, on one host; "
+        "writes are async pieces on a NIC thread",
     )
 
     def capabilities_for(self, options: Mapping[str, str]) -> Capabilities:
@@ -276,12 +568,34 @@ class LoopbackBackend:
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> LoopbackWriter:
         return LoopbackWriter(nbytes, options)
 
+    def register_region(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> LoopbackEngineRegion:
+        LoopbackOptions.parse(options)
+        return LoopbackEngineRegion(buffers)
+
+    def register_writer(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> LoopbackWriter:
+        return LoopbackWriter(buffers, options)
+
 
 def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     buf = shm.buf
     if buf is None:
         raise ValueError(f"shared memory {shm.name} is closed")
     return buf
+
+
+def _rank_chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int, int]]:
+    """``rank:room:index`` triples, comma-separated."""
+    ids = set()
+    for item in filter(None, (x.strip() for x in opts.text(key).split(","))):
+        parts = item.split(":")
+        try:
+            rank, room, index = (int(p) for p in parts)
+        except ValueError:
+            raise OptionError(
+                f"loopback option {key}: expected rank:room:index triples, got {item!r}"
+            ) from None
+        ids.add((rank, room, index))
+    return frozenset(ids)
 
 
 def _chunk_ids(opts: BackendOptions, key: str) -> frozenset[tuple[int, int]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.sizes import size_arg
 from kvconn.bench.workload import ModeResult, ModeRun, Workload, plan, stats
 from kvconn.plugins import get_backend
+from kvconn.testing import scenarios
 from kvconn.transport import capabilities_of
 
 KVCONN, LEGACY = "kvconn", "legacy"
@@ -101,6 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--overhead-chunks", type=int, default=10000, help="chunks of the null-transport micro-measure"
+    )
+    p.add_argument(
+        "--faults",
+        choices=("short", "long", "off"),
+        default="short",
+        help="after the modes, on loopback: a rank frozen mid-write, a late transport queue and a "
+        "partitioned rank (needs root), in both modes; short: one room each, long: four",
     )
     p.add_argument("--no-progress", action="store_true")
     transport_mod.add_arguments(p)
@@ -300,7 +309,21 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
                 results[mode] = run.run(work, window, _adv(progress, t))
             finally:
                 run.close()
+        faults = _faults(args, progress, notes)
     report = _report(args, wl, ovh, stream_info, window or 0.0, raw, results, legacy_timeout, notes)
+    if faults is not None:
+        report["faults"] = [o.as_dict() for o in faults]
+        report["violations"][KVCONN] += [
+            {
+                "kind": "fault_corruption",
+                "room": None,
+                "detail": f"{o.fault}: {o.corrupted_pages} pages",
+                "page": None,
+            }
+            for o in faults
+            if o.mode == KVCONN and o.corrupted_pages
+        ]
+        report["ok"] = not report["violations"][KVCONN]
     _print(console, report)
     if args.json:
         text = json.dumps(report, indent=2)
@@ -312,6 +335,24 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     if args.plot:
         _plot(args.plot, results, legacy_timeout, err)
     return 1 if report["violations"][KVCONN] else 0
+
+
+def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> list[scenarios.Outcome] | None:
+    if args.faults == "off":
+        return None
+    if args.backend != "loopback":
+        notes.append("--faults runs on loopback only (its fault injection): not run")
+        return None
+    task = progress.add_task("production faults, both modes", total=2 * len(scenarios.FAULTS))
+    runtime = logging.getLogger("kvconn.runtime")
+    level = runtime.level
+    runtime.setLevel(logging.ERROR)  # each fault's quarantine is expected: the table reports it
+    try:
+        return scenarios.run(
+            rooms=1 if args.faults == "short" else 4, on_step=lambda _: progress.update(task, advance=1)
+        )
+    finally:
+        runtime.setLevel(level)
 
 
 def _adv(progress: Progress, task: Any) -> Callable[[int], None]:
@@ -554,6 +595,8 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
         )
     else:
         console.print(f"raw comparison: {raw['detail']}")
+    if rep.get("faults"):
+        _print_faults(console, rep["faults"])
     tt = Table(title="targets")
     for c in ("target", "goal", "value", "ok"):
         tt.add_column(c)
@@ -569,6 +612,40 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
             console.print(f"... and {len(vs) - 20} more {mode} violations (see --json)")
     for n in rep["notes"]:
         console.print(f"note: {n}")
+
+
+def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
+    t = Table(
+        title=f"production faults (loopback; decode deadline {scenarios.DEADLINE_S:g} s in both modes): "
+        "pages a late write reached after decode handed them back"
+    )
+    for col in (
+        "fault",
+        "timeout-only: corrupted",
+        "kvconn: corrupted",
+        "kvconn's cost: quarantined, back after",
+    ):
+        t.add_column(col, justify="left" if col == "fault" else "right")
+    by = {(f["fault"], f["mode"]): f for f in faults}
+    for fault in scenarios.FAULTS:
+        k, leg = by.get((fault, KVCONN)), by.get((fault, LEGACY))
+        if k is None or leg is None:
+            continue
+        if k["skipped"]:
+            t.add_row(fault, "-", "-", f"not run: {k['skipped']}")
+            continue
+        back = ", ".join(f"{s:.2f} s" for s in k["recovery_s"]) or "-"
+        cost = f"{k['quarantined_pages']} of {k['pages']} pages, {back} ({', '.join(k['proofs'])})"
+        if k["unreleased"]:
+            cost += f"; {k['unreleased']} rooms still held"
+        bad = leg["corrupted_pages"]
+        t.add_row(
+            fault,
+            f"[red]{bad}[/red] of {leg['pages']}" if bad else f"0 of {leg['pages']}",
+            f"[red]{k['corrupted_pages']}[/red]" if k["corrupted_pages"] else "[green]0[/green]",
+            cost,
+        )
+    console.print(t)
 
 
 def _plot(path: str, results: dict[str, ModeResult], legacy_timeout: float, err: Console) -> None:

@@ -26,11 +26,12 @@ from typing import Any
 import attrs
 
 from kvconn.bench.child import Child, read_config
+from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, Segment
 from kvconn.plugins import get_backend
 from kvconn.runtime.layout import PageLayout
 from kvconn.testing.patterns import shard_bytes
-from kvconn.transport import Backend, Settlement
+from kvconn.transport import Backend, Settlement, register_writer
 
 #: One room of the raw run: (room id, destination pages).
 RawRoom = tuple[int, Sequence[int]]
@@ -52,8 +53,11 @@ class HookRaw:
     """A backend's own writer, its post/barrier hooks called directly: the raw
     path of a backend without a ``kvconn_<name>.raw`` module (loopback)."""
 
-    def __init__(self, backend: Backend, nbytes: int, options: Mapping[str, str]) -> None:
-        self._w: Any = backend.open_writer(nbytes, options)
+    def __init__(self, backend: Backend, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
+        if isinstance(source, int):
+            self._w: Any = backend.open_writer(source, options)
+        else:
+            self._w = register_writer(backend, source, options)
         self.write = self._w.write
 
     def connect(self, peer: str, metadata: bytes) -> None:
@@ -71,9 +75,9 @@ class HookRaw:
         self._w.close()
 
 
-def open_raw(name: str, nbytes: int, options: Mapping[str, str]) -> tuple[Any, str]:
-    """Backend ``name``'s raw writer of ``nbytes`` source bytes, and how it
-    writes. Both kinds have ``write(offset, data)`` (fill the source),
+def open_raw(name: str, nbytes: int | Sequence[Buffer], options: Mapping[str, str]) -> tuple[Any, str]:
+    """Backend ``name``'s raw writer of ``nbytes`` source bytes (or over the
+    engine buffers ``nbytes`` lists), and how it writes. Both kinds have ``write(offset, data)`` (fill the source),
     ``connect(peer, metadata)``, ``transfer(peer, segments)`` (write and wait;
     the bytes written) and ``close()``; a ``RawWriter`` takes the segments'
     ``rows`` array, the form a raw API user holds."""

@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -62,12 +63,14 @@ from kvconn.bench.stats import median_interval
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
+from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import Message, RoomStatus
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.kvpattern import EngineShape
 from kvconn.transport import Settlement, capabilities_of
 
 TARGET = 0.95  #: kvconn's bytes/s at least this fraction of raw's
@@ -80,30 +83,55 @@ _SPREAD = 4  #: scattered shapes draw a room's pages from a slot 4x its size
 # shapes and plans
 
 
+#: A KV page of the ``kv:`` shapes, in each layer's K and V buffer: 16 tokens
+#: x 8 KV heads x head dim 128 x fp16 (a Llama-3-8B page on one TP rank).
+KV_TOKENS, KV_HEADS, KV_HEAD_BYTES = 16, 8, 256
+
+
 @attrs.frozen
 class Shape:
     """``chunk_pages`` pages of ``page_bytes`` per chunk; ``scattered``: the
-    pages of a chunk are random, non-adjacent pages on both sides."""
+    pages of a chunk are random, non-adjacent pages on both sides.
+
+    ``layers`` > 0: an engine's KV cache instead, in per-layer K and V numpy
+    buffers that the endpoints register (no copy): a page is a slot of
+    ``page_bytes`` in each of the ``2 x layers`` buffers, and a chunk of
+    scattered pages is ``2 x layers x chunk_pages`` segments."""
 
     page_bytes: int
     chunk_pages: int = 1
     scattered: bool = False
+    layers: int = 0
+
+    @property
+    def buffers(self) -> int:
+        """Buffers a page spans (1: a flat region)."""
+        return 2 * self.layers if self.layers else 1
 
     @property
     def chunk_bytes(self) -> int:
-        return self.page_bytes * self.chunk_pages
+        return self.page_bytes * self.chunk_pages * self.buffers
 
     @property
     def name(self) -> str:
         size = format_size(self.page_bytes)
+        kind = " scattered" if self.scattered else ""
+        if self.layers:
+            return f"{self.layers} layers x K/V x {self.chunk_pages} x {size}{kind}"
         if self.chunk_pages == 1:
             return f"1 x {size}"
-        kind = " scattered" if self.scattered else ""
         return f"{self.chunk_pages} x {size}{kind}"
+
+    def engine(self, pages: int) -> EngineShape:
+        """The KV geometry of a ``kv:`` shape, over ``pages`` pages."""
+        return EngineShape(self.layers, pages, KV_TOKENS, KV_HEADS, KV_HEAD_BYTES)
 
     @classmethod
     def parse(cls, spec: str) -> Shape:
-        """``PAGE_BYTES[xCHUNK_PAGES][:scattered]``, e.g. ``4096x1024:scattered``."""
+        """``PAGE_BYTES[xCHUNK_PAGES][:scattered]``, e.g. ``4096x1024:scattered``;
+        or ``kv:LAYERSxCHUNK_PAGES[:scattered]``, e.g. ``kv:32x64:scattered``."""
+        if spec.lower().startswith("kv:"):
+            return cls._parse_kv(spec)
         body, _, flag = spec.partition(":")
         if flag not in ("", "scattered"):
             raise ValueError(f"shape {spec!r}: the only flag is ':scattered'")
@@ -115,6 +143,21 @@ class Shape:
         if shape.page_bytes < 8 or shape.chunk_pages < 1:
             raise ValueError(f"shape {spec!r}: page_bytes >= 8 and chunk pages >= 1")
         return shape
+
+    @classmethod
+    def _parse_kv(cls, spec: str) -> Shape:
+        body, _, flag = spec[3:].partition(":")
+        if flag not in ("", "scattered"):
+            raise ValueError(f"shape {spec!r}: the only flag is ':scattered'")
+        layers, _, pages = body.lower().partition("x")
+        try:
+            n_layers, n_pages = int(layers), int(pages or 1)
+        except ValueError:
+            raise ValueError(f"shape {spec!r} is not kv:LAYERSxCHUNK_PAGES[:scattered]") from None
+        if n_layers < 1 or n_pages < 1:
+            raise ValueError(f"shape {spec!r}: layers and chunk pages >= 1")
+        page = KV_TOKENS * KV_HEADS * KV_HEAD_BYTES
+        return cls(page, n_pages, flag == "scattered", n_layers)
 
 
 @attrs.frozen
@@ -152,7 +195,10 @@ def make_plan(shape: Shape, run_bytes: int, room_bytes: int, inflight: int, seed
     rooms = max(1, run_bytes // (room_chunks * shape.chunk_bytes))
     inflight = max(1, min(inflight, rooms))
     room_pages = room_chunks * shape.chunk_pages
-    spread = _SPREAD if shape.scattered else 1
+    # A KV shape's pages span many buffers: a slot of its own size, shuffled,
+    # scatters them as well (few pages stay adjacent on both sides) at a
+    # quarter of the memory.
+    spread = _SPREAD if shape.scattered and not shape.layers else 1
     slot_pages = room_pages * spread
     rng = random.Random(seed ^ shape.page_bytes ^ (shape.chunk_pages << 32))
     src: list[list[int]] = []
@@ -168,6 +214,36 @@ def make_plan(shape: Shape, run_bytes: int, room_bytes: int, inflight: int, seed
             src.append(list(range(room_pages)))
             dst.append(list(range(base, base + room_pages)))
     return Plan(shape, room_chunks, inflight, inflight * slot_pages, slot_pages, src, dst)
+
+
+def _kv_shapes(shapes: Sequence[Shape]) -> bool:
+    """Whether the run is of ``kv:`` shapes (one rank serves them all, so
+    they cannot mix with flat ones, nor differ in layers)."""
+    layers = {s.layers for s in shapes}
+    if len(layers) > 1 and 0 in layers:
+        raise ValueError("kv: shapes and flat shapes cannot run together (run them one after another)")
+    if len(layers) > 1:
+        raise ValueError("kv: shapes of one run must have the same number of layers")
+    return bool(shapes) and shapes[0].layers > 0
+
+
+def _kv_side(shape: Shape, pages: int, source: bytes | None = None) -> tuple[list[Any], KVLayout]:
+    """An engine's per-layer buffers of ``pages`` pages (filled from the flat
+    ``source`` bytes, buffer after buffer) and their layout (TP 1)."""
+    engine = shape.engine(pages)
+    arrays = engine.buffers()
+    if source is not None:
+        at = 0
+        for arr in arrays:
+            arr[:] = np.frombuffer(source, dtype=np.uint8, count=arr.nbytes, offset=at)
+            at += arr.nbytes
+    return arrays, engine.layout()
+
+
+def _page_offsets(shape: Shape, pool_pages: int, page: int) -> list[int]:
+    """Flat offsets of ``page`` in each buffer of a side of ``pool_pages`` pages."""
+    buffer_bytes = pool_pages * shape.page_bytes
+    return [b * buffer_bytes + page * shape.page_bytes for b in range(shape.buffers)]
 
 
 def source_pattern(nbytes: int, seed: int) -> bytes:
@@ -213,8 +289,16 @@ def _rank_child() -> None:
             senders.popleft().clear()
 
     observers = [profiler] if profiler is not None else []
-    rank = PrefillRank(backend, 0, int(cfg["source_bytes"]), config, observers, on_request=on_request)
-    rank.writer.write(0, source_pattern(int(cfg["source_bytes"]), int(cfg["seed"])))
+    pattern = source_pattern(int(cfg["source_bytes"]), int(cfg["seed"]))
+    if cfg.get("kv"):
+        kv = Shape(**cfg["kv"])
+        arrays, layout = _kv_side(kv, int(cfg["source_pages"]), pattern)
+        rank = PrefillRank(
+            backend, 0, None, config, observers, on_request=on_request, buffers=arrays, layout=layout
+        )
+    else:
+        rank = PrefillRank(backend, 0, int(cfg["source_bytes"]), config, observers, on_request=on_request)
+        rank.writer.write(0, pattern)
     print(json.dumps({"address": rank.address}), flush=True)
     sys.stdin.read()  # serve until the parent closes stdin
     if profiler is not None:
@@ -252,19 +336,30 @@ def _raw_child() -> None:
     """Writes the same segments through the raw API on command."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     cfg = read_config()
-    writer, how = open_raw(cfg["backend"], int(cfg["source_bytes"]), dict(cfg["options"]))
-    writer.write(0, source_pattern(int(cfg["source_bytes"]), int(cfg["seed"])))
+    pattern = source_pattern(int(cfg["source_bytes"]), int(cfg["seed"]))
+    kv = Shape(**cfg["kv"]) if cfg.get("kv") else None
+    if kv is not None:
+        arrays, src_layout = _kv_side(kv, int(cfg["source_pages"]), pattern)
+        writer, how = open_raw(cfg["backend"], arrays, dict(cfg["options"]))
+    else:
+        writer, how = open_raw(cfg["backend"], int(cfg["source_bytes"]), dict(cfg["options"]))
+        writer.write(0, pattern)
     native = not isinstance(writer, HookRaw)
     chunks: list[list[list[Any]]] = []  # [shape][room] -> per chunk: segments
     for i, sh in enumerate(cfg["shapes"]):
         writer.connect(f"s{i}", bytes.fromhex(sh["metadata"]))
-        layout = PageLayout(int(sh["page_bytes"]), 1)
+        flat = PageLayout(int(sh["page_bytes"]), 1)
+        dst_layout = KVLayout.from_bytes(bytes.fromhex(sh["layout"])) if kv is not None else None
         cp = int(sh["chunk_pages"])
         rooms = []
         for src, dst in zip(sh["src"], sh["dst"], strict=True):
             segs: list[Any] = []
             for first in range(0, len(src), cp):
-                lowered = layout.segments(0, src[first : first + cp], dst[first : first + cp])
+                src_pages, dst_pages = src[first : first + cp], dst[first : first + cp]
+                if dst_layout is not None:
+                    lowered = src_layout.segments(dst_layout, src_pages, dst_pages)
+                else:
+                    lowered = flat.segments(0, src_pages, dst_pages)
                 segs.append(lowered.rows if native else lowered)  # rows: the array a raw API user holds
             rooms.append(segs)
         chunks.append(rooms)
@@ -353,6 +448,10 @@ class ShapeResult:
     kvconn_cpu: list[dict[str, float]] = attrs.Factory(list)
     raw_cpu: list[dict[str, float]] = attrs.Factory(list)
     bad_pages: int = 0
+    #: per chunk of the plan, the segments kvconn lowers it to, and the
+    #: median time that lowering takes (kvconn pays it in Sender.send)
+    segments_per_chunk: float = 0.0
+    lowering_us_per_chunk: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         n = self.plan.run_bytes
@@ -396,11 +495,44 @@ class ShapeResult:
             * 1e3
             / (self.plan.rooms * self.plan.room_chunks),
             "verify_bad_pages": self.bad_pages,
-            "cpu": {
-                "kvconn": _cpu_summary(self.kvconn_cpu, self.plan),
-                "raw": _cpu_summary(self.raw_cpu, self.plan),
-            },
+            "segments_per_chunk": self.segments_per_chunk,
+            "lowering_us_per_chunk": self.lowering_us_per_chunk,
+            "cpu": _with_overhead(
+                {
+                    "kvconn": _cpu_summary(self.kvconn_cpu, self.plan),
+                    "raw": _cpu_summary(self.raw_cpu, self.plan),
+                },
+                self.segments_per_chunk,
+            ),
         }
+
+
+def _with_overhead(cpu_: dict[str, dict[str, float]], segments: float) -> dict[str, Any]:
+    """``cpu_`` plus kvconn's own CPU per chunk and per segment: its two
+    processes' CPU time less the raw path's (owner + writer) for the same chunks."""
+    kv, raw = cpu_["kvconn"], cpu_["raw"]
+    keys = ("decode_ms_per_chunk", "rank_ms_per_chunk", "raw_writer_ms_per_chunk")
+    if not all(k in {**kv, **raw} for k in keys):
+        return cpu_
+    kv_ms = kv.get("decode_ms_per_chunk", 0.0) + kv.get("rank_ms_per_chunk", 0.0)
+    raw_ms = raw.get("decode_ms_per_chunk", 0.0) + raw.get("raw_writer_ms_per_chunk", 0.0)
+    extra_us = (kv_ms - raw_ms) * 1e3
+    out: dict[str, Any] = dict(cpu_)
+    out["kvconn_extra_us_per_chunk"] = extra_us
+    out["kvconn_extra_us_per_segment"] = extra_us / segments if segments else 0.0
+    return out
+
+
+def _lowering(plan: Plan, lower: Callable[[list[int], list[int]], Any]) -> tuple[float, float]:
+    """(segments per chunk, median microseconds to lower a chunk) over the plan."""
+    counts, times = [], []
+    for j in range(plan.rooms):
+        for src, dst in plan.chunks(j):
+            t0 = time.perf_counter()
+            table = lower(src, dst)
+            times.append(time.perf_counter() - t0)
+            counts.append(len(table))
+    return statistics.mean(counts), statistics.median(times) * 1e6
 
 
 def _cpu_summary(samples: Sequence[Mapping[str, float]], plan: Plan) -> dict[str, float]:
@@ -467,12 +599,21 @@ def run_backend(
 ) -> dict[str, Any]:
     """Measure every shape ``repeat`` times on backend ``name``; the report dict."""
     backend = get_backend(name)
+    kv = _kv_shapes(shapes)
     plans = [make_plan(s, run_bytes, room_bytes, inflight, seed) for s in shapes]
-    source_bytes = max(p.source_pages * p.shape.page_bytes for p in plans)
+    source_pages = max(p.source_pages for p in plans)
+    source_bytes = max(p.source_pages * p.shape.page_bytes * p.shape.buffers for p in plans)
     source = source_pattern(source_bytes, seed)
     limit = capabilities_of(backend, options).max_write_timeout_s
     abort_s = max(30.0, (limit or 0) + 5)
-    common = {"backend": name, "options": dict(options), "source_bytes": source_bytes, "seed": seed}
+    common: dict[str, Any] = {
+        "backend": name,
+        "options": dict(options),
+        "source_bytes": source_bytes,
+        "source_pages": source_pages,
+        "seed": seed,
+        "kv": attrs.asdict(shapes[0]) if kv else None,
+    }
     step("starting the prefill rank process")
     rank = Child(
         "kvconn.bench.transport",
@@ -496,10 +637,16 @@ def run_backend(
             write_timeout_s=min(20.0, abort_s / 2), abort_timeout_s=abort_s, backend_options=options
         )
         for p in plans:
-            endpoints.append(_Endpoint(backend, p.pool_pages, p.shape.page_bytes, [rank.hello], config))
+            if kv:
+                arrays, layout = _kv_side(p.shape, p.pool_pages)
+                ep = _Endpoint(backend, prefill=[rank.hello], config=config, buffers=arrays, layout=layout)
+            else:
+                ep = _Endpoint(backend, p.pool_pages, p.shape.page_bytes, [rank.hello], config)
+            endpoints.append(ep)
         step("starting the raw writer process")
         shapes_cfg = [
             {
+                "layout": ep.layout.to_bytes().hex() if ep.layout is not None else "",
                 "metadata": ep.region.metadata.hex(),
                 "page_bytes": p.shape.page_bytes,
                 "chunk_pages": p.shape.chunk_pages,
@@ -511,6 +658,13 @@ def run_backend(
         raw = Child("kvconn.bench.transport", "raw", {**common, "shapes": shapes_cfg}, "ready")
         raw_how = str(raw.hello)
         results = [ShapeResult(p) for p in plans]
+        for p, ep, res in zip(plans, endpoints, results, strict=True):
+            if ep.layout is not None:
+                src_layout = p.shape.engine(source_pages).layout()
+                lower: Callable[[list[int], list[int]], Any] = partial(src_layout.segments, ep.layout)
+            else:
+                lower = partial(PageLayout(p.shape.page_bytes, 1).segments, 0)
+            res.segments_per_chunk, res.lowering_us_per_chunk = _lowering(p, lower)
         meter = _CpuMeter({"decode": None, "rank": rank.proc.pid, "raw_writer": raw.proc.pid})
 
         def measure_raw(i: int, rooms: int) -> tuple[float, float]:
@@ -533,7 +687,8 @@ def run_backend(
                 for first_kvconn in (True, False) if r % 2 == 0 else (False, True):
                     pb = p.shape.page_bytes
                     for _, d in checks:
-                        ep.region.write(d * pb, bytes(pb))
+                        for at in _page_offsets(p.shape, p.pool_pages, d):
+                            ep.region.write(at, bytes(pb))
                     with meter as m:
                         if first_kvconn:
                             res.kvconn_s.append(_kvconn_run(ep, p, i, r + 1, p.rooms, room_log))
@@ -543,7 +698,12 @@ def run_backend(
                             res.raw_child_s.append(child)
                     (res.kvconn_cpu if first_kvconn else res.raw_cpu).append(m.result)
                     for s, d in checks:
-                        if ep.region.read(d * pb, pb) != source[s * pb : (s + 1) * pb]:
+                        src_at = _page_offsets(p.shape, source_pages, s)
+                        dst_at = _page_offsets(p.shape, p.pool_pages, d)
+                        if any(
+                            ep.region.read(b, pb) != source[a : a + pb]
+                            for a, b in zip(src_at, dst_at, strict=True)
+                        ):
                             res.bad_pages += 1
     finally:
         if raw is not None:
@@ -744,6 +904,8 @@ def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
         "shape",
         "kvconn: decode + rank",
         "raw: owner + writer",
+        "kvconn's own: us/chunk, us/segment (segments)",
+        "lowering us/chunk",
         "machine busy kvconn / raw",
         "steal",
     ):
@@ -755,9 +917,17 @@ def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
         for side, c in (("kvconn", kv), ("raw", raw)):
             a, b = (c[f"{p}_ms_per_chunk"] for p in parts[side])
             cells.append(f"{a + b:.3f} = {a:.3f} + {b:.3f}")
+        extra = r["cpu"].get("kvconn_extra_us_per_chunk")
+        own = (
+            "-"
+            if extra is None
+            else f"{extra:.0f}, {r['cpu']['kvconn_extra_us_per_segment']:.2f} ({r['segments_per_chunk']:.0f})"
+        )
         t.add_row(
             r["shape"],
             *cells,
+            own,
+            f"{r['lowering_us_per_chunk']:.0f}",
             f"{kv.get('busy', 0):.0f}% / {raw.get('busy', 0):.0f}%",
             f"{kv.get('steal', 0):.0f}% / {raw.get('steal', 0):.0f}%",
         )

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import pytest
 import zmq
 
+from kvconn.conformance.engine_memory import EngineMemoryChecks
 from kvconn.conformance.harness import (
     ACK_PROOFS,
     Child,
@@ -146,7 +147,7 @@ def _resume_and_check(settings: Settings, owner: OwnerProc, pages: list[int], pr
 
 
 @pytest.mark.kvconn_conformance
-class ConformanceSuite:
+class ConformanceSuite(EngineMemoryChecks):
     """Subclass it (named ``Test...``) in a plugin's tests."""
 
     #: The backend under test; ``None``: the ``--kvconn-backend`` option.

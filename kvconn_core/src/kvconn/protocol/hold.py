@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Collection
 
 import attrs
 
@@ -199,11 +200,13 @@ class HoldTracker:
             return []
         return [self._release(msg.room, entry, self._proof(entry), now)]
 
-    def writer_exited(self, rank: int, now: float) -> list[HoldAction]:
-        """``rank``'s process is proven gone: it can write nothing more."""
+    def writer_exited(self, rank: int, now: float, rooms: Collection[int] | None = None) -> list[HoldAction]:
+        """``rank``'s process is proven gone: it can write nothing more (into
+        ``rooms`` only, if given: those the gone process was asked to write;
+        a process restarted at the rank's address owes the others)."""
         actions: list[HoldAction] = []
         for room, entry in list(self._holds.items()):
-            if rank not in entry.ranks:
+            if rank not in entry.ranks or (rooms is not None and room not in rooms):
                 continue
             if rank in entry.proven:
                 continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+from typing import NamedTuple
 
 import attrs
 
@@ -55,9 +56,20 @@ class NotifyDecode:
 LedgerAction = SendAck | NotifyDecode
 
 
+class RoomKey(NamedTuple):
+    """A room at a rank: decode endpoints choose room ids independently, and
+    one rank may write the same room id into several decodes (prefill TP
+    smaller than decode TP: each decode rank takes a head slice). Counts,
+    acks, tombstones, poison and statuses are all per key."""
+
+    decode: str
+    room: int
+
+
 @attrs.define(slots=True)
 class _Room:
     status: KVPoll = KVPoll.BOOTSTRAPPING
+    #: The decode endpoint of the room (its key's).
     decode: str = ""
     #: Chunks dequeued and not yet settled (invariant D counts here).
     outstanding: int = 0
@@ -69,12 +81,16 @@ class _Room:
     acked: set[tuple[str, int]] = attrs.Factory(set)
     cleared: bool = False
     fenced: bool = False
-    #: Tombstone for a room aborted before it was known here; None = live.
+    #: When an idle entry is forgotten (None: not scheduled).
     expires: float | None = None
+    #: Made by an ABORT for a room unknown here: its request has not come yet.
+    tombstone: bool = False
     #: In the ledger's expiry heap (at most once: a touched room is not pushed again).
     scheduled: bool = False
     #: Which entry for this room id: decode reuses ids (see RoomLedger.incarnation).
     incarnation: int = 0
+    #: The sequence number of decode's request for it (0: none yet).
+    seq: int = 0
 
 
 class RoomLedger:
@@ -84,258 +100,341 @@ class RoomLedger:
         self.rank = rank
         self.session = session  #: the rank process's, named in every ack and status
         self.tombstone_ttl = tombstone_ttl
-        self._rooms: dict[int, _Room] = {}
-        self._poisoned: set[int] = set()
+        self._rooms: dict[RoomKey, _Room] = {}
+        #: The decodes each room id is requested by (or aborted, failed for).
+        self._by_room: dict[int, dict[str, _Room]] = {}
+        self._poisoned: set[RoomKey] = set()
         #: Rooms changed since the last expire(): only they can have become
         #: expirable, so expire() never walks the thousands of acked rooms
         #: that wait out their TTL (it runs on every control message).
-        self._touched: set[int] = set()
-        self._expiry: list[tuple[float, int, int, _Room]] = []  # (expires, seq, room, entry)
+        self._touched: set[RoomKey] = set()
+        self._expiry: list[tuple[float, int, RoomKey, _Room]] = []  # (expires, seq, key, entry)
         self._seq = 0
         self._incarnations = itertools.count(1)
 
     # -- queries -----------------------------------------------------------
-    def status(self, room: int) -> KVPoll | None:
-        entry = self._rooms.get(room)
+    def status(self, key: RoomKey) -> KVPoll | None:
+        entry = self._rooms.get(key)
         return entry.status if entry is not None else None
 
-    def incarnation(self, room: int) -> int | None:
-        """Which entry ``room`` has now (None: none). Decode reuses a room id
+    def incarnation(self, key: RoomKey) -> int | None:
+        """Which entry ``key`` has now (None: none). Decode reuses a room id
         once the room concluded: the engine's handle on the earlier request
         names its incarnation, so that a late clear() or fail() of it leaves
         the new request alone."""
-        entry = self._rooms.get(room)
+        entry = self._rooms.get(key)
         return entry.incarnation if entry is not None else None
 
-    def decode_of(self, room: int) -> str:
-        entry = self._rooms.get(room)
-        return entry.decode if entry is not None else ""
+    def entry(self, key: RoomKey) -> RoomEntry | None:
+        """The entry ``key`` has now, for a handle to keep (read it under the
+        caller's lock, never change it). Once the ledger replaces or forgets
+        it, it keeps the status it ended with: how a handle on an earlier
+        request learns its outcome without seeing the newer request's."""
+        return self._rooms.get(key)
 
-    def outstanding(self, room: int) -> int:
-        entry = self._rooms.get(room)
+    def decodes_of(self, room: int) -> dict[str, RoomEntry]:
+        """The entries room id ``room`` has now, one per decode (a copy)."""
+        return dict(self._by_room.get(room, {}))
+
+    def outstanding(self, key: RoomKey) -> int:
+        entry = self._rooms.get(key)
         return entry.outstanding if entry is not None else 0
 
-    def in_flight(self, room: int) -> int:
-        """Counted chunks of ``room`` still being written (not yet settled)."""
-        entry = self._rooms.get(room)
+    def in_flight(self, key: RoomKey) -> int:
+        """Counted chunks of ``key`` still being written (not yet settled)."""
+        entry = self._rooms.get(key)
         return entry.outstanding - entry.stuck if entry is not None else 0
 
-    def poisoned(self) -> frozenset[int]:
+    def poisoned(self) -> frozenset[RoomKey]:
         return frozenset(self._poisoned)
 
     def poisoned_count(self) -> int:
         return len(self._poisoned)
 
     # -- room lifecycle ----------------------------------------------------
-    def request(self, room: int, decode: str) -> None:
-        """Decode asked for ``room``: its pages are known, input may flow.
+    def request(self, key: RoomKey, seq: int = 0) -> None:
+        """Decode ``key.decode`` asked for room ``key.room`` (its request
+        numbered ``seq``, growing with every request of that decode): its
+        pages are known, input may flow.
 
-        A tombstoned or Failed room stays Failed and will write nothing.
+        A concluded room's id that decode reuses starts a new entry (a new
+        incarnation): a Success room once drained, and a Failed one once its
+        abort was acked to that decode and the request is newer than the
+        room's own (see :func:`_reusable`). Otherwise a tombstoned or Failed
+        room stays Failed and will write nothing.
         """
-        entry = self._rooms.get(room)
-        if entry is not None and entry.status == KVPoll.SUCCESS and _idle(entry):
-            # A concluded room's id reused by decode: a new room, whose status
-            # starts over (statuses only move forward within one room).
-            del self._rooms[room]
+        entry = self._rooms.get(key)
+        if entry is not None and _reusable(entry, seq):
+            # A new room, whose status starts over (statuses only move forward
+            # within one room).
+            self._drop(key)
             entry = None
         if entry is None:
-            entry = self._rooms[room] = self._new_entry()
-        entry.decode = entry.decode or decode
+            entry = self._put(key, self._new_entry())
+        entry.seq = max(entry.seq, seq)
         if entry.status == KVPoll.BOOTSTRAPPING:
             entry.status = KVPoll.WAITING_FOR_INPUT
 
-    def clear(self, room: int, incarnation: int | None = None) -> None:
-        """The engine is done with ``room`` (with that incarnation of it, if
+    def clear(self, key: RoomKey, incarnation: int | None = None) -> list[LedgerAction]:
+        """The engine is done with ``key`` (with that incarnation of it, if
         given). Counted work keeps the entry (an unknown room is not a
-        quiescent one); a drained room is forgotten."""
-        entry = self._rooms.get(room)
-        if entry is None or incarnation not in (None, entry.incarnation):
-            return
-        entry.cleared = True
-        self._touched.add(room)
-        self._forget_if_idle(room, entry)
+        quiescent one); a drained room is forgotten.
 
-    def fail(self, room: int, reason: str, incarnation: int | None = None) -> list[LedgerAction]:
-        """Prefill-initiated failure (the engine gave up on ``room``, or on
+        A room still live (requested, its last chunk not landed) fails first,
+        and decode is told: its queued chunks are skipped from now on, and
+        decode would otherwise wait for them."""
+        entry = self._rooms.get(key)
+        if entry is None or incarnation not in (None, entry.incarnation):
+            return []
+        actions: list[LedgerAction] = []
+        if entry.status in LIVE:
+            actions = self._mark_failed(key, entry, "cleared by the prefill engine before its last chunk")
+        entry.cleared = True
+        return self._settle(key, entry, actions)
+
+    def fail(self, key: RoomKey, reason: str, incarnation: int | None = None) -> list[LedgerAction]:
+        """Prefill-initiated failure (the engine gave up on ``key``, or on
         that incarnation of it: once it is gone, there is nothing to fail)."""
-        entry = self._rooms.get(room)
+        entry = self._rooms.get(key)
         if incarnation is not None and (entry is None or entry.incarnation != incarnation):
             return []
         if entry is None:
-            entry = self._rooms[room] = self._new_entry()
-        return self._mark_failed(room, entry, reason) + self._try_ack(room, entry)
+            entry = self._put(key, self._new_entry())
+        return self._mark_failed(key, entry, reason) + self._try_ack(key, entry)
+
+    def give_up(self, key: RoomKey, now: float) -> bool:
+        """The engine stopped waiting for decode's request for ``key``: if it
+        has not come, leave a Failed tombstone, so that a request arriving
+        later writes nothing (the caller tells decode). Returns whether the
+        key was given up (False: the request is here after all)."""
+        if key in self._rooms:
+            return False
+        entry = self._put(key, self._new_entry(expires=now + self.tombstone_ttl))
+        entry.status = KVPoll.FAILED
+        entry.tombstone = True
+        self._touched.add(key)
+        return True
 
     # -- the transfer worker's path ----------------------------------------
-    def dequeue(self, room: int) -> bool:
-        """A worker took a chunk of ``room``: count it, then decide.
+    def dequeue(self, key: RoomKey, incarnation: int | None = None) -> bool:
+        """A worker took a chunk of ``key`` (queued for that incarnation of
+        it, if given): count it, then decide.
 
         Returns True if the chunk must be written, False to skip it. Either
         way the chunk is counted; the worker reports back with
         :meth:`landed`, :meth:`skipped` or :meth:`failed`. A concluded
         (Success) room is skipped too: decode was told it is complete and
         may have handed its pages out again, so a chunk queued behind its
-        last one (a duplicate send) must not land there.
+        last one (a duplicate send) must not land there. So is a chunk queued
+        for an earlier incarnation: its pages are the earlier request's,
+        which decode may have handed out again (counted on the entry the room
+        has now, which therefore acks nothing until the skip is over).
         """
-        entry = self._rooms.get(room)
+        entry = self._rooms.get(key)
         if entry is None:  # unknown here: counted, then skipped
-            entry = self._rooms[room] = self._new_entry(cleared=True)
+            entry = self._put(key, self._new_entry(cleared=True))
         entry.outstanding += 1  # invariant D: before any status check
         if entry.status not in LIVE or entry.cleared:
+            return False
+        if incarnation is not None and incarnation != entry.incarnation:
             return False
         entry.status = KVPoll.TRANSFERRING
         return True
 
-    def skipped(self, room: int) -> list[LedgerAction]:
-        entry = self._rooms[room]
+    def skipped(self, key: RoomKey) -> list[LedgerAction]:
+        entry = self._rooms[key]
         entry.outstanding -= 1
-        return self._settle(room, entry, [])
+        return self._settle(key, entry, [])
 
-    def landed(self, room: int, last: bool) -> list[LedgerAction]:
-        entry = self._rooms[room]
+    def landed(self, key: RoomKey, last: bool) -> list[LedgerAction]:
+        entry = self._rooms[key]
         entry.outstanding -= 1
         actions: list[LedgerAction] = []
         if last and entry.status == KVPoll.TRANSFERRING:
             entry.status = KVPoll.SUCCESS
-            actions.append(
-                NotifyDecode(entry.decode, self.room_status(room, entry.decode, RoomOutcome.SUCCESS, ""))
-            )
-        return self._settle(room, entry, actions)
+            actions.append(NotifyDecode(key.decode, self.room_status(key, RoomOutcome.SUCCESS, "")))
+        return self._settle(key, entry, actions)
 
-    def failed(self, room: int, settled: bool, reason: str) -> list[LedgerAction]:
-        """A chunk of ``room`` failed. ``settled``: the transport proved none of
+    def failed(self, key: RoomKey, settled: bool, reason: str) -> list[LedgerAction]:
+        """A chunk of ``key`` failed. ``settled``: the transport proved none of
         its writes can still land. Otherwise the room is poisoned: its count
         stays until a fence, and it is never acked before."""
-        entry = self._rooms[room]
-        actions = self._mark_failed(room, entry, reason)
+        entry = self._rooms[key]
+        actions = self._mark_failed(key, entry, reason)
         if settled:
             entry.outstanding -= 1
         else:
             entry.stuck += 1
-            self._poisoned.add(room)
-        return self._settle(room, entry, actions)
+            self._poisoned.add(key)
+        return self._settle(key, entry, actions)
 
     def fenced(self) -> list[LedgerAction]:
         """The writer's fence returned: nothing posted before it can land, so
         the stuck chunks of every poisoned room are settled now."""
         actions: list[LedgerAction] = []
         poisoned, self._poisoned = self._poisoned, set()
-        for room in sorted(poisoned):
-            entry = self._rooms[room]
+        for key in sorted(poisoned):
+            entry = self._rooms[key]
             if entry.stuck:
                 entry.outstanding -= entry.stuck
                 entry.stuck = 0
                 entry.fenced = True
-                actions = self._settle(room, entry, actions)
+                actions = self._settle(key, entry, actions)
         return actions
 
     # -- the control listener's path ---------------------------------------
     def abort(self, msg: Abort, now: float) -> bool:
-        """Decode aborted ``msg.room``: mark it Failed, then register the ack
-        target (invariant F). Returns whether the room was known here.
+        """Decode ``msg.decode`` aborted ``msg.room``: mark its room Failed,
+        then register the ack target (invariant F). Returns whether the room
+        was known here. Only that decode's room: the same room id of another
+        decode is another room.
 
         The caller must then call :meth:`try_ack` (after any hook): that one
         try covers a worker that passed the skip point before the target
         existed, and a room whose chunks all drained already. An unknown room
         gets a tombstone, so a transfer request arriving later writes nothing.
         """
-        entry = self._rooms.get(msg.room)
+        key = RoomKey(msg.decode, msg.room)
+        entry = self._rooms.get(key)
         known = entry is not None and entry.expires is None
         if entry is None:
-            entry = self._rooms[msg.room] = self._new_entry(expires=now + self.tombstone_ttl)
-        self._mark_failed(msg.room, entry, "aborted by decode", notify=False)
-        self._touched.add(msg.room)
+            entry = self._put(key, self._new_entry(expires=now + self.tombstone_ttl))
+            entry.tombstone = True
+        self._mark_failed(key, entry, "aborted by decode", notify=False)
+        self._touched.add(key)
         if (msg.decode, msg.generation) not in entry.acked:
             current = entry.targets.get(msg.decode)
             if current is None or current[1] < msg.generation:
                 entry.targets[msg.decode] = (msg.reply_to, msg.generation)
         return known
 
-    def try_ack(self, room: int) -> list[LedgerAction]:
-        """Ack ``room`` to its targets if nothing of it can land any more."""
-        entry = self._rooms.get(room)
-        return self._settle(room, entry, []) if entry is not None else []
+    def try_ack(self, key: RoomKey) -> list[LedgerAction]:
+        """Ack ``key`` to its targets if nothing of it can land any more."""
+        entry = self._rooms.get(key)
+        return self._settle(key, entry, []) if entry is not None else []
 
-    def poison(self, room: int, reason: str) -> list[LedgerAction]:
+    def poison(self, key: RoomKey, reason: str) -> list[LedgerAction]:
         """Something outside the count (a plugin that raised) may have left
         writes behind: fail the room and hold it until a fence."""
-        entry = self._rooms.get(room)
+        entry = self._rooms.get(key)
         if entry is None:
-            entry = self._rooms[room] = self._new_entry()
+            entry = self._put(key, self._new_entry())
         entry.outstanding += 1
         entry.stuck += 1
-        self._poisoned.add(room)
-        return self._mark_failed(room, entry, reason)
+        self._poisoned.add(key)
+        return self._mark_failed(key, entry, reason)
 
-    def expire(self, now: float) -> list[int]:
+    def expire(self, now: float) -> list[RoomKey]:
         """Forget tombstones and cleared rooms once idle for ``tombstone_ttl``;
         returns the rooms forgotten.
 
         Cost: the rooms touched since the last call plus those due, not every
         room the ledger remembers."""
-        for room in self._touched:
-            entry = self._rooms.get(room)
+        for key in self._touched:
+            entry = self._rooms.get(key)
             if entry is None or entry.scheduled or not _expirable(entry):
                 continue
             if entry.expires is None:
                 entry.expires = now + self.tombstone_ttl
             entry.scheduled = True
             self._seq += 1
-            heapq.heappush(self._expiry, (entry.expires, self._seq, room, entry))
+            heapq.heappush(self._expiry, (entry.expires, self._seq, key, entry))
         self._touched.clear()
         forgotten = []
         while self._expiry and self._expiry[0][0] <= now:
-            _, _, room, entry = heapq.heappop(self._expiry)
+            _, _, key, entry = heapq.heappop(self._expiry)
             entry.scheduled = False
-            if self._rooms.get(room) is entry and _expirable(entry):
-                del self._rooms[room]
-                forgotten.append(room)
+            if self._rooms.get(key) is entry and _expirable(entry):
+                self._drop(key)
+                forgotten.append(key)
             # else: replaced, or busy again; a busy one is touched when it settles
         return forgotten
 
     # -- internals ---------------------------------------------------------
+    def _put(self, key: RoomKey, entry: _Room) -> _Room:
+        entry.decode = key.decode
+        self._rooms[key] = entry
+        self._by_room.setdefault(key.room, {})[key.decode] = entry
+        return entry
+
+    def _drop(self, key: RoomKey) -> None:
+        del self._rooms[key]
+        decodes = self._by_room[key.room]
+        del decodes[key.decode]
+        if not decodes:
+            del self._by_room[key.room]
+
     def _new_entry(self, cleared: bool = False, expires: float | None = None) -> _Room:
         return _Room(cleared=cleared, expires=expires, incarnation=next(self._incarnations))
 
-    def room_status(self, room: int, decode: str, outcome: RoomOutcome, reason: str) -> RoomStatus:
-        """A status of ``room`` for ``decode``, from this rank process."""
-        return RoomStatus(room, self.rank, outcome, reason, decode, self.session)
+    def room_status(self, key: RoomKey, outcome: RoomOutcome, reason: str) -> RoomStatus:
+        """A status of ``key`` for its decode, from this rank process."""
+        return RoomStatus(key.room, self.rank, outcome, reason, key.decode, self.session)
 
-    def _mark_failed(self, room: int, entry: _Room, reason: str, notify: bool = True) -> list[LedgerAction]:
+    def _mark_failed(
+        self, key: RoomKey, entry: _Room, reason: str, notify: bool = True
+    ) -> list[LedgerAction]:
         if entry.status == KVPoll.FAILED:
             return []
         entry.status = KVPoll.FAILED
-        if notify and entry.decode:
-            return [
-                NotifyDecode(entry.decode, self.room_status(room, entry.decode, RoomOutcome.FAILED, reason))
-            ]
+        if notify and key.decode:
+            return [NotifyDecode(key.decode, self.room_status(key, RoomOutcome.FAILED, reason))]
         return []
 
-    def _settle(self, room: int, entry: _Room, actions: list[LedgerAction]) -> list[LedgerAction]:
-        actions = actions + self._try_ack(room, entry)
-        self._forget_if_idle(room, entry)
+    def _settle(self, key: RoomKey, entry: _Room, actions: list[LedgerAction]) -> list[LedgerAction]:
+        actions = actions + self._try_ack(key, entry)
+        self._forget_if_idle(key, entry)
         return actions
 
-    def _try_ack(self, room: int, entry: _Room) -> list[LedgerAction]:
-        self._touched.add(room)  # every path that can make a room idle passes here
+    def _try_ack(self, key: RoomKey, entry: _Room) -> list[LedgerAction]:
+        self._touched.add(key)  # every path that can make a room idle passes here
         if entry.status != KVPoll.FAILED or entry.outstanding or entry.stuck or not entry.targets:
             return []
         actions: list[LedgerAction] = []
         for decode, (reply_to, generation) in entry.targets.items():
             entry.acked.add((decode, generation))
-            ack = AbortAck(room, self.rank, generation, entry.fenced, decode, self.session)
+            ack = AbortAck(key.room, self.rank, generation, entry.fenced, decode, self.session)
             actions.append(SendAck(reply_to, ack))
         entry.targets.clear()
         return actions
 
-    def _forget_if_idle(self, room: int, entry: _Room) -> None:
+    def _forget_if_idle(self, key: RoomKey, entry: _Room) -> None:
         # An acked room stays until expire(): a duplicated ABORT must not be
         # acked twice, and a late transfer request must find it Failed.
         if entry.cleared and _idle(entry) and not entry.acked and entry.expires is None:
-            del self._rooms[room]
+            self._drop(key)
+
+
+#: A ledger entry as handles see it (read-only, see :meth:`RoomLedger.entry`).
+RoomEntry = _Room
 
 
 def _idle(entry: _Room) -> bool:
     return not entry.outstanding and not entry.stuck and not entry.targets
+
+
+def _reusable(entry: _Room, seq: int) -> bool:
+    """Whether a request numbered ``seq`` (of the entry's decode: entries
+    are per decode) may replace ``entry``.
+
+    Only a drained entry (nothing counted, nothing stuck, no ack owed): no
+    write of it can land, and a chunk still queued for it is skipped (it
+    names its incarnation). A Success room always. A Failed one only if it
+    is no tombstone (a tombstone stands for a request that has not arrived:
+    this may be that very request, late), decode's abort of it was acked
+    (decode released its pages only on that proof, so the id's reuse is a
+    new request) and the request is newer than the room's own (a replayed
+    or reordered one is not)."""
+    if not _idle(entry):
+        return False
+    if entry.status == KVPoll.SUCCESS:
+        return True
+    return (
+        entry.status == KVPoll.FAILED
+        and not entry.tombstone
+        and 0 < entry.seq < seq
+        and any(d == entry.decode for d, _ in entry.acked)
+    )
 
 
 def _expirable(entry: _Room) -> bool:

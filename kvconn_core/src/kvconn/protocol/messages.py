@@ -27,7 +27,12 @@ class RoomOutcome(enum.IntEnum):
 @attrs.frozen(slots=True)
 class Hello:
     """Decode -> prefill rank: bootstrap. Who the page owner is, where to
-    reply, and how to reach its region through the transport."""
+    reply, and how to reach its region through the transport.
+
+    ``layout``: decode's :class:`kvconn.layout.KVLayout` (its ``to_bytes``)
+    when its pages lie in engine buffers, from which a rank computes where
+    its share of each page goes; empty for a region of ``page_bytes`` pages
+    split evenly over ``num_ranks`` ranks."""
 
     decode: str
     reply_to: str
@@ -36,6 +41,7 @@ class Hello:
     num_ranks: int
     abort_timeout_ms: int
     metadata: bytes
+    layout: bytes = b""
 
 
 @attrs.frozen(slots=True)
@@ -72,6 +78,14 @@ class TransferRequest:
     dst_pages: tuple[int, ...]
     session: int
     seq: int
+    #: 1 + decode's slot for the room's per-room extras (aux data), which
+    #: travel with its last chunk; 0: the room has none.
+    extras_slot: int = 0
+
+    @property
+    def extras(self) -> int | None:
+        """Decode's extras slot for the room, or None."""
+        return self.extras_slot - 1 if self.extras_slot else None
 
 
 @attrs.frozen(slots=True)

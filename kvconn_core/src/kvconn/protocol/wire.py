@@ -33,7 +33,7 @@ from kvconn.protocol.messages import (
 )
 
 MAGIC = b"KV"
-VERSION = 4
+VERSION = 5
 MAX_FRAME = 4 << 20
 MAX_PAGES = 1 << 20
 MAX_CONNECTIONS = 1 << 16
@@ -46,9 +46,9 @@ _U32 = struct.Struct(">I")
 #: Field codes: u = u64 int, s = utf-8 str, b = bytes, p = tuple of u32 pages,
 #: ? = bool, o = RoomOutcome, c = tuple of TcpConnection.
 _SCHEMA: dict[type[Message], str] = {
-    Hello: "sssuuub",
+    Hello: "sssuuubb",
     HelloAck: "ussuusu",
-    TransferRequest: "uspuu",
+    TransferRequest: "uspuuu",
     Abort: "uuss",
     AbortAck: "uuu?suc",
     RoomStatus: "uuossu",

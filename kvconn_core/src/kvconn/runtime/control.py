@@ -167,6 +167,18 @@ class Outbox:
                 entry = self._socks[address] = (threading.Lock(), sock)
             return entry
 
+    def reset(self, address: str) -> None:
+        """Forget the socket to ``address``: the next send opens a new
+        connection. For a new peer at an address an earlier peer had: the
+        earlier connection may not have been seen to close yet, and a frame
+        written into it is lost with it (nothing re-sends a HelloAck)."""
+        with self._lock:
+            entry = self._socks.pop(address, None)
+        if entry is not None:
+            lock, sock = entry
+            with lock:
+                sock.close(linger=0)
+
     def close(self) -> None:
         with self._lock:
             for lock, sock in self._socks.values():

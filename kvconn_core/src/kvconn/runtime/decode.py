@@ -7,15 +7,19 @@ transport notifications (those may only progress inside an active poll).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import attrs
 
 from kvconn.config import Config
+from kvconn.errors import BootstrapError, PageError, RoomInUseError, RoomStateError
+from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
 from kvconn.protocol.hold import (
     Dropped,
@@ -40,7 +44,7 @@ from kvconn.protocol.messages import (
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends, undrained
-from kvconn.transport import Backend, PageRegion, capabilities_of
+from kvconn.transport import Backend, PageRegion, capabilities_of, register_region
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +58,32 @@ ReleaseCallback = Callable[[Release], None]
 _UNFREED_REGIONS: list[PageRegion] = []
 
 
-class BootstrapError(RuntimeError):
-    pass
+@attrs.define(slots=True, eq=False)
+class _Request:
+    """One request for a room: what its :class:`Receiver` reports. A room id
+    is reused by later requests; each has its own, and a handle keeps its
+    own after the endpoint forgot it."""
+
+    room: int
+    pages: tuple[int, ...]
+    #: The rank processes asked to write it (by endpoint-wide rank id): only
+    #: theirs are its acks, statuses and exit proofs, whatever process has
+    #: the rank's address now.
+    writers: dict[int, WriterIdentity]
+    #: Its prefill instance's endpoint-wide rank ids, by the ranks' own
+    #: (TP) rank: how an ack or status naming rank r is told apart.
+    ids: tuple[int, ...] = ()
+    #: SUCCESS (every rank reported every chunk landed) or FAILED; final.
+    verdict: KVPoll | None = None
+    failure: str | None = None
+    aborted: bool = False
+    finished: bool = False
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+        if self.verdict is None:
+            self.verdict = KVPoll.FAILED
 
 
 @attrs.frozen
@@ -96,8 +124,27 @@ class WriterIdentity:
         return start_time != self.start_time or state in ("Z", "X")
 
 
+@attrs.define(slots=True, eq=False)
+class _Instance:
+    """One prefill instance (its ranks' control addresses, in rank order),
+    bootstrapped or being bootstrapped. Its ranks get endpoint-wide ids
+    (``ids[r]`` for its rank ``r``): the hold tracker and the liveness
+    tables know a rank by that id, since every instance has a rank 0."""
+
+    addresses: tuple[str, ...]
+    hello: Hello
+    ids: tuple[int, ...] = ()
+    #: While bootstrapping: answers by the rank's own rank, refusals by address.
+    answers: dict[int, WriterIdentity] = attrs.Factory(dict)
+    refusals: dict[str, str] = attrs.Factory(dict)
+
+
 class DecodeEndpoint:
-    """One decode process's kvconn endpoint over ``num_pages`` pages."""
+    """One decode process's kvconn endpoint over ``num_pages`` pages: either
+    the engine's own KV buffers (``buffers``, laid out as ``layout`` says: a
+    :class:`~kvconn.layout.KVLayout` whose ``tp_rank`` is this decode rank's),
+    or ``num_pages`` of ``page_bytes`` that kvconn allocates, each split
+    evenly over the prefill ranks."""
 
     EXIT_CHECK_S = 0.05
     DRAIN_CHECK_S = 0.005
@@ -106,15 +153,29 @@ class DecodeEndpoint:
     def __init__(
         self,
         backend: Backend,
-        num_pages: int,
-        page_bytes: int,
-        prefill: Sequence[str],
+        num_pages: int | None = None,
+        page_bytes: int | None = None,
+        prefill: Sequence[str] = (),
         config: Config | None = None,
         on_release: ReleaseCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        buffers: Sequence[object] | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
-        if not prefill:
-            raise ValueError("a decode endpoint needs at least one prefill rank address")
+        engine_buffers = None
+        if (buffers is None) != (layout is None):
+            raise ValueError("buffers= and layout= go together")
+        if layout is not None and buffers is not None:
+            if num_pages is not None or page_bytes is not None:
+                raise ValueError(
+                    "give a decode endpoint either num_pages and page_bytes, or buffers= and layout="
+                )
+            engine_buffers = checked_buffers(buffers, layout)
+            num_pages, page_bytes = layout.num_pages, 0
+        elif num_pages is None or page_bytes is None:
+            raise ValueError("a decode endpoint needs num_pages and page_bytes, or buffers= and layout=")
+        self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
         limit = capabilities_of(backend, self.config.backend_options).max_write_timeout_s
@@ -132,23 +193,51 @@ class DecodeEndpoint:
         self.on_release = on_release
         self.name = f"decode-{uuid.uuid4().hex[:12]}"
         self.metrics = Metrics("decode")
-        self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
+        self.region: PageRegion
+        if engine_buffers is not None:
+            self.region = register_region(backend, engine_buffers, self.config.backend_options)
+        else:
+            self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         self._request_lock = threading.Lock()
         self._request_seq = 0
+        self._request_seq_heap = 0
+        #: Every bootstrapped rank's process, by endpoint-wide rank id.
         self._writers: dict[int, WriterIdentity] = {}
-        #: The ranks, fixed once bootstrap is over: a later HelloAck adds none.
+        #: Every bootstrapped rank (ids), of every prefill instance.
         self._ranks: frozenset[int] = frozenset()
-        self._refusals: dict[str, str] = {}
+        #: Prefill instances, bootstrapped on first use and kept: by their
+        #: addresses, and which instance (and rank in it) each id is.
+        self._instances: dict[tuple[str, ...], _Instance] = {}
+        self._default: _Instance | None = None
+        self._rank_of: dict[int, tuple[_Instance, int]] = {}
+        self._id_at: dict[str, int] = {}
+        #: (rank, session) of every current writer -> its id: an ack for a
+        #: room no longer tracked still names whose it is.
+        self._id_of_session: dict[tuple[int, int], int] = {}
+        #: Addresses of instances being bootstrapped now.
+        self._pending: dict[str, _Instance] = {}
+        self._bootstrap_lock = threading.Lock()
         self._bootstrapped = threading.Condition(self._lock)
-        self._succeeded: set[int] = set()
-        self._failed: dict[int, str] = {}
+        #: The current request of every room the tracker has (open or held).
+        self._requests: dict[int, _Request] = {}
+        #: Pages of tracked rooms, when config.check_pages (a set: its C-level
+        #: isdisjoint/update cost ~15 us for 1024 pages, a Python loop ~100).
+        self._in_use: set[int] = set()
+        #: Liveness: when each rank's current process last answered, which
+        #: ranks are down (and why), and sessions of processes replaced at a
+        #: rank's address (their late answers are not a restart).
+        self._heard: dict[int, float] = {}
+        self._down: dict[int, str] = {}
+        self._retired: set[tuple[int, int]] = set()
+        self._next_heartbeat = 0.0
+        #: (deadline, seq, request) of open rooms, when config.transfer_timeout_s.
+        self._deadlines: list[tuple[float, int, _Request]] = []
         self._next_exit_check = 0.0
         #: Fenced acks held back until decode's ends of the connections the
         #: fence closed have drained (see runtime/sockets.py).
         self._draining: dict[tuple[int, int, int], AbortAck] = {}
-        self._addresses: frozenset[str] = frozenset()
         self._listener = Listener(
             self.name,
             self.config.host,
@@ -168,35 +257,102 @@ class DecodeEndpoint:
         )
         self._gauge_hold_state()
         self._listener.start()
-        try:
-            self._bootstrap(list(prefill))
-        except BaseException:
-            self.close()
-            raise
+        if prefill:
+            try:
+                self._default = self._instance(prefill)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def ranks(self) -> frozenset[int]:
-        return self._ranks
+        """The ranks of the prefill instance given at construction (none if
+        none was: every request then names its instance)."""
+        return frozenset(self._default.ids) if self._default is not None else frozenset()
 
-    def session_of(self, rank: int) -> int:
-        """The session of the rank process this endpoint bootstrapped with:
-        acks and statuses that name another are dropped."""
+    def session_of(self, rank: int, prefill: Sequence[str] | None = None) -> int:
+        """The session of the rank process this endpoint bootstrapped with
+        (rank ``rank`` of instance ``prefill``, by default the one given at
+        construction): acks and statuses that name another are dropped."""
         with self._lock:
-            return self._writers[rank].session
+            instance = self._default if prefill is None else self._instances.get(tuple(prefill))
+            if instance is None:
+                raise ValueError(f"no bootstrapped prefill instance {prefill}")
+            return self._writers[instance.ids[rank]].session
+
+    def instances(self) -> list[tuple[str, ...]]:
+        """The prefill instances bootstrapped so far, by their ranks' addresses."""
+        with self._lock:
+            return list(self._instances)
 
     # -- engine API --------------------------------------------------------
-    def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
-        """Ask every rank (or ``ranks``) to write ``room`` into ``pages``."""
-        ranks = self.ranks if ranks is None else ranks
-        if not ranks <= self.ranks:
-            raise ValueError(f"unknown ranks {sorted(ranks - self.ranks)}")
+    def receiver(
+        self,
+        room: int,
+        pages: Sequence[int],
+        ranks: frozenset[int] | None = None,
+        extras_slot: int | None = None,
+        prefill: Sequence[str] | None = None,
+    ) -> Receiver:
+        """Ask every rank (or ``ranks``) of prefill instance ``prefill`` (its
+        ranks' control addresses, in rank order; by default the instance
+        given at construction) to write ``room`` into ``pages``, and its
+        per-room extras into slot ``extras_slot`` of the layout's extras
+        (with the room's last chunk, covered by the same acks and proofs).
+
+        An instance not seen before is bootstrapped first (Hello, re-sent
+        until answered, within ``Config.bootstrap_timeout_s``: this call
+        blocks meanwhile, and raises :class:`~kvconn.errors.BootstrapError`
+        as the constructor does), then kept: heartbeats, restarts and exit
+        proofs as for every rank. Room ids are unique per endpoint, across
+        instances.
+
+        Refused (nothing sent, nothing tracked) with
+        :class:`~kvconn.errors.PageError` for pages out of range or
+        duplicated, or (``Config.check_pages``) still in use by another room,
+        and with :class:`~kvconn.errors.RoomInUseError` while ``room`` itself
+        is still tracked."""
+        if prefill is None:
+            instance = self._default
+            if instance is None:
+                raise ValueError(f"room {room}: no prefill instance: name its ranks' addresses (prefill=)")
+        else:
+            instance = self._instance(prefill)
+        known = frozenset(range(len(instance.ids)))
+        local = known if ranks is None else frozenset(ranks)
+        if not local <= known:
+            raise ValueError(f"unknown ranks {sorted(local - known)}")
+        ranks = frozenset(instance.ids[r] for r in local)
+        if extras_slot is not None and not (
+            self.layout is not None and 0 <= extras_slot < self.layout.num_slots
+        ):
+            slots = 0 if self.layout is None else self.layout.num_slots
+            raise ValueError(f"extras slot {extras_slot} outside the layout's {slots} slots")
         pages = tuple(pages)
-        if any(not 0 <= p < self.num_pages for p in pages):
-            raise ValueError(f"pages outside 0..{self.num_pages - 1}")
+        bad = [p for p in pages if not 0 <= p < self.num_pages]
+        if bad:
+            raise PageError(f"pages {bad[:8]} outside 0..{self.num_pages - 1}", room)
+        if len(set(pages)) != len(pages):
+            twice = sorted(p for p, n in Counter(pages).items() if n > 1)
+            raise PageError(f"pages {twice[:8]} given more than once", room)
         with self._lock:
+            state = self.tracker.state(room)
+            if state is not None:
+                raise RoomInUseError(f"still tracked ({state.value}): its pages are not back yet", room)
+            if self.config.check_pages:
+                if not self._in_use.isdisjoint(pages):
+                    taken = sorted(self._in_use.intersection(pages))
+                    raise PageError(
+                        f"pages {taken[:8]} belong to another room not finished or released yet", room
+                    )
+                self._in_use.update(pages)
             self.tracker.open(room, pages, ranks)
-            self._succeeded.discard(room)
-            self._failed.pop(room, None)
+            writers = {rank: self._writers[rank] for rank in ranks}
+            request = self._requests[room] = _Request(room, pages, writers, instance.ids)
+            if self.config.transfer_timeout_s is not None:
+                self._request_seq_heap += 1
+                due = self.clock() + self.config.transfer_timeout_s
+                heapq.heappush(self._deadlines, (due, self._request_seq_heap, request))
         # Numbered and sent under one lock: a rank takes only a request numbered
         # above the last it took, so two engine threads' requests must not
         # overtake each other between numbering and sending.
@@ -205,16 +361,28 @@ class DecodeEndpoint:
             for rank in sorted(ranks):
                 writer = self._writers[rank]
                 self._request_seq += 1
-                request = TransferRequest(room, self.name, pages, writer.session, self._request_seq)
-                if not self._outbox.send(writer.address, request):
+                message = TransferRequest(
+                    room, self.name, pages, writer.session, self._request_seq, _slot_field(extras_slot)
+                )
+                if not self._outbox.send(writer.address, message):
                     unsent.append(rank)
         if unsent:
             # Nothing re-sends a request, and a room not yet aborted has no
             # deadline: say Failed now, so the engine aborts it (the ranks
             # that did get it ack as ever).
             with self._lock:
-                self._failed.setdefault(room, f"request to ranks {unsent} dropped: send queue full")
-        return Receiver(self, room)
+                request.fail(f"request to ranks {unsent} dropped: send queue full")
+        with self._lock:
+            down = sorted(set(ranks) & set(self._down))
+            if down:
+                # A rank known dead or silent would leave it TRANSFERRING:
+                # fail it now, on the abort path (held until proof).
+                reason = "; ".join(f"rank {r} is down: {self._down[r]}" for r in down)
+                releases = self._execute(self._fail_and_abort(request, reason, self.clock()))
+            else:
+                releases = []
+        self._notify(releases)
+        return Receiver(self, request)
 
     def close(self) -> None:
         """Stop listening. The page region is freed only if no page is held
@@ -234,44 +402,107 @@ class DecodeEndpoint:
             return self.tracker.pages_in(HoldState.HELD) + self.tracker.pages_in(HoldState.QUARANTINED)
 
     # -- bootstrap ---------------------------------------------------------
-    def _bootstrap(self, addresses: list[str]) -> None:
-        hello = Hello(
-            self.name,
-            self.address,
-            self.backend.name,
-            self.page_bytes,
-            len(addresses),
-            round(self.config.abort_timeout_s * 1000),
-            self.region.metadata,
-        )
-        self._addresses = frozenset(addresses)
-        for address in addresses:
-            self._outbox.send(address, hello)
+    def _instance(self, addresses: Sequence[str]) -> _Instance:
+        """The prefill instance at ``addresses``, bootstrapped now if it is new."""
+        key = tuple(addresses)
+        with self._lock:
+            known = self._instances.get(key)
+        if known is not None:
+            return known
+        if not key:
+            raise ValueError("a prefill instance needs at least one rank address")
+        if len(set(key)) != len(key):
+            raise ValueError(f"prefill addresses {list(key)} name one rank twice")
+        # One bootstrap at a time: two engine threads meeting a new instance
+        # at once bootstrap it once.
+        with self._bootstrap_lock:
+            with self._lock:
+                known = self._instances.get(key)
+                if known is not None:
+                    return known
+                taken = [a for a in key if a in self._id_at]
+                if taken:
+                    raise ValueError(
+                        f"prefill addresses {taken} are ranks of another prefill instance of this endpoint"
+                    )
+                hello = Hello(
+                    self.name,
+                    self.address,
+                    self.backend.name,
+                    self.page_bytes,
+                    len(key),
+                    round(self.config.abort_timeout_s * 1000),
+                    self.region.metadata,
+                    b"" if self.layout is None else self.layout.to_bytes(),
+                )
+                instance = _Instance(key, hello)
+                for address in key:
+                    self._pending[address] = instance
+            try:
+                self._bootstrap(instance)
+            finally:
+                with self._lock:
+                    for address in key:
+                        self._pending.pop(address, None)
+        return instance
+
+    def _bootstrap(self, instance: _Instance) -> None:
+        addresses, hello = instance.addresses, instance.hello
+        # Re-sent until answered: a Hello or its HelloAck can be lost (a
+        # rank's connection to an earlier decode at our address, not yet seen
+        # closed, takes the HelloAck with it). A rank answers a repeated
+        # Hello as the first.
+        every = min(self.config.resend_interval_s, self.config.bootstrap_timeout_s / 4)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         with self._bootstrapped:
-            while len(self._writers) + len(self._refusals) < len(addresses):
-                left = deadline - time.monotonic()
-                if left <= 0:
+            unanswered = list(addresses)
+            while unanswered:
+                for address in unanswered:
+                    self._outbox.send(address, hello)
+                resend_at = min(deadline, time.monotonic() + every)
+                while (left := resend_at - time.monotonic()) > 0 and unanswered:
+                    self._bootstrapped.wait(left)
+                    answered = {w.address for w in instance.answers.values()} | set(instance.refusals)
+                    unanswered = [a for a in addresses if a not in answered]
+                if unanswered and time.monotonic() >= deadline:
                     raise BootstrapError(
-                        f"{len(self._writers)} of {len(addresses)} prefill ranks answered within "
-                        f"{self.config.bootstrap_timeout_s} s"
+                        f"{len(addresses) - len(unanswered)} of {len(addresses)} prefill ranks answered "
+                        f"within {self.config.bootstrap_timeout_s} s"
                     )
-                self._bootstrapped.wait(left)
-            if self._refusals:
-                raise BootstrapError("; ".join(f"{a}: {e}" for a, e in self._refusals.items()))
-            if sorted(self._writers) != list(range(len(addresses))):
+            if instance.refusals:
+                raise BootstrapError("; ".join(f"{a}: {e}" for a, e in instance.refusals.items()))
+            if sorted(instance.answers) != list(range(len(addresses))):
                 raise BootstrapError(
-                    f"ranks {sorted(self._writers)} answered, expected 0..{len(addresses) - 1}"
+                    f"ranks {sorted(instance.answers)} answered, expected 0..{len(addresses) - 1}"
                 )
-            self._ranks = frozenset(self._writers)
+            # Ids follow on from the instances before: the first instance's
+            # ranks keep their own numbers.
+            first = max(self._ranks, default=-1) + 1
+            instance.ids = tuple(range(first, first + len(addresses)))
+            now = self.clock()
+            for rank, writer in instance.answers.items():
+                rank_id = instance.ids[rank]
+                self._writers[rank_id] = writer
+                self._rank_of[rank_id] = (instance, rank)
+                self._id_at[writer.address] = rank_id
+                self._id_of_session[rank, writer.session] = rank_id
+                self._heard[rank_id] = now
+            if not self._ranks:
+                self._next_heartbeat = now + self.config.heartbeat_interval_s
+            self._ranks |= frozenset(instance.ids)
+            self._instances[addresses] = instance
 
     # -- control plane -----------------------------------------------------
     def _on_message(self, msg: Message) -> None:
         self.metrics.messages.labels(type(msg).__name__).inc()
         now = self.clock()
         with self._lock:
-            if isinstance(msg, AbortAck | RoomStatus) and not self._for_us(msg):
-                return
+            if isinstance(msg, AbortAck | RoomStatus):
+                rank_id = self._for_us(msg)
+                if rank_id is None:
+                    return
+                # from here on a rank is known by its endpoint-wide id
+                msg = attrs.evolve(msg, rank=rank_id)
             if isinstance(msg, AbortAck):
                 if msg.closed and undrained(msg.closed):
                     self._hold_back(msg)
@@ -280,59 +511,65 @@ class DecodeEndpoint:
                     actions = self._ack(msg, now)
             elif isinstance(msg, RoomStatus):
                 actions = []
-                if msg.rank not in self.tracker.ranks_of(msg.room):
+                request = self._requests.get(msg.room)
+                if msg.rank not in self.tracker.ranks_of(msg.room) or request is None:
                     self._count_drop("stranger_status")
                 elif msg.outcome is RoomOutcome.SUCCESS:
-                    if self.tracker.succeeded(msg.room, msg.rank):
-                        self._succeeded.add(msg.room)
+                    if self.tracker.succeeded(msg.room, msg.rank) and request.verdict is None:
+                        request.verdict = KVPoll.SUCCESS
                 else:
-                    self._failed.setdefault(msg.room, msg.reason)
+                    request.fail(msg.reason)
             elif isinstance(msg, HelloAck):
-                self._on_hello_ack(msg)
-                return
+                if msg.address in self._pending:
+                    self._on_hello_ack(msg)
+                    return
+                actions = self._on_heartbeat(msg, now)
             else:
                 self._count_drop("unexpected_type")
                 return
             releases = self._execute(actions)
         self._notify(releases)
 
-    def _for_us(self, msg: AbortAck | RoomStatus) -> bool:
-        """(With the lock.) Whether ``msg`` is for this endpoint, from the rank
-        process it bootstrapped with. Another process at that rank's address
+    def _for_us(self, msg: AbortAck | RoomStatus) -> int | None:
+        """(With the lock.) The id of the rank that sent ``msg`` if it is for
+        this endpoint, from the rank process it bootstrapped with (None:
+        dropped). An ack names its rank as that rank's own instance numbers
+        it: the room's request says which instance. Another process at that rank's address
         (a restart) never wrote for us: its ack would skip the proof our own
         writer owes (its exit, with its connections drained). An earlier
         decode at our address had rooms of the same ids: its SUCCESS would
         hand out pages a request of ours is about to write."""
-        writer = self._writers.get(msg.rank)
+        request = self._requests.get(msg.room)
+        if request is not None:
+            rank_id = request.ids[msg.rank] if 0 <= msg.rank < len(request.ids) else None
+            writer = request.writers.get(rank_id) if rank_id is not None else None
+        else:
+            rank_id = self._id_of_session.get((msg.rank, msg.session))
+            writer = self._writers.get(rank_id) if rank_id is not None else None
         if msg.decode != self.name:
             self._count_drop("other_decode")
-            return False
-        if writer is None or msg.session != writer.session:
+            return None
+        if writer is None or rank_id is None or msg.session != writer.session:
             self._count_drop("other_session")
-            return False
-        return True
+            return None
+        return rank_id
 
     def _on_hello_ack(self, msg: HelloAck) -> None:
-        # called with the lock held
-        if msg.address not in self._addresses:
-            self._count_drop("stranger_hello")
-            return
-        if self._ranks and msg.rank not in self._ranks:
-            # Bootstrap is over: a new rank id (from an address that is
-            # another rank's) would make every room wait for its ack.
-            self._count_drop("hello_ack_changed")
-        elif msg.error:
-            self._refusals[msg.address] = msg.error
-        elif msg.rank in self._writers and self._writers[msg.rank].address != msg.address:
-            self._refusals[msg.address] = f"rank {msg.rank} also claimed by {self._writers[msg.rank].address}"
-        elif msg.rank in self._writers:
+        # called with the lock held: an answer to a bootstrap in progress
+        instance = self._pending[msg.address]
+        answers = instance.answers
+        if msg.error:
+            instance.refusals[msg.address] = msg.error
+        elif msg.rank in answers and answers[msg.rank].address != msg.address:
+            instance.refusals[msg.address] = f"rank {msg.rank} also claimed by {answers[msg.rank].address}"
+        elif msg.rank in answers:
             # The first identity stays: a later one (a resent Hello's answer is
             # the same) could only make another process's exit count as this
             # writer's.
-            if self._writers[msg.rank] != WriterIdentity.announced(msg):
+            if answers[msg.rank] != WriterIdentity.announced(msg):
                 self._count_drop("hello_ack_changed")
         else:
-            self._writers[msg.rank] = WriterIdentity.announced(msg)
+            answers[msg.rank] = WriterIdentity.announced(msg)
         self._bootstrapped.notify_all()
 
     def _on_idle(self) -> float | None:
@@ -342,8 +579,15 @@ class DecodeEndpoint:
             if now >= self._next_exit_check:
                 self._next_exit_check = now + self.EXIT_CHECK_S
                 actions += self._check_exits(now)
+            if self._ranks and now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.config.heartbeat_interval_s
+                actions += self._heartbeat(now)
+            actions += self._expire_rooms(now)
             releases = self._execute(actions)
-            next_deadline = self.tracker.next_deadline()
+            next_deadline = min(
+                (t for t in (self.tracker.next_deadline(), self._next_room_deadline()) if t is not None),
+                default=None,
+            )
             draining = bool(self._draining)
         self._notify(releases)
         wait = None if next_deadline is None else max(0.0, next_deadline - now)
@@ -383,21 +627,145 @@ class DecodeEndpoint:
         return actions
 
     def _check_exits(self, now: float) -> list[HoldAction]:
+        """Release held rooms whose writer processes are proven gone. Each
+        room's own writers: a process restarted at a rank's address proves
+        nothing for the rooms the earlier one was asked to write."""
         rooms = self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED)
-        waiting = {rank for room in rooms for rank in self.tracker.ranks_of(room)}
+        owed: dict[tuple[int, WriterIdentity], list[int]] = {}
+        for room in rooms:
+            request = self._requests.get(room)
+            for rank in self.tracker.ranks_of(room):
+                writer = request.writers[rank] if request is not None else self._writers[rank]
+                owed.setdefault((rank, writer), []).append(room)
         actions: list[HoldAction] = []
-        gone = [rank for rank in sorted(waiting) if self._writers[rank].proven_gone(self._pid_namespace)]
+        gone = [(key, rs) for key, rs in owed.items() if key[1].proven_gone(self._pid_namespace)]
         # A dead writer's kernel still delivers what it had sent: its exit
         # proves nothing until our ends of its connections drained.
         if gone and not dead_peer_ends():
-            for rank in gone:
-                actions += self.tracker.writer_exited(rank, now)
+            for (rank, _), held in gone:
+                actions += self.tracker.writer_exited(rank, now, frozenset(held))
         return actions
 
-    def _abort(self, room: int) -> None:
+    # -- liveness ----------------------------------------------------------
+    def _heartbeat(self, now: float) -> list[HoldAction]:
+        """(With the lock.) Hello every rank again (its answer proves it
+        alive and names its session); a rank silent past peer_timeout_s, or
+        whose process is proven gone, is down."""
+        actions: list[HoldAction] = []
+        for rank in sorted(self._ranks):
+            writer = self._writers[rank]
+            self._outbox.send(writer.address, self._rank_of[rank][0].hello)
+            if rank in self._down:
+                continue
+            if writer.proven_gone(self._pid_namespace):
+                actions += self._rank_down(rank, "exited", f"its process (pid {writer.pid}) exited", now)
+            elif now - self._heard[rank] > self.config.peer_timeout_s:
+                silent = f"no answer for {now - self._heard[rank]:.1f} s"
+                actions += self._rank_down(rank, "silent", silent, now)
+        return actions
+
+    def _on_heartbeat(self, msg: HelloAck, now: float) -> list[HoldAction]:
+        """(With the lock.) A HelloAck after bootstrap: the rank's process
+        alive, or a new process at its address (re-bootstrapped: it took our
+        Hello). Rooms the earlier process was asked to write keep needing
+        its proof (exit with drain, or quarantine); they fail now."""
+        rank = self._id_at.get(msg.address)  # the endpoint-wide id of the rank there
+        if rank is None:
+            self._count_drop("stranger_hello")
+            return []
+        writer = self._writers[rank]
+        if msg.rank != self._rank_of[rank][1]:
+            self._count_drop("hello_ack_changed")
+            return []
+        if msg.error or (rank, msg.session) in self._retired:
+            self._count_drop("hello_refused" if msg.error else "retired_session")
+            return []
+        if msg.session == writer.session:
+            self._heard[rank] = now
+            self._down.pop(rank, None)
+            return []
+        self._retired.add((rank, writer.session))
+        self._writers[rank] = WriterIdentity.announced(msg)
+        self._id_of_session.pop((msg.rank, writer.session), None)
+        self._id_of_session[msg.rank, msg.session] = rank
+        self._heard[rank] = now
+        self._down.pop(rank, None)
+        self.metrics.rank_restarts.inc()
+        log.warning("prefill rank %d at %s restarted: re-bootstrapped", msg.rank, msg.address)
+        reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
+        return self._fail_rooms_of(rank, writer, reason, now)
+
+    def _rank_down(self, rank: int, cause: str, reason: str, now: float) -> list[HoldAction]:
+        self._down[rank] = reason
+        self.metrics.ranks_down.labels(cause).inc()
+        log.warning("prefill rank %d is down: %s", rank, reason)
+        return self._fail_rooms_of(rank, self._writers[rank], f"rank {rank} is down: {reason}", now)
+
+    def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[HoldAction]:
+        """(With the lock.) Fail the open rooms ``writer`` was asked to write."""
+        actions: list[HoldAction] = []
+        for request in list(self._requests.values()):
+            if request.writers.get(rank) == writer and request.verdict is None and not request.aborted:
+                self.metrics.rooms_failed_by_rank.inc()
+                actions += self._fail_and_abort(request, reason, now)
+        return actions
+
+    def _fail_and_abort(self, request: _Request, reason: str, now: float) -> list[HoldAction]:
+        """(With the lock.) FAILED to the engine, then the abort path: the
+        pages are held until proof, never freed here."""
+        if self._requests.get(request.room) is not request or request.aborted or request.finished:
+            return []
+        request.fail(reason)
+        request.aborted = True
+        return self.tracker.abort(request.room, now)
+
+    def _expire_rooms(self, now: float) -> list[HoldAction]:
+        """(With the lock.) Open rooms past their transfer deadline fail."""
+        actions: list[HoldAction] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if request.verdict is None and not request.aborted:
+                timeout = self.config.transfer_timeout_s
+                self.metrics.room_deadlines.inc()
+                actions += self._fail_and_abort(request, f"not complete within {timeout} s", now)
+        return actions
+
+    def _next_room_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def _abort(self, request: _Request) -> None:
         with self._lock:
-            releases = self._execute(self.tracker.abort(room, self.clock()))
+            if request.aborted or request.finished or self._requests.get(request.room) is not request:
+                return  # its pages are the engine's already, or on their way back
+            request.aborted = True
+            # The engine's own verdict, even over a SUCCESS that raced it: its
+            # pages come back through on_release, never through finish().
+            request.verdict = KVPoll.FAILED
+            releases = self._execute(self.tracker.abort(request.room, self.clock()))
         self._notify(releases)
+
+    def _finish(self, request: _Request) -> tuple[int, ...]:
+        with self._lock:
+            if request.finished:
+                raise RoomStateError("finish() was already called: its pages are the engine's", request.room)
+            if request.aborted:
+                raise RoomStateError("aborted: its pages come back through on_release", request.room)
+            if request.verdict is not KVPoll.SUCCESS or self._requests.get(request.room) is not request:
+                raise RoomStateError(f"not completed (poll() says {self._poll(request).name})", request.room)
+            pages = self.tracker.finish(request.room)
+            request.finished = True
+            self._forget(request.room)
+            return pages
+
+    def _poll(self, request: _Request) -> KVPoll:
+        # called with the lock held
+        return KVPoll.TRANSFERRING if request.verdict is None else request.verdict
+
+    def _forget(self, room: int) -> None:
+        """(With the lock.) The room left the tracker: its pages are free."""
+        request = self._requests.pop(room, None)
+        if request is not None and self.config.check_pages:
+            self._in_use.difference_update(request.pages)
 
     def _execute(self, actions: Sequence[HoldAction]) -> list[Release]:
         """Carry out tracker actions (lock held); releases are returned so the
@@ -411,8 +779,7 @@ class DecodeEndpoint:
                 releases.append(action)
                 # Released rooms leave every table (a serving decode sees millions);
                 # their receivers keep what they need.
-                self._failed.pop(action.room, None)
-                self._succeeded.discard(action.room)
+                self._forget(action.room)
                 proof = action.proof.value
                 self.metrics.releases.labels(proof).inc()
                 self.metrics.released_pages.labels(proof).inc(len(action.pages))
@@ -462,47 +829,57 @@ class DecodeEndpoint:
         self.metrics.dropped.labels(reason).inc()
 
 
-class Receiver:
-    """The engine's handle on one room at decode (like SGLang's KVReceiver)."""
+def _slot_field(slot: int | None) -> int:
+    return 0 if slot is None else slot + 1
 
-    def __init__(self, endpoint: DecodeEndpoint, room: int) -> None:
+
+class Receiver:
+    """The engine's handle on one request for a room at decode (like
+    SGLang's KVReceiver).
+
+    It belongs to its own request: once the room id is reused by a newer
+    request, this handle's ``abort()`` does nothing, its ``poll()`` keeps its
+    own verdict and its ``finish()`` raises, never acting on the newer one.
+    """
+
+    def __init__(self, endpoint: DecodeEndpoint, request: _Request) -> None:
         self._endpoint = endpoint
-        self.room = room
-        self._aborted = False
-        self._failure: str | None = None
+        self._request = request
+        self.room = request.room
 
     def poll(self) -> KVPoll:
-        if self._aborted:
-            return KVPoll.FAILED
-        ep = self._endpoint
-        with ep._lock:
-            if self.room in ep._failed:
-                return KVPoll.FAILED
-            if self.room in ep._succeeded:
-                return KVPoll.SUCCESS
-            return KVPoll.TRANSFERRING
+        """TRANSFERRING until every rank reported every chunk landed
+        (SUCCESS) or the room failed (FAILED); then that, for good, except
+        that abort() makes it FAILED (for good)."""
+        with self._endpoint._lock:
+            return self._endpoint._poll(self._request)
 
     def failure(self) -> str | None:
+        """Why the room failed, as a rank or this endpoint said (None: no
+        reason given, or not failed)."""
         with self._endpoint._lock:
-            return self._endpoint._failed.get(self.room, self._failure)
+            return self._request.failure
 
     def abort(self) -> None:
         """Give the room up. Its pages come back through ``on_release`` once
-        proven free (at once if every rank already completed)."""
-        with self._endpoint._lock:
-            self._failure = self._endpoint._failed.get(self.room)  # forgotten there at release
-        self._aborted = True
-        self._endpoint._abort(self.room)
+        proven free (at once if every rank already completed). Does nothing
+        once the pages are the engine's (after finish()) or already on their
+        way back."""
+        self._endpoint._abort(self._request)
 
     def finish(self) -> tuple[int, ...]:
-        """Take a completed room's pages (poll() said SUCCESS)."""
-        with self._endpoint._lock:
-            self._endpoint._succeeded.discard(self.room)
-            return self._endpoint.tracker.finish(self.room)
+        """Take a completed room's pages (poll() said SUCCESS). Raises
+        :class:`~kvconn.errors.RoomStateError` if it is not completed, was
+        aborted, or was finished already."""
+        return self._endpoint._finish(self._request)
 
     def state(self) -> HoldState | None:
-        with self._endpoint._lock:
-            return self._endpoint.tracker.state(self.room)
+        """Where the room's pages are (None: back with the engine)."""
+        ep = self._endpoint
+        with ep._lock:
+            if ep._requests.get(self.room) is not self._request:
+                return None
+            return ep.tracker.state(self.room)
 
 
 __all__ = ["BootstrapError", "DecodeEndpoint", "Proof", "Receiver", "Release"]

@@ -8,6 +8,7 @@ import attrs
 import numpy as np
 
 from kvconn.chunk import SegmentTable
+from kvconn.layout import KVLayout
 
 #: From this many pages on, :meth:`PageLayout.segments` lowers with numpy:
 #: its ~20 us of fixed cost beats the per-page Python loop (~0.35 us a page)
@@ -81,3 +82,42 @@ class PageLayout:
         rows[:, 1] = dst[first]
         rows[:, 2] = np.diff(first, append=n) * shard
         return SegmentTable(rows)
+
+
+@attrs.frozen
+class EngineLayout:
+    """A rank's own :class:`~kvconn.layout.KVLayout` paired with a decode's:
+    lowers pages as :class:`PageLayout` does, through both layouts."""
+
+    src: KVLayout
+    dst: KVLayout
+
+    def segments(self, rank: int, src_pages: Sequence[int], dst_pages: Sequence[int]) -> SegmentTable:
+        return self.src.segments(self.dst, src_pages, dst_pages)
+
+
+def peer_layout(
+    own: KVLayout | None, page_bytes: int, num_ranks: int, layout: bytes
+) -> PageLayout | EngineLayout:
+    """How this rank lays its pages into a decode that announced ``layout``
+    (its KVLayout, or empty for ``page_bytes`` pages split over
+    ``num_ranks``). Raises ValueError if the two sides cannot exchange pages."""
+    if not layout:
+        if own is not None:
+            raise ValueError(
+                "decode's pages are one region of equal shards; this rank's source is an engine layout"
+            )
+        return PageLayout(page_bytes, num_ranks)
+    if own is None:
+        raise ValueError("decode's pages are an engine layout: open this rank with buffers= and layout=")
+    dst = KVLayout.from_bytes(layout)
+    if own.tp_size != num_ranks:
+        raise ValueError(
+            f"decode bootstraps {num_ranks} prefill ranks; this rank's layout says tp_size {own.tp_size}"
+        )
+    own.writes_to(dst)  # raises LayoutError (a ValueError) if the pair does not fit
+    if len(own.extras) != len(dst.extras):
+        raise ValueError(
+            f"decode's layout has {len(dst.extras)} extras buffers, this rank's {len(own.extras)}"
+        )
+    return EngineLayout(own, dst)

@@ -13,17 +13,31 @@ import queue
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import attrs
+import numpy as np
 
+from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config, check_deadlines
+from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
+from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
-from kvconn.protocol.ledger import LIVE, KVPoll, LedgerAction, NotifyDecode, RoomLedger, SendAck
+from kvconn.protocol.ledger import (
+    LIVE,
+    KVPoll,
+    LedgerAction,
+    NotifyDecode,
+    RoomEntry,
+    RoomKey,
+    RoomLedger,
+    SendAck,
+)
 from kvconn.protocol.messages import (
     Abort,
     Hello,
@@ -35,10 +49,10 @@ from kvconn.protocol.messages import (
 )
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
-from kvconn.runtime.layout import PageLayout
+from kvconn.runtime.layout import EngineLayout, PageLayout, peer_layout
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sockets import own_connections
-from kvconn.transport import Backend, Settlement, capabilities_of
+from kvconn.transport import Backend, Settlement, Writer, capabilities_of, register_writer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +106,7 @@ class FenceGate:
 class _Peer:
     __slots__ = ("last_seq", "layout", "reply_to")
 
-    def __init__(self, reply_to: str, layout: PageLayout) -> None:
+    def __init__(self, reply_to: str, layout: PageLayout | EngineLayout) -> None:
         self.reply_to = reply_to
         self.layout = layout
         self.last_seq = 0  #: the last request's sequence number: a fresh one is higher
@@ -101,28 +115,42 @@ class _Peer:
 class PrefillRank:
     """One prefill rank process's kvconn endpoint.
 
-    ``backend`` writes; ``source_bytes`` of registered source memory hold the
-    rank's KV shards (``writer.write`` fills them). Decode endpoints reach it
-    at :attr:`address`.
+    ``backend`` writes from the rank's source memory: either the engine's
+    own KV buffers (``buffers``, laid out as ``layout`` says: no copy), or
+    ``source_bytes`` that kvconn allocates, holding the rank's KV shards
+    (``writer.write`` fills them). Decode endpoints reach it at :attr:`address`.
     """
 
     def __init__(
         self,
         backend: Backend,
         rank: int,
-        source_bytes: int,
+        source_bytes: int | None = None,
         config: Config | None = None,
         observers: Iterable[object] = (),
         clock: Callable[[], float] = time.monotonic,
         on_request: Callable[[int, int], None] | None = None,
+        *,
+        buffers: Sequence[object] | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
-        """``on_request(room, npages)`` runs on the listener thread when decode
-        asks for a room: an engine may start filling and sending it."""
+        """``on_request(room, npages)`` runs on the listener thread when a
+        decode asks for a room (once per decode that asks: with prefill TP
+        smaller than decode TP, every decode rank asks for the same room):
+        an engine may start filling and sending it.
+
+        ``buffers`` (anything :meth:`kvconn.buffers.Buffer.of` takes: the
+        engine's per-layer tensors, arrays) and ``layout`` (this rank's
+        :class:`~kvconn.layout.KVLayout`, ``tp_rank`` = ``rank``) go together,
+        instead of ``source_bytes``."""
+        engine_buffers = _source_buffers(rank, source_bytes, buffers, layout)
+        self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
         self.on_request = on_request
         self.rank = rank
         self.backend = backend
+        self.source_bytes = source_bytes
         self.capabilities = capabilities_of(backend, self.config.backend_options)
         self.clock = clock
         self.metrics = Metrics("prefill")
@@ -141,7 +169,12 @@ class PrefillRank:
         #: them, so decode can wait for its ends to drain (runtime/sockets.py).
         self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
         self._closed_by_fences: tuple[TcpConnection, ...] = ()  # their union, as acks carry it
-        self.writer = backend.open_writer(source_bytes, self.config.backend_options)
+        self.writer: Writer
+        if engine_buffers is not None:
+            self.writer = register_writer(backend, engine_buffers, self.config.backend_options)
+        else:
+            assert source_bytes is not None  # _source_buffers checked
+            self.writer = backend.open_writer(source_bytes, self.config.backend_options)
         self.pm = HookManager()
         self.pm.register(self.writer, name="transport")
         for i, observer in enumerate(observers):
@@ -150,7 +183,17 @@ class PrefillRank:
         self._hooks = ChunkHooks(self.pm)
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._peers: dict[str, _Peer] = {}
-        self._dst_pages: dict[int, tuple[int, ...]] = {}
+        #: Per (decode, room): the destination pages of its current request.
+        self._dst_pages: dict[RoomKey, tuple[int, ...]] = {}
+        #: decode's extras slot of a room (rooms with extras only), as its pages
+        self._dst_extras: dict[RoomKey, int] = {}
+        #: Rooms a Sender gave up waiting for (room -> until when): a decode's
+        #: request arriving later is refused, whichever decode sends it.
+        self._given_up: dict[int, float] = {}
+        #: Requests (ledger incarnations) a live Sender took: another Sender
+        #: of the same room id takes another decode's (one Sender per
+        #: request, as on_request comes). A sender dropped unused frees them.
+        self._taken: weakref.WeakValueDictionary[int, Sender] = weakref.WeakValueDictionary()
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
         # SimpleQueue (C): a get or put costs well under a microsecond, against
         # a few for queue.Queue's Python-level condition variables.
@@ -174,8 +217,13 @@ class PrefillRank:
         self._listener.start()
 
     # -- engine API --------------------------------------------------------
-    def sender(self, room: int) -> Sender:
-        return Sender(self, room)
+    def sender(self, room: int, decodes: int = 1) -> Sender:
+        """The engine's handle on ``room`` at this rank, written into each of
+        the ``decodes`` decode endpoints that request it (prefill TP smaller
+        than decode TP: every decode rank asks for the room and takes its own
+        head slice of each page; each ``send()`` writes the chunk to all of
+        them)."""
+        return Sender(self, room, decodes)
 
     def close(self) -> None:
         for q in self._queues:
@@ -201,30 +249,36 @@ class PrefillRank:
                     self._count_drop("stale_request")  # replayed, or for another process
                     return
                 peer.last_seq = msg.seq
-                status = self.ledger.status(msg.room)
-                owner = self.ledger.decode_of(msg.room)
-                if status is not None and status is not KVPoll.SUCCESS and owner and owner != msg.decode:
-                    # Room ids are global at a rank: this one is another decode's
-                    # live room. Never take these pages for it, nor let the engine
-                    # send it again; say so, or this decode waits for nothing.
-                    self._count_drop("room_in_use")
-                    reason = "room id in use by another decode at this rank"
-                    refused = self.ledger.room_status(msg.room, msg.decode, RoomOutcome.FAILED, reason)
-                    self._outbox.send(self._peers[msg.decode].reply_to, refused)
-                    return
-                if status is None or status is KVPoll.SUCCESS:
+                # A room is this decode's: the same id requested by another
+                # decode is another room (its own pages, counts and acks).
+                key = RoomKey(msg.decode, msg.room)
+                before = self.ledger.entry(key)
+                if before is None and msg.room in self._given_up:
+                    self.ledger.give_up(key, self.clock())  # its sender gave up: write nothing
+                    before = self.ledger.entry(key)
+                self.ledger.request(key, msg.seq)
+                if self.ledger.entry(key) is not before:
                     # A new room, or a concluded one whose id decode reused after
-                    # taking its pages: write into the pages of this request, never
-                    # into the earlier pages, which decode may have handed out again.
-                    self._dst_pages[msg.room] = msg.dst_pages
+                    # its pages came back: write into the pages of this request,
+                    # never into the earlier pages, which decode may have handed
+                    # out again.
+                    self._dst_pages[key] = msg.dst_pages
+                    self._dst_extras.pop(key, None)
+                    if msg.extras is not None:
+                        self._dst_extras[key] = msg.extras
                 else:
-                    self._dst_pages.setdefault(msg.room, msg.dst_pages)
-                self.ledger.request(msg.room, msg.decode)
+                    self._dst_pages.setdefault(key, msg.dst_pages)
+                    if msg.extras is not None:
+                        self._dst_extras.setdefault(key, msg.extras)
+                status = self.ledger.status(key)
                 if status is KVPoll.FAILED:
                     # Failed or tombstoned here: it will write nothing, say so, or
                     # decode waits for a transfer that never comes.
-                    reason = "room is failed or tombstoned at this rank (aborted, or its id reused too soon)"
-                    failed = self.ledger.room_status(msg.room, msg.decode, RoomOutcome.FAILED, reason)
+                    reason = (
+                        "room is failed or tombstoned at this rank (aborted, its sender gave up "
+                        "waiting for this request, or its id reused too soon)"
+                    )
+                    failed = self.ledger.room_status(key, RoomOutcome.FAILED, reason)
                     self._outbox.send(self._peers[msg.decode].reply_to, failed)
             if self.on_request is not None:
                 self.on_request(msg.room, len(msg.dst_pages))
@@ -242,10 +296,17 @@ class PrefillRank:
             limit = self.capabilities.max_write_timeout_s
             if limit is not None:
                 check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
-            layout = PageLayout(msg.page_bytes, msg.num_ranks)
+            layout = peer_layout(self.layout, msg.page_bytes, msg.num_ranks, msg.layout)
             with self._lock:
                 known = self._peers.get(msg.decode)
             if known is None:
+                with self._lock:
+                    taken = any(peer.reply_to == msg.reply_to for peer in self._peers.values())
+                if taken:
+                    # Another decode listened there before: it is gone (one
+                    # endpoint binds an address), and our connection to it may
+                    # not have been seen to close yet.
+                    self._outbox.reset(msg.reply_to)
                 self.writer.connect(msg.decode, msg.metadata)
                 with self._lock:
                     self._peers.setdefault(msg.decode, _Peer(msg.reply_to, layout))
@@ -268,36 +329,41 @@ class PrefillRank:
             # keep an ack target that fails every send.
             self._count_drop("bad_reply_to")
             return
+        key = RoomKey(msg.decode, msg.room)
         with self._lock:
-            owner, before = self.ledger.decode_of(msg.room), self.ledger.status(msg.room)
             known = self.ledger.abort(msg, self.clock())
-            if owner and owner != msg.decode and before in LIVE and owner in self._peers:
-                # Room ids are global at a rank: another decode's abort failed
-                # this decode's room. Say so, or it waits for its deadline.
-                reason = "aborted by another decode using the same room id"
-                failed = self.ledger.room_status(msg.room, owner, RoomOutcome.FAILED, reason)
-                self._outbox.send(self._peers[owner].reply_to, failed)
         try:
             self.pm.hook.on_abort_notification(abort=msg, known=known)
         except Exception as exc:
             self._plugin_error("on_abort_notification", exc)
             with self._lock:
-                self._execute(self.ledger.poison(msg.room, "on_abort_notification raised"))
+                self._execute(self.ledger.poison(key, "on_abort_notification raised"))
             # Nothing else would fence this room (no chunk of it need fail): fence
             # now, off the listener thread (the fence waits for running posts).
             threading.Thread(target=self._fence, name=f"kvconn-fence-{self.rank}", daemon=True).start()
         with self._lock:
-            self._execute(self.ledger.try_ack(msg.room))
+            self._execute(self.ledger.try_ack(key))
 
     def _on_idle(self) -> float | None:
+        now = self.clock()
         with self._lock:
-            for room in self.ledger.expire(self.clock()):
-                self._dst_pages.pop(room, None)
+            for key in self.ledger.expire(now):
+                self._dst_pages.pop(key, None)
+                self._dst_extras.pop(key, None)
+            if self._given_up:
+                for room in [r for r, until in self._given_up.items() if until <= now]:
+                    del self._given_up[room]
         return None
 
     # -- transfer workers --------------------------------------------------
-    def _enqueue(self, chunk: Chunk, segments: SegmentTable) -> None:
-        self._queues[chunk.room % len(self._queues)].put((chunk, segments))
+    def _enqueue(
+        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None, key: RoomKey | None = None
+    ) -> None:
+        """Queue ``chunk`` for the worker of its room; ``incarnation``: the
+        request it belongs to (a chunk of an earlier one is skipped); ``key``:
+        its room's, made once here rather than at every ledger call."""
+        key = _key(chunk) if key is None else key
+        self._queues[chunk.room % len(self._queues)].put((chunk, segments, incarnation, key))
 
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         # One chunk is in the transport at a time, as ever. But a chunk that
@@ -310,7 +376,7 @@ class PrefillRank:
         # Sender's) meets a concluded room at dequeue and is skipped, instead
         # of being posted while decode hears SUCCESS. With nothing queued, a
         # landed chunk is accounted for at once too.
-        landed: Chunk | None = None
+        landed: tuple[Chunk, RoomKey] | None = None
         while True:
             if landed is None:
                 item = q.get()
@@ -318,36 +384,39 @@ class PrefillRank:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
-                    self._account_landed(landed)
+                    self._account_landed(*landed)
                     landed = None
                     continue
             if item is _STOP:
                 if landed is not None:
-                    self._account_landed(landed)
+                    self._account_landed(*landed)
                 return
-            chunk, segments = item
-            in_flight = self._post(chunk, segments)
+            chunk, segments, incarnation, key = item
+            in_flight = self._post(chunk, segments, incarnation, key)
             if landed is not None:
-                self._account_landed(landed)
+                self._account_landed(*landed)
                 landed = None
             if in_flight is not None and self._settle(chunk, *in_flight):
                 if chunk.last:
-                    self._account_landed(chunk)
+                    self._account_landed(chunk, key)
                 else:
-                    landed = chunk
+                    landed = (chunk, key)
 
-    def _transfer(self, chunk: Chunk, segments: SegmentTable) -> None:
+    def _transfer(self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None) -> None:
         """One chunk's whole path, accounted for at once."""
-        in_flight = self._post(chunk, segments)
+        key = _key(chunk)
+        in_flight = self._post(chunk, segments, incarnation, key)
         if in_flight is not None and self._settle(chunk, *in_flight):
-            self._account_landed(chunk)
+            self._account_landed(chunk, key)
 
-    def _post(self, chunk: Chunk, segments: SegmentTable) -> tuple[ChunkHooks, object, float] | None:
+    def _post(
+        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None, key: RoomKey
+    ) -> tuple[ChunkHooks, object, float] | None:
         """Count the chunk, then post it: (hooks, handle, deadline) with the
         fence gate entered, or None if it was skipped or failed (accounted)."""
         hooks = self._hooks.current()
         with self._lock:
-            write = self.ledger.dequeue(chunk.room)  # invariant D: counted here
+            write = self.ledger.dequeue(key, incarnation)  # invariant D: counted here
         try:
             if hooks.has_dequeue:
                 hooks.dequeue(chunk)
@@ -359,7 +428,7 @@ class PrefillRank:
         if not write:
             with self._lock:
                 self._chunk_outcomes["skipped"] += 1
-                self._execute(self.ledger.skipped(chunk.room))
+                self._execute(self.ledger.skipped(key))
             return None
         self._gate.enter()
         # The deadline covers post and write: a writer frozen inside on_post
@@ -400,22 +469,22 @@ class PrefillRank:
         with self._lock:
             self._chunk_outcomes[settlement.value] += 1
             reason = f"transfer {settlement.value}"
-            self._execute(self.ledger.failed(chunk.room, settlement is Settlement.FAILED_SETTLED, reason))
+            self._execute(self.ledger.failed(_key(chunk), settlement is Settlement.FAILED_SETTLED, reason))
         if settlement is Settlement.UNSETTLED:
             self._fence()
         return False
 
-    def _account_landed(self, chunk: Chunk) -> None:
+    def _account_landed(self, chunk: Chunk, key: RoomKey) -> None:
         with self._lock:
             self._chunk_outcomes["landed"] += 1
-            self._execute(self.ledger.landed(chunk.room, chunk.last))
+            self._execute(self.ledger.landed(key, chunk.last))
 
     def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
         """A hook raised with the chunk counted: poison, never uncount."""
         self._plugin_error(hook, exc)
         with self._lock:
             self._chunk_outcomes["plugin_error"] += 1
-            self._execute(self.ledger.failed(chunk.room, settled=False, reason=f"{hook} raised: {exc!r}"))
+            self._execute(self.ledger.failed(_key(chunk), settled=False, reason=f"{hook} raised: {exc!r}"))
         self._fence()
 
     def _fence(self) -> None:
@@ -488,88 +557,314 @@ class PrefillRank:
         self.metrics.dropped.labels(reason).inc()
 
 
+def _key(chunk: Chunk) -> RoomKey:
+    return RoomKey(chunk.peer, chunk.room)
+
+
+def _with_extras(
+    room: int, layout: PageLayout | EngineLayout, segments: SegmentTable, src_slot: int | None, dst_slot: int
+) -> SegmentTable:
+    """A last chunk's segments, and its room's extras after them."""
+    if not isinstance(layout, EngineLayout):
+        raise ValueError(f"room {room}: decode asked for extras, but its pages are no engine layout")
+    if not layout.src.writes_extras_to(layout.dst):
+        return segments
+    if src_slot is None:
+        raise ValueError(
+            f"room {room}: decode asked for its extras; the last chunk must name this rank's slot"
+        )
+    extras = layout.src.extra_segments(layout.dst, src_slot, dst_slot)
+    return SegmentTable(np.concatenate([segments.rows, extras.rows]))
+
+
+def _source_buffers(
+    rank: int, source_bytes: int | None, buffers: Sequence[object] | None, layout: KVLayout | None
+) -> tuple[Buffer, ...] | None:
+    """The engine's source buffers, checked against the layout (None: kvconn
+    allocates ``source_bytes``)."""
+    if (buffers is None) != (layout is None):
+        raise ValueError("buffers= and layout= go together")
+    if (buffers is None) == (source_bytes is None):
+        raise ValueError("give a prefill rank either source_bytes or buffers= and layout=")
+    if buffers is None or layout is None:
+        return None
+    if layout.tp_rank != rank:
+        raise ValueError(f"rank {rank} with a layout for tp_rank {layout.tp_rank}")
+    return checked_buffers(buffers, layout)
+
+
+@attrs.define(slots=True, eq=False)
+class _Leg:
+    """One decode's request for a sender's room: its ledger entry, as the
+    sender first saw it live."""
+
+    key: RoomKey
+    entry: RoomEntry
+
+
 class Sender:
     """The engine's handle on one room at this rank (like SGLang's KVSender).
 
+    It writes the room into ``decodes`` decode endpoints (1 unless prefill
+    TP is smaller than decode TP: then each decode rank requests the room
+    and takes its own head slice of every page). It takes the first
+    ``decodes`` live requests for the room id that arrive, one per decode
+    endpoint, that no other sender took (so one sender per decode's request,
+    made as ``on_request`` reports each, works too), and each :meth:`send` queues the chunk to every one of them,
+    into that decode's own pages. Until all ``decodes`` requests came,
+    :meth:`poll` says BOOTSTRAPPING and :meth:`send` raises.
+
+    Each decode's room is its own at this rank: its counts, acks, fences and
+    status. One decode's abort fails only its room: the others still
+    complete, and :meth:`statuses` says how each ended; :meth:`poll` sums
+    them up (FAILED if any failed, SUCCESS once all succeeded).
+
     Decode may reuse a room id once the room concluded. A sender belongs to
-    the request it first saw (its ledger incarnation): its late ``clear()``
-    or ``fail()`` leaves a later request for the same id alone, and it sends
-    nothing into one.
+    the requests it first saw (their ledger incarnations): its late
+    ``clear()`` or ``fail()`` leaves a later request for the same id alone,
+    and it sends nothing into one. Once it has seen its requests conclude,
+    or was cleared, :meth:`poll` keeps that verdict.
     """
 
-    def __init__(self, rank: PrefillRank, room: int) -> None:
+    def __init__(self, rank: PrefillRank, room: int, decodes: int = 1) -> None:
+        if decodes < 1:
+            raise ValueError(f"room {room}: a sender writes into at least one decode, got decodes={decodes}")
         self._rank = rank
         self.room = room
+        self.decodes = decodes
         self._sent = 0
         self._index = 0
         self._last_sent = False
-        self._incarnation: int | None = None
+        #: The requests this sender writes, once it saw them live.
+        self._legs: list[_Leg] = []
+        self._verdict: KVPoll | None = None
+        self._cleared = False
+        self._gave_up = False
+        timeout = rank.config.room_bootstrap_timeout_s
+        #: When this sender stops waiting for decode's request (None: never).
+        self._bootstrap_deadline = None if timeout is None else rank.clock() + timeout
 
     def poll(self) -> KVPoll:
         with self._rank._lock:
-            status = self._rank.ledger.status(self.room)
-            if self._incarnation is None and status in LIVE:
-                # A live request: this sender's (a concluded one may be the
-                # previous request's, not yet cleared).
-                self._incarnation = self._rank.ledger.incarnation(self.room)
-        return KVPoll.BOOTSTRAPPING if status is None else status
+            return self._poll_locked()
 
-    def send(self, src_pages: Sequence[int], last: bool = False) -> None:
-        """Queue the next ``len(src_pages)`` pages of the room for writing.
+    def statuses(self) -> dict[str, KVPoll]:
+        """Each decode endpoint's room, by decode name, as this sender saw it
+        (only the requests it took)."""
+        with self._rank._lock:
+            self._poll_locked()
+            return {leg.key.decode: self._leg_status(leg) for leg in self._legs}
 
-        ``last``: this is the room's final chunk. Once it lands, decode is told
-        Success and may hand the pages out again, so no chunk may follow it:
-        this sender, or any sender of the room while it is Success, raises
-        RuntimeError (a room id decode reuses starts over with its request).
+    def _bind_locked(self) -> None:
+        """Take live requests for the room, oldest first, up to ``decodes``:
+        a concluded room may be an earlier request's, not yet cleared."""
+        if len(self._legs) >= self.decodes:
+            return
+        taken = self._rank._taken
+        live = sorted(
+            (entry.incarnation, decode, entry)
+            for decode, entry in self._rank.ledger.decodes_of(self.room).items()
+            if entry.incarnation not in taken and entry.status in LIVE
+        )
+        for _, decode, entry in live[: self.decodes - len(self._legs)]:
+            self._legs.append(_Leg(RoomKey(decode, self.room), entry))
+            taken[entry.incarnation] = self
+
+    def _leg_status(self, leg: _Leg) -> KVPoll:
+        status = leg.entry.status
+        if leg.entry is not self._rank.ledger.entry(leg.key) and status < KVPoll.SUCCESS:
+            status = KVPoll.FAILED  # forgotten unconcluded: nothing of it is written any more
+        return status
+
+    def _poll_locked(self) -> KVPoll:
+        if self._verdict is not None:
+            return self._verdict
+        self._bind_locked()
+        statuses = [self._leg_status(leg) for leg in self._legs]
+        if KVPoll.FAILED in statuses:
+            self._verdict = KVPoll.FAILED
+            return self._verdict
+        if len(self._legs) < self.decodes:
+            deadline = self._bootstrap_deadline
+            if deadline is not None and self._rank.clock() >= deadline:
+                self._give_up()
+                return KVPoll.FAILED
+            return KVPoll.BOOTSTRAPPING
+        if all(s is KVPoll.SUCCESS for s in statuses):
+            self._verdict = KVPoll.SUCCESS
+            return self._verdict
+        if any(s >= KVPoll.TRANSFERRING for s in statuses):
+            return KVPoll.TRANSFERRING
+        return KVPoll.WAITING_FOR_INPUT
+
+    def _give_up(self) -> None:
+        """(With the lock.) Stop waiting for decodes' requests: a request
+        arriving later writes nothing (decode is told FAILED), and the
+        requests already taken fail."""
+        rank = self._rank
+        rank._given_up[self.room] = rank.clock() + rank.config.tombstone_ttl_s
+        rank.metrics.room_bootstrap_timeouts.inc()
+        for leg in self._legs:
+            reason = "the prefill engine gave up waiting for every decode's request"
+            rank._execute(rank.ledger.fail(leg.key, reason, leg.entry.incarnation))
+        self._verdict = KVPoll.FAILED
+        self._gave_up = True
+
+    def send(self, src_pages: Sequence[int], last: bool = False, extras_slot: int | None = None) -> None:
+        """Queue the next ``len(src_pages)`` pages of the room for writing,
+        into every decode the sender writes.
+
+        ``extras_slot``: with the last chunk, this rank's slot of the room's
+        per-room extras (its layout's ``extras``), written into the slot
+        decode asked for along with the pages. Required then if decode asked
+        for extras and this rank writes them (see ``KVLayout.extra_segments``).
+
+        ``last``: this is the room's final chunk, and it must complete the
+        room's destination pages. Once it lands, decode is told Success and
+        may hand the pages out again, so no chunk may follow it: this
+        sender, or any sender of the room while it is Success, raises
+        :class:`~kvconn.errors.RoomStateError` (a room id decode reuses
+        starts over with its request). A refused send queues nothing.
         """
         if self._last_sent:
-            raise RuntimeError(f"room {self.room}: its last chunk was sent, no chunk may follow it")
+            raise RoomStateError("its last chunk was sent, no chunk may follow it", self.room)
         rank = self._rank
         with rank._lock:
-            status = rank.ledger.status(self.room)
-            dst_all = rank._dst_pages.get(self.room)
-            entry_decode = rank.ledger.decode_of(self.room)
-            incarnation = rank.ledger.incarnation(self.room)
-        if status is None or status < KVPoll.WAITING_FOR_INPUT or dst_all is None:
-            raise RuntimeError(f"room {self.room} is not bootstrapped yet (poll() says {self.poll().name})")
-        if self._incarnation is None:
-            self._incarnation = incarnation
-        elif incarnation != self._incarnation:
-            raise RuntimeError(
-                f"room {self.room} was requested again since this sender began: its request is over"
+            polled = self._poll_locked()
+            legs = [
+                (
+                    leg,
+                    rank.ledger.entry(leg.key),
+                    rank._dst_pages.get(leg.key),
+                    rank._dst_extras.get(leg.key),
+                )
+                for leg in self._legs
+            ]
+            # A room that is complete here, and not this sender's: its pages
+            # are decode's again, whoever sent it.
+            complete = len(legs) < self.decodes and any(
+                entry.status is KVPoll.SUCCESS for entry in rank.ledger.decodes_of(self.room).values()
             )
-        if status is KVPoll.SUCCESS:
+        for leg, current, _, _ in legs:
+            if current is not leg.entry:
+                raise RoomStateError(
+                    "its request is over (the room was cleared, or requested again since this sender began)",
+                    self.room,
+                )
+        if self._cleared:
+            raise RoomStateError(f"this sender was cleared ({polled.name})", self.room)
+        if self._gave_up:
+            raise RoomStateError("this sender gave up waiting for decode's request", self.room)
+        if complete:
+            raise RoomStateError("complete at this rank: no chunk may follow its last", self.room)
+        if len(legs) < self.decodes or any(dst is None for _, _, dst, _ in legs):
+            raise RoomStateError(
+                f"not bootstrapped yet ({len(legs)} of {self.decodes} decodes requested it; "
+                f"poll() says {polled.name})",
+                self.room,
+            )
+        if any(leg.entry.status is KVPoll.SUCCESS for leg, _, _, _ in legs):
             # Its last chunk landed and decode was told: the pages are decode's again.
-            raise RuntimeError(f"room {self.room} is complete at this rank: no chunk may follow its last")
-        dst = dst_all[self._sent : self._sent + len(src_pages)]
-        if len(dst) != len(src_pages):
-            left = len(dst_all) - self._sent
-            raise ValueError(f"room {self.room} has {left} pages left, got {len(src_pages)}")
-        chunk = Chunk(self.room, self._index, last, rank.rank, entry_decode, tuple(src_pages), tuple(dst))
-        # Lowered here, on the engine's thread, while the worker writes the
-        # previous chunk (1024 scattered pages: ~0.08 ms).
-        segments = rank._peers[entry_decode].layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+            raise RoomStateError("complete at this rank: no chunk may follow its last", self.room)
+        work = []
+        for leg, _, dst_all, dst_extras in legs:
+            assert dst_all is not None  # checked above
+            work.append(self._lowered(leg.key, src_pages, last, extras_slot, dst_all, dst_extras))
         self._sent += len(src_pages)
         self._index += 1
         self._last_sent = last
-        rank._enqueue(chunk, segments)
+        for (chunk, segments), (leg, _, _, _) in zip(work, legs, strict=True):
+            rank._enqueue(chunk, segments, leg.entry.incarnation, leg.key)
+
+    def _lowered(
+        self,
+        key: RoomKey,
+        src_pages: Sequence[int],
+        last: bool,
+        extras_slot: int | None,
+        dst_all: tuple[int, ...],
+        dst_extras: int | None,
+    ) -> tuple[Chunk, SegmentTable]:
+        """The next chunk for ``key``'s decode, checked and lowered (raises
+        before anything is queued)."""
+        rank = self._rank
+        dst = dst_all[self._sent : self._sent + len(src_pages)]
+        left = len(dst_all) - self._sent
+        if len(dst) != len(src_pages):
+            raise PageError(f"{left} pages left, got {len(src_pages)}", self.room)
+        if last and len(src_pages) != left:
+            raise IncompleteRoomError(
+                f"a last chunk of {len(src_pages)} pages leaves {left - len(src_pages)} of the "
+                f"room's {len(dst_all)} destination pages unwritten",
+                self.room,
+            )
+        layout = rank._peers[key.decode].layout
+        if isinstance(layout, EngineLayout):
+            capacity = layout.src.num_pages
+        else:
+            assert rank.source_bytes is not None  # a rank without a layout allocated its source
+            capacity = rank.source_bytes // layout.shard
+        bad = [p for p in src_pages if not 0 <= p < capacity]
+        if bad:
+            raise PageError(f"source pages {bad[:8]} outside 0..{capacity - 1}", self.room)
+        chunk = Chunk(self.room, self._index, last, rank.rank, key.decode, tuple(src_pages), tuple(dst))
+        # Lowered here, on the engine's thread, while the worker writes the
+        # previous chunk (1024 scattered pages: ~0.08 ms).
+        segments = layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
+        if last and dst_extras is not None:
+            segments = _with_extras(self.room, layout, segments, extras_slot, dst_extras)
+        return chunk, segments
 
     def settled(self) -> bool:
         """The room is Success or Failed and no chunk of it is being written
-        any more: its source pages may be reused."""
-        with self._rank._lock:
-            status = self._rank.ledger.status(self.room)
-            busy = self._rank.ledger.in_flight(self.room)
-        return status in (KVPoll.SUCCESS, KVPoll.FAILED, None) and busy == 0
+        any more, at any of its decodes: its source pages may be reused."""
+        rank = self._rank
+        with rank._lock:
+            self._bind_locked()
+            return all(
+                self._leg_status(leg) in (KVPoll.SUCCESS, KVPoll.FAILED)
+                and leg.entry.outstanding == leg.entry.stuck
+                for leg in self._legs
+            )
 
     def fail(self, reason: str) -> None:
-        """Prefill-initiated failure: tell decode, write nothing more."""
-        with self._rank._lock:
-            self._rank._execute(self._rank.ledger.fail(self.room, reason, self._incarnation))
+        """Prefill-initiated failure: tell every decode, write nothing more.
+        A decode whose request has not come yet is told FAILED when it does."""
+        rank = self._rank
+        with rank._lock:
+            self._bind_locked()
+            for leg in self._legs:
+                rank._execute(rank.ledger.fail(leg.key, reason, leg.entry.incarnation))
+            if len(self._legs) < self.decodes:
+                rank._given_up[self.room] = rank.clock() + rank.config.tombstone_ttl_s
+                self._verdict = KVPoll.FAILED
+            self._poll_locked()
 
     def clear(self) -> None:
-        """The engine is done with the room (success or not)."""
-        with self._rank._lock:
-            self._rank.ledger.clear(self.room, self._incarnation)
-            if self._rank.ledger.status(self.room) is None:
-                self._rank._dst_pages.pop(self.room, None)
+        """The engine is done with the room (success or not). A room still
+        live fails, and its decode is told: its queued chunks will not be
+        written. Afterwards :meth:`poll` says Success or Failed for good."""
+        rank, ledger = self._rank, self._rank.ledger
+        with rank._lock:
+            if self._cleared:
+                return
+            self._cleared = True
+            self._bind_locked()
+            if not self._legs:
+                # A sender that never saw a request live clears whatever the
+                # room has now (as it always did), and only that.
+                present = sorted(
+                    (entry.incarnation, decode, entry)
+                    for decode, entry in ledger.decodes_of(self.room).items()
+                )
+                self._legs = [_Leg(RoomKey(d, self.room), e) for _, d, e in present[: self.decodes]]
+                if not self._legs:
+                    self._verdict = KVPoll.FAILED  # nothing requested: nothing will be sent
+                    return
+            for leg in self._legs:
+                rank._execute(ledger.clear(leg.key, leg.entry.incarnation))
+                if ledger.status(leg.key) is None:
+                    rank._dst_pages.pop(leg.key, None)
+                    rank._dst_extras.pop(leg.key, None)
+            verdict = self._poll_locked()
+            self._verdict = verdict if verdict >= KVPoll.SUCCESS else KVPoll.FAILED

@@ -4,6 +4,7 @@ that lands after a release is found and counted."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -13,7 +14,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+import zmq
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
@@ -43,6 +46,23 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+T = TypeVar("T")
+
+
+def at_the_same_address(make: Callable[[], T], timeout: float = 10.0) -> T:
+    """``make()`` an endpoint at an address just given up: ZMQ closes a
+    socket on a thread of its own, so the address frees a moment after
+    close() returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class Rank:
@@ -141,7 +161,10 @@ class Cluster:
         wrap: Sequence[str] = (),
         bootstrap_timeout_s: float = 20.0,
         start_decode: bool = True,
+        legacy: bool = False,
     ) -> None:
+        """``legacy``: the timeout-only mode kvconn is compared with (ranks
+        send no acks, decode frees pages at its deadline without proof)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -159,6 +182,8 @@ class Cluster:
             host=decode_host,
             auth_key=key,
             backend_options=self.options,
+            unsafe_release_at_deadline=legacy,
+            acks_enabled=not legacy,
         )
         rk = key if rank_key == "same" else rank_key
         self.ranks: list[Rank] = []
@@ -182,6 +207,7 @@ class Cluster:
                     "backend_options": self.options,
                     "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
+                    "acks_enabled": not legacy,
                 }
                 if rk:
                     assert isinstance(rk, bytes)
@@ -262,6 +288,13 @@ class Cluster:
     def _dirty(self, page: int) -> int:
         data = self.dec.region.read(page * self.page_bytes, self.page_bytes)
         return len(data) - data.count(CANARY)
+
+    def late_pages(self, pages: Sequence[int] | None = None) -> list[int]:
+        """Pages handed back (of ``pages``, or all) that a write reached after
+        they were given back."""
+        with self.lock:
+            free = sorted(self.free if pages is None else self.free & set(pages))
+        return [p for p in free if self._dirty(p)]
 
     def late_bytes(self) -> int:
         """Bytes written into free pages (pages handed back) after they were

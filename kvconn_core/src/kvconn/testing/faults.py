@@ -237,6 +237,7 @@ def main() -> None:
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
     args = json.loads(sys.argv[1])
     host = str(args.get("host", "127.0.0.1"))
+    port = int(args.get("port", 0))  # fixed: a restarted rank comes back at its address
     observers = [
         RaisingObserver(o["hook"], o.get("rooms", ()), int(o.get("times", 0)))
         for o in args.get("observers", ())
@@ -245,7 +246,7 @@ def main() -> None:
     class _Rank(PrefillRank):
         def __init__(self, *a: Any, **kw: Any) -> None:
             if len(a) >= 4:
-                a = (*a[:3], attrs.evolve(a[3], host=host), *a[4:])
+                a = (*a[:3], attrs.evolve(a[3], host=host, port=port), *a[4:])
             kw["observers"] = observers
             super().__init__(*a, **kw)
 

@@ -20,6 +20,7 @@ from typing import Any
 from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.runtime.prefill import PrefillRank, Sender
+from kvconn.testing.kvpattern import EngineShape, fill_page
 from kvconn.testing.patterns import shard_bytes
 
 
@@ -31,11 +32,20 @@ class Driver:
         self.chunk_gap_s = float(args.get("chunk_gap_s", 0.0))
         self.fail_fraction = float(args.get("prefill_fail_fraction", 0.0))
         self.seed = int(args.get("seed", 0))
-        self.page_bytes = int(args["page_bytes"])
         self.num_ranks = int(args["num_ranks"])
         self.rank_id = int(args["rank"])
-        self.shard = self.page_bytes // self.num_ranks
-        self.source_pages = int(args.get("source_pages", 256))
+        #: With ``engine`` (an EngineShape's arguments) the rank sends from
+        #: per-layer numpy buffers it registers, as an engine's KV cache.
+        self.shape = EngineShape.from_args(args["engine"]) if "engine" in args else None
+        if self.shape is not None:
+            self.layout = self.shape.layout(self.num_ranks, self.rank_id)
+            self.arrays = self.shape.buffers(self.num_ranks)
+            self.page_bytes = self.shard = 0
+            self.source_pages = self.shape.pages
+        else:
+            self.page_bytes = int(args["page_bytes"])
+            self.shard = self.page_bytes // self.num_ranks
+            self.source_pages = int(args.get("source_pages", 256))
         config = Config(
             write_timeout_s=float(args.get("write_timeout_s", 5.0)),
             abort_timeout_s=float(args.get("abort_timeout_s", 30.0)),
@@ -47,13 +57,24 @@ class Driver:
         )
         self._jobs: list[tuple[int, int]] = []
         self._cond = threading.Condition()
-        self.rank = PrefillRank(
-            get_backend(args["backend"]),
-            self.rank_id,
-            self.source_pages * self.shard,
-            config,
-            on_request=self._on_request,
-        )
+        if self.shape is not None:
+            self.rank = PrefillRank(
+                get_backend(args["backend"]),
+                self.rank_id,
+                None,
+                config,
+                on_request=self._on_request,
+                buffers=self.arrays,
+                layout=self.layout,
+            )
+        else:
+            self.rank = PrefillRank(
+                get_backend(args["backend"]),
+                self.rank_id,
+                self.source_pages * self.shard,
+                config,
+                on_request=self._on_request,
+            )
         self._next_src = 0
         self._inflight: deque[tuple[Sender, int, int]] = deque()
         threading.Thread(target=self._feed, daemon=True, name="kvconn-driver").start()
@@ -106,9 +127,17 @@ class Driver:
                 sender.fail("prefill-initiated failure (injected)")
                 break
             src = list(range(first + sent, first + sent + n))
+            last = sent + n == npages
+            extras_slot = None
+            if self.shape is not None and self.shape.extras_bytes and last:
+                extras_slot = room % self.shape.extras_slots
+                self.shape.fill_extras(self.arrays, room, extras_slot)
             for i, page in zip(range(sent, sent + n), src, strict=True):
-                self.rank.writer.write(page * self.shard, shard_bytes(room, self.rank_id, i, self.shard))
-            sender.send(src, last=sent + n == npages)
+                if self.shape is not None:
+                    fill_page(self.shape, self.layout, self.arrays, room, i, page)
+                else:
+                    self.rank.writer.write(page * self.shard, shard_bytes(room, self.rank_id, i, self.shard))
+            sender.send(src, last=last, extras_slot=extras_slot)
             sent += n
             if self.chunk_gap_s:
                 time.sleep(self.chunk_gap_s)

@@ -1,0 +1,150 @@
+"""Conformance checks for memory the engine owns: regions and writers
+registered over per-layer numpy buffers (DRAM), pages spread over many
+buffers through :class:`~kvconn.layout.KVLayout`, and heterogeneous tensor
+parallelism in both directions (two writers filling one decode page with
+their heads; one writer filling two decode regions), plus MLA (one writer
+per decode rank).
+
+Each check runs bare writer processes (:mod:`kvconn.conformance.engine_writer_proc`)
+that drive the plugin's hooks, with decode's buffers in the test process,
+and then compares every byte of every buffer: a byte that went to another
+layer, head, token or page, or a byte written outside the room's pages,
+fails the check.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvconn.conformance.harness import Child, ConformanceFailure, Settings
+from kvconn.conformance.plugin import require_capability
+from kvconn.layout import KVLayout
+from kvconn.testing.kvpattern import CANARY, EngineShape, wrong_buffers
+from kvconn.transport import PageRegion, Settlement, register_region
+
+ENGINE_ROOM = 0xE0_0001
+#: Pages the checks send: runs that merge and pages scattered out of order.
+SRC_PAGES = [0, 1, 2, 3, 9, 5, 30, 31, 12]
+DST_PAGES = [4, 5, 6, 7, 20, 1, 2, 3, 28]
+SHAPES = {
+    # 16 layers x K/V: 32 buffers, 4 KiB pages (16 tokens x 2 heads x 64 bytes on a TP-1 rank)
+    "many_buffers": EngineShape(layers=16, pages=32, tokens=16, heads=2, head_bytes=64),
+    "hnd": EngineShape(layers=4, pages=32, tokens=16, heads=4, head_bytes=64, order="HND"),
+    "nhd": EngineShape(layers=4, pages=32, tokens=16, heads=4, head_bytes=64, order="NHD"),
+    "mla": EngineShape(layers=4, pages=32, tokens=16, heads=2, head_bytes=64, replicated=True),
+}
+
+
+@attrs.define
+class _Decode:
+    peer: str
+    arrays: list[npt.NDArray[np.uint8]]
+    layout: KVLayout
+    region: PageRegion
+
+
+def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, decode_tp: int) -> None:
+    """Every prefill rank of ``prefill_tp`` writes the room into every decode
+    rank of ``decode_tp``; then every decode byte is checked."""
+    require_capability("dram" in settings.capabilities.memory, "memory kind 'dram' not declared")
+    register = getattr(settings.backend, "register_region", None)
+    require_capability(register is not None, "register_region / register_writer not implemented")
+    decodes: list[_Decode] = []
+    children: list[Child] = []
+    what = f"engine memory {shape.order}{' mla' if shape.replicated else ''} tp {prefill_tp}->{decode_tp}"
+    try:
+        for d in range(decode_tp):
+            arrays = shape.buffers(decode_tp, fill=CANARY)
+            region = register_region(settings.backend, arrays, settings.options)
+            decodes.append(_Decode(f"decode-{d}", arrays, shape.layout(decode_tp, d), region))
+        for r in range(prefill_tp):
+            args: dict[str, Any] = {
+                "backend": settings.backend_name,
+                "options": dict(settings.options),
+                "shape": shape.to_args(),
+                "tp": prefill_tp,
+                "rank": r,
+                "room": ENGINE_ROOM,
+                "src_pages": SRC_PAGES,
+                "dst_pages": DST_PAGES,
+                "write_timeout_s": max(settings.write_timeout_s, 10.0),
+                "decodes": [
+                    {
+                        "peer": dec.peer,
+                        "metadata": dec.region.metadata.hex(),
+                        "layout": dec.layout.to_bytes().hex(),
+                    }
+                    for dec in decodes
+                ],
+            }
+            children.append(Child("kvconn.conformance.engine_writer_proc", args))
+        for r, child in enumerate(children):
+            child.expect(60, f"{what}: writer {r} starts", event="ready")
+            for dec in decodes:
+                event = child.expect(
+                    60, f"{what}: writer {r} settles into {dec.peer}", event="settled", peer=dec.peer
+                )
+                if event["settlement"] != Settlement.LANDED.value:
+                    raise ConformanceFailure(
+                        f"{what}: a healthy write by rank {r} settled {event['settlement']!r}"
+                    )
+        for dec in decodes:
+            _check_decode(what, shape, dec)
+    finally:
+        for child in children:
+            child.close()
+        for dec in decodes:
+            dec.region.close()
+
+
+def _check_decode(what: str, shape: EngineShape, dec: _Decode) -> None:
+    bad = {
+        p: wrong_buffers(shape, dec.layout, dec.arrays, ENGINE_ROOM, i, p) for i, p in enumerate(DST_PAGES)
+    }
+    wrong = [p for p, buffers in bad.items() if buffers]
+    if wrong:
+        buffers = sorted({b for p in wrong for b in bad[p]})
+        raise ConformanceFailure(
+            f"{what}: {dec.peer}'s pages {wrong} hold wrong bytes after LANDED, in buffers {buffers[:8]} "
+            "(a slice written into another buffer, head, token or page)"
+        )
+    others = sorted(set(range(shape.pages)) - set(DST_PAGES))
+    for b, (arr, part) in enumerate(zip(dec.arrays, dec.layout.buffers, strict=True)):
+        stray = arr.reshape(-1, part.page_bytes)[others] != CANARY
+        if stray.any():
+            raise ConformanceFailure(
+                f"{what}: {int(stray.sum())} bytes landed outside the room's pages in {dec.peer}'s buffer {b}"
+            )
+
+
+@pytest.mark.kvconn_conformance
+class EngineMemoryChecks:
+    """Mixed into :class:`~kvconn.conformance.ConformanceSuite`."""
+
+    backend_name: ClassVar[str | None] = None
+
+    @pytest.mark.parametrize("layout", ["many_buffers", "hnd"])
+    def test_engine_buffers_byte_exact(self, kvconn_settings: Settings, layout: str) -> None:
+        """A writer over an engine's per-layer buffers fills decode's per-layer
+        buffers: every page, every layer, byte-exact, nothing else touched."""
+        _engine_transfer(kvconn_settings, SHAPES[layout], 1, 1)
+
+    @pytest.mark.parametrize("layout", ["hnd", "nhd"])
+    def test_engine_tp_fan_in(self, kvconn_settings: Settings, layout: str) -> None:
+        """Two prefill ranks (TP 2) each write their heads into the same
+        pages of one decode rank (TP 1): contiguous (HND) or strided (NHD)."""
+        _engine_transfer(kvconn_settings, SHAPES[layout], 2, 1)
+
+    @pytest.mark.parametrize("layout", ["hnd", "nhd"])
+    def test_engine_tp_fan_out(self, kvconn_settings: Settings, layout: str) -> None:
+        """One prefill rank (TP 1) writes each of two decode ranks (TP 2) its heads."""
+        _engine_transfer(kvconn_settings, SHAPES[layout], 1, 2)
+
+    def test_engine_mla(self, kvconn_settings: Settings) -> None:
+        """MLA: of two prefill ranks, one writes whole pages; the other posts nothing."""
+        _engine_transfer(kvconn_settings, SHAPES["mla"], 2, 1)

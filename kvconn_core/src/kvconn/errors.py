@@ -1,0 +1,56 @@
+"""What kvconn raises at an engine that misuses a room, and why.
+
+Every error names the room (when there is one) and the problem. Each class
+also derives from the builtin an engine would have caught before this module
+existed (``RuntimeError`` for a call in the wrong state, ``ValueError`` for
+bad input), so code written against either keeps working.
+
+A refused call changes nothing: no page is handed out, no request is sent,
+no hold is dropped.
+"""
+
+from __future__ import annotations
+
+
+class KvconnError(Exception):
+    """Base of every error kvconn raises on the engine's account."""
+
+    def __init__(self, message: str, room: int | None = None) -> None:
+        super().__init__(f"room {room}: {message}" if room is not None else message)
+        self.room = room
+
+
+class RoomStateError(KvconnError, RuntimeError):
+    """The room (or this handle on it) is not in a state that allows the call:
+    not bootstrapped yet, already finished, its request replaced by a newer
+    one, its last chunk already sent."""
+
+
+class RoomInUseError(RoomStateError, ValueError):
+    """A new request for a room id this endpoint still tracks (open, held or
+    quarantined): the id is free again once its pages came back. (Also a
+    ValueError: what this call raised before.)"""
+
+
+class PageError(KvconnError, ValueError):
+    """Pages that cannot be used as given: out of range, duplicated, or
+    belonging to another room whose pages are not back yet."""
+
+
+class IncompleteRoomError(KvconnError, ValueError):
+    """A last chunk that leaves destination pages of the room unwritten:
+    decode would be told Success with stale pages."""
+
+
+class BootstrapError(KvconnError, RuntimeError):
+    """A prefill rank did not answer, or refused, decode's bootstrap."""
+
+
+__all__ = [
+    "BootstrapError",
+    "IncompleteRoomError",
+    "KvconnError",
+    "PageError",
+    "RoomInUseError",
+    "RoomStateError",
+]

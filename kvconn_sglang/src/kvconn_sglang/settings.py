@@ -1,0 +1,85 @@
+"""What the operator sets for kvconn under SGLang: environment variables read
+in every scheduler process (SGLang builds the transfer classes itself, so
+there is no constructor argument to carry them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import attrs
+
+from kvconn.config import Config
+
+PREFIX = "KVCONN_SGLANG_"
+
+
+class SettingsError(ValueError):
+    """A KVCONN_SGLANG_* variable that cannot be used."""
+
+
+def _number(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SettingsError(f"{PREFIX}{name} must be a number, got {raw!r}") from None
+
+
+@attrs.frozen(slots=True)
+class Settings:
+    """``transport``: the kvconn backend (``kvconn backends`` lists them).
+    ``port_base``: prefill rank r listens at ``port_base + r`` (0: any free
+    port, logged). ``KVCONN_SGLANG_BACKEND_OPTIONS`` (``k=v,k=v``) go to
+    the transport. ``memory``: "dram" or "vram", the kind of SGLang's KV pool."""
+
+    transport: str
+    host: str
+    port_base: int
+    memory: str
+    config: Config
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        host = environ.get(PREFIX + "HOST", "127.0.0.1")
+        config = Config(
+            write_timeout_s=_number(environ, "WRITE_TIMEOUT_S", 5.0),
+            abort_timeout_s=_number(environ, "ABORT_TIMEOUT_S", 30.0),
+            resend_interval_s=_number(environ, "RESEND_INTERVAL_S", 1.0),
+            host=host,
+            backend_options=_options(environ.get(PREFIX + "BACKEND_OPTIONS", "")),
+        )
+        memory = environ.get(PREFIX + "MEMORY", "")
+        if memory not in ("", "dram", "vram"):
+            raise SettingsError(f"{PREFIX}MEMORY must be dram or vram, got {memory!r}")
+        return cls(
+            transport=environ.get(PREFIX + "TRANSPORT", "loopback"),
+            host=host,
+            port_base=int(_number(environ, "PORT_BASE", 0)),
+            memory=memory or _default_memory(),
+            config=config,
+        )
+
+
+def _options(text: str) -> dict[str, str]:
+    """``key=value,key=value``: options passed to the kvconn transport."""
+    options = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SettingsError(f"{PREFIX}BACKEND_OPTIONS: expected key=value, got {item!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def _default_memory() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "dram"
+    return "vram" if torch.cuda.is_available() else "dram"
+
+
+__all__ = ["PREFIX", "Settings", "SettingsError"]

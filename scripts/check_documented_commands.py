@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Run the command lines the READMEs document, in a fresh venv on a fresh copy
+of this checkout, so that a documented command cannot rot unnoticed.
+
+Every shell line of a fenced ``bash``/``sh`` block, and every indented code
+line that starts with a command (``pip``, ``kvconn``, ``python3``...), of
+the files in DOCUMENTS is run in order from the copy's root, with the fresh
+venv first on PATH. A line is run as written unless a rule below says why
+not; the rules that change a line only make it shorter (a long bench gets
+small sizes, a plugin's conformance run one quick check: the full runs are
+the test suite's), never make it pass. A line no rule knows is run as
+written, so a new documented command is checked by default.
+
+Usage: python3 scripts/check_documented_commands.py [--keep DIR] [--list]
+Exit 1 if any line failed; prints each line's time and the total.
+Stdlib only: it runs before (and without) any venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = (
+    "README.md",
+    "kvconn_core/README.md",
+    "kvconn_nixl/README.md",
+    "kvconn_mooncake/README.md",
+    "examples/kvconn-tcpdemo/README.md",
+)
+#: Commands every newcomer runs, checked even if no README spells them out.
+ALWAYS = ("kvconn backends", "kvconn conformance loopback -q")
+
+COMMAND_WORDS = (
+    "pip ",
+    "pip3 ",
+    "python3 ",
+    "python ",
+    "kvconn",
+    ".venv/",
+    "sudo ",
+    "apt-get ",
+    "bash ",
+    "pytest",
+)
+
+#: The abort bench at the sizes tests/bench uses: seconds, not a minute.
+SHORT_BENCH = (
+    "--requests 24 --pages 8 --page-bytes 16384 --chunk-pages 2 --stream-requests 8 "
+    "--concurrency 4 --overhead-chunks 500 --legacy-timeout 0.5 --drain-s 3 --no-progress"
+)
+SHORT_TRANSPORT_BENCH = "--repeat 1 --shape 65536x4 --bytes-per-run 4MiB --room-bytes 1MiB --no-progress"
+#: One quick check of the suite: proves the plugin loads and the suite runs.
+QUICK_CONFORMANCE = "-q -k test_integrity_large_pages"
+PER_COMMAND_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Line:
+    source: str  # file:line
+    text: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    line: Line
+    run: str | None  # None: skipped
+    why: str  # why it is skipped or changed ("" if run as written)
+
+
+def documented_lines() -> Iterator[Line]:
+    for name in DOCUMENTS:
+        path = ROOT / name
+        if not path.exists():
+            raise SystemExit(f"{name}: listed in DOCUMENTS but missing")
+        fence: str | None = None
+        for number, raw in enumerate(path.read_text().splitlines(), 1):
+            stripped = raw.strip()
+            if stripped.startswith("```"):
+                fence = None if fence is not None else stripped[3:].strip() or "text"
+                continue
+            if fence is not None:
+                candidate = stripped if fence in ("bash", "sh", "shell") else ""
+            else:
+                candidate = raw[4:].strip() if raw.startswith("    ") else ""
+            if not candidate.startswith(COMMAND_WORDS):
+                continue
+            command = re.sub(r"\s+#.*$", "", candidate)  # a trailing comment
+            for part in command.split("&&"):
+                yield Line(f"{name}:{number}", part.strip())
+
+
+def plan(line: Line, venv: Path) -> Plan:
+    text = line.text
+    words = shlex.split(text)
+    if words[0] in ("sudo", "apt-get"):
+        return Plan(line, None, "system package: scripts/test.sh installs what the tests need")
+    if text.startswith("bash scripts/test.sh"):
+        return Plan(line, None, "this check runs inside it")
+    if words[:2] == ["pip", "uninstall"]:
+        return Plan(line, None, "switches an existing environment between wheels")
+    if any(w.startswith("mooncake-transfer-engine==") for w in words):
+        return Plan(line, None, "the CUDA engine: replaces the CPU wheel the other lines installed")
+    if words[:3] == ["python3", "-m", "venv"]:
+        return Plan(line, None, f"the venv is made fresh by this check ({venv.name})")
+    text = text.replace(".venv/", f"{venv}/")
+    words = shlex.split(text)
+    command = Path(words[0]).name
+    if command == "kvconn" and words[1:2] == ["bench"]:
+        short = SHORT_TRANSPORT_BENCH if "--transport" in words else SHORT_BENCH
+        return Plan(line, f"{text} {short}", "short sizes (the full run is minutes)")
+    if command == "kvconn" and words[1:2] == ["conformance"] and words[2:3] != ["loopback"]:
+        return Plan(line, f"{text} {QUICK_CONFORMANCE}", "one check (the suite runs in tests/)")
+    if command == "pytest":
+        return Plan(line, f"{text} -q --collect-only", "collected only (run by the test suite)")
+    return Plan(line, text, "")
+
+
+def copy_checkout(dest: Path) -> None:
+    """What a fresh clone has: the tracked files and the new ones not ignored."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (f.decode() for f in files)):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", type=Path, help="work in DIR and keep it (default: a temporary folder)")
+    parser.add_argument("--list", action="store_true", help="only print what would run")
+    args = parser.parse_args()
+    # Named before it exists: the plans print the venv's path.
+    work = args.keep or Path(tempfile.gettempdir()) / f"kvconn-doc-commands-{os.getpid()}"
+    checkout, venv = work / "checkout", work / "venv"
+    lines = list(documented_lines())
+    lines += [Line("(always)", text) for text in ALWAYS]
+    plans = []
+    seen: set[str] = set()
+    for line in lines:
+        p = plan(line, venv)
+        if p.run is not None and p.run in seen:  # the same line in two READMEs: its result cannot differ
+            p = Plan(line, None, "run above")
+        elif p.run is not None:
+            seen.add(p.run)
+        plans.append(p)
+    for p in plans:
+        what = p.run if p.run is not None else "skipped"
+        print(f"{p.line.source:<40} {p.line.text}\n{'':<40} -> {what}{f'  ({p.why})' if p.why else ''}")
+    if args.list:
+        return 0
+    started = time.monotonic()
+    if args.keep is None and work.exists():  # a crashed run's, with this pid: not fresh
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        if checkout.exists():
+            shutil.rmtree(checkout)
+        checkout.mkdir()
+        copy_checkout(checkout)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        env = dict(os.environ, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+        env.pop("PYTHONPATH", None)  # only what the venv installed
+        env["VIRTUAL_ENV"] = str(venv)
+        failed = []
+        for p in plans:
+            if p.run is None:
+                continue
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.run(
+                    p.run,
+                    shell=True,
+                    cwd=checkout,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=PER_COMMAND_TIMEOUT_S,
+                )
+                code, output = proc.returncode, proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                code, output = 124, f"timed out after {exc.timeout} s"
+            took = time.monotonic() - t0
+            print(f"[{'ok' if code == 0 else 'FAILED'} {took:6.1f} s] {p.run}", flush=True)
+            if code != 0:
+                failed.append(p)
+                print(f"  from {p.line.source}, exit {code}:\n" + _indent(output[-4000:]), flush=True)
+        print(
+            f"documented commands: {len(plans)} lines, {len(failed)} failed, {time.monotonic() - started:.0f} s"
+        )
+        return 1 if failed else 0
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

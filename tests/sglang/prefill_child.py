@@ -1,0 +1,195 @@
+"""A prefill process for the SGLang tests: SGLang's KVArgs over a numpy pool,
+kvconn_sglang's manager built as SGLang's prefill builds it (through the
+plugin's get_kv_class), and SGLang's own prefill queues from the installed
+wheel driving the senders: ``PrefillBootstrapQueue`` (create_sender,
+pop_bootstrapped, finalize_bootstrap -> init(num_pages, metadata slot)) and
+the scheduler's ``process_disagg_prefill_inflight_queue`` (Success / Failed,
+then SGLang frees the request's source KV). Driven over stdin/stdout, one
+JSON object per line.
+
+Run as ``python prefill_child.py '{"tp_size": 2, "ranks": [0, 1]}'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import standins
+
+standins.install()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from kvpool import PAGE_TOKENS, Pool  # noqa: E402
+from sglang.srt.disaggregation import prefill  # noqa: E402
+from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+from kvconn.testing.cluster import free_port  # noqa: E402
+
+
+class _Recorder:
+    """Any attribute or call is accepted and ignored (SGLang's time stats, traces)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _Recorder()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Scheduler(prefill.SchedulerDisaggregationPrefillMixin):  # type: ignore[misc]
+    """SGLang's prefill scheduler methods over just the state they read."""
+
+    def __init__(self, **state: Any) -> None:
+        self.__dict__.update(state)
+
+
+class Rank:
+    """One prefill TP rank: its manager, SGLang's bootstrap queue, and the
+    scheduler state process_disagg_prefill_inflight_queue reads."""
+
+    def __init__(self, utils: Any, tp_size: int, tp_rank: int, group: Any) -> None:
+        backend = utils.TransferBackend("kvconn")
+        self.pool = Pool(tp_size, tp_rank, fill=True)
+        # SGLang's own aux rows (first output token, logprobs, the room id ...), on CPU as in SGLang.
+        self.metadata = MetadataBuffers(8, 16, torch.float32, 0)
+        kv_args = self.pool.kv_args(utils.get_kv_class(backend, utils.KVClassType.KVARGS), self.metadata)
+        server_args = SimpleNamespace(tp_size=tp_size, enable_dp_attention=False)
+        manager_class = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
+        self.manager = manager_class(kv_args, utils.DisaggregationMode.PREFILL, server_args)
+        self.released: list[str] = []  # rids whose source KV SGLang freed
+        self.slots = ReqToMetadataIdxAllocator(8)
+        self.scheduler = _Scheduler(
+            attn_cp_cpu_group=group,
+            attn_tp_cpu_group=group,
+            token_to_kv_pool_allocator=SimpleNamespace(page_size=PAGE_TOKENS),
+            processed_tokens_counter=0,
+            output_streamer=SimpleNamespace(stream_output=lambda *a, **k: None),
+            metrics_reporter=SimpleNamespace(enable_metrics=False),
+            tree_cache=_Recorder(),
+            req_to_metadata_buffer_idx_allocator=self.slots,
+            disagg_prefill_inflight_queue=[],
+            scheduler_stage_metrics=None,
+            _release_aborted_request=lambda req: None,
+            handle_bootstrap_failure=lambda req: self.released.append(req.rid),
+        )
+        queue = prefill.PrefillBootstrapQueue.__new__(prefill.PrefillBootstrapQueue)
+        queue.queue, queue.scheduler, queue.pp_size = [], self.scheduler, 1
+        queue.kv_manager, queue.transfer_backend, queue.bootstrap_port = self.manager, backend, 8998
+        queue.max_input_len = 1 << 20
+        queue.scheduler_stage_metrics = None
+        queue.req_to_metadata_buffer_idx_allocator = self.slots
+        self.bootstrap = queue
+        self.reqs: dict[int, Any] = {}
+
+    def begin(self, room: int, num_pages: int, first_token: int, wait_s: float) -> int:
+        req = SimpleNamespace(
+            rid=f"room-{room}",
+            bootstrap_host="127.0.0.1",
+            bootstrap_room=room,
+            disagg_prefill_dp_rank=None,
+            origin_input_ids=[1] * (num_pages * PAGE_TOKENS),
+            metadata_buffer_index=-1,
+            pending_bootstrap=False,
+            is_retracted=False,
+            prefill_attempt_count=0,
+            sampling_params=SimpleNamespace(max_new_tokens=16),
+            time_stats=_Recorder(),
+            finished_reason=None,
+            to_finish=None,
+            return_logprob=False,
+            return_routed_experts=False,
+            cache_request_handle=None,
+        )
+        self.reqs[room] = req
+        self.bootstrap.add(req, num_kv_heads=self.pool.heads)
+        deadline = time.monotonic() + wait_s
+        while not self.bootstrap.pop_bootstrapped() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if req.pending_bootstrap:
+            return int(req.disagg_kv_sender.poll())
+        # What SGLang's prefill writes into the request's aux row before its last chunk.
+        self.metadata.bootstrap_room[req.metadata_buffer_index, 0] = room
+        self.metadata.output_ids[req.metadata_buffer_index, 0] = first_token
+        self.scheduler.disagg_prefill_inflight_queue.append(req)
+        return int(req.disagg_kv_sender.poll())
+
+    def inflight(self, room: int) -> dict[str, Any]:
+        """One pass of SGLang's inflight queue; what became of ``room``."""
+        req = self.reqs[room]
+        done = prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue(
+            self.scheduler
+        )
+        finished = req in done
+        return {
+            "done": finished,
+            "failed": finished and isinstance(req.finished_reason, FINISH_ABORT),
+            "released": req.rid in self.released,
+            "poll": int(req.disagg_kv_sender.poll()),
+        }
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    load_plugins()
+    from sglang.srt.disaggregation import utils
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    group = dist.group.WORLD
+    prefill.get_disagg = lambda: SimpleNamespace(
+        optimistic_prefill_attempts=0, disaggregation_decode_allocation_policy="default"
+    )
+    prefill.get_parallel = lambda: SimpleNamespace(tp_rank=0, pp_rank=0)
+    ranks = {r: Rank(utils, spec["tp_size"], r, group) for r in spec["ranks"]}
+    # SGLang frees a finished request's source KV through release_kv_cache.
+    prefill.release_kv_cache = lambda req, tree_cache, **kw: [
+        rank.released.append(req.rid) for rank in ranks.values() if rank.reqs.get(req.bootstrap_room) is req
+    ]
+    reply({"ready": {r: rank.manager.rank.address for r, rank in ranks.items()}})
+    for line in sys.stdin:
+        try:
+            serve(json.loads(line), ranks)
+        except Exception:
+            reply({"error": traceback.format_exc()})
+
+
+def serve(cmd: dict[str, Any], ranks: dict[int, Rank]) -> None:
+    op, room = cmd["op"], cmd.get("room")
+    if op == "begin":
+        states = {
+            r: rank.begin(room, cmd["num_pages"], cmd.get("first_token", 0), cmd["wait_s"])
+            for r, rank in ranks.items()
+        }
+        reply({"states": states})
+    elif op == "send":
+        for rank in ranks.values():
+            rank.reqs[room].disagg_kv_sender.send(cmd["pages"])
+        reply({"sent": len(cmd["pages"])})
+    elif op == "inflight":
+        reply({"ranks": {r: rank.inflight(room) for r, rank in ranks.items()}})
+    elif op == "abort":
+        # SGLang's AbortReq for a request the prefill is sending.
+        for rank in ranks.values():
+            rank.reqs[room].disagg_kv_sender.abort()
+        reply({"aborted": room})
+    else:
+        reply({"error": f"unknown op {op!r}"})
+
+
+def reply(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

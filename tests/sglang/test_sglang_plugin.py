@@ -1,0 +1,140 @@
+"""The plugin as SGLang sees it: the flag, the class lookup, KVPoll by name,
+SGLang's KVArgs as kvconn memory."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kvpool import Pool
+
+
+def test_the_flag_and_every_class_resolve_to_kvconn(sglang_with_kvconn: Any) -> None:
+    utils = sglang_with_kvconn
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+    from sglang.srt.server_args import ServerArgs
+
+    from kvconn_sglang.conn import KVConnKVManager, KVConnKVReceiver, KVConnKVSender
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--model-path",
+            "m",
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-backend",
+            "kvconn",
+        ]
+    )
+    backend = utils.TransferBackend(args.disaggregation_transfer_backend)
+    kinds = utils.KVClassType
+    assert utils.get_kv_class(backend, kinds.MANAGER) is KVConnKVManager
+    assert utils.get_kv_class(backend, kinds.SENDER) is KVConnKVSender
+    assert utils.get_kv_class(backend, kinds.RECEIVER) is KVConnKVReceiver
+    assert utils.get_kv_class(backend, kinds.BOOTSTRAP_SERVER) is CommonKVBootstrapServer
+    assert KVConnKVManager.supports_deferred_decode_kv_release
+    # SGLang's own backends are untouched.
+    from sglang.srt.disaggregation.fake import FakeKVSender
+
+    assert utils.get_kv_class(utils.TransferBackend("fake"), kinds.SENDER) is FakeKVSender
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--disaggregation-transfer-backend", "kvconn2"])
+
+
+def test_kvpoll_translates_by_name_so_sglangs_minimum_over_ranks_stays_right(sglang_with_kvconn: Any) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll as Sglang
+
+    from kvconn.protocol.ledger import KVPoll as Kvconn
+    from kvconn_sglang.poll import to_sglang
+
+    assert {s.name: to_sglang(s, Sglang) for s in Kvconn} == {
+        "BOOTSTRAPPING": Sglang.Bootstrapping,
+        "WAITING_FOR_INPUT": Sglang.WaitingForInput,
+        "TRANSFERRING": Sglang.Transferring,
+        "SUCCESS": Sglang.Success,
+        "FAILED": Sglang.Failed,
+    }
+    # One failed rank among successful ones: SGLang's minimum must be Failed.
+    ranks = [Kvconn.SUCCESS, Kvconn.FAILED, Kvconn.TRANSFERRING]
+    assert min(to_sglang(s, Sglang) for s in ranks) == Sglang.Failed
+
+
+def test_sglangs_kv_pointers_become_registered_buffers_and_a_layout(sglang_with_kvconn: Any) -> None:
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    from kvconn_sglang.memory import KVArgsError, engine_kv
+
+    pool = Pool(tp_size=2, tp_rank=1, fill=False)
+    kv = engine_kv(pool.kv_args(KVArgs), tp_size=2, tp_rank=1, is_mla=False)
+    assert [(b.address, b.nbytes) for b in kv.buffers] == [(a.ctypes.data, a.nbytes) for a in pool.arrays]
+    assert kv.layout.tp_size == 2 and kv.layout.tp_rank == 1
+    assert [p.page_bytes for p in kv.layout.buffers] == [a[0].nbytes for a in pool.arrays]
+    assert {p.order for p in kv.layout.buffers} == {"NHD"}
+    assert kv.layout.num_pages == pool.arrays[0].shape[0]
+
+    broken = pool.kv_args(KVArgs)
+    broken.kv_item_lens = broken.kv_item_lens[:-1]
+    with pytest.raises(KVArgsError, match="one length"):
+        engine_kv(broken, 2, 1, is_mla=False)
+    odd = pool.kv_args(KVArgs)
+    odd.kv_item_lens = [n + 1 for n in odd.kv_item_lens]
+    with pytest.raises(KVArgsError, match="tokens x"):
+        engine_kv(odd, 2, 1, is_mla=False)
+
+
+def test_a_receiver_with_no_known_prefill_fails_with_the_reason(sglang_with_kvconn: Any) -> None:
+    utils = sglang_with_kvconn
+    from kvconn_sglang import routing
+    from kvconn_sglang.conn import KVConnKVManager, KVConnKVReceiver
+
+    routing.set_directory_factory(lambda: routing.PrefillDirectory({}))
+    pool = Pool(1, 0, fill=False)
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    manager = KVConnKVManager(
+        pool.kv_args(KVArgs),
+        utils.DisaggregationMode.DECODE,
+        SimpleNamespace(tp_size=1, enable_dp_attention=False),
+    )
+    try:
+        rx = KVConnKVReceiver(manager, "nowhere:1", 5)
+        rx.init(0)
+        assert rx.poll() == utils.KVPoll.Failed
+        with pytest.raises(RuntimeError, match="KVCONN_SGLANG_PREFILL"):
+            rx.failure_exception()
+        # Nothing was asked of any prefill: nothing is held, SGLang may free at once.
+        rx.ensure_abort_notified(force_arm=True)
+        assert not rx.abort_notified
+        assert manager.is_abort_release_safe(5, 1)
+    finally:
+        manager.close()
+
+
+def test_routing_table_from_the_environment() -> None:
+    from kvconn_sglang.routing import PrefillDirectory, RoutingError, parse
+
+    table = parse("10.0.0.1:8998=127.0.0.1:7000,127.0.0.1:7001; 10.0.0.2:8998=127.0.0.1:7100")
+    assert table == {
+        "10.0.0.1:8998": ("127.0.0.1:7000", "127.0.0.1:7001"),
+        "10.0.0.2:8998": ("127.0.0.1:7100",),
+    }
+    assert PrefillDirectory.from_env({"KVCONN_SGLANG_PREFILL": "a:1=b:2"}).ranks_of("a:1") == ("b:2",)
+    with pytest.raises(RoutingError, match="expected"):
+        parse("a:1")
+    with pytest.raises(RoutingError, match="no kvconn prefill ranks"):
+        PrefillDirectory().ranks_of("a:1")
+
+
+def test_settings_refuse_what_they_cannot_use() -> None:
+    from kvconn_sglang.settings import Settings, SettingsError
+
+    s = Settings.from_env({"KVCONN_SGLANG_ABORT_TIMEOUT_S": "40", "KVCONN_SGLANG_BACKEND_OPTIONS": "a=1,b=2"})
+    assert s.config.abort_timeout_s == 40 and dict(s.config.backend_options) == {"a": "1", "b": "2"}
+    with pytest.raises(SettingsError, match="ABORT_TIMEOUT_S"):
+        Settings.from_env({"KVCONN_SGLANG_ABORT_TIMEOUT_S": "soon"})
+    with pytest.raises(SettingsError, match="MEMORY"):
+        Settings.from_env({"KVCONN_SGLANG_MEMORY": "hbm"})
