@@ -82,6 +82,18 @@ def _exited_pid() -> int:
     return proc.pid
 
 
+def _mark_gone(decode: DecodeEndpoint, rank: int, pid: int) -> None:
+    """Rank ``rank``'s process is gone (an exited pid in our own pid
+    namespace): the rank's identity, and the one each open request kept of
+    the process it asked to write its room."""
+    with decode._lock:
+        gone = attrs.evolve(decode._writers[rank], pid_namespace=pid_namespace(), pid=pid)
+        decode._writers[rank] = gone
+        for request in decode._requests.values():
+            if rank in request.writers:
+                request.writers[rank] = gone
+
+
 def _check_exits(decode: DecodeEndpoint) -> None:
     """One pass of decode's exit check, as its idle loop runs it."""
     with decode._lock:
@@ -94,10 +106,7 @@ def test_a_writers_exit_waits_for_its_connections_to_drain(
 ) -> None:
     decode = setup.decode
     rx = decode.receiver(ROOM, (3, 4))
-    # the rank's process is gone (an exited pid in our own pid namespace)
-    with decode._lock:
-        writer = decode._writers[0]
-        decode._writers[0] = attrs.evolve(writer, pid_namespace=pid_namespace(), pid=_exited_pid())
+    _mark_gone(decode, 0, _exited_pid())
     rx.abort()
     _check_exits(decode)
     assert rx.state() is HoldState.HELD and setup.released == []  # its bytes may still arrive
@@ -172,11 +181,8 @@ def test_every_gone_writer_releases_its_rooms_held_or_quarantined() -> None:
         second = decode.receiver(2, (2,), frozenset({1}))
         second.abort()
         gone = _exited_pid()
-        with decode._lock:
-            for rank in (0, 1):
-                decode._writers[rank] = attrs.evolve(
-                    decode._writers[rank], pid_namespace=pid_namespace(), pid=gone
-                )
+        for rank in (0, 1):
+            _mark_gone(decode, rank, gone)
         wait_for(lambda: (_check_exits(decode), len(released) == 2)[1], WAIT_S, "both exit proofs")
         assert sorted((r.room, r.proof) for r in released) == [(1, Proof.WRITER_EXIT), (2, Proof.WRITER_EXIT)]
     finally:

@@ -18,7 +18,7 @@ from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import free_port
+from kvconn.testing.cluster import free_port, wait_for
 
 NUM_PAGES = 16
 
@@ -46,6 +46,8 @@ def test_a_page_outside_the_region_is_refused_and_nothing_is_held(
     assert endpoint.tracker.state(room) is None  # nothing opened, nothing held
     # the room id is still free: the refusal did not half-open it
     endpoint.receiver(room, (0, NUM_PAGES - 1)).abort()
+    # the pages come back with the rank's ack; the next case takes them again
+    wait_for(lambda: endpoint.tracker.state(room) is None, 30.0, "the aborted room's release")
 
 
 def test_the_first_and_last_pages_are_accepted(decode: tuple[DecodeEndpoint, PrefillRank]) -> None:
@@ -53,3 +55,4 @@ def test_the_first_and_last_pages_are_accepted(decode: tuple[DecodeEndpoint, Pre
     rx = endpoint.receiver(1, (0, NUM_PAGES - 1))
     assert endpoint.tracker.state(1) is not None
     rx.abort()
+    wait_for(lambda: endpoint.tracker.state(1) is None, 30.0, "the aborted room's release")

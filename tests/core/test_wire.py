@@ -55,7 +55,7 @@ def refusal(frame: bytes, key: bytes | None = None) -> wire.FrameError:
 CONN = TcpConnection("127.0.0.1", 5000, "::1", 40000)
 EXAMPLES: list[tuple[Message, bytes]] = [
     (
-        Hello("dec", "tcp://r", "loopback", 4096, 2, 1500, b"\x00\xff"),
+        Hello("dec", "tcp://r", "loopback", 4096, 2, 1500, b"\x00\xff", b"L\x01\x02"),
         header(1)
         + text("dec")
         + text("tcp://r")
@@ -64,15 +64,17 @@ EXAMPLES: list[tuple[Message, bytes]] = [
         + u64(2)
         + u64(1500)
         + u32(2)
-        + b"\x00\xff",
+        + b"\x00\xff"
+        + u32(3)
+        + b"L\x01\x02",
     ),
     (
         HelloAck(3, "tcp://a", "ns", 99, 12345, "", 7),
         header(2) + u64(3) + text("tcp://a") + text("ns") + u64(99) + u64(12345) + text("") + u64(7),
     ),
     (
-        TransferRequest(9, "dec", (0, 1, 0xFFFFFFFF), 5, 6),
-        header(3) + u64(9) + text("dec") + u32(3) + u32(0) + u32(1) + u32(0xFFFFFFFF) + u64(5) + u64(6),
+        TransferRequest(9, "dec", (0, 1, 0xFFFFFFFF), 5, 6, 8),
+        header(3) + u64(9) + text("dec") + u32(3) + u32(0) + u32(1) + u32(0xFFFFFFFF) + u64(5) + u64(6) + u64(8),
     ),
     (Abort(9, 2, "dé", "tcp://d"), header(4) + u64(9) + u64(2) + text("dé") + text("tcp://d")),
     (
