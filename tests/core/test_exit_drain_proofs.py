@@ -101,6 +101,11 @@ def _check_exits(decode: DecodeEndpoint) -> None:
     decode._notify(releases)
 
 
+def _released_after_check(decode: DecodeEndpoint, released: list[Release], count: int = 1) -> bool:
+    _check_exits(decode)
+    return len(released) >= count
+
+
 def test_a_writers_exit_waits_for_its_connections_to_drain(
     setup: Setup, dead_peer: tuple[socket.socket, socket.socket]
 ) -> None:
@@ -113,7 +118,7 @@ def test_a_writers_exit_waits_for_its_connections_to_drain(
     ours, _ = dead_peer
     assert ours.recv(64)
     ours.close()
-    wait_for(lambda: (_check_exits(decode), bool(setup.released))[1], WAIT_S, "the exit proof")
+    wait_for(lambda: _released_after_check(decode, setup.released), WAIT_S, "the exit proof")
     [release] = setup.released
     assert release.proof is Proof.WRITER_EXIT and release.pages == (3, 4)
 
@@ -181,9 +186,9 @@ def test_every_gone_writer_releases_its_rooms_held_or_quarantined() -> None:
         second = decode.receiver(2, (2,), frozenset({1}))
         second.abort()
         gone = _exited_pid()
-        for rank in (0, 1):
-            _mark_gone(decode, rank, gone)
-        wait_for(lambda: (_check_exits(decode), len(released) == 2)[1], WAIT_S, "both exit proofs")
+        for rank_id in (0, 1):
+            _mark_gone(decode, rank_id, gone)
+        wait_for(lambda: _released_after_check(decode, released, 2), WAIT_S, "both exit proofs")
         assert sorted((r.room, r.proof) for r in released) == [(1, Proof.WRITER_EXIT), (2, Proof.WRITER_EXIT)]
     finally:
         decode.close()
@@ -231,7 +236,7 @@ def test_held_back_acks_of_several_rooms_all_count_once_drained(setup: Setup) ->
 
 def test_a_full_drain_backlog_drops_new_acks_and_counts_them(setup: Setup) -> None:
     decode = setup.decode
-    decode.MAX_DRAINING = 1  # type: ignore[misc]
+    decode.MAX_DRAINING = 1
     ours, server, closed = _undrained_connection()
     try:
         for room in (1, 2):

@@ -111,7 +111,12 @@ def test_one_ack_target_per_room_id_is_caught_with_two_decodes() -> None:
     pages stay held although every write settled (L2)."""
     with pytest.raises(explore.Violation) as info:
         explore.explore(
-            ranks=1, chunks=1, errors=0, deadline=False, decodes=2, ledger_factory=mutants.OneAckTargetPerRoomId
+            ranks=1,
+            chunks=1,
+            errors=0,
+            deadline=False,
+            decodes=2,
+            ledger_factory=mutants.OneAckTargetPerRoomId,
         )
     assert str(info.value).startswith("L2")
     # ...and a one-decode world cannot see it

@@ -8,6 +8,7 @@ release or checks the wrong writer.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 
@@ -19,7 +20,7 @@ def tracker() -> HoldTracker:
     return HoldTracker("decode", "tcp://decode", abort_timeout=10.0, resend_interval=1.0)
 
 
-def generation(actions: list[object]) -> int:
+def generation(actions: Sequence[object]) -> int:
     [gen] = {a.abort.generation for a in actions if isinstance(a, SendAbort)}
     return gen
 

@@ -97,7 +97,12 @@ def test_two_chunks_failing_unsettled_are_both_held_until_the_fence() -> None:
 
 def test_queries_of_an_unknown_room_are_empty() -> None:
     led = ledger()
-    assert (led.status(k(4)), led.outstanding(k(4)), led.in_flight(k(4)), led.decodes_of(4)) == (None, 0, 0, {})
+    assert (led.status(k(4)), led.outstanding(k(4)), led.in_flight(k(4)), led.decodes_of(4)) == (
+        None,
+        0,
+        0,
+        {},
+    )
     assert led.incarnation(k(4)) is None
     led.request(k(4))
     assert list(led.decodes_of(4)) == [D] and led.incarnation(k(4)) is not None
@@ -241,4 +246,4 @@ def test_a_late_clear_of_an_earlier_incarnation_leaves_the_new_room_alone() -> N
 
 
 def test_a_try_of_an_unknown_room_acks_nothing() -> None:
-    assert ledger().try_ack(4) == []
+    assert ledger().try_ack(k(4)) == []

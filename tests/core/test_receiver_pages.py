@@ -3,9 +3,8 @@
 A page index is a write target: one past the end (``num_pages``) or negative
 would have the writer write outside decode's region on a transport that does
 not check bounds itself (loopback does; a real one may not). The refusal must
-leave nothing held and the room id free. Kept in a file of its
-own: the refusal is also becoming a typed error (a ValueError subclass), and
-this test asserts it generically.
+leave nothing held and the room id free. The refusal is a typed
+:class:`~kvconn.errors.PageError` naming the valid range.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import pytest
 
 from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
+from kvconn.errors import PageError
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.cluster import free_port, wait_for
@@ -40,7 +40,7 @@ def test_a_page_outside_the_region_is_refused_and_nothing_is_held(
 ) -> None:
     endpoint, _ = decode
     room = 100 + bad
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(PageError) as info:
         endpoint.receiver(room, (0, bad, NUM_PAGES - 1))
     assert str(NUM_PAGES - 1) in str(info.value)  # the message names the valid range
     assert endpoint.tracker.state(room) is None  # nothing opened, nothing held

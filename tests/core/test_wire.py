@@ -74,7 +74,16 @@ EXAMPLES: list[tuple[Message, bytes]] = [
     ),
     (
         TransferRequest(9, "dec", (0, 1, 0xFFFFFFFF), 5, 6, 8),
-        header(3) + u64(9) + text("dec") + u32(3) + u32(0) + u32(1) + u32(0xFFFFFFFF) + u64(5) + u64(6) + u64(8),
+        header(3)
+        + u64(9)
+        + text("dec")
+        + u32(3)
+        + u32(0)
+        + u32(1)
+        + u32(0xFFFFFFFF)
+        + u64(5)
+        + u64(6)
+        + u64(8),
     ),
     (Abort(9, 2, "dé", "tcp://d"), header(4) + u64(9) + u64(2) + text("dé") + text("tcp://d")),
     (
