@@ -255,3 +255,23 @@ def test_a_full_drain_backlog_drops_new_acks_and_counts_them(setup: Setup) -> No
     finally:
         ours.close()
         server.close()
+
+
+def test_an_exit_proves_only_the_rooms_asked_of_that_process(setup: Setup) -> None:
+    """A process restarted at the rank's address: room 1 was asked of the
+    earlier process, now gone; room 2 of the live one. The earlier one's exit
+    releases room 1 only; room 2 stays held (its writer can still write)."""
+    decode = setup.decode
+    first = decode.receiver(1, (1,))
+    with decode._lock:
+        live = decode._writers[0]
+        decode._requests[1].writers[0] = attrs.evolve(live, pid_namespace=pid_namespace(), pid=_exited_pid())
+    second = decode.receiver(2, (2,))
+    first.abort()
+    second.abort()
+    wait_for(
+        lambda: _released_after_check(decode, setup.released), WAIT_S, "the earlier process's exit proof"
+    )
+    _check_exits(decode)
+    assert [(r.room, r.proof) for r in setup.released] == [(1, Proof.WRITER_EXIT)]
+    assert second.state() is HoldState.HELD

@@ -188,3 +188,17 @@ def test_default_resends_back_off_to_thirty_seconds() -> None:
     t.abort(1, now=0.0)
     resent = [now for now in range(10, 200) if any(isinstance(a, SendAbort) for a in t.tick(float(now)))]
     assert [b - a for a, b in itertools.pairwise(resent)] == [1, 2, 4, 8, 16, 30, 30, 30, 30, 30]
+
+
+def test_a_writers_exit_proves_nothing_for_rooms_it_does_not_write() -> None:
+    """Rank 1's exit releases its own room; room 1, written by rank 0 only,
+    stays held and, once acked, names the ack as its proof, not an exit."""
+    t = tracker()
+    t.open(1, (0,), frozenset({0}))
+    t.open(2, (1,), frozenset({1}))
+    gen1, _ = generation(t.abort(1, now=0.0)), t.abort(2, now=0.0)
+    [release] = t.writer_exited(1, now=0.0)
+    assert isinstance(release, Release) and (release.room, release.proof) == (2, Proof.WRITER_EXIT)
+    assert t.writer_exited(1, now=0.0, rooms={1}) == [] and t.state(1) is HoldState.HELD
+    [acked] = [a for a in t.ack(AbortAck(1, 0, gen1, False, "decode"), now=0.0) if isinstance(a, Release)]
+    assert (acked.room, acked.proof) == (1, Proof.ACKS)

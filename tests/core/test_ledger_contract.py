@@ -247,3 +247,111 @@ def test_a_late_clear_of_an_earlier_incarnation_leaves_the_new_room_alone() -> N
 
 def test_a_try_of_an_unknown_room_acks_nothing() -> None:
     assert ledger().try_ack(k(4)) == []
+
+
+# -- a room id reused by its decode, and a request the engine gave up on --------
+
+
+def _failed_and_acked(led: RoomLedger, room: int, seq: int) -> None:
+    led.request(k(room), seq)
+    led.dequeue(k(room))
+    led.failed(k(room), settled=True, reason="handle error")
+    assert [type(a) for a in abort(led, room)] == [SendAck]
+
+
+def test_an_acked_failed_room_is_taken_anew_only_by_a_newer_request() -> None:
+    """Decode released the pages on the ack, then reused the id: a newer
+    request is a new room and is written; the same request replayed (or an
+    older one) finds the room Failed and writes nothing."""
+    led = ledger()
+    _failed_and_acked(led, 1, seq=5)
+    led.request(k(1), 5)  # replayed
+    assert led.status(k(1)) is KVPoll.FAILED and led.dequeue(k(1)) is False
+    led.skipped(k(1))
+    led.request(k(1), 6)
+    assert led.status(k(1)) is KVPoll.WAITING_FOR_INPUT and led.dequeue(k(1)) is True
+
+
+def test_a_tombstone_is_never_taken_anew_while_it_lasts() -> None:
+    """The ABORT came before the request (a tombstone, acked at once); the
+    late request arrives, then another: both find the room Failed. A
+    tombstone stands for a request not yet seen, which may be any of them."""
+    led = ledger()
+    assert [type(a) for a in abort(led, 1)] == [SendAck]
+    led.request(k(1), 5)
+    led.request(k(1), 6)
+    assert led.status(k(1)) is KVPoll.FAILED and led.dequeue(k(1)) is False
+
+
+def test_an_entry_is_the_rooms_current_one() -> None:
+    led = ledger()
+    assert led.entry(k(1)) is None
+    led.request(k(1), 1)
+    entry = led.entry(k(1))
+    assert entry is not None and entry.status is KVPoll.WAITING_FOR_INPUT
+    assert entry.incarnation == led.incarnation(k(1))
+
+
+def test_give_up_leaves_a_failed_tombstone_for_the_late_request() -> None:
+    """The engine stopped waiting for decode's request: the request, arriving
+    later, writes nothing, and the tombstone is forgotten exactly at its TTL.
+    Another decode's room of the same id is untouched."""
+    led = ledger()
+    assert led.give_up(k(4), now=5.0) is True
+    assert led.status(k(4)) is KVPoll.FAILED and led.status(RoomKey("decode-b", 4)) is None
+    assert led.expire(now=5.0 + TTL - 0.5) == []
+    led.request(k(4), 3)
+    assert led.dequeue(k(4)) is False
+    led.skipped(k(4))
+    assert led.expire(now=5.0 + TTL) == [k(4)]
+    assert led.status(k(4)) is None
+
+
+def test_give_up_of_a_room_whose_request_came_changes_nothing() -> None:
+    led = ledger()
+    led.request(k(4), 1)
+    assert led.give_up(k(4), now=0.0) is False
+    assert led.status(k(4)) is KVPoll.WAITING_FOR_INPUT and led.dequeue(k(4)) is True
+    assert led.expire(now=10 * TTL) == []
+
+
+def test_a_given_up_room_untouched_since_is_forgotten_at_its_ttl() -> None:
+    led = ledger()
+    led.give_up(k(4), now=5.0)
+    assert led.expire(now=5.0 + TTL) == [k(4)]
+
+
+def test_a_given_up_room_is_never_taken_anew_while_it_lasts() -> None:
+    """Given up, then aborted by decode (acked at once: nothing was written),
+    then the late request and a newer one: both find the room Failed."""
+    led = ledger()
+    led.give_up(k(4), now=0.0)
+    assert [type(a) for a in abort(led, 4)] == [SendAck]
+    led.request(k(4), 5)
+    led.request(k(4), 6)
+    assert led.status(k(4)) is KVPoll.FAILED and led.dequeue(k(4)) is False
+
+
+def test_clear_fails_a_live_room_and_tells_decode_why() -> None:
+    led = ledger()
+    led.request(k(1), 1)
+    assert led.clear(k(1)) == [
+        status(1, RoomOutcome.FAILED, "cleared by the prefill engine before its last chunk")
+    ]
+    led.request(k(2), 2)
+    led.dequeue(k(2))
+    led.landed(k(2), last=True)
+    assert led.clear(k(2)) == []  # concluded: nothing to tell, and it stays a success
+    assert led.status(k(2)) in (KVPoll.SUCCESS, None)
+
+
+def test_decodes_of_a_room_id_are_their_entries_until_each_is_forgotten() -> None:
+    led = ledger()
+    other = RoomKey("decode-b", 4)
+    led.request(k(4), 1)
+    led.request(other, 1)
+    assert led.decodes_of(4) == {D: led.entry(k(4)), "decode-b": led.entry(other)}
+    led.clear(k(4))  # D's room drained: forgotten, decode-b's stays
+    assert led.decodes_of(4) == {"decode-b": led.entry(other)}
+    led.clear(other)
+    assert led.decodes_of(4) == {}
