@@ -88,6 +88,43 @@ def test_early_done_is_a_violation(tmp_path: Path) -> None:
     assert rep["ok"] is False
 
 
+def test_one_rank_into_two_decodes_verifies_each_decode(tmp_path: Path) -> None:
+    """Prefill TP smaller than decode TP: both decodes ask the one rank for the
+    same room ids, abort their copies on their own, and every copy is checked."""
+    code, rep, out = bench(
+        tmp_path, "--modes", "kvconn", "--ranks", "1", "--decodes", "2", "--requests", "30",
+        "--abort-fraction", "0.6",
+    )  # fmt: skip
+    assert code == 0, out
+    assert rep["workload"]["decodes"] == 2 and rep["violations"]["kvconn"] == []
+    mode = rep["modes"]["kvconn"]
+    assert mode["requests"] == 60 and mode["rooms_unreleased_end"] == 0
+    assert len(mode["per_decode"]) == 2
+    for decode in mode["per_decode"]:
+        assert decode["requests"] == 30 and decode["violations"] == 0
+        assert decode["completed"] > 0 and decode["aborted_mid_transfer"] > 0, decode
+        assert decode["pages_verified"] == decode["completed"] * 8  # every page of every completed room
+    # the decodes drew their aborts apart: not the same rooms aborted at both
+    assert mode["per_decode"][0] != mode["per_decode"][1] or mode["aborted_mid_transfer"] > 0
+    assert "1 prefill rank(s) -> 2 decode(s)" in " ".join(out.split())
+
+
+def test_late_writes_are_caught_at_every_decode(tmp_path: Path) -> None:
+    """The second decode's checks are live: a transport that writes after it
+    reported a failure is caught there too, and named by its decode."""
+    code, rep, out = bench(
+        tmp_path,
+        "--modes", "kvconn", "--ranks", "1", "--decodes", "2", "--prefill-fail-fraction", "0",
+        "--abort-fraction", "0", "--backend-option", "linger_after_fail=1",
+        "--backend-option", "fail_every=5", "--backend-option", "piece_bytes=4096",
+    )  # fmt: skip
+    assert code == 1, out
+    per_decode = rep["modes"]["kvconn"]["per_decode"]
+    assert all(decode["violations"] > 0 for decode in per_decode), per_decode
+    details = [v["detail"] for v in rep["violations"]["kvconn"]]
+    assert any(d.startswith("decode 1: ") for d in details), details
+
+
 def test_bad_option_exits_2(tmp_path: Path) -> None:
     code, _, out = bench(tmp_path, "--backend-option", "novalue")
     assert code == 2 and "KEY=VALUE" in out
@@ -100,6 +137,7 @@ def test_bad_option_exits_2(tmp_path: Path) -> None:
         (["--chunk-pages", "0"], "--chunk-pages must be at least 1, got 0"),
         (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
         (["--ranks", "0"], "--ranks must be at least 1, got 0"),
+        (["--decodes", "0"], "--decodes must be at least 1, got 0"),
         (["--pool-pages", "1"], "--pool-pages must be at least 8, got 1"),
         (["--abort-fraction", "1.5"], "--abort-fraction must be within [0, 1], got 1.5"),
         (["--prefill-fail-fraction", "1"], "--prefill-fail-fraction must be within [0, 1), got 1.0"),

@@ -162,6 +162,19 @@ class AckOnOtherDecodesCount(RoomLedger):
             entry.outstanding, entry.stuck = saved
 
 
+class OneAckTargetPerRoomId(RoomLedger):
+    """Ack targets kept per room id rather than per (decode, room): a newer
+    ABORT of the same id from another decode takes the older one's place, so
+    with both decodes' ABORTs pending the first is never acked."""
+
+    def abort(self, msg: Abort, now: float) -> bool:
+        known = super().abort(msg, now)
+        for decode, entry in self._by_room.get(msg.room, {}).items():
+            if decode != msg.decode:
+                entry.targets.clear()
+        return known
+
+
 class AcceptAnyGeneration(HoldTracker):
     """Decode accepts an ack whatever its generation."""
 
@@ -181,6 +194,7 @@ __all__ = [
     "Dropped",
     "ErrAlwaysUncounts",
     "NoDequeueCount",
+    "OneAckTargetPerRoomId",
     "RegisterBeforeFailed",
     "RegisterBeforeFailedNoGuard",
 ]

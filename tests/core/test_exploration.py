@@ -103,3 +103,21 @@ def test_decode_accepting_any_generation_is_caught() -> None:
     assert [type(a).__name__ for a in kept] == ["Dropped"]
     broken = run(mutants.AcceptAnyGeneration("decode", "reply", abort_timeout=10.0))
     assert [type(a).__name__ for a in broken] == ["Release"]
+
+
+def test_one_ack_target_per_room_id_is_caught_with_two_decodes() -> None:
+    """A ledger keeping one ack target per room id (not per (decode, room)):
+    with both decodes' ABORTs pending, the first decode is never acked and its
+    pages stay held although every write settled (L2)."""
+    with pytest.raises(explore.Violation) as info:
+        explore.explore(
+            ranks=1,
+            chunks=1,
+            errors=0,
+            deadline=False,
+            decodes=2,
+            ledger_factory=mutants.OneAckTargetPerRoomId,
+        )
+    assert str(info.value).startswith("L2")
+    # ...and a one-decode world cannot see it
+    explore.explore(ranks=1, chunks=2, errors=1, ledger_factory=mutants.OneAckTargetPerRoomId)

@@ -15,10 +15,12 @@ spot-checked page came out wrong.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +33,16 @@ from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import transport as transport_mod
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.sizes import size_arg
-from kvconn.bench.workload import ModeResult, ModeRun, Workload, plan, stats
+from kvconn.bench.workload import (
+    ModeResult,
+    ModeRun,
+    Planned,
+    Workload,
+    merge,
+    plan,
+    plan_for_decode,
+    stats,
+)
 from kvconn.plugins import get_backend
 from kvconn.testing import scenarios
 from kvconn.transport import capabilities_of
@@ -53,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="transport option for decode and prefill (repeatable), e.g. piece_delay_s=0.001",
     )
     p.add_argument("--ranks", type=int, default=2, help="prefill rank processes")
+    p.add_argument(
+        "--decodes",
+        type=int,
+        default=1,
+        help="decode endpoints (in this process, each its own pool) asking every rank for the same "
+        "rooms, each aborting its copy on its own (prefill TP smaller than decode TP)",
+    )
     p.add_argument("--requests", type=int, default=300, help="requests per mode")
     p.add_argument("--pages", type=int, default=16, help="pages per request")
     p.add_argument("--page-bytes", type=size_arg, default=64 << 10, help="bytes per page (all ranks' shards)")
@@ -165,6 +183,7 @@ def _check_args(args: argparse.Namespace) -> None:
     nonsense), before anything starts."""
     at_least = {
         "--ranks": (args.ranks, 1),
+        "--decodes": (args.decodes, 1),
         "--requests": (args.requests, 1),
         "--pages": (args.pages, 1),
         "--page-bytes": (args.page_bytes, 8),
@@ -250,6 +269,7 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         seed=args.seed,
         pool_pages=pool,
         stream_requests=stream_n,
+        decodes=args.decodes,
     )
     work, stream_rooms = plan(wl)
     results: dict[str, ModeResult] = {}
@@ -271,7 +291,10 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         for mode in modes:
             legacy = mode == LEGACY
             timeout = legacy_timeout if legacy else args.abort_timeout
-            run = ModeRun(
+            runs: list[ModeRun] = []
+
+            new_run = functools.partial(
+                ModeRun,
                 mode,
                 args.backend,
                 backend,
@@ -285,6 +308,11 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
                 gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
             )
             try:
+                # decode 0 starts the prefill ranks; every other decode shares them
+                run = new_run(procs=None)
+                runs.append(run)
+                while len(runs) < wl.decodes:
+                    runs.append(new_run(procs=run.procs))
                 if window is None or (not legacy and stream_n and not stream_info):
                     t = progress.add_task(f"{mode}: streaming (no aborts)", total=len(stream_rooms))
                     stream_info = run.stream(stream_rooms, _adv(progress, t))
@@ -304,11 +332,14 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
                         )
                         progress.update(t, advance=1)
                 t = progress.add_task(
-                    f"{mode}: {'timeout-only' if legacy else 'ABORT_ACK'} workload", total=len(work)
+                    f"{mode}: {'timeout-only' if legacy else 'ABORT_ACK'} workload",
+                    total=len(work) * wl.decodes,
                 )
-                results[mode] = run.run(work, window, _adv(progress, t))
+                per_decode = _run_decodes(runs, work, wl, window, _adv(progress, t))
             finally:
-                run.close()
+                for r in reversed(runs):  # decode 0, owner of the ranks, last
+                    r.close()
+            results[mode] = merge(per_decode)
         faults = _faults(args, progress, notes)
     report = _report(args, wl, ovh, stream_info, window or 0.0, raw, results, legacy_timeout, notes)
     if faults is not None:
@@ -335,6 +366,32 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     if args.plot:
         _plot(args.plot, results, legacy_timeout, err)
     return 1 if report["violations"][KVCONN] else 0
+
+
+def _run_decodes(
+    runs: list[ModeRun], work: list[Planned], wl: Workload, window: float, progress: Callable[[int], None]
+) -> list[ModeResult]:
+    """Every decode runs the workload at once, each in its own thread with its
+    own aborts, asking the shared ranks for the same room ids."""
+    if len(runs) == 1:
+        return [runs[0].run(work, window, progress)]
+    out: list[ModeResult | None] = [None] * len(runs)
+    errors: list[BaseException] = []
+
+    def one(d: int) -> None:
+        try:
+            out[d] = runs[d].run(plan_for_decode(work, d, wl), window, progress)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(d,), name=f"bench-decode-{d}") for d in range(len(runs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return [r for r in out if r is not None]
 
 
 def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> list[scenarios.Outcome] | None:
@@ -474,6 +531,7 @@ def _report(
             "chunk_pages": wl.chunk_pages,
             "chunk_bytes_per_rank": chunk_bytes,
             "ranks": wl.ranks,
+            "decodes": wl.decodes,
             "concurrency": wl.concurrency,
             "abort_fraction": wl.abort_fraction,
             "prefill_fail_fraction": wl.prefill_fail_fraction,
@@ -508,7 +566,11 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
         KVCONN: "kvconn (ABORT_ACK)",
         LEGACY: f"timeout-only ({rep['comparison']['legacy_timeout_s']:g} s)",
     }
-    t = Table(title=f"kvconn bench: {rep['backend']}, {rep['workload']['requests']} requests/mode")
+    w = rep["workload"]
+    t = Table(
+        title=f"kvconn bench: {rep['backend']}, {w['requests']} requests/mode, "
+        f"{w['ranks']} prefill rank(s) -> {w['decodes']} decode(s)"
+    )
     t.add_column("metric")
     for m in names:
         t.add_column(title[m], justify="right")

@@ -52,6 +52,8 @@ class Workload:
     seed: int
     pool_pages: int
     stream_requests: int
+    #: decode endpoints asking for every room (each its own pool of pool_pages)
+    decodes: int = 1
 
     @property
     def shard(self) -> int:
@@ -89,6 +91,17 @@ def plan(wl: Workload) -> tuple[list[Planned], list[int]]:
         ):
             stream.append(room)
     return work, stream
+
+
+def plan_for_decode(work: Sequence[Planned], decode: int, wl: Workload) -> list[Planned]:
+    """The same rooms as seen by decode endpoint ``decode`` (prefill TP smaller
+    than decode TP: every decode asks for every room): decode 0 keeps the plan,
+    every other one draws its own aborts, so each copy of a room is aborted
+    independently of the others."""
+    if decode == 0:
+        return list(work)
+    rng = random.Random((wl.seed << 8) ^ decode)
+    return [Planned(p.room, rng.random() < wl.abort_fraction, rng.random()) for p in work]
 
 
 @attrs.define
@@ -150,6 +163,10 @@ class ModeResult:
     #: that half and 99% of them were under (decode's ``kvconn_abort_to_ack_seconds``
     #: histogram): which rank the releases waited for.
     ack_wait_ms_by_rank: dict[str, dict[str, float]] = attrs.Factory(dict)
+    #: Pages of completed rooms compared byte for byte with their pattern.
+    pages_verified: int = 0
+    #: Each decode endpoint's own counts (one entry per decode).
+    per_decode: list[dict[str, int]] = attrs.Factory(list)
 
     def summary(self) -> dict[str, Any]:
         d = attrs.asdict(
@@ -161,6 +178,46 @@ class ModeResult:
         d["release_latency_ms"] = stats(self.latencies_ms)
         d["prefill_fail_release_latency_ms"] = stats(self.prefill_fail_latencies_ms)
         return d
+
+
+def merge(results: Sequence[ModeResult]) -> ModeResult:
+    """One result for several decode endpoints that ran side by side: counts,
+    latencies and violations summed over decodes (a violation's detail names
+    its decode), peaks summed (each decode's own bound is checked in its run),
+    wall time the longest; prefill counters are the shared ranks' own."""
+    per_decode = [
+        {
+            "requests": r.requests,
+            "completed": r.completed,
+            "aborted_mid_transfer": r.aborted_mid_transfer,
+            "prefill_failed": r.prefill_failed,
+            "pages_verified": r.pages_verified,
+            "violations": len(r.violations),
+        }
+        for r in results
+    ]
+    if len(results) == 1:
+        results[0].per_decode = per_decode
+        return results[0]
+    out = ModeResult(results[0].mode, prefill=results[0].prefill, cpu=results[0].cpu)
+    for d, r in enumerate(results):
+        for name in (
+            "requests", "completed", "aborted_mid_transfer", "completed_before_abort_point",
+            "prefill_failed", "bytes_completed", "acks_received", "aborts_sent", "quarantines",
+            "quarantine_seconds", "rooms_unreleased_end", "pages_held_end", "pages_quarantined_end",
+            "peak_pages_held", "peak_pages_aborted_unreleased", "pages_verified",
+        ):  # fmt: skip
+            setattr(out, name, getattr(out, name) + getattr(r, name))
+        out.elapsed_s = max(out.elapsed_s, r.elapsed_s)
+        out.latencies_ms += r.latencies_ms
+        out.prefill_fail_latencies_ms += r.prefill_fail_latencies_ms
+        for proof, n in r.releases_by_proof.items():
+            out.releases_by_proof[proof] = out.releases_by_proof.get(proof, 0) + n
+        out.violations += [attrs.evolve(v, detail=f"decode {d}: {v.detail}") for v in r.violations]
+        for rank, wait in r.ack_wait_ms_by_rank.items():
+            out.ack_wait_ms_by_rank[f"{rank} (decode {d})"] = wait
+    out.per_decode = per_decode
+    return out
 
 
 def stats(xs: Sequence[float]) -> dict[str, float]:
@@ -260,7 +317,10 @@ class ModeRun:
         drain_s: float,
         settle_s: float,
         gil_switch_interval_s: float | None = None,
+        procs: PrefillProcs | None = None,
     ) -> None:
+        """``procs``: prefill ranks another ModeRun started (several decode
+        endpoints, one per ModeRun, served by the same ranks); that one closes them."""
         self.mode = mode
         self.wl = wl
         self.legacy = legacy
@@ -276,7 +336,7 @@ class ModeRun:
         self._now = time.monotonic
         #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
         self.poll_s = 0.0005
-        source_pages = max(256, 4 * wl.concurrency * wl.pages, wl.pages)
+        source_pages = max(256, 4 * wl.concurrency * wl.pages * wl.decodes, wl.pages)
         args = [
             {
                 "backend": backend_name,
@@ -295,7 +355,8 @@ class ModeRun:
             }
             for r in range(wl.ranks)
         ]
-        self.procs = PrefillProcs(args)
+        self._owns_procs = procs is None
+        self.procs = PrefillProcs(args) if procs is None else procs
         try:
             config = Config(
                 write_timeout_s=write_timeout_s,
@@ -314,7 +375,8 @@ class ModeRun:
                 on_release=self._on_release,
             )
         except BaseException:
-            self.procs.close()
+            if self._owns_procs:
+                self.procs.close()
             raise
         self._lay_canary(range(wl.pool_pages))
 
@@ -402,6 +464,7 @@ class ModeRun:
         pb, shard = self.wl.page_bytes, self.wl.shard
         ok = True
         for i, page in enumerate(pages):
+            self.result.pages_verified += 1
             data = self.decode.region.read(page * pb, pb)
             for rank in range(self.wl.ranks):
                 got = data[rank * shard : (rank + 1) * shard]
@@ -479,6 +542,7 @@ class ModeRun:
         wl, res = self.wl, self.result
         todo = deque(work)
         active: dict[int, _Active] = {}
+        res.pages_verified = 0  # the workload's pages only, not the streaming phase's
         t0 = self._now()
         cpu_before = cpu.sample()
         while todo or active:
@@ -556,8 +620,9 @@ class ModeRun:
         try:
             self.decode.close()
         finally:
-            self.procs.close()
-            totals: Counter[str] = Counter()
-            for m in self.procs.metrics:
-                totals.update(m)
-            self.result.prefill = dict(totals)
+            if self._owns_procs:
+                self.procs.close()
+                totals: Counter[str] = Counter()
+                for m in self.procs.metrics:
+                    totals.update(m)
+                self.result.prefill = dict(totals)

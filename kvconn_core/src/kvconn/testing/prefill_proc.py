@@ -19,6 +19,7 @@ from typing import Any
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
+from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.prefill import PrefillRank, Sender
 from kvconn.testing.kvpattern import EngineShape, fill_page
 from kvconn.testing.patterns import shard_bytes
@@ -116,6 +117,12 @@ class Driver:
 
     def _send_room(self, room: int, npages: int) -> None:
         sender = self.rank.sender(room)
+        if sender.poll() is KVPoll.BOOTSTRAPPING:
+            # The request was aborted before we got to it. Kept, the sender
+            # would take the next decode's request for the id (prefill TP
+            # smaller than decode TP) and never send it: the rooms behind
+            # it would wait for it to settle for good.
+            return
         rng = random.Random(room ^ (self.seed << 1) ^ self.rank_id)
         fail_at = rng.randrange(npages) if rng.random() < self.fail_fraction else -1
         first = self._alloc(npages)
