@@ -30,7 +30,8 @@ def conformance(env: dict[str, str], backend: str, *args: str, timeout: float = 
         ("wide", "test_done_barrier_means_landed[dram]", "(3000 segments) but the region does not hold"),
         ("overrun", "test_done_barrier_means_landed[dram]", "past the end of segment"),
         ("wide", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS"),
-        ("overrun", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS"),
+        # the overrun shows first in its room's neighbour or in a page no room held
+        ("overrun", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS|landed outside the pages of its room"),
         ("any_decode", "test_each_chunk_lands_in_its_decode", "was for decode 'a', and decode 'a'"),
         ("any_decode", "test_two_decodes_share_a_rank", "of decode 1 of 2 hold wrong bytes"),
         ("cancel", "test_failed_settled_means_nothing_lands", "landed after the answer"),
@@ -49,7 +50,7 @@ def test_each_lie_fails_its_check(liar_env: dict[str, str], lie: str, check: str
         pytest.skip("this host cannot create network namespaces (needs root)")
     assert code != 0, out
     assert f"FAILED   {check}" in out, out
-    assert message in out, out
+    assert any(m in out for m in message.split("|")), out
 
 
 def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> None:
