@@ -31,7 +31,11 @@ def conformance(env: dict[str, str], backend: str, *args: str, timeout: float = 
         ("overrun", "test_done_barrier_means_landed[dram]", "past the end of segment"),
         ("wide", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS"),
         # the overrun shows first in its room's neighbour or in a page no room held
-        ("overrun", "test_integrity_wide_chunks", "hold wrong bytes after SUCCESS|landed outside the pages of its room"),
+        (
+            "overrun",
+            "test_integrity_wide_chunks",
+            "hold wrong bytes after SUCCESS|landed outside the pages of its room",
+        ),
         ("any_decode", "test_each_chunk_lands_in_its_decode", "was for decode 'a', and decode 'a'"),
         ("any_decode", "test_two_decodes_share_a_rank", "of decode 1 of 2 hold wrong bytes"),
         ("cancel", "test_failed_settled_means_nothing_lands", "landed after the answer"),
