@@ -28,7 +28,9 @@ def main(mutants: Path) -> int:
         rows.append(
             (module, len(codes), killed, counts["survived"], len(codes) - killed - counts["survived"])
         )
-        survivors += sorted(k for k, c in codes.items() if status_by_exit_code[c] not in ("killed", "timeout"))
+        survivors += sorted(
+            k for k, c in codes.items() if status_by_exit_code[c] not in ("killed", "timeout")
+        )
     print(f"{'module':45} {'total':>6} {'killed':>7} {'survived':>9} {'other':>6} {'score':>7}")
     for module, total, killed, survived, other in rows:
         print(f"{module:45} {total:6} {killed:7} {survived:9} {other:6} {100 * killed / total:6.1f}%")

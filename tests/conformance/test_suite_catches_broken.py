@@ -3,28 +3,10 @@ must turn undeclared skips into failures."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-KVCONN = str(Path(sys.executable).with_name("kvconn"))
+from conformance_cli import conformance
 
 pytest_plugins = ["pytester"]
-
-
-def conformance(*args: str, timeout: float = 240) -> tuple[int, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [KVCONN, "conformance", "loopback", "-q", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -55,7 +37,7 @@ def conformance(*args: str, timeout: float = 240) -> tuple[int, str]:
 )
 def test_broken_loopback_fails_the_named_check(options: list[str], check: str, message: str) -> None:
     keyword = check.split("[")[0].removeprefix("test_")
-    code, out = conformance("-k", keyword, *options)
+    code, out = conformance("loopback", "-k", keyword, *options)
     assert code != 0, out
     assert f"FAILED   {check}" in out, out
     assert message in out, out
@@ -63,7 +45,7 @@ def test_broken_loopback_fails_the_named_check(options: list[str], check: str, m
 
 def test_healthy_options_pass_the_same_checks() -> None:
     """The same checks pass when the broken flag is off (fault injection alone is fine)."""
-    code, out = conformance("-k", "done_barrier or writer_fence", "-o", "piece_delay_s=0.001")
+    code, out = conformance("loopback", "-k", "done_barrier or writer_fence", "-o", "piece_delay_s=0.001")
     assert code == 0, out
     assert "PASSED   test_done_barrier_means_landed[dram]" in out
     assert (
@@ -108,7 +90,7 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
     ids=["typo", "out_of_bounds", "no_value", "write_not_shorter", "no_deadline", "negative_watch"],
 )
 def test_bad_options_are_refused_once_before_any_check(args: list[str], message: str) -> None:
-    code, out = conformance(*args, timeout=60)
+    code, out = conformance("loopback", *args, timeout=60)
     assert code == 2, out
     line = out.strip()
     assert line.startswith(f"kvconn conformance: {message}") and "\n" not in line, out  # no check ran

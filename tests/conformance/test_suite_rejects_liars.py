@@ -4,24 +4,8 @@ style plugin and its lying variants, registered for these tests only)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-KVCONN = str(Path(sys.executable).with_name("kvconn"))
-
-
-def conformance(env: dict[str, str], backend: str, *args: str, timeout: float = 240) -> tuple[int, str]:
-    proc = subprocess.run(
-        [KVCONN, "conformance", backend, "-q", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+from conformance_cli import conformance
 
 
 @pytest.mark.parametrize(
@@ -49,7 +33,7 @@ def conformance(env: dict[str, str], backend: str, *args: str, timeout: float = 
 )
 def test_each_lie_fails_its_check(liar_env: dict[str, str], lie: str, check: str, message: str) -> None:
     keyword = check.split("[")[0].removeprefix("test_")
-    code, out = conformance(liar_env, "liar-" + lie.replace("_", "-"), "-k", keyword)
+    code, out = conformance("liar-" + lie.replace("_", "-"), "-k", keyword, env=liar_env)
     if f"SKIPPED  {check}  (cross_host: cannot create network namespaces" in out:
         pytest.skip("this host cannot create network namespaces (needs root)")
     assert code != 0, out
@@ -59,11 +43,11 @@ def test_each_lie_fails_its_check(liar_env: dict[str, str], lie: str, check: str
 
 def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> None:
     code, out = conformance(
-        liar_env,
         "liar-honest",
         "-k",
         "done_barrier or wide_chunks or two_decodes or fence_stops or failed_settled or its_decode or vram_claim or cross_host"
         " or killed_writer or frozen_owner",
+        env=liar_env,
     )
     assert code == 0, out
     for check in (

@@ -33,6 +33,24 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def add_word_tokenizer(path: Path) -> Path:
+    """A tokenizer for the tiny model, made here (no download): one word per
+    token id, ``w3`` ... ``w511``, so that ``vllm serve`` can take text."""
+    if (path / "tokenizer.json").exists():
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS} | {f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+    return path
+
+
 def kv_transfer_config(role: str, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KvconnConnector",

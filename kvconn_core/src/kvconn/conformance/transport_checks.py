@@ -77,6 +77,12 @@ class BareWriter(Child):
     def resume(self) -> None:
         self.signal(signal.SIGCONT)
 
+    def settlement(self, settings: Settings, what: str, round_no: int = 1) -> str:
+        """Wait until the writer froze after round ``round_no``'s barrier and
+        return the settlement that barrier answered."""
+        self.frozen(30 + _limit(settings), what, round=round_no)
+        return str(self.answer("barrier", round_no)["settlement"])
+
 
 def _round(rows: list[list[int]], steps: Sequence[str], peer: str = "a") -> dict[str, Any]:
     return {"peer": peer, "segments": rows, "steps": list(steps)}
@@ -155,8 +161,7 @@ class TransportChecks:
                 child.expect(60, "DONE barrier: writer start", event="ready")
                 for i, rows in enumerate(rounds_rows, start=1):
                     child.send_line()
-                    child.frozen(30 + _limit(settings), f"DONE barrier: round {i} settles", round=i)
-                    settlement = child.answer("barrier", i)["settlement"]
+                    settlement = child.settlement(settings, f"DONE barrier: round {i} settles", i)
                     if settlement != LANDED:
                         raise ConformanceFailure(
                             f"DONE barrier: a healthy write of {len(rows)} segments settled {settlement!r}"
@@ -204,8 +209,7 @@ class TransportChecks:
                 child.frozen(30, "past deadline: write posted")
                 time.sleep(settings.write_timeout_s + 0.1)
                 child.resume()
-                child.frozen(30 + _limit(settings), "past deadline: the barrier answers")
-                settlement = child.answer("barrier", 1)["settlement"]
+                settlement = child.settlement(settings, "past deadline: the barrier answers")
                 if settlement == LANDED:
                     image.land(1, rows)
                     found = image.diff()
@@ -250,8 +254,7 @@ class TransportChecks:
             )
             try:
                 child.expect(60, "cancel: writer start", event="ready")
-                child.frozen(30 + _limit(settings), "cancel: the barrier answers")
-                settlement = child.answer("barrier", 1)["settlement"]
+                settlement = child.settlement(settings, "cancel: the barrier answers")
                 if settlement == LANDED:
                     image.land(1, rows)
                     found = image.diff()
@@ -305,8 +308,7 @@ class TransportChecks:
                         images[name] = RegionImage(regions[name], size)
                         child.send_line(regions[name].metadata.hex())
                     child.send_line()
-                    child.frozen(30 + _limit(settings), f"two decodes: round {i} settles", round=i)
-                    settlement = child.answer("barrier", i)["settlement"]
+                    settlement = child.settlement(settings, f"two decodes: round {i} settles", i)
                     if settlement != LANDED:
                         raise ConformanceFailure(
                             f"two decodes: a healthy write (round {i}, to decode {peer!r}) settled {settlement!r}"

@@ -1,0 +1,197 @@
+"""A small prefill/decode proxy in front of ``vllm serve`` engines that run
+:class:`~kvconn_vllm.KvconnConnector`.
+
+Each OpenAI completion or chat request goes twice: to a prefill engine with
+``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then,
+with the ``kv_transfer_params`` prefill answered, to a decode engine, whose
+response (streamed or not) goes back to the client as it comes. Engines are
+taken in turn; one decode can be fed by any number of prefill engines, since
+each request names its prefill instance. The standard library only, so it
+runs wherever the connector does::
+
+    kvconn-vllm-proxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvconn_vllm.params import DO_REMOTE_DECODE
+
+#: The OpenAI endpoints that generate, and so go through prefill first.
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+#: Read endpoints answered by a decode engine.
+PASS_THROUGH = ("/v1/models", "/health", "/version")
+_RELAY_BYTES = 1 << 14
+
+
+class UpstreamError(Exception):
+    """An engine answered with an error, or could not be reached."""
+
+    def __init__(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def _error(status: int, message: str) -> UpstreamError:
+    body = json.dumps({"error": {"message": message, "type": "kvconn_proxy", "code": status}})
+    return UpstreamError(status, body.encode())
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """What a prefill engine gets: the prompt, one token, no stream, and the
+    ask to keep the KV for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = {DO_REMOTE_DECODE: True}
+    return out
+
+
+class _Engines:
+    """Round-robin over base URLs, safe across handler threads."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError("at least one engine URL is needed")
+        self._cycle = itertools.cycle([u.rstrip("/") for u in urls])
+        self._lock = threading.Lock()
+
+    def next(self) -> str:
+        with self._lock:
+            return next(self._cycle)
+
+
+class Proxy:
+    """The request flow, apart from HTTP serving (see :func:`serve`)."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 600.0) -> None:
+        self.prefill, self.decode = _Engines(prefill), _Engines(decode)
+        self.timeout_s = timeout_s
+
+    def _open(self, url: str, body: dict[str, Any] | None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout_s)
+        except urllib.error.HTTPError as exc:
+            raise UpstreamError(
+                exc.code, exc.read(), exc.headers.get("Content-Type", "application/json")
+            ) from exc
+        except OSError as exc:
+            raise _error(502, f"{url}: {exc}") from exc
+
+    def kv_params(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run the prefill leg; return the ``kv_transfer_params`` for decode."""
+        url = self.prefill.next() + path
+        with self._open(url, prefill_request(body)) as response:
+            answer = json.loads(response.read())
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise _error(
+                502,
+                f"{url} answered no kv_transfer_params: is it a vllm serve with "
+                "kv_connector=KvconnConnector and kv_role kv_producer or kv_both?",
+            )
+        return params
+
+    def generate(self, path: str, body: dict[str, Any]) -> tuple[int, str, Iterator[bytes]]:
+        """Both legs: status, content type and the decode engine's body."""
+        params = self.kv_params(path, body)
+        response = self._open(self.decode.next() + path, {**body, "kv_transfer_params": params})
+        return response.status, response.headers.get("Content-Type", "application/json"), _relay(response)
+
+    def get(self, path: str) -> tuple[int, str, Iterator[bytes]]:
+        response = self._open(self.decode.next() + path, None)
+        return response.status, response.headers.get("Content-Type", "application/json"), _relay(response)
+
+
+def _relay(response: Any) -> Iterator[bytes]:
+    with response:
+        while chunk := response.read1(_RELAY_BYTES):
+            yield chunk
+
+
+def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        # HTTP/1.0: every response ends by closing, so a streamed body needs
+        # no length and no chunked framing.
+        protocol_version = "HTTP/1.0"
+
+        def do_POST(self) -> None:
+            if self.path not in GENERATE:
+                return self._send_error(_error(404, f"{self.path}: not a generation endpoint"))
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if not isinstance(body, dict):
+                    raise ValueError("the request body is not a JSON object")
+            except ValueError as exc:
+                return self._send_error(_error(400, f"bad request body: {exc}"))
+            self._answer(lambda: proxy.generate(self.path, body))
+
+        def do_GET(self) -> None:
+            if self.path not in PASS_THROUGH:
+                return self._send_error(_error(404, f"{self.path}: unknown"))
+            self._answer(lambda: proxy.get(self.path))
+
+        def _answer(self, leg: Any) -> None:
+            try:
+                status, content_type, chunks = leg()
+            except UpstreamError as exc:
+                return self._send_error(exc)
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+
+        def _send_error(self, exc: UpstreamError) -> None:
+            self.send_response(exc.status)
+            self.send_header("Content-Type", exc.content_type)
+            self.send_header("Content-Length", str(len(exc.body)))
+            self.end_headers()
+            self.wfile.write(exc.body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # vLLM logs every request already
+
+    return Handler
+
+
+def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+    """An HTTP server for ``proxy``, bound; call ``serve_forever()`` on it."""
+    server = ThreadingHTTPServer((host, port), _handler(proxy))
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvconn-vllm-proxy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prefill", nargs="+", required=True, help="base URLs of the prefill engines")
+    parser.add_argument("--decode", nargs="+", required=True, help="base URLs of the decode engines")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
+    args = parser.parse_args(argv)
+    server = serve(Proxy(args.prefill, args.decode, args.timeout), args.host, args.port)
+    print(f"kvconn-vllm-proxy on http://{args.host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The documented recipe, run: two vLLM OpenAI servers (prefill, decode) with
+KvconnConnector over loopback and ``kvconn-vllm-proxy`` in front of them.
+Completions through the proxy, streamed or not, equal the prefill server's
+own (it serves plain requests as one engine), and decode computed no prompt
+token itself: vLLM's own metrics count every one as a KV transfer."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import NEEDS_VLLM
+
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
+
+from vllm_helpers import BLOCK_SIZE, add_word_tokenizer, kv_transfer_config, make_tiny_llama
+
+from kvconn_vllm.proxy import Proxy, serve
+
+START_TIMEOUT_S = 300.0
+PROMPTS = {n: " ".join(f"w{(n * 13 + i * 7) % 500 + 3}" for i in range(n)) for n in (5, BLOCK_SIZE, 45, 70)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
+    runs) in a process group of its own, stopped by its pid."""
+
+    def __init__(self, model: Path, role: str, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine in its own process
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+                + [arg for option in self._options(role) for arg in option],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _options(self, role: str) -> list[tuple[str, ...]]:
+        config = {**kv_transfer_config(role), "kv_load_failure_policy": "recompute"}
+        return [
+            ("--host", "127.0.0.1"),
+            ("--port", str(self.port)),
+            ("--served-model-name", "tiny"),
+            ("--dtype", "float32"),
+            ("--max-model-len", "256"),
+            ("--block-size", str(BLOCK_SIZE)),
+            ("--kv-cache-memory-bytes", str(16 << 20)),
+            ("--enforce-eager",),
+            ("--no-enable-prefix-caching",),
+            ("--disable-hybrid-kv-cache-manager",),
+            ("--disable-uvicorn-access-log",),
+            ("--kv-transfer-config", json.dumps(config)),
+        ]
+
+    def wait_up(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.url} not up within {START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    def metric(self, name: str, **labels: str) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            match = re.match(rf"{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+            if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+                return float(match.group(2))
+        raise KeyError(f"{name} {labels} not in {self.url}/metrics")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group this test started
+                self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, str]]:
+    root = tmp_path_factory.mktemp("http")
+    model = add_word_tokenizer(make_tiny_llama(root / "model"))
+    prefill = Server(model, "kv_producer", root / "prefill.log")
+    decode = Server(model, "kv_consumer", root / "decode.log")
+    proxy = serve(Proxy([prefill.url], [decode.url], timeout_s=120), port=0)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        prefill.wait_up(deadline)
+        decode.wait_up(deadline)
+        yield prefill, decode, f"http://127.0.0.1:{proxy.server_port}"
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        prefill.stop()
+        decode.stop()
+
+
+def _complete(base: str, prompt: str, **extra: Any) -> Any:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+    request = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        raw = response.read()
+    if extra.get("stream"):
+        events = [line.removeprefix(b"data: ") for line in raw.splitlines() if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    return json.loads(raw)
+
+
+def test_completions_through_the_proxy_equal_one_engines_and_decode_computed_no_prompt(
+    servers: tuple[Server, Server, str],
+) -> None:
+    prefill, decode, proxy = servers
+    for n, prompt in PROMPTS.items():
+        alone = _complete(prefill.url, prompt)
+        disaggregated = _complete(proxy, prompt)
+        assert disaggregated["usage"]["prompt_tokens"] == n
+        assert disaggregated["choices"][0]["text"] == alone["choices"][0]["text"], f"{n}-token prompt"
+        assert _complete(proxy, prompt, stream=True) == alone["choices"][0]["text"], (
+            f"{n}-token prompt, streamed"
+        )
+    source = "vllm:prompt_tokens_by_source_total"
+    assert decode.metric(source, source="external_kv_transfer") == 2 * sum(PROMPTS)
+    assert decode.metric(source, source="local_compute") == 0
+    assert decode.metric("vllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS)

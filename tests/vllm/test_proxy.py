@@ -1,0 +1,158 @@
+"""The P/D proxy's request flow against stand-in engines (HTTP servers that
+record what they are sent); the real ``vllm serve`` engines behind it:
+``test_e2e_http.py``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvconn_vllm.proxy import Proxy, prefill_request, serve
+
+PARAMS = {
+    "do_remote_prefill": True,
+    "kvconn_room": 7,
+    "kvconn_prefill": ["tcp://x:1"],
+    "remote_num_tokens": 3,
+}
+#: An engine's answer to a body: (status, JSON, or raw bytes sent as an event stream).
+Answer = Callable[[dict[str, Any]], tuple[int, Any]]
+
+
+class Engine:
+    """An HTTP server answering every POST with ``answer(body)``; keeps the bodies."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        bodies = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bodies.append(body)
+                status, out = answer(body)
+                raw = isinstance(out, bytes)
+                data = out if raw else json.dumps(out).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if raw else "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+
+@contextmanager
+def running(*servers: ThreadingHTTPServer) -> Iterator[None]:
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+@contextmanager
+def proxied(prefill: Engine, decode_url: str, extra: tuple[Engine, ...] = ()) -> Iterator[str]:
+    """The proxy's base URL, in front of ``prefill`` and the decode at ``decode_url``."""
+    proxy = serve(Proxy([prefill.url], [decode_url], timeout_s=10), port=0)
+    with running(proxy, prefill.server, *(e.server for e in extra)):
+        yield f"http://127.0.0.1:{proxy.server_port}"
+
+
+def kvconn_prefill() -> Engine:
+    return Engine(lambda body: (200, {"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}))
+
+
+def _post(url: str, body: Any) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_prefill_gets_one_token_no_stream_and_the_remote_decode_ask() -> None:
+    body = {
+        "prompt": "a b",
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "stream": True,
+        "stream_options": {},
+    }
+    assert prefill_request(body) == {
+        "prompt": "a b",
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert body["max_tokens"] == 50 and body["stream"] is True  # the client's request is untouched
+
+
+def test_decode_gets_the_request_with_prefills_params_and_its_answer_is_relayed() -> None:
+    prefill = kvconn_prefill()
+    decode = Engine(lambda body: (200, {"choices": [{"text": "decoded"}]}))
+    request = {"prompt": "a b", "max_tokens": 5, "temperature": 0}
+    with proxied(prefill, decode.url, (decode,)) as url:
+        status, raw = _post(url + "/v1/completions", request)
+    assert (status, json.loads(raw)) == (200, {"choices": [{"text": "decoded"}]})
+    assert prefill.bodies == [prefill_request(request)]
+    assert decode.bodies == [{**request, "kv_transfer_params": PARAMS}]
+
+
+def test_a_streamed_answer_is_relayed_byte_for_byte() -> None:
+    stream = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
+    prefill, decode = kvconn_prefill(), Engine(lambda body: (200, stream))
+    with proxied(prefill, decode.url, (decode,)) as url:
+        status, raw = _post(url + "/v1/chat/completions", {"messages": [], "stream": True})
+    assert (status, raw) == (200, stream)
+    assert decode.bodies[0]["stream"] is True and "stream" not in prefill.bodies[0]
+
+
+def test_a_prefill_without_kvconn_is_a_clear_502_and_decode_is_not_asked() -> None:
+    plain = Engine(lambda body: (200, {"choices": [{"text": "x"}]}))
+    decode = Engine(lambda body: (200, {}))
+    with proxied(plain, decode.url, (decode,)) as url:
+        status, raw = _post(url + "/v1/completions", {"prompt": "a"})
+    assert status == 502 and "KvconnConnector" in json.loads(raw)["error"]["message"]
+    assert not decode.bodies
+
+
+def test_engine_errors_and_bad_bodies_are_answered_not_raised() -> None:
+    failing = Engine(lambda body: (400, {"error": {"message": "prompt too long"}}))
+    decode = Engine(lambda body: (200, {}))
+    with proxied(failing, decode.url, (decode,)) as url:
+        assert _post(url + "/v1/completions", {"prompt": "a"}) == (
+            400,
+            b'{"error": {"message": "prompt too long"}}',
+        )
+        status, raw = _post(url + "/v1/completions", b"{not json")
+        assert status == 400 and "bad request body" in json.loads(raw)["error"]["message"]
+        assert _post(url + "/v1/embeddings", {})[0] == 404
+        # the proxy still serves after each
+        assert _post(url + "/v1/completions", {"prompt": "b"})[0] == 400
+    assert not decode.bodies
+
+
+def test_an_unreachable_decode_is_a_502_naming_it() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with proxied(kvconn_prefill(), nobody) as url:
+        status, raw = _post(url + "/v1/completions", {"prompt": "a"})
+    assert status == 502 and nobody in json.loads(raw)["error"]["message"]
