@@ -53,6 +53,18 @@ def test_healthy_options_pass_the_same_checks() -> None:
     )
 
 
+def test_exitfirst_stops_at_the_first_failed_check() -> None:
+    """``-x``, the start-up gate's mode (kvconn-vllm's ``conformance`` option):
+    a lying transport is refused by its first failed check, not after the
+    whole suite; the same checks without ``-x`` fail more than once."""
+    lie = ("-o", "early_done=1", "-o", "piece_delay_s=0.001", "-k", "engine_buffers or done_barrier")
+    code, out = conformance("loopback", "-x", *lie)
+    assert code != 0 and out.count("\nFAILED   ") == 1, out
+    assert "stopping after 1 failures" in out, out
+    code, out = conformance("loopback", *lie)
+    assert code != 0 and out.count("\nFAILED   ") > 1, out
+
+
 STRICT_FILE = """
 import pytest
 from kvconn.conformance import ConformanceSuite

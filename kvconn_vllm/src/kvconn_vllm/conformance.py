@@ -32,6 +32,7 @@ def check_transport(backend: str, options: Mapping[str, str], timeout_s: float =
         "conformance",
         backend,
         "-q",
+        "--exitfirst",  # one failed check is enough to refuse
         *(f"--option={key}={value}" for key, value in sorted(options.items())),
     ]
     try:

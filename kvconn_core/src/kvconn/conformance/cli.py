@@ -1,4 +1,4 @@
-"""``kvconn conformance BACKEND [--strict] [--thorough] [--watch S] [-k EXPR] [-o KEY=VALUE]``."""
+"""``kvconn conformance BACKEND [--strict] [--thorough] [--watch S] [-k EXPR] [-o KEY=VALUE] [-x]``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thorough", action="store_true", help="wider chunks (20000 segments) and a 10 s watch"
+    )
+    parser.add_argument(
+        "-x", "--exitfirst", action="store_true", help="stop at the first failed check (a start-up gate)"
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="terse pytest output")
 
@@ -71,6 +74,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         argv += ["-k", args.keyword]
     for item in args.option:
         argv += ["--kvconn-option", item]
+    if args.exitfirst:
+        argv.append("--exitfirst")
     argv.append("-q" if args.quiet else "-v")
     with tempfile.TemporaryDirectory(prefix="kvconn-conformance-") as rootdir:
         argv += ["--rootdir", rootdir, "-c", os.devnull]
