@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -156,3 +157,37 @@ def test_an_unreachable_decode_is_a_502_naming_it() -> None:
     with proxied(kvconn_prefill(), nobody) as url:
         status, raw = _post(url + "/v1/completions", {"prompt": "a"})
     assert status == 502 and nobody in json.loads(raw)["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_closes_decodes_connection() -> None:
+    """vLLM aborts a request whose connection closes: the proxy must close
+    decode's connection once its client is gone, not drain it to the end."""
+    closed = threading.Event()
+
+    class Streaming(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            try:
+                for i in range(200):  # 10 s at most
+                    self.wfile.write(f'data: {{"n": {i}}}\n\n'.encode())
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except (BrokenPipeError, ConnectionResetError):
+                closed.set()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    decode = ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+    decode_url = f"http://127.0.0.1:{decode.server_port}"
+    with running(decode), proxied(kvconn_prefill(), decode_url) as url:
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps({"prompt": "a", "stream": True}).encode()
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.readline().startswith(b"data: ")
+        # the client is gone; decode's next writes must fail
+        assert closed.wait(8), "the proxy kept decode's stream open after its client left"

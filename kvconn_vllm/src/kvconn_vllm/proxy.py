@@ -20,7 +20,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -104,18 +104,18 @@ class Proxy:
             )
         return params
 
-    def generate(self, path: str, body: dict[str, Any]) -> tuple[int, str, Iterator[bytes]]:
+    def generate(self, path: str, body: dict[str, Any]) -> tuple[int, str, Generator[bytes, None, None]]:
         """Both legs: status, content type and the decode engine's body."""
         params = self.kv_params(path, body)
         response = self._open(self.decode.next() + path, {**body, "kv_transfer_params": params})
         return response.status, response.headers.get("Content-Type", "application/json"), _relay(response)
 
-    def get(self, path: str) -> tuple[int, str, Iterator[bytes]]:
+    def get(self, path: str) -> tuple[int, str, Generator[bytes, None, None]]:
         response = self._open(self.decode.next() + path, None)
         return response.status, response.headers.get("Content-Type", "application/json"), _relay(response)
 
 
-def _relay(response: Any) -> Iterator[bytes]:
+def _relay(response: Any) -> Generator[bytes, None, None]:
     with response:
         while chunk := response.read1(_RELAY_BYTES):
             yield chunk
@@ -151,9 +151,16 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(chunk)
-                self.wfile.flush()
+            try:
+                for chunk in chunks:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                # The client left: closing decode's connection (the relay's
+                # `with`) makes vLLM abort the request.
+                pass
+            finally:
+                chunks.close()
 
         def _send_error(self, exc: UpstreamError) -> None:
             self.send_response(exc.status)
