@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 import pluggy  # noqa: E402
 from nixl_procs import PAGE, Child, children, decode_main, pattern, writer_main  # noqa: E402
 
-from kvconn import hookspecs  # noqa: E402
 from kvconn.chunk import Chunk, Segment  # noqa: E402
+from kvconn.testing.inprocess import hooks_of  # noqa: E402
 from kvconn.transport import Settlement, Writer  # noqa: E402
 from kvconn_nixl import FENCE_PROVEN_TLS, Options, backend  # noqa: E402
 from kvconn_nixl._nixl import RegionInfo  # noqa: E402
@@ -35,13 +35,6 @@ SEED = 7
 
 def chunk(peer: str = "decode", room: int = 1, index: int = 0) -> Chunk:
     return Chunk(room=room, index=index, last=True, rank=0, peer=peer, src_pages=(), dst_pages=())
-
-
-def manager(writer: Any) -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(writer)
-    return pm
 
 
 def write(pm: pluggy.PluginManager, segs: list[Segment], timeout: float = 20, room: int = 1) -> Settlement:
@@ -121,7 +114,7 @@ def test_writer_rejects_out_of_range_and_unknown_peer() -> None:
     try:
         assert isinstance(writer, Writer)
         writer.connect("decode", region.metadata)
-        pm = manager(writer)
+        pm = hooks_of(writer)
         with pytest.raises(ValueError):
             pm.hook.on_post(chunk=chunk(), segments=[Segment(0, MiB - 10, 11)])
         with pytest.raises(ValueError):
@@ -157,7 +150,7 @@ def test_a_barrier_that_sleeps_between_polls_still_lands_every_byte() -> None:
         data = np.random.default_rng(5).integers(0, 256, 8 * MiB, dtype=np.uint8).tobytes()
         writer.write(0, data)
         segs = [Segment(i * MiB, (15 - 2 * i) * MiB, MiB) for i in range(8)]
-        assert write(manager(writer), segs) is Settlement.LANDED
+        assert write(hooks_of(writer), segs) is Settlement.LANDED
         for i in range(8):
             assert region.read((15 - 2 * i) * MiB, MiB) == data[i * MiB : (i + 1) * MiB]
     finally:
@@ -192,7 +185,7 @@ def writer(tls: str, decode: Child) -> Iterator[Any]:
 def test_integrity(shape: str, decode: Child, writer: Any) -> None:
     segs = shapes()[shape]
     decode.call("fill", 0)
-    pm = manager(writer)
+    pm = hooks_of(writer)
     t0 = time.perf_counter()
     assert write(pm, segs) is Settlement.LANDED
     dt = time.perf_counter() - t0
@@ -206,7 +199,7 @@ def test_integrity(shape: str, decode: Child, writer: Any) -> None:
 def test_concurrent_workers(decode: Child, writer: Any) -> None:
     """Hooks from several worker threads at once, each its own chunk."""
     decode.call("fill", 0)
-    pm = manager(writer)
+    pm = hooks_of(writer)
     rows: list[list[Segment]] = [
         [Segment((t * 64 + i) * PAGE * 4, (t * 64 + i) * PAGE * 5, PAGE * 4) for i in range(64)]
         for t in range(4)
@@ -254,7 +247,7 @@ def test_fence_then_write_again_in_process() -> None:
         try:
             w.array()[:] = pattern(5, 8 * MiB)
             w.connect("decode", dec.hello)
-            pm = manager(w)
+            pm = hooks_of(w)
             assert write(pm, [Segment(0, 0, 4 * MiB)]) is Settlement.LANDED
             assert pm.hook.on_fence() is True
             assert w.last_fence_s < 5
@@ -268,7 +261,7 @@ def test_fence_then_write_again_in_process() -> None:
 def test_no_fence_claimed_without_tcp() -> None:
     w = backend.open_writer(MiB, {"ucx_tls": "default"})
     try:
-        assert manager(w).hook.on_fence() is None
+        assert hooks_of(w).hook.on_fence() is None
     finally:
         w.close()
 
@@ -286,7 +279,7 @@ def test_decode_killed_mid_transfer() -> None:
             try:
                 w.array()[:] = 1
                 w.connect("decode", dec.hello)
-                pm = manager(w)
+                pm = hooks_of(w)
                 c = chunk()
                 posted = pm.hook.on_post(
                     chunk=c, segments=[Segment(i * MiB, i * MiB, MiB) for i in range(256)]
@@ -313,7 +306,7 @@ def test_frozen_decode_hits_writer_deadline() -> None:
         try:
             w.array()[:] = 2
             w.connect("decode", dec.hello)
-            pm = manager(w)
+            pm = hooks_of(w)
             assert write(pm, [Segment(0, 0, PAGE)]) is Settlement.LANDED  # connected
             dec.signal(signal.SIGSTOP)
             try:

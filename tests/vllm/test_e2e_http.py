@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,21 +20,17 @@ from typing import Any
 
 import pytest
 from conftest import NEEDS_VLLM
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
 from vllm_helpers import BLOCK_SIZE, add_word_tokenizer, kv_transfer_config, make_tiny_llama
 
+from kvconn.testing.cluster import free_port
 from kvconn_vllm.proxy import Proxy, serve
 
 START_TIMEOUT_S = 300.0
 PROMPTS = {n: " ".join(f"w{(n * 13 + i * 7) % 500 + 3}" for i in range(n)) for n in (5, BLOCK_SIZE, 45, 70)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -44,7 +38,7 @@ class Server:
     runs) in a process group of its own, stopped by its pid."""
 
     def __init__(self, model: Path, role: str, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
@@ -94,10 +88,10 @@ class Server:
     def metric(self, name: str, **labels: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
             text = response.read().decode()
-        for line in text.splitlines():
-            match = re.match(rf"{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-            if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-                return float(match.group(2))
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return float(sample.value)
         raise KeyError(f"{name} {labels} not in {self.url}/metrics")
 
     def stop(self) -> None:

@@ -5,7 +5,6 @@ record what they are sent); the real ``vllm serve`` engines behind it:
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -15,6 +14,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvconn.testing.cluster import free_port
 from kvconn_vllm.proxy import Proxy, prefill_request, serve
 
 PARAMS = {
@@ -151,9 +151,7 @@ def test_engine_errors_and_bad_bodies_are_answered_not_raised() -> None:
 
 
 def test_an_unreachable_decode_is_a_502_naming_it() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with proxied(kvconn_prefill(), nobody) as url:
         status, raw = _post(url + "/v1/completions", {"prompt": "a"})
     assert status == 502 and nobody in json.loads(raw)["error"]["message"]

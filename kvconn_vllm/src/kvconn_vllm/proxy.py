@@ -20,7 +20,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -31,6 +31,8 @@ GENERATE = ("/v1/completions", "/v1/chat/completions")
 #: Read endpoints answered by a decode engine.
 PASS_THROUGH = ("/v1/models", "/health", "/version")
 _RELAY_BYTES = 1 << 14
+#: An engine's answer as the proxy relays it: status, content type, body.
+Relayed = tuple[int, str, Generator[bytes, None, None]]
 
 
 class UpstreamError(Exception):
@@ -104,21 +106,25 @@ class Proxy:
             )
         return params
 
-    def generate(self, path: str, body: dict[str, Any]) -> tuple[int, str, Generator[bytes, None, None]]:
+    def generate(self, path: str, body: dict[str, Any]) -> Relayed:
         """Both legs: status, content type and the decode engine's body."""
         params = self.kv_params(path, body)
-        response = self._open(self.decode.next() + path, {**body, "kv_transfer_params": params})
-        return response.status, response.headers.get("Content-Type", "application/json"), _relay(response)
+        return _relayed(self._open(self.decode.next() + path, {**body, "kv_transfer_params": params}))
 
-    def get(self, path: str) -> tuple[int, str, Generator[bytes, None, None]]:
-        response = self._open(self.decode.next() + path, None)
-        return response.status, response.headers.get("Content-Type", "application/json"), _relay(response)
+    def get(self, path: str) -> Relayed:
+        return _relayed(self._open(self.decode.next() + path, None))
 
 
-def _relay(response: Any) -> Generator[bytes, None, None]:
-    with response:
-        while chunk := response.read1(_RELAY_BYTES):
-            yield chunk
+def _relayed(response: Any) -> Relayed:
+    """An engine's answer as it comes: status, content type, body chunks
+    (the connection closes when the chunks are closed or run out)."""
+
+    def chunks() -> Generator[bytes, None, None]:
+        with response:
+            while chunk := response.read1(_RELAY_BYTES):
+                yield chunk
+
+    return response.status, response.headers.get("Content-Type", "application/json"), chunks()
 
 
 def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
@@ -143,7 +149,7 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 return self._send_error(_error(404, f"{self.path}: unknown"))
             self._answer(lambda: proxy.get(self.path))
 
-        def _answer(self, leg: Any) -> None:
+        def _answer(self, leg: Callable[[], Relayed]) -> None:
             try:
                 status, content_type, chunks = leg()
             except UpstreamError as exc:

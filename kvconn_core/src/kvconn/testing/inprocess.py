@@ -11,7 +11,7 @@ import pluggy
 
 from kvconn import hookspecs
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.testing.kvpattern import CANARY, EngineShape, fill_page, page_matches
+from kvconn.testing.kvpattern import CANARY, EngineShape, dirty_bytes, fill_page, page_matches
 from kvconn.transport import Backend, Settlement, register_region, register_writer
 
 
@@ -76,8 +76,7 @@ def tp_round_trip(
                 for i, page in enumerate(dst_pages)
                 if not page_matches(shape, layout, arrays, room, i, page)
             ]
-            page_bytes = layout.buffers[0].page_bytes
-            if not all((a.reshape(-1, page_bytes)[others] == CANARY).all() for a in arrays):
+            if dirty_bytes(layout, arrays, others):
                 problems.append(f"decode {d}: a page outside the room was written")
     finally:
         for arrays, _, region in decodes:
