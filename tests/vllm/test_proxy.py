@@ -134,6 +134,15 @@ def test_a_prefill_without_kvconn_is_a_clear_502_and_decode_is_not_asked() -> No
     assert not decode.bodies
 
 
+def test_a_prefill_answer_that_is_not_json_is_a_clear_502() -> None:
+    garbled = Engine(lambda body: (200, b"<html>busy</html>"))
+    decode = Engine(lambda body: (200, {}))
+    with proxied(garbled, decode.url, (decode,)) as url:
+        status, raw = _post(url + "/v1/completions", {"prompt": "a"})
+    assert status == 502 and "not JSON" in json.loads(raw)["error"]["message"]
+    assert not decode.bodies
+
+
 def test_engine_errors_and_bad_bodies_are_answered_not_raised() -> None:
     failing = Engine(lambda body: (400, {"error": {"message": "prompt too long"}}))
     decode = Engine(lambda body: (200, {}))

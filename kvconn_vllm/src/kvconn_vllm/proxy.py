@@ -96,7 +96,10 @@ class Proxy:
         """Run the prefill leg; return the ``kv_transfer_params`` for decode."""
         url = self.prefill.next() + path
         with self._open(url, prefill_request(body)) as response:
-            answer = json.loads(response.read())
+            try:
+                answer = json.loads(response.read())
+            except ValueError as exc:
+                raise _error(502, f"{url} answered something that is not JSON: {exc}") from exc
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
             raise _error(
