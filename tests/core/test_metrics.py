@@ -91,3 +91,14 @@ def test_docs_metrics_lists_every_family() -> None:
     for family in Metrics("decode").registry.collect():
         name = f"{family.name}_total" if family.type == "counter" else family.name
         assert f"`{name}`" in text, f"{name} is not in docs/metrics.md"
+
+
+def test_docs_metrics_lists_every_drop_reason() -> None:
+    """Each ``reason`` label an endpoint can count is one DropReason, and the
+    operator's reference explains every one of them."""
+    from kvconn.protocol.drops import DropReason
+
+    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    missing = [reason.value for reason in DropReason if f"`{reason.value}`" not in text]
+    assert not missing, f"docs/metrics.md does not explain {missing}"
+    assert str(DropReason.BAD_MAC) == "bad_mac"  # the label is the value

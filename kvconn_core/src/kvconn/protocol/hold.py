@@ -19,6 +19,7 @@ from collections.abc import Collection
 
 import attrs
 
+from kvconn.protocol.drops import DropReason
 from kvconn.protocol.messages import Abort, AbortAck
 
 
@@ -65,7 +66,7 @@ class Quarantine:
 class Dropped:
     """An ack that proves nothing; ``reason`` is a counter label."""
 
-    reason: str
+    reason: DropReason
     ack: AbortAck
 
 
@@ -187,13 +188,13 @@ class HoldTracker:
     def ack(self, msg: AbortAck, now: float) -> list[HoldAction]:
         entry = self._rooms.get(msg.room)
         if entry is None or entry.state is HoldState.OPEN:
-            return [Dropped("not_held", msg)]
+            return [Dropped(DropReason.NOT_HELD, msg)]
         if msg.rank not in entry.ranks:
-            return [Dropped("stranger_rank", msg)]
+            return [Dropped(DropReason.STRANGER_RANK, msg)]
         if msg.generation not in entry.generations:
-            return [Dropped("stale_generation", msg)]
+            return [Dropped(DropReason.STALE_GENERATION, msg)]
         if msg.rank in entry.proven:
-            return [Dropped("duplicate", msg)]
+            return [Dropped(DropReason.DUPLICATE, msg)]
         entry.proven.add(msg.rank)
         entry.fenced = entry.fenced or msg.fenced
         if entry.proven < entry.ranks:

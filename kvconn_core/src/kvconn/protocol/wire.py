@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from kvconn.protocol.drops import DropReason
 from kvconn.protocol.messages import (
     TAGS,
     Abort,
@@ -59,8 +60,8 @@ _BY_TAG: dict[int, type[Message]] = {int(tag): cls for cls, tag in TAGS.items()}
 class FrameError(ValueError):
     """A frame that cannot be decoded; ``reason`` is a short counter label."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
+    def __init__(self, reason: DropReason, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else str(reason))
         self.reason = reason
 
 
@@ -78,31 +79,31 @@ def encode(message: Message, key: bytes | None = None) -> bytes:
 
 def decode(frame: bytes, key: bytes | None = None) -> Message:
     if len(frame) > MAX_FRAME:
-        raise FrameError("oversize", f"{len(frame)} bytes")
+        raise FrameError(DropReason.OVERSIZE, f"{len(frame)} bytes")
     if key is not None:
         if len(frame) < _HEADER.size + MAC_BYTES:
             # too short to carry a MAC: unauthenticated, like a wrong MAC
-            raise FrameError("bad_mac", "frame too short for a MAC")
+            raise FrameError(DropReason.BAD_MAC, "frame too short for a MAC")
         frame, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
         if not hmac.compare_digest(mac, hmac.digest(key, frame, hashlib.sha256)):
-            raise FrameError("bad_mac")
+            raise FrameError(DropReason.BAD_MAC)
     if len(frame) < _HEADER.size:
-        raise FrameError("short")
+        raise FrameError(DropReason.SHORT)
     magic, version, tag = _HEADER.unpack_from(frame)
     if magic != MAGIC:
-        raise FrameError("bad_magic")
+        raise FrameError(DropReason.BAD_MAGIC)
     if version != VERSION:
-        raise FrameError("bad_version", str(version))
+        raise FrameError(DropReason.BAD_VERSION, str(version))
     cls = _BY_TAG.get(tag)
     if cls is None:
-        raise FrameError("unknown_tag", str(tag))
+        raise FrameError(DropReason.UNKNOWN_TAG, str(tag))
     reader = _Reader(memoryview(frame), _HEADER.size)
     try:
         values = [_DECODERS[code](reader) for code in _SCHEMA[cls]]
     except (struct.error, UnicodeDecodeError, ValueError) as exc:
-        raise FrameError("bad_body", f"{cls.__name__}: {exc}") from None
+        raise FrameError(DropReason.BAD_BODY, f"{cls.__name__}: {exc}") from None
     if reader.pos != len(frame):
-        raise FrameError("trailing_bytes", cls.__name__)
+        raise FrameError(DropReason.TRAILING_BYTES, cls.__name__)
     return cls(*values)
 
 

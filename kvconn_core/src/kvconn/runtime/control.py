@@ -13,6 +13,7 @@ from collections.abc import Callable
 import zmq
 
 from kvconn.protocol import wire
+from kvconn.protocol.drops import DropReason
 from kvconn.protocol.messages import Message
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Listener:
         host: str,
         port: int,
         handler: Handler,
-        on_drop: Callable[[str], None],
+        on_drop: Callable[[DropReason], None],
         key: bytes | None = None,
         idle: Idle | None = None,
     ) -> None:
@@ -82,7 +83,7 @@ class Listener:
                     wait = self._idle()
                 except Exception:
                     log.exception("kvconn idle handler raised")
-                    self._on_drop("idle_error")
+                    self._on_drop(DropReason.IDLE_ERROR)
                     wait = None
                 if wait is not None:
                     timeout = max(0.0, min(timeout, wait))
@@ -98,7 +99,7 @@ class Listener:
             self._handler(message)
         except Exception:
             log.exception("kvconn handler raised on %s", type(message).__name__)
-            self._on_drop("handler_error")
+            self._on_drop(DropReason.HANDLER_ERROR)
 
 
 class Outbox:
@@ -121,7 +122,10 @@ class Outbox:
     QUEUE_LIMIT = 100_000
 
     def __init__(
-        self, key: bytes | None = None, on_drop: Callable[[str], None] = lambda _: None, queue_limit: int = 0
+        self,
+        key: bytes | None = None,
+        on_drop: Callable[[DropReason], None] = lambda _: None,
+        queue_limit: int = 0,
     ) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._key = key
@@ -141,7 +145,7 @@ class Outbox:
             try:
                 sock.send(frame, zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                self._on_drop("send_queue_full")
+                self._on_drop(DropReason.SEND_QUEUE_FULL)
                 return False
         return True
 
@@ -162,7 +166,7 @@ class Outbox:
                 except zmq.ZMQError:
                     sock.close(linger=0)
                     if count:
-                        self._on_drop("unsendable_address")
+                        self._on_drop(DropReason.UNSENDABLE_ADDRESS)
                     return None
                 entry = self._socks[address] = (threading.Lock(), sock)
             return entry

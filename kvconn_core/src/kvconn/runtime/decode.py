@@ -21,6 +21,7 @@ from kvconn.config import Config
 from kvconn.errors import BootstrapError, PageError, RoomInUseError, RoomStateError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
+from kvconn.protocol.drops import DropReason
 from kvconn.protocol.hold import (
     Dropped,
     HoldAction,
@@ -524,7 +525,7 @@ class DecodeEndpoint:
                 actions = []
                 request = self._requests.get(msg.room)
                 if msg.rank not in self.tracker.ranks_of(msg.room) or request is None:
-                    self._count_drop("stranger_status")
+                    self._count_drop(DropReason.STRANGER_STATUS)
                 elif msg.outcome is RoomOutcome.SUCCESS:
                     if self.tracker.succeeded(msg.room, msg.rank) and request.verdict is None:
                         request.verdict = KVPoll.SUCCESS
@@ -536,7 +537,7 @@ class DecodeEndpoint:
                     return
                 actions = self._on_heartbeat(msg, now)
             else:
-                self._count_drop("unexpected_type")
+                self._count_drop(DropReason.UNEXPECTED_TYPE)
                 return
             releases = self._execute(actions)
         self._notify(releases)
@@ -558,10 +559,10 @@ class DecodeEndpoint:
             rank_id = self._id_of_session.get((msg.rank, msg.session))
             writer = self._writers.get(rank_id) if rank_id is not None else None
         if msg.decode != self.name:
-            self._count_drop("other_decode")
+            self._count_drop(DropReason.OTHER_DECODE)
             return None
         if writer is None or rank_id is None or msg.session != writer.session:
-            self._count_drop("other_session")
+            self._count_drop(DropReason.OTHER_SESSION)
             return None
         return rank_id
 
@@ -578,7 +579,7 @@ class DecodeEndpoint:
             # the same) could only make another process's exit count as this
             # writer's.
             if answers[msg.rank] != WriterIdentity.announced(msg):
-                self._count_drop("hello_ack_changed")
+                self._count_drop(DropReason.HELLO_ACK_CHANGED)
         else:
             answers[msg.rank] = WriterIdentity.announced(msg)
         self._bootstrapped.notify_all()
@@ -620,7 +621,7 @@ class DecodeEndpoint:
         # called with the lock held
         key = (ack.room, ack.rank, ack.generation)
         if key not in self._draining and len(self._draining) >= self.MAX_DRAINING:
-            self._count_drop("drain_backlog_full")
+            self._count_drop(DropReason.DRAIN_BACKLOG_FULL)
             return
         self._draining[key] = ack
 
@@ -682,14 +683,14 @@ class DecodeEndpoint:
         its proof (exit with drain, or quarantine); they fail now."""
         rank = self._id_at.get(msg.address)  # the endpoint-wide id of the rank there
         if rank is None:
-            self._count_drop("stranger_hello")
+            self._count_drop(DropReason.STRANGER_HELLO)
             return []
         writer = self._writers[rank]
         if msg.rank != self._rank_of[rank][1]:
-            self._count_drop("hello_ack_changed")
+            self._count_drop(DropReason.HELLO_ACK_CHANGED)
             return []
         if msg.error or (rank, msg.session) in self._retired:
-            self._count_drop("hello_refused" if msg.error else "retired_session")
+            self._count_drop(DropReason.HELLO_REFUSED if msg.error else DropReason.RETIRED_SESSION)
             return []
         if msg.session == writer.session:
             self._heard[rank] = now
@@ -836,7 +837,7 @@ class DecodeEndpoint:
             except Exception:
                 log.exception("on_release callback raised for room %d", release.room)
 
-    def _count_drop(self, reason: str) -> None:
+    def _count_drop(self, reason: DropReason) -> None:
         self.metrics.dropped.labels(reason).inc()
 
 

@@ -28,6 +28,7 @@ from kvconn.config import Config, check_deadlines
 from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Metrics
+from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import (
     LIVE,
     KVPoll,
@@ -259,10 +260,10 @@ class PrefillRank:
             with self._lock:
                 peer = self._peers.get(msg.decode)
                 if peer is None:
-                    self._count_drop("unknown_decode")
+                    self._count_drop(DropReason.UNKNOWN_DECODE)
                     return
                 if msg.session != self._session or msg.seq <= peer.last_seq:
-                    self._count_drop("stale_request")  # replayed, or for another process
+                    self._count_drop(DropReason.STALE_REQUEST)  # replayed, or for another process
                     return
                 peer.last_seq = msg.seq
                 # A room is this decode's: the same id requested by another
@@ -301,7 +302,7 @@ class PrefillRank:
         elif isinstance(msg, Hello):
             self._on_hello(msg)
         else:
-            self._count_drop("unexpected_type")
+            self._count_drop(DropReason.UNEXPECTED_TYPE)
 
     def _on_hello(self, msg: Hello) -> None:
         error = ""
@@ -343,7 +344,7 @@ class PrefillRank:
         if not self._outbox.reachable(msg.reply_to):
             # No ack could ever go there: drop it whole, or the ledger would
             # keep an ack target that fails every send.
-            self._count_drop("bad_reply_to")
+            self._count_drop(DropReason.BAD_REPLY_TO)
             return
         key = RoomKey(msg.decode, msg.room)
         with self._lock:
@@ -569,7 +570,7 @@ class PrefillRank:
                 e.__traceback__ = None
                 chained += [e.__cause__, e.__context__]
 
-    def _count_drop(self, reason: str) -> None:
+    def _count_drop(self, reason: DropReason) -> None:
         self.metrics.dropped.labels(reason).inc()
 
 
