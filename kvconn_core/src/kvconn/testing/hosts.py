@@ -1,0 +1,414 @@
+"""Hosts on one machine, for tests and the bench: each a network namespace
+whose processes each get a private PID and mount namespace (their own
+``/proc`` view and a tmpfs ``/dev/shm``), all joined by veth pairs through a
+bridge that lives in a namespace of its own.
+
+Nothing is added to the caller's network namespace: the bridge, the links
+and the addresses (one /24 drawn from 10.64.0.0/10 per run) exist only in
+the namespaces made here. Names carry this process's pid and a random tag,
+so two runs at once never clash, and a run that died without cleaning up
+is swept by the next one (its pid is gone). Everything is torn down on a
+normal exit, on an exception, on SIGINT and on SIGTERM.
+
+A partition is a host's bridge port set down (a pulled cable: the host
+keeps its address and routes, its packets go nowhere), healed by setting it
+up. A lost host is its port down first, then every process in its network
+namespace killed with SIGKILL by pid, so no FIN or RST reaches anyone (pid 1
+of a PID namespace ignores SIGTERM from outside).
+
+Needs root, iproute2 and util-linux ``unshare``; :class:`HostsUnavailable`
+says why not in one line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import types
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+
+#: Every namespace this module makes starts with it: ``kvh-<pid>-<tag>-<role>``.
+PREFIX = "kvh-"
+#: Each host's interface, the same name in every host (UCX_NET_DEVICES).
+IFACE = "kvnet0"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-([0-9a-f]+)-")
+
+
+class HostsUnavailable(RuntimeError):
+    """Why no hosts can be made here (one line)."""
+
+
+def ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, ["ip", *args], done.stdout, done.stderr)
+    return done.stdout
+
+
+def unavailable() -> str:
+    """Why hosts cannot be made here, or "" if they can."""
+    if os.geteuid() != 0:
+        return "hosts (network, PID and mount namespaces) need root"
+    for tool in ("ip", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"hosts need `{tool}` on PATH"
+    return ""
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    """setns(2) into the network namespace ``fd`` (the calling thread only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _netns_inode(name: str) -> int:
+    return os.stat(f"/run/netns/{name}").st_ino
+
+
+def processes_in(netns: str) -> list[int]:
+    """Processes (not the caller) whose network namespace is ``netns``."""
+    try:
+        inode = _netns_inode(netns)
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def kill_all_in(netns: str, timeout: float = 5.0) -> None:
+    """SIGKILL every process in ``netns`` by pid, and wait until none is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = processes_in(netns)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} in {netns} survived SIGKILL")
+        time.sleep(0.01)
+
+
+def _delete(netns: str) -> None:
+    with contextlib.suppress(Exception):
+        kill_all_in(netns)
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete namespaces a dead run of this module left behind (its pid is gone)."""
+    try:
+        listed = ip("netns", "list")
+    except (OSError, subprocess.SubprocessError):
+        return []
+    swept = []
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _NAME.match(name)
+        if m and not _alive(int(m.group(1))):
+            _delete(name)
+            swept.append(name)
+    return swept
+
+
+def _descendants(root: int) -> list[int]:
+    """``root``'s descendants, parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        for child in sorted(children.get(pid, [])):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def ns_pid(pid: int) -> list[int]:
+    """``pid`` in each PID namespace it is in, outermost first (``NSpid``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    return [pid]
+
+
+@attrs.define(eq=False)
+class Host:
+    """One host: run a command in it with :meth:`prefix` or :meth:`popen`."""
+
+    name: str  #: its role in the fabric ("decode", "prefill0", ...)
+    netns: str  #: its network namespace (``ip netns exec NETNS``)
+    ip: str  #: its address, on :attr:`iface`
+    iface: str  #: its interface (the same name on every host)
+    port: str  #: its veth end on the bridge, in the switch namespace
+    fabric: Fabric = attrs.field(repr=False)
+
+    def prefix(self, isolated: bool = True) -> list[str]:
+        """A command prefix that runs in this host. ``isolated``: in a PID and
+        mount namespace of its own (its own ``/proc``, a tmpfs ``/dev/shm``);
+        the command runs as pid 2 under a shell that is pid 1, so that it
+        can stop itself and take signals as any process does (pid 1 ignores
+        what it has no handler for). ``isolated=False``: the network only."""
+        base = ["ip", "netns", "exec", self.netns]
+        if not isolated:
+            return base
+        return [
+            *base,
+            "unshare",
+            "--mount",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "sh",
+            "-c",
+            'mount -t tmpfs kvh-shm /dev/shm && "$0" "$@"',
+        ]
+
+    def popen(self, argv: Sequence[str], isolated: bool = True, **kwargs: Any) -> subprocess.Popen[Any]:
+        return subprocess.Popen([*self.prefix(isolated), *argv], **kwargs)
+
+    def run(self, argv: Sequence[str], isolated: bool = True, timeout: float = 30) -> str:
+        done = subprocess.run(
+            [*self.prefix(isolated), *argv], capture_output=True, text=True, timeout=timeout, check=True
+        )
+        return done.stdout
+
+    def processes(self) -> list[int]:
+        return processes_in(self.netns)
+
+    def cut(self) -> None:
+        """Partition this host from every other one."""
+        ip("-n", self.fabric.switch, "link", "set", self.port, "down")
+
+    def heal(self) -> None:
+        ip("-n", self.fabric.switch, "link", "set", self.port, "up")
+
+    def lose(self) -> None:
+        """The host is gone: its link down first, then all its processes killed."""
+        self.cut()
+        kill_all_in(self.netns)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the calling thread in this host's network namespace (threads it
+        starts meanwhile stay there); its PID and mount namespaces stay the
+        caller's. Sockets made meanwhile belong to the host's network."""
+        here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        there = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
+        try:
+            _setns(there)
+            try:
+                yield
+            finally:
+                _setns(here)
+        finally:
+            os.close(here)
+            os.close(there)
+
+    def enter_for_good(self) -> None:
+        """Move the calling thread into this host's network for the rest of
+        its life (a test process that is this host: call it before it starts
+        any thread, so that every thread it starts is here too)."""
+        there = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
+        try:
+            _setns(there)
+        finally:
+            os.close(there)
+
+    def main_pid(self, proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
+        """The pid (as this process sees it) of the command that ``proc``
+        started with the isolated :meth:`prefix`: the child of its PID
+        namespace's pid 1 (the shell) that runs ``proc``'s command."""
+        argv = proc.args if isinstance(proc.args, list) else []
+        command = str(argv[len(self.prefix())]) if len(argv) > len(self.prefix()) else ""
+        deadline = time.monotonic() + timeout
+        while True:
+            for pid in _descendants(proc.pid):
+                with contextlib.suppress(OSError, ValueError):
+                    nested = ns_pid(pid)
+                    if len(nested) > 1 and nested[-1] != 1 and _cmdline(pid)[:1] == [command]:
+                        return pid
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: the command of pid {proc.pid} did not start in its host")
+            time.sleep(0.005)
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+
+
+@attrs.define(eq=False)
+class Fabric:
+    """Hosts on one bridge; :meth:`close` (or leaving :func:`hosts`) removes all."""
+
+    tag: str
+    switch: str  #: the namespace holding the bridge
+    subnet: str  #: e.g. "10.77.3" (hosts are .1, .2, ...)
+    hosts: dict[str, Host] = attrs.Factory(dict)
+    _made: list[str] = attrs.Factory(list)
+    _closed: bool = False
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def namespaces(self) -> list[str]:
+        return list(self._made)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        for name in reversed(self._made):
+            _delete(name)
+
+
+_live: set[Fabric] = set()
+_handlers_lock = threading.Lock()
+_previous: dict[int, Any] = {}
+
+
+def _on_signal(signum: int, frame: types.FrameType | None) -> None:
+    for fabric in list(_live):
+        fabric.close()
+    previous = _previous.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    # SIGTERM's own default: die of it, now that nothing is left behind.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_handlers() -> None:
+    """Tear down on SIGINT and SIGTERM too (only the main thread may set them;
+    elsewhere the next run's :func:`sweep_stale` removes what is left)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _handlers_lock:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(sig)
+            if current is _on_signal:
+                continue
+            _previous[sig] = current if current not in (signal.SIG_DFL, signal.SIG_IGN, None) else None
+            signal.signal(sig, _on_signal)
+
+
+@atexit.register
+def _close_all() -> None:
+    for fabric in list(_live):
+        fabric.close()
+
+
+def _pick_subnet(rng: random.Random) -> str:
+    return f"10.{rng.randrange(64, 128)}.{rng.randrange(0, 256)}"
+
+
+def make(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Fabric:
+    """Make the hosts ``names`` (at least two) on one bridge; close the
+    returned :class:`Fabric` when done (or use :func:`hosts`)."""
+    why = unavailable()
+    if why:
+        raise HostsUnavailable(why)
+    if len(names) < 2 or len(set(names)) != len(names) or len(names) > 250:
+        raise ValueError(f"hosts wants 2 to 250 distinct names, got {list(names)}")
+    sweep_stale()
+    tag = uuid.uuid4().hex[:6]
+    rng = random.Random(uuid.uuid4().int)
+    fabric = Fabric(tag, f"{PREFIX}{os.getpid()}-{tag}-sw", _pick_subnet(rng))
+    _install_handlers()
+    _live.add(fabric)
+    try:
+        try:
+            ip("netns", "add", fabric.switch)
+        except subprocess.CalledProcessError as exc:
+            raise HostsUnavailable(f"cannot create a network namespace here: {exc.stderr.strip()}") from None
+        fabric._made.append(fabric.switch)
+        sw = ["-n", fabric.switch]
+        ip(*sw, "link", "add", "br0", "type", "bridge")
+        ip(*sw, "link", "set", "br0", "up")
+        for i, name in enumerate(names):
+            netns = f"{PREFIX}{os.getpid()}-{tag}-h{i}"
+            ip("netns", "add", netns)
+            fabric._made.append(netns)
+            port = f"p{i}"
+            ip("link", "add", IFACE, "netns", netns, "type", "veth", "peer", "name", port, "netns", fabric.switch)
+            ip(*sw, "link", "set", port, "master", "br0")
+            ip(*sw, "link", "set", port, "up")
+            address = f"{fabric.subnet}.{i + 1}"
+            ip("-n", netns, "addr", "add", f"{address}/24", "dev", IFACE)
+            ip("-n", netns, "link", "set", IFACE, "up")
+            ip("-n", netns, "link", "set", "lo", "up")
+            fabric.hosts[name] = Host(name, netns, address, IFACE, port, fabric)
+    except BaseException:
+        fabric.close()
+        raise
+    return fabric
+
+
+@contextlib.contextmanager
+def hosts(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Iterator[Fabric]:
+    """:func:`make`, removed after."""
+    fabric = make(names)
+    try:
+        yield fabric
+    finally:
+        fabric.close()
+
+
+def skip_unless_available(skip: Callable[[str], Any]) -> None:
+    """Call ``skip`` (e.g. ``pytest.skip``) with the one-line reason hosts cannot be made here."""
+    why = unavailable()
+    if why:
+        skip(why)
