@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import ipaddress
 import logging
 import math
 import os
@@ -61,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -738,16 +739,26 @@ class MooncakeWriter:
             self._destroy_zombies()
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 @attrs.frozen
 class MooncakeBackend:
     """The object behind the ``kvconn.backends`` entry point ``mooncake``."""
 
     name: str = "mooncake"
+    #: What binds an endpoint to a host's network (the conformance suite's
+    #: cross-host mode fills these in for each host).
+    host_options: ClassVar[dict[str, str]] = {"host": "{ip}"}
     capabilities: Capabilities = attrs.field(
         factory=lambda: Capabilities(
             writer_fence=True,
             memory=frozenset(MEMORY_KINDS if cuda_engine_installed() else ("dram",)),
-            cross_host=False,
+            cross_host=True,
             max_write_timeout_s=engine_timeout_s(),
             notes=(
                 "Mooncake TE 0.3.13 over P2PHANDSHAKE; tcp tested (loopback), rdma untested. "
@@ -766,13 +777,16 @@ class MooncakeBackend:
         """The same with any valid options, but for ``protocol``: the fence is
         proven over tcp only. The core asks before it starts processes, so a
         bad option fails there and then."""
-        _, protocol, _ = engine_settings(options)
+        host, protocol, _ = engine_settings(options)
         MemoryOptions.parse(options)
         WriterOptions.parse(options)
         if protocol != "tcp":
             # Untested: writes already handed to an RDMA NIC, and its own
             # retries, are not shown to stop with the engine.
-            return attrs.evolve(self.capabilities, writer_fence=False)
+            return attrs.evolve(self.capabilities, writer_fence=False, cross_host=False)
+        if _loopback(host):
+            # Peers on other hosts cannot reach an engine bound to loopback.
+            return attrs.evolve(self.capabilities, cross_host=False)
         return self.capabilities
 
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> MooncakeRegion:

@@ -150,6 +150,15 @@ class Options:
         )
 
     @property
+    def cross_host(self) -> bool:
+        """Writers on other hosts: proven by the conformance suite across
+        hosts for an agent pinned to a network interface over tcp, DRAM
+        (``lo`` cannot leave this host; UCX's own pick, ``default``, is cma
+        here and untested across hosts)."""
+        devices = {d.strip() for d in self.net_devices.split(",")}
+        return bool(self.net_devices) and "lo" not in devices and self.fence_proven
+
+    @property
     def fence_proven(self) -> bool:
         # Not for VRAM: tcp registers host memory only, so UCX emulates a PUT
         # to or from device memory (put/am/bcopy or put/rndv) and the owner

@@ -368,6 +368,9 @@ class NixlBackend:
     """The object behind the ``kvconn.backends`` entry point ``nixl``."""
 
     name = "nixl"
+    #: What binds an endpoint to a host's network (the conformance suite's
+    #: cross-host mode fills these in for each host).
+    host_options = {"net_devices": "{iface}"}
 
     def __init__(self) -> None:
         self.capabilities = self.capabilities_for({})
@@ -380,7 +383,7 @@ class NixlBackend:
         return Capabilities(
             writer_fence=opts.fence_proven,
             memory=frozenset({"dram", "vram"}),
-            cross_host=False,
+            cross_host=opts.cross_host,
             max_write_timeout_s=None,
             notes=(
                 f"NIXL 1.5.1 / UCX, UCX_TLS={opts.ucx_tls}. writer_fence: destroy the "

@@ -1,4 +1,4 @@
-"""``kvconn conformance BACKEND [--strict] [--thorough] [--watch S] [-k EXPR] [-o KEY=VALUE] [-x]``."""
+"""``kvconn conformance BACKEND [--strict] [--thorough] [--cross-host] [--watch S] [-k EXPR] [-o KEY=VALUE] [-x]``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thorough", action="store_true", help="wider chunks (20000 segments) and a 10 s watch"
+    )
+    parser.add_argument(
+        "--cross-host",
+        action="store_true",
+        help="decode on one host, writers on two others (network, PID and mount namespaces on this "
+        "machine; needs root)",
     )
     parser.add_argument(
         "-x", "--exitfirst", action="store_true", help="stop at the first failed check (a start-up gate)"
@@ -65,6 +71,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         argv.append("--kvconn-strict")
     if args.thorough:
         argv.append("--kvconn-thorough")
+    if args.cross_host:
+        argv.append("--kvconn-cross-host")
     if args.watch is not None:
         if args.watch < 0:
             print("kvconn conformance: --watch must be >= 0", file=sys.stderr)

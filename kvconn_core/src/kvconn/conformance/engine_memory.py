@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvconn.conformance.harness import Child, ConformanceFailure, Settings
+from kvconn.conformance.harness import Child, ConformanceFailure, Settings, decode_host, prefill_host
 from kvconn.conformance.plugin import require_capability
 from kvconn.layout import KVLayout
 from kvconn.testing.kvpattern import CANARY, EngineShape, wrong_buffers
@@ -60,12 +60,13 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
     try:
         for d in range(decode_tp):
             arrays = shape.buffers(decode_tp, fill=CANARY)
-            region = register_region(settings.backend, arrays, settings.options)
+            region = register_region(settings.backend, arrays, settings.options_on(decode_host()))
             decodes.append(_Decode(f"decode-{d}", arrays, shape.layout(decode_tp, d), region))
         for r in range(prefill_tp):
+            host = prefill_host(r)
             args: dict[str, Any] = {
                 "backend": settings.backend_name,
-                "options": dict(settings.options),
+                "options": settings.options_on(host),
                 "shape": shape.to_args(),
                 "tp": prefill_tp,
                 "rank": r,
@@ -82,7 +83,7 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
                     for dec in decodes
                 ],
             }
-            children.append(Child("kvconn.conformance.engine_writer_proc", args))
+            children.append(Child("kvconn.conformance.engine_writer_proc", args, host=host))
         for r, child in enumerate(children):
             child.expect(60, f"{what}: writer {r} starts", event="ready")
             for dec in decodes:

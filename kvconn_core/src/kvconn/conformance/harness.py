@@ -26,6 +26,7 @@ from kvconn.plugins import get_backend
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.procs import all_threads_stopped
+from kvconn.testing.hosts import Fabric, Host
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend, Capabilities, capabilities_of
 
@@ -35,6 +36,46 @@ ACK_PROOFS = frozenset({Proof.ACKS, Proof.LATE_ACKS, Proof.COMPLETED, Proof.NOTH
 
 class ConformanceFailure(AssertionError):
     """A check failed; the message names it."""
+
+
+#: Cross-host mode (``--kvconn-cross-host``): the hosts the suite's processes
+#: run on. The test process is decode's host (it moved into its network
+#: before it started a thread); writers run on the prefill hosts.
+_fabric: Fabric | None = None
+
+
+def place_on(fabric: Fabric | None) -> None:
+    """Run the suite's processes on ``fabric``'s hosts (None: on this host).
+    Its ``decode`` host must be the network this process now runs in."""
+    global _fabric
+    _fabric = fabric
+
+
+def fabric() -> Fabric | None:
+    return _fabric
+
+
+def decode_host() -> Host | None:
+    """Decode's host in cross-host mode (this process's network), else None."""
+    return None if _fabric is None else _fabric["decode"]
+
+
+def prefill_host(index: int = 0) -> Host | None:
+    """The host of writer ``index`` (round robin over the prefill hosts)."""
+    if _fabric is None:
+        return None
+    hosts = [h for name, h in sorted(_fabric.hosts.items()) if name != "decode"]
+    return hosts[index % len(hosts)]
+
+
+def host_options(backend: Backend, host: Host | None) -> dict[str, str]:
+    """The options that bind ``backend`` to ``host``'s address and interface:
+    the backend's ``host_options`` templates (``{ip}``, ``{iface}``), if it
+    has any (a transport that claims cross_host says how to bind it)."""
+    if host is None:
+        return {}
+    templates: Mapping[str, str] = getattr(backend, "host_options", None) or {}
+    return {key: value.format(ip=host.ip, iface=host.iface) for key, value in templates.items()}
 
 
 @attrs.frozen
@@ -66,8 +107,22 @@ class Settings:
 
     @property
     def capabilities(self) -> Capabilities:
-        """What the backend claims with these options."""
-        return capabilities_of(self.backend, self.options)
+        """What the backend claims with these options (on decode's host, in
+        cross-host mode)."""
+        return capabilities_of(self.backend, self.options_on(decode_host()))
+
+    @property
+    def cross_host(self) -> bool:
+        """Whether the suite runs across hosts (:func:`place_on`)."""
+        return _fabric is not None
+
+    def options_on(self, host: Host | None) -> dict[str, str]:
+        """The backend options of an endpoint on ``host``."""
+        return {**self.options, **host_options(self.backend, host)}
+
+    def control_host(self, host: Host | None) -> str:
+        """The address kvconn's control plane binds on ``host``."""
+        return "127.0.0.1" if host is None else host.ip
 
     def effective_abort_timeout(self) -> float:
         """Decode's deadline: the configured one, or longer than the
@@ -82,7 +137,8 @@ class Settings:
             abort_timeout_s=self.effective_abort_timeout(),
             resend_interval_s=0.2,
             bootstrap_timeout_s=30.0,
-            backend_options=dict(self.options),
+            host=self.control_host(decode_host()),
+            backend_options=self.options_on(decode_host()),
         )
 
 
@@ -102,7 +158,11 @@ class Child:
     #: Longer arguments go through a file (a command line holds ~128 KiB).
     INLINE_ARGS = 64 << 10
 
-    def __init__(self, module: str, args: Mapping[str, Any], prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self, module: str, args: Mapping[str, Any], prefix: Sequence[str] = (), host: Host | None = None
+    ) -> None:
+        """``host``: run it on that host (cross-host mode), with ``prefix``
+        inside it; its pid is then the command's own, not the wrapper's."""
         payload = json.dumps(dict(args))
         self._args_file: str | None = None
         if len(payload) > self.INLINE_ARGS:
@@ -110,14 +170,20 @@ class Child:
             with os.fdopen(fd, "w") as f:
                 f.write(payload)
             payload = "@" + self._args_file
+        self.host = host
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module, payload],
+            [*(host.prefix() if host is not None else ()), *prefix, sys.executable, "-m", module, payload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
-        self.pid = self.proc.pid
+        #: Signals, freezes and kills go here: on another host, the command
+        #: itself (its wrappers, pid 1 of its PID namespace among them,
+        #: would not pass a SIGSTOP on).
+        self.pid = self.proc.pid if host is None else host.main_pid(self.proc)
+        #: Everything it starts stays in this session.
+        self.session = self.proc.pid
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.log: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
@@ -176,14 +242,14 @@ class Child:
         helper that can write after the child is gone."""
         found = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == self.pid:
+            if not entry.isdigit() or int(entry) in (self.pid, self.session):
                 continue
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     stat = f.read()
                 fields = stat[stat.rindex(")") + 2 :].split()
                 state, session = fields[0], int(fields[3])
-                if session != self.pid or state in ("Z", "X"):
+                if session != self.session or state in ("Z", "X"):
                     continue
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -235,11 +301,13 @@ class RankProc(Child):
         faults: Mapping[int, Mapping[str, Any]] | None = None,
         workers: int = 1,
     ) -> None:
+        host = prefill_host(rank)
         super().__init__(
             "kvconn.conformance.rank_proc",
             {
                 "backend": settings.backend_name,
-                "backend_options": dict(settings.options),
+                "backend_options": settings.options_on(host),
+                "host": settings.control_host(host),
                 "rank": rank,
                 "num_ranks": num_ranks,
                 "page_bytes": page_bytes,
@@ -250,6 +318,7 @@ class RankProc(Child):
                 "faults": {str(room): dict(rule) for room, rule in (faults or {}).items()},
                 "workers": workers,
             },
+            host=host,
         )
         self.address = ""
 
@@ -276,9 +345,11 @@ class OwnerProc(Child):
                     "abort_timeout_s": config.abort_timeout_s,
                     "resend_interval_s": config.resend_interval_s,
                     "bootstrap_timeout_s": config.bootstrap_timeout_s,
+                    "host": config.host,
                     "backend_options": dict(config.backend_options),
                 },
             },
+            host=decode_host(),
         )
 
     def command(self, timeout: float, what: str, op: str, **args: Any) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Options: ``--kvconn-backend NAME``, ``--kvconn-option KEY=VALUE`` (repeat),
 ``--kvconn-strict``, ``--kvconn-write-timeout``, ``--kvconn-abort-timeout``,
-``--kvconn-watch`` (late-write watch window, s), ``--kvconn-thorough``.
+``--kvconn-watch`` (late-write watch window, s), ``--kvconn-thorough``,
+``--kvconn-cross-host`` (decode on one host, writers on two others:
+:mod:`kvconn.testing.hosts`; needs root, else every check skips saying so).
 Fixture: ``kvconn_settings``. A check the backend's capabilities rule out is
 skipped through :func:`require_capability` (a *declared* skip); with
 ``--kvconn-strict`` every other skip of a conformance check is a failure.
@@ -16,7 +18,9 @@ from typing import Any
 
 import pytest
 
+from kvconn.conformance import harness
 from kvconn.conformance.harness import Settings
+from kvconn.testing import hosts
 from kvconn.plugins import BackendError, get_backend
 from kvconn.transport import capabilities_of
 
@@ -25,6 +29,8 @@ _MARK = "kvconn_conformance"
 _results_key = pytest.StashKey[list[tuple[str, str, str, str]]]()
 _times_key = pytest.StashKey[dict[str, list[float]]]()
 _reports_key = pytest.StashKey[list[pytest.TestReport]]()
+_no_hosts_key = pytest.StashKey[str]()
+_fabric_key = pytest.StashKey[hosts.Fabric]()
 
 
 def require_capability(declared: bool, reason: str) -> None:
@@ -56,18 +62,52 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--kvconn-thorough", action="store_true", help="wider chunks and a longer watch (a longer run)"
     )
+    group.addoption(
+        "--kvconn-cross-host",
+        action="store_true",
+        help="decode on one host, writers on two others (network, PID and mount namespaces; needs root)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MARK}: a kvconn transport conformance check")
     config.stash[_results_key] = []
     config.stash[_times_key] = {}
+    if config.getoption("--kvconn-cross-host", False):
+        _make_hosts(config)
+
+
+def _make_hosts(config: pytest.Config) -> None:
+    """Decode's host is this process: it moves into that host's network now,
+    before it starts a thread, so that every endpoint it opens is there."""
+    why = hosts.unavailable()
+    if why:
+        config.stash[_no_hosts_key] = why
+        return
+    try:
+        fabric = hosts.make(("decode", "prefill0", "prefill1"))
+    except hosts.HostsUnavailable as exc:
+        config.stash[_no_hosts_key] = str(exc)
+        return
+    config.stash[_fabric_key] = fabric
+    fabric["decode"].enter_for_good()
+    harness.place_on(fabric)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    fabric = config.stash.get(_fabric_key, None)
+    if fabric is not None:
+        harness.place_on(None)
+        fabric.close()
 
 
 @pytest.fixture(scope="class")
 def kvconn_settings(request: pytest.FixtureRequest) -> Settings:
     """What the suite runs against: the class's ``backend_name`` or the option."""
     config = request.config
+    why = config.stash.get(_no_hosts_key, "")
+    if why:
+        pytest.skip(f"--kvconn-cross-host: {why}")
     name = getattr(request.cls, "backend_name", None) or config.getoption("--kvconn-backend")
     if not name:
         raise pytest.UsageError("kvconn conformance: name a backend (--kvconn-backend or backend_name)")

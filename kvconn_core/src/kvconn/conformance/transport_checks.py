@@ -31,11 +31,17 @@ from kvconn.conformance.harness import (
     ConformanceFailure,
     RegionImage,
     Settings,
+    decode_host,
+    fabric,
     gpu_on_host,
+    host_options,
+    prefill_host,
     scattered_rows,
 )
 from kvconn.conformance.plugin import require_capability
-from kvconn.transport import PageRegion, Settlement
+from kvconn.testing import hosts as hosts_harness
+from kvconn.testing.hosts import Host
+from kvconn.transport import PageRegion, Settlement, capabilities_of
 
 MiB = 1 << 20
 LANDED, FAILED_SETTLED, UNSETTLED = (s.value for s in Settlement)
@@ -53,18 +59,25 @@ class BareWriter(Child):
         options: Mapping[str, str] | None = None,
         write_timeout_s: float | None = None,
         prefix: Sequence[str] = (),
+        host: Host | None = None,
     ) -> None:
+        """``host``: where the writer runs; in cross-host mode it defaults to
+        the first prefill host (with its address and interface options)."""
+        if host is None and not prefix:
+            host = prefill_host(0)
+        extra = host_options(settings.backend, host)
         super().__init__(
             "kvconn.conformance.writer_proc",
             {
                 "backend": settings.backend_name,
-                "options": dict(settings.options if options is None else options),
+                "options": {**(settings.options if options is None else options), **extra},
                 "src_bytes": src_bytes,
                 "peers": {name: metadata.hex() for name, metadata in peers.items()},
                 "write_timeout_s": settings.write_timeout_s if write_timeout_s is None else write_timeout_s,
                 "rounds": [dict(r) for r in rounds],
             },
             prefix,
+            host,
         )
 
     def answer(self, step: str, round_no: int) -> dict[str, Any]:
@@ -90,7 +103,7 @@ def _round(rows: list[list[int]], steps: Sequence[str], peer: str = "a") -> dict
 
 @contextmanager
 def _regions(settings: Settings, sizes: Mapping[str, int], **extra: str) -> Iterator[dict[str, PageRegion]]:
-    options = {**settings.options, **extra}
+    options = {**settings.options_on(decode_host()), **extra}
     opened: dict[str, PageRegion] = {}
     try:
         for name, size in sizes.items():
@@ -365,9 +378,20 @@ class TransportChecks:
         and PID namespace (no shared loopback, /dev/shm or processes) lands a
         round byte-exact through the barrier."""
         settings = kvconn_settings
-        require_capability(settings.capabilities.cross_host, "cross_host not declared")
-        with _namespace_pair() as (decode_ns, writer_ns):
-            _cross_host_round(settings, decode_ns, writer_ns)
+        made = fabric()
+        if made is not None:
+            require_capability(settings.capabilities.cross_host, "cross_host not declared")
+            _cross_host_round(settings, made["decode"], made["prefill0"])
+            return
+        # Without the hosts made: what the backend claims once bound to a host.
+        sample = hosts_harness.Host("decode", "", "10.64.0.1", hosts_harness.IFACE, "", None)  # type: ignore[arg-type]
+        declared = capabilities_of(settings.backend, settings.options_on(sample)).cross_host
+        require_capability(declared, "cross_host not declared")
+        why = hosts_harness.unavailable()
+        if why:
+            pytest.skip(f"cross_host: {why}")
+        with hosts_harness.hosts(("decode", "prefill0")) as pair:
+            _cross_host_round(settings, pair["decode"], pair["prefill0"])
 
 
 def _region_address(region: PageRegion) -> int | None:
@@ -398,80 +422,13 @@ def _cuda_memory_type(address: int) -> str:
     return {1: "host", 2: "device", 3: "array", 4: "unified"}.get(value.value, f"type {value.value}")
 
 
-@contextmanager
-def _namespace_pair() -> Iterator[tuple[str, str]]:
-    """Two fresh network namespaces joined by a veth pair (10.213.x.1 and .2)."""
-    ip = shutil.which("ip")
-    if ip is None:
-        pytest.skip("cross_host: no `ip` command to create network namespaces")
-    tag = f"{os.getpid() % 100000}"
-    names = (f"kvcc-d{tag}", f"kvcc-w{tag}")
-    octet = int(tag) % 250 + 1
-    cmds = [
-        [ip, "netns", "add", names[0]],
-        [ip, "netns", "add", names[1]],
-        [
-            ip,
-            "link",
-            "add",
-            f"kvd{tag}",
-            "netns",
-            names[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            f"kvw{tag}",
-            "netns",
-            names[1],
-        ],
-        [ip, "-n", names[0], "addr", "add", f"10.213.{octet}.1/30", "dev", f"kvd{tag}"],
-        [ip, "-n", names[1], "addr", "add", f"10.213.{octet}.2/30", "dev", f"kvw{tag}"],
-        *[
-            [ip, "-n", n, "link", "set", dev, "up"]
-            for n in names
-            for dev in ("lo", f"kvd{tag}" if n == names[0] else f"kvw{tag}")
-        ],
-    ]
-    try:
-        for cmd in cmds:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-            if done.returncode != 0:
-                pytest.skip(
-                    f"cross_host: cannot create network namespaces here ({' '.join(cmd[1:])}: {done.stderr.strip()})"
-                )
-        yield names
-    finally:
-        for name in names:
-            subprocess.run([ip, "netns", "del", name], capture_output=True, timeout=10)
-
-
-def _isolated(netns: str) -> list[str]:
-    """A command prefix: run in ``netns`` with a private /dev/shm (the mount
-    namespace of another host) and without sight of this host's processes."""
-    return [
-        "ip",
-        "netns",
-        "exec",
-        netns,
-        "unshare",
-        "--mount",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "sh",
-        "-c",
-        'mount -t tmpfs kvcc /dev/shm && exec "$0" "$@"',
-    ]
-
-
-def _cross_host_round(settings: Settings, decode_ns: str, writer_ns: str) -> None:
+def _cross_host_round(settings: Settings, decode: Host, writer_host: Host) -> None:
     size = 4 * MiB
     rows = scattered_rows(random.Random(0xC405), 200, 9999, size, size)
     owner = Child(
         "kvconn.conformance.region_proc",
-        {"backend": settings.backend_name, "options": dict(settings.options), "nbytes": size},
-        _isolated(decode_ns),
+        {"backend": settings.backend_name, "options": settings.options_on(decode), "nbytes": size},
+        host=decode,
     )
     try:
         ready = owner.expect(60, "cross_host: region opens in its namespace", event="ready")
@@ -481,7 +438,7 @@ def _cross_host_round(settings: Settings, decode_ns: str, writer_ns: str) -> Non
             [_round(rows, ["post", "barrier"])],
             size,
             write_timeout_s=max(settings.write_timeout_s, 5.0),
-            prefix=_isolated(writer_ns),
+            host=writer_host,
         )
         try:
             event = writer.expect(60 + _limit(settings), "cross_host: the barrier answers", event="barrier")

@@ -79,6 +79,23 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_SLAVE = 1 << 19
+_MNT_DETACH = 2
+
+
+def _libc_call(name: str, *args: Any) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+
+
+def _mount(source: bytes, target: bytes, fstype: bytes | None, flags: int) -> None:
+    _libc_call("mount", source, target, fstype, ctypes.c_ulong(flags), None)
+
+
 def _netns_inode(name: str) -> int:
     return os.stat(f"/run/netns/{name}").st_ino
 
@@ -254,14 +271,25 @@ class Host:
             os.close(there)
 
     def enter_for_good(self) -> None:
-        """Move the calling thread into this host's network for the rest of
-        its life (a test process that is this host: call it before it starts
-        any thread, so that every thread it starts is here too)."""
+        """Make the calling process this host for the rest of its life: its
+        network, a mount namespace of its own with this network's ``/sys``
+        (where UCX looks for interfaces) and a tmpfs ``/dev/shm``. Call it
+        before the process starts any thread (a mount namespace cannot be
+        left by one thread alone), so that every thread it starts is here.
+        Its PID namespace stays the caller's (a test process still sees and
+        signals the processes it started)."""
+        if threading.active_count() > 1:
+            raise RuntimeError("enter_for_good: the process already runs other threads")
         there = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
         try:
             _setns(there)
         finally:
             os.close(there)
+        _libc_call("unshare", _CLONE_NEWNS)
+        _mount(b"none", b"/", None, _MS_REC | _MS_SLAVE)
+        _libc_call("umount2", b"/sys", _MNT_DETACH)
+        _mount(self.netns.encode(), b"/sys", b"sysfs", 0)
+        _mount(b"kvh-shm", b"/dev/shm", b"tmpfs", 0)
 
     def main_pid(self, proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
         """The pid (as this process sees it) of the command that ``proc``

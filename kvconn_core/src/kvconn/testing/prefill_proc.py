@@ -52,6 +52,7 @@ class Driver:
             abort_timeout_s=float(args.get("abort_timeout_s", 30.0)),
             acks_enabled=bool(args.get("acks_enabled", True)),
             workers=int(args.get("workers", 1)),
+            host=str(args.get("host", "127.0.0.1")),
             auth_key=bytes.fromhex(args["auth_key"]) if args.get("auth_key") else None,
             backend_options=dict(args.get("backend_options", {})),
             gil_switch_interval_s=args.get("gil_switch_interval_s"),
