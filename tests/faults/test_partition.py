@@ -1,7 +1,7 @@
 """A network partition between prefill and decode: the prefill ranks run in
-their own network namespace, joined to decode's (the test's) namespace by a
-veth pair this test creates (kvconn.testing.netns), with addresses used only
-there. The control plane (HELLO, TRANSFER_REQUEST, ABORT, ABORT_ACK, status)
+their own host's network (kvconn.testing.hosts), decode (this test process's
+thread that makes it) in another's; the two meet through the hosts' bridge,
+with addresses used only there. The control plane (HELLO, TRANSFER_REQUEST, ABORT, ABORT_ACK, status)
 crosses the veth; the loopback transport's data plane is shared memory on
 this host, so it does NOT cross the veth and keeps writing during the cut,
 which is the worst case for decode: a live, writing prefill it cannot reach.
@@ -16,33 +16,34 @@ import pytest
 
 from kvconn.protocol.hold import HoldState
 from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
-from kvconn.testing.netns import NetnsUnavailable, VethPair, veth_pair
+from kvconn.testing import hosts
+from kvconn.testing.hosts import Fabric
 
 ROOM_PAGES = 16
 NROOMS = 4
 
 
 @pytest.fixture
-def link() -> Iterator[VethPair]:
-    try:
-        with veth_pair() as pair:
-            yield pair
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+def fabric() -> Iterator[Fabric]:
+    hosts.skip_unless_available(pytest.skip)
+    with hosts.hosts(("decode", "prefill0")) as made:
+        yield made
 
 
-def test_partition_mid_transfer(link: VethPair) -> None:
-    c = Cluster(
-        write_timeout_s=0.4,
-        abort_timeout_s=1.2,
-        decode_host=link.host_ip,
-        rank_host=link.far_ip,
-        netns=link.namespace,
-        backend_options={"piece_bytes": "16384", "piece_delay_s": "0.02"},
-    )
+def test_partition_mid_transfer(fabric: Fabric) -> None:
+    decode, link = fabric["decode"], fabric["prefill0"]
+    with decode.entered():
+        c = Cluster(
+            write_timeout_s=0.4,
+            abort_timeout_s=1.2,
+            decode_host=decode.ip,
+            rank_host=link.ip,
+            netns=link.netns,
+            backend_options={"piece_bytes": "16384", "piece_delay_s": "0.02"},
+        )
     try:
-        assert c.dec.address.startswith(f"tcp://{link.host_ip}:")
-        assert all(r.address.startswith(f"tcp://{link.far_ip}:") for r in c.ranks)
+        assert c.dec.address.startswith(f"tcp://{decode.ip}:")
+        assert all(r.address.startswith(f"tcp://{link.ip}:") for r in c.ranks)
         rooms = {9000 + i: c.open(9000 + i, ROOM_PAGES) for i in range(NROOMS)}
         wait_for(lambda: c.landed_bytes(rooms[9000][1]) > 0, 10, "first bytes")
         link.cut()

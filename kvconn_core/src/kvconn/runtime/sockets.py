@@ -55,9 +55,10 @@ def _endpoint(field: str) -> tuple[str, int]:
 
 
 def _rows() -> list[_Row]:
-    """This network namespace's TCP sockets."""
+    """This network namespace's TCP sockets (the calling thread's: a thread
+    may run in another network than the process's first thread)."""
     rows = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for table in ("/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"):
         try:
             with open(table) as f:
                 lines = f.read().splitlines()[1:]

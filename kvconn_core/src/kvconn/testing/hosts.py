@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
+import zmq
 
 #: Every namespace this module makes starts with it: ``kvh-<pid>-<tag>-<role>``.
 PREFIX = "kvh-"
@@ -257,18 +258,25 @@ class Host:
     def entered(self) -> Iterator[None]:
         """Run the calling thread in this host's network namespace (threads it
         starts meanwhile stay there); its PID and mount namespaces stay the
-        caller's. Sockets made meanwhile belong to the host's network."""
-        here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        there = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
-        try:
-            _setns(there)
+        caller's. Sockets made meanwhile belong to the host's network, and
+        so does pyzmq's ``Context.instance()`` made meanwhile: libzmq opens a
+        connection on its I/O threads, which must be in the host's network
+        too (the instance of before is back afterwards). One thread at a time."""
+        with _entered_lock:
+            here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+            there = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
+            saved = zmq.Context._instance
             try:
-                yield
+                _setns(there)
+                zmq.Context._instance = None
+                try:
+                    yield
+                finally:
+                    zmq.Context._instance = saved
+                    _setns(here)
             finally:
-                _setns(here)
-        finally:
-            os.close(here)
-            os.close(there)
+                os.close(here)
+                os.close(there)
 
     def enter_for_good(self) -> None:
         """Make the calling process this host for the rest of its life: its
@@ -341,6 +349,7 @@ class Fabric:
 
 
 _live: set[Fabric] = set()
+_entered_lock = threading.Lock()
 _handlers_lock = threading.Lock()
 _previous: dict[int, Any] = {}
 

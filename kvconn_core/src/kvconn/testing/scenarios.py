@@ -31,7 +31,8 @@ import attrs
 
 from kvconn.runtime.procs import wait_until_stopped
 from kvconn.testing.cluster import CANARY, Cluster, wait_for
-from kvconn.testing.netns import NetnsUnavailable, VethPair, veth_pair
+from kvconn.testing import hosts
+from kvconn.testing.hosts import Host, HostsUnavailable
 
 FAULTS = ("frozen", "late_queue", "partition")
 WRITE_S, DEADLINE_S = 0.4, 0.8  #: writer and decode deadlines (the legacy mode frees at the latter)
@@ -89,20 +90,24 @@ def _mode(mode: str, rooms: int, on_step: Callable[[str], None]) -> list[Outcome
         "late_delivery_s": str(LATE_S),
     }
     with contextlib.ExitStack() as stack:
+        # Decode (this process) on one host, the ranks on another; the
+        # ranks share this machine's /dev/shm (loopback's data plane).
+        link: Host | None = None
+        where: dict[str, str] = {}
+        on_decode_host: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         try:
-            link: VethPair | None = stack.enter_context(veth_pair(index=int(legacy)))
-        except NetnsUnavailable as exc:
-            link, skipped = None, str(exc)
-        where = (
-            {}
-            if link is None
-            else {"decode_host": link.host_ip, "rank_host": link.far_ip, "netns": link.namespace}
-        )
+            fabric = stack.enter_context(hosts.hosts(("decode", "prefill0")))
+            link = fabric["prefill0"]
+            where = {"decode_host": fabric["decode"].ip, "rank_host": link.ip, "netns": link.netns}
+            on_decode_host = fabric["decode"].entered()
+        except HostsUnavailable as exc:
+            skipped = str(exc)
         # Pages enough that no room gets another's: in the legacy mode a page a
         # late write reached goes back to the pool, and a room given it would
         # look written before its rank wrote a byte.
         npages = rooms * (2 * PAGES + 2 * PAGES)
-        c = stack.enter_context(_cluster(legacy, options, num_pages=npages, chunk_pages=1, **where))
+        with on_decode_host:
+            c = stack.enter_context(_cluster(legacy, options, num_pages=npages, chunk_pages=1, **where))
         out = []
         for fault in FAULTS:
             on_step(f"{mode}: {fault}")
@@ -139,7 +144,7 @@ class _Tally:
         )
 
 
-def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: VethPair | None) -> Outcome:
+def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: Host | None) -> Outcome:
     tally = _Tally()
     npages = 2 * PAGES if fault == "partition" else PAGES
     for i in range(rooms):
