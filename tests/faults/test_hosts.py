@@ -80,7 +80,9 @@ def test_three_hosts_reach_each_other_through_the_bridge(fabric: Fabric) -> None
 
 
 def test_a_process_in_a_host_sees_its_own_proc_and_shm(fabric: Fabric) -> None:
-    probe = "import os, json; print(json.dumps([os.getpid(), [p for p in os.listdir('/proc') if p.isdigit()]]))"
+    probe = (
+        "import os, json; print(json.dumps([os.getpid(), [p for p in os.listdir('/proc') if p.isdigit()]]))"
+    )
     open("/dev/shm/kvh-test-marker", "w").close()
     try:
         pid, pids = json.loads(fabric["prefill0"].run([sys.executable, "-c", probe]))

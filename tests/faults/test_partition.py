@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvconn.protocol.hold import HoldState
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 from kvconn.testing import hosts
+from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
 from kvconn.testing.hosts import Fabric
 
 ROOM_PAGES = 16

@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -370,7 +370,7 @@ class NixlBackend:
     name = "nixl"
     #: What binds an endpoint to a host's network (the conformance suite's
     #: cross-host mode fills these in for each host).
-    host_options = {"net_devices": "{iface}"}
+    host_options: ClassVar[dict[str, str]] = {"net_devices": "{iface}"}
 
     def __init__(self) -> None:
         self.capabilities = self.capabilities_for({})

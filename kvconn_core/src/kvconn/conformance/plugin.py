@@ -20,8 +20,8 @@ import pytest
 
 from kvconn.conformance import harness
 from kvconn.conformance.harness import Settings
-from kvconn.testing import hosts
 from kvconn.plugins import BackendError, get_backend
+from kvconn.testing import hosts
 from kvconn.transport import capabilities_of
 
 DECLARED = "[capability] "

@@ -13,6 +13,7 @@ prefill rank or bare writer is a child process using the plugin's transport.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -37,11 +38,13 @@ from kvconn.conformance.harness import (
 from kvconn.conformance.plugin import require_capability
 from kvconn.conformance.transport_checks import TransportChecks
 from kvconn.protocol.hold import HoldState, Proof
-from kvconn.protocol.messages import AbortAck
+from kvconn.protocol.messages import AbortAck, TcpConnection
 from kvconn.runtime.control import Outbox
+from kvconn.runtime.sockets import TcpTable
 from kvconn.transport import Settlement
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
 
 #: Where an ABORT meets a chunk (the second chunk of a three-chunk room).
 RACE_POINTS = ("dequeue", "before_post", "after_post", "before_barrier", "after_barrier")
@@ -140,6 +143,87 @@ def _kill_rank(rank: Child, what: str) -> None:
             ) from None
 
 
+def _connections_with(host: str) -> dict[TcpConnection, int]:
+    """This host's TCP connections (decode's, in cross-host mode) whose other
+    end is ``host``, and their /proc/net/tcp state."""
+    return {r.conn: r.state for r in TcpTable().rows if r.conn.remote_host == host}
+
+
+#: /proc/net/tcp: ESTABLISHED (the remote end has not closed).
+_ESTABLISHED = 0x01
+
+
+def _killed_across_hosts(cluster: Cluster, victim: RankProc, room: int, pages: list[int]) -> None:
+    """A writer killed on another host. Decode cannot see its pid; what it
+    sees is the remote kernel closing the writer's connections. That close
+    alone proves no exit (a live process closes connections too, and may
+    open new ones with the metadata it holds), so the room stays held: it
+    may be released only by a proof that came after the close, never at a
+    deadline."""
+    assert victim.host is not None
+    settings = cluster.settings
+    before = {c for c, state in _connections_with(victim.host.ip).items() if state == _ESTABLISHED}
+    if not before:
+        raise ConformanceFailure(
+            "killed writer across hosts: decode holds no connection from the writer's host"
+        )
+    _kill_rank(victim, "killed writer")
+    killed = time.monotonic()
+
+    def still_open() -> set[TcpConnection]:
+        now = _connections_with(victim.host.ip) if victim.host is not None else {}
+        return {c for c in before if now.get(c) == _ESTABLISHED}
+
+    wait_for(
+        lambda: not still_open(), 5.0, "killed writer across hosts: the remote kernel closes its connections"
+    )
+    closed = time.monotonic()
+    log.info(
+        "killed writer across hosts: %d connections closed by the remote kernel %.0f ms after the kill",
+        len(before),
+        1000 * (closed - killed),
+    )
+    deadline = time.monotonic() + settings.effective_abort_timeout() + settings.late_write_watch_s
+    while time.monotonic() < deadline:
+        found = cluster.release_of(room)
+        if found is not None:
+            release, released_at = found
+            if release.proof is not Proof.WRITER_EXIT or released_at < closed:
+                raise ConformanceFailure(
+                    f"killed writer across hosts: released by {release.proof.value} "
+                    f"{released_at - closed:+.3f} s after its connections closed: no proof of that exit"
+                )
+            _no_late_bytes(cluster, room, pages, settings.late_write_watch_s)
+            return
+        time.sleep(0.05)
+    if cluster.state(room) is not HoldState.QUARANTINED:
+        raise ConformanceFailure(
+            f"killed writer across hosts: room {room} is {cluster.state(room)} past decode's deadline, "
+            "not quarantined"
+        )
+
+
+def _resume_across_hosts(settings: Settings, owner: OwnerProc, pages: list[int]) -> None:
+    """The frozen owner resumes after its writer on another host was killed:
+    no proof of that exit can come, so the room is not released (a release
+    would have to name a proof, and no timeout is one)."""
+    owner.signal(signal.SIGCONT)
+    try:
+        release = owner.expect(
+            settings.effective_abort_timeout() + settings.late_write_watch_s,
+            "frozen owner across hosts",
+            event="released",
+        )
+    except ConformanceFailure:
+        return  # held: quarantined, visible, until an owner-side fence
+    if release["proof"] != Proof.WRITER_EXIT.value:
+        raise ConformanceFailure(
+            f"frozen owner across hosts: released by {release['proof']} after its writer was killed "
+            "on another host: no proof of that exit"
+        )
+    _watch_released(settings, owner, pages, release, "the writer's exit")
+
+
 @contextmanager
 def _frozen_owner(settings: Settings) -> Iterator[tuple[RankProc, OwnerProc, list[int]]]:
     """One rank writing a 64 MiB chunk into a decode process that aborted the
@@ -176,6 +260,12 @@ def _resume_and_check(settings: Settings, owner: OwnerProc, pages: list[int], pr
     release = owner.expect(
         settings.effective_abort_timeout() + 10, "frozen owner: released", event="released"
     )
+    _watch_released(settings, owner, pages, release, proof)
+
+
+def _watch_released(
+    settings: Settings, owner: OwnerProc, pages: list[int], release: dict[str, Any], proof: str
+) -> None:
     deadline = time.monotonic() + max(settings.late_write_watch_s, 2 * settings.write_timeout_s)
     while True:
         changed = owner.command(10, "frozen owner: check pages", "changed", pages=pages)["pages"]
@@ -401,6 +491,9 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
                 raise ConformanceFailure(
                     "S2 violated: released while rank 1 (frozen, write in flight) had not acked"
                 )
+            if kvconn_settings.cross_host:
+                _killed_across_hosts(cluster, victim, KILLED_ROOM, pages)
+                return
             _kill_rank(victim, "killed writer")
             release, _ = cluster.wait_released(KILLED_ROOM, 3.0, "writer exit: killed rank proven gone")
             if release.proof is not Proof.WRITER_EXIT:
@@ -497,6 +590,9 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
             rank.expect(10, "frozen owner: the writer posts", event="after_post")
             time.sleep(0.2)  # the transport fills the socket buffers towards the frozen owner
             _kill_rank(rank, "frozen owner, killed writer")
+            if kvconn_settings.cross_host:
+                _resume_across_hosts(kvconn_settings, owner, pages)
+                return
             _resume_and_check(kvconn_settings, owner, pages, "the writer's exit")
 
     def test_fanout_needs_every_rank(self, wide: Cluster, kvconn_settings: Settings) -> None:
@@ -622,7 +718,15 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
             )
             _kill_rank(writer, "raising hooks")
             raised_at = {e["room"]: e["t"] for e in writer.history() if e["event"] == "raising"}
+            # Across hosts no proof of the exit comes: the rooms still held stay so.
+            held = (
+                [r for r in RAISE_ROOMS.values() if cluster.release_of(r) is None]
+                if kvconn_settings.cross_host
+                else []
+            )
             for point, room in RAISE_ROOMS.items():
+                if room in held:
+                    continue
                 release, released_at = cluster.wait_released(room, 3.0, f"raising at {point}: writer exit")
                 # An ack that went out before the hook raised (nothing counted then) is
                 # sound; a skipped chunk is uncounted until it raises, so its room may be
@@ -636,5 +740,16 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
                 if release.proof in ACK_PROOFS:
                     _settled_before(cluster, room, released_at)
                 _no_late_bytes(cluster, room, pages[point], 0)
-            every = [page for room_pages in pages.values() for page in room_pages]
+            every = [page for point, room in RAISE_ROOMS.items() if room not in held for page in pages[point]]
             _no_late_bytes(cluster, "(any with a raising hook)", every, kvconn_settings.late_write_watch_s)
+            for room in held:
+                found = cluster.release_of(room)
+                if found is not None and found[0].proof is not Proof.WRITER_EXIT:
+                    raise ConformanceFailure(
+                        f"raising hooks across hosts: room {room} released by {found[0].proof.value} after "
+                        "its writer was killed on another host: no proof of that exit"
+                    )
+                if found is None and cluster.state(room) is not HoldState.QUARANTINED:
+                    raise ConformanceFailure(
+                        f"raising hooks across hosts: room {room} is {cluster.state(room)}"
+                    )

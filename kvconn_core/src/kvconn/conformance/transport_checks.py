@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import random
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager

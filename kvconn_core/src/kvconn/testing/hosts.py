@@ -420,7 +420,20 @@ def make(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Fabric:
             ip("netns", "add", netns)
             fabric._made.append(netns)
             port = f"p{i}"
-            ip("link", "add", IFACE, "netns", netns, "type", "veth", "peer", "name", port, "netns", fabric.switch)
+            ip(
+                "link",
+                "add",
+                IFACE,
+                "netns",
+                netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                fabric.switch,
+            )
             ip(*sw, "link", "set", port, "master", "br0")
             ip(*sw, "link", "set", port, "up")
             address = f"{fabric.subnet}.{i + 1}"

@@ -30,8 +30,8 @@ from typing import Any
 import attrs
 
 from kvconn.runtime.procs import wait_until_stopped
-from kvconn.testing.cluster import CANARY, Cluster, wait_for
 from kvconn.testing import hosts
+from kvconn.testing.cluster import CANARY, Cluster, wait_for
 from kvconn.testing.hosts import Host, HostsUnavailable
 
 FAULTS = ("frozen", "late_queue", "partition")
