@@ -314,7 +314,7 @@ class TransportChecks:
                     name = peer.removeprefix("restart-")
                     if peer.startswith("restart-"):
                         old.append(regions[name])
-                        regions[name] = settings.backend.open_region(size, settings.options)
+                        regions[name] = settings.backend.open_region(size, settings.options_on(decode_host()))
                         images[name] = RegionImage(regions[name], size)
                         child.send_line(regions[name].metadata.hex())
                     child.send_line()
@@ -345,7 +345,7 @@ class TransportChecks:
         open at all."""
         settings = kvconn_settings
         require_capability("vram" in settings.capabilities.memory, "memory kind 'vram' not declared")
-        options = {**settings.options, "memory": "vram"}
+        options = {**settings.options_on(decode_host()), "memory": "vram"}
         gpu = gpu_on_host()
         try:
             region = settings.backend.open_region(MiB, options)
