@@ -58,6 +58,12 @@ def test_backend_object() -> None:
     be = ep.load()
     assert be is kvconn_mooncake.backend and be.name == "mooncake"
     assert be.capabilities.max_write_timeout_s is not None and be.capabilities.max_write_timeout_s >= 5
+    # Proven across hosts by the conformance suite over tcp, once bound to the host's address.
+    assert be.capabilities.cross_host is True and be.host_options == {"host": "{ip}"}
+    assert be.capabilities_for({"host": "10.1.2.3"}).cross_host is True
+    assert be.capabilities_for({}).cross_host is False  # 127.0.0.1: this host only
+    assert be.capabilities_for({"host": "localhost"}).cross_host is False
+    assert be.capabilities_for({"host": "10.1.2.3", "protocol": "rdma"}).cross_host is False  # untested
 
 
 def test_memory_options() -> None:

@@ -3,6 +3,7 @@ and a frozen page owner. Hooks are called through a real pluggy manager."""
 
 from __future__ import annotations
 
+import importlib
 import signal
 import threading
 import time
@@ -25,6 +26,8 @@ from kvconn.chunk import Chunk, Segment  # noqa: E402
 from kvconn.testing.inprocess import hooks_of  # noqa: E402
 from kvconn.transport import Settlement, Writer  # noqa: E402
 from kvconn_nixl import FENCE_PROVEN_TLS, Options, backend  # noqa: E402
+
+backend_module = importlib.import_module("kvconn_nixl.backend")  # the module (``backend`` is its object)
 from kvconn_nixl._nixl import RegionInfo  # noqa: E402
 
 MiB = 1 << 20
@@ -91,6 +94,13 @@ def test_entry_point_and_capabilities() -> None:
         Options.parse({"memory": "hbm"})
     assert Options.parse({}).hot_poll_s is None
     assert Options.parse({}).net_devices == "lo"  # this host only (cross_host=False)
+    assert backend.capabilities.cross_host is True  # once bound to an interface (host_options)
+    assert backend.capabilities_for({}).cross_host is False  # net_devices=lo: this host only
+    assert backend.capabilities_for({"net_devices": "eth1"}).cross_host is True  # the suite across hosts
+    assert backend.capabilities_for({"net_devices": "eth1,lo"}).cross_host is False
+    assert backend.capabilities_for({"net_devices": ""}).cross_host is False  # UCX's pick: untested
+    assert backend.capabilities_for({"net_devices": "eth1", "ucx_tls": "default"}).cross_host is False
+    assert backend.host_options == {"net_devices": "{iface}"}
     assert Options.parse({"net_devices": ""}).net_devices == ""  # UCX chooses
     assert Options.parse({"hot_poll_s": "none"}).hot_poll_s is None
     assert Options.parse({"hot_poll_s": "0.25"}).hot_poll_s == 0.25
@@ -254,6 +264,37 @@ def test_fence_then_write_again_in_process() -> None:
             segs = [Segment(4 * MiB + i * PAGE, 4 * MiB + (255 - i) * PAGE, PAGE) for i in range(256)]
             assert write(pm, segs) is Settlement.LANDED
             assert dec.call("verify", 5, 8 * MiB, [*as_rows(segs), (0, 0, 4 * MiB)]) == 0
+        finally:
+            w.close()
+
+
+def test_a_fence_whose_new_agent_fails_still_fences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partitioned, UCX refuses a new agent on the pinned interface (no
+    carrier): the fence destroyed the old agent, so it still fenced (a
+    fence that raised would keep the rank from ever acking); the next post
+    makes the agent again and lands."""
+    with children((decode_main, 8 * MiB, {})) as (dec,):
+        w = backend.open_writer(8 * MiB, {})
+        try:
+            w.array()[:] = pattern(6, 8 * MiB)
+            w.connect("decode", dec.hello)
+            pm = hooks_of(w)
+            assert write(pm, [Segment(0, 0, MiB)]) is Settlement.LANDED
+            real = backend_module.make_agent
+
+            def no_carrier(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("NIXL_ERR_BACKEND (no carrier)")
+
+            monkeypatch.setattr(backend_module, "make_agent", no_carrier)
+            assert pm.hook.on_fence() is True
+            assert w._agent is None
+            assert pm.hook.on_fence() is True  # nothing to destroy: still fenced
+            with pytest.raises(RuntimeError, match="no carrier"):
+                write(pm, [Segment(MiB, MiB, MiB)])  # no agent can be made yet: the post fails
+            monkeypatch.setattr(backend_module, "make_agent", real)
+            segs = [Segment(2 * MiB, 3 * MiB, MiB)]
+            assert write(pm, segs) is Settlement.LANDED  # healed: the next post makes the agent
+            assert dec.call("verify", 6, 8 * MiB, [*as_rows(segs), (0, 0, MiB)]) == 0
         finally:
             w.close()
 

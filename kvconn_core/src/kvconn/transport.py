@@ -56,7 +56,11 @@ class Capabilities:
     everything posted before it (proven by a frozen-then-resumed writer
     landing nothing). Without it, poisoned rooms wait for the writer's exit.
     ``memory``: the memory kinds a region can live in ("dram", "vram").
-    ``cross_host``: writers may run on another host than the page owner.
+    ``cross_host``: writers may run on another host than the page owner,
+    once each endpoint is bound to its host's interface (the backend's
+    ``host_options``: option templates with ``{ip}`` and ``{iface}``, which
+    the conformance suite's cross-host mode fills in for each host); options
+    that bind it to loopback say False (``capabilities_for``).
     ``max_write_timeout_s``: the transport's own longest wait for a write
     (e.g. Mooncake's engine timeout); ``None`` if it imposes none. kvconn
     refuses a decode deadline that is not longer.

@@ -154,9 +154,24 @@ class NixlWriter:
         self._agent = make_agent("writer", self.options, progress_thread=self._prog)
         self._reg = register(self._agent, self._mem, self.options)
 
+    def _ensure_agent(self) -> Any:
+        """(With the lock.) The agent, made again (with every peer loaded) if a
+        fence destroyed the last one and could not make its successor: UCX
+        refuses a new agent while its pinned interface has no carrier (a
+        partition), and the fence itself is done once the old one is gone."""
+        if self._agent is None:
+            self._new_agent()
+            for name, peer in self._peers.items():
+                try:
+                    self._agent.add_remote_agent(peer.info.agent_md)
+                except Exception as exc:  # a peer gone: the next post to it fails (and fences)
+                    log.warning("nixl: could not reconnect to %s: %r", name, exc)
+        return self._agent
+
     def connect(self, peer: str, metadata: bytes) -> None:
         info = RegionInfo.decode(metadata)
         with self._lock:
+            self._ensure_agent()
             old = self._peers.get(peer)
             if old is not None and old.info.agent_name != info.agent_name:
                 with contextlib.suppress(Exception):  # best effort, peer may be gone
@@ -185,7 +200,8 @@ class NixlWriter:
             nbytes = int(rows[:, 2].sum())
         if not len(rows):
             return Posted((), self._generation, 0)
-        agent = self._agent
+        with self._lock:
+            agent = self._ensure_agent()
         handle = write_xfer(agent, self.options, self._mem, peer.info, rows, peer.space)
         with self._lock:
             key = next(self._keys)
@@ -311,6 +327,13 @@ class NixlWriter:
         t0 = time.monotonic()
         # Under the lock connect() takes: a Hello during the fence waits for it.
         with self._lock:
+            if self._agent is None:
+                # An earlier fence destroyed the agent and no successor could
+                # be made since: nothing was posted, nothing can write.
+                self._generation += 1
+                self._destroyed_below = self._generation
+                self.last_fence_s = time.monotonic() - t0
+                return True
             handles = list(self._handles.values())
             self._handles.clear()
             self._generation += 1
@@ -335,12 +358,15 @@ class NixlWriter:
             agent_left = weakref.ref(binding)
             del wrapper, reg, binding  # ~10-30 ms: UCX closes every endpoint and socket
             destroyed = agent_left() is None
-            self._new_agent()
-            for name, peer in self._peers.items():
-                try:
-                    self._agent.add_remote_agent(peer.info.agent_md)
-                except Exception as exc:  # a peer gone: the next post to it fails (and fences)
-                    log.warning("nixl fence: could not reconnect to %s: %r", name, exc)
+            try:
+                self._ensure_agent()
+            except Exception as exc:
+                if not destroyed:
+                    raise
+                # Partitioned: the old agent is gone, which is the fence; the
+                # next connect or post makes the new one.
+                self._agent = self._reg = None
+                log.warning("nixl fence: agent destroyed; its successor is made later (%r)", exc)
             if not destroyed:
                 # Writing goes on through the new agent; the old one, and
                 # anything it still carries, lives on: no fence.
@@ -373,7 +399,9 @@ class NixlBackend:
     host_options: ClassVar[dict[str, str]] = {"net_devices": "{iface}"}
 
     def __init__(self) -> None:
-        self.capabilities = self.capabilities_for({})
+        # The defaults, bound to a host's interface (host_options): the
+        # default net_devices=lo reaches this host only (capabilities_for).
+        self.capabilities = attrs.evolve(self.capabilities_for({}), cross_host=True)
 
     @staticmethod
     def capabilities_for(options: Mapping[str, str]) -> Capabilities:
@@ -390,8 +418,8 @@ class NixlBackend:
                 "agent after dropping every handle (proven for tcp and DRAM only: over "
                 "tcp UCX emulates a PUT to or from VRAM, the owner acks each fragment, "
                 "and UCX 1.23 aborts an owner whose writer vanished). vram: "
-                "implemented (cupy/torch allocation), untested here. cross_host: "
-                "untested. A frozen peer leaves transfers PROC forever: deadlines "
+                "implemented (cupy/torch allocation), untested here. cross_host: with "
+                "net_devices=<interface> (not lo), tcp, DRAM: the conformance suite across hosts. A frozen peer leaves transfers PROC forever: deadlines "
                 "come from the core."
             ),
         )

@@ -57,6 +57,7 @@ FROZEN_ROOM = 0xF0_0001
 KILLED_ROOM = 0xDEAD_0001
 FORGED_ROOM = 0xF06_0001
 OWNER_ROOM = 0x0F0_0001
+PARTITION_ROOM = 0xC07_0001
 
 
 def _generous(settings: Settings) -> Settings:
@@ -594,6 +595,67 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
                 _resume_across_hosts(kvconn_settings, owner, pages)
                 return
             _resume_and_check(kvconn_settings, owner, pages, "the writer's exit")
+
+    def test_partition_healed_after_the_deadline_lands_nothing_late(
+        self, request: pytest.FixtureRequest, kvconn_settings: Settings
+    ) -> None:
+        """The writer's host is cut off as it posts (cross-host mode): decode's
+        ABORT cannot reach it, the deadline passes, the room is quarantined,
+        never released on that timeout. The link heals after the deadline; what
+        was in flight may land then, in pages still held: the room is released
+        only by a proof after the heal, and nothing lands after that."""
+        require_capability(
+            kvconn_settings.cross_host, "a partition needs hosts to cut apart (--kvconn-cross-host)"
+        )
+        faults = {PARTITION_ROOM: {"pause": "before_post", "pause_s": 0.5}}
+        with _cluster(
+            request, kvconn_settings, page_bytes=MiB, num_pages=96, chunk_pages=16, faults=faults
+        ) as cluster:
+            warm = cluster.new_room()  # connections set up before the cut
+            rx_warm = cluster.receiver(warm, cluster.alloc(2))
+            cluster.wait_done(rx_warm, 30, "partition: a first room completes")
+            cluster.finish(rx_warm)
+            writer = cluster.ranks[0]
+            assert writer.host is not None
+            pages = cluster.alloc(64)
+            rx = cluster.receiver(PARTITION_ROOM, pages)
+            writer.expect(10, "partition: the writer is about to post", event="paused", room=PARTITION_ROOM)
+            writer.host.cut()
+            try:
+                rx.abort()
+                deadline = cluster.settings.effective_abort_timeout()
+                wait_for(
+                    lambda: (
+                        cluster.state(PARTITION_ROOM) is HoldState.QUARANTINED
+                        or cluster.release_of(PARTITION_ROOM) is not None
+                    ),
+                    deadline + 1.0,
+                    "partition: quarantined at the deadline",
+                )
+                time.sleep(0.5)  # healed after decode's deadline
+                if cluster.release_of(PARTITION_ROOM) is not None:
+                    raise ConformanceFailure(
+                        "S2 violated: released while its writer was cut off (timeout alone)"
+                    )
+            finally:
+                writer.host.heal()
+            healed = time.monotonic()
+            limit = kvconn_settings.capabilities.max_write_timeout_s or 0.0
+            release, released_at = cluster.wait_released(
+                PARTITION_ROOM,
+                kvconn_settings.write_timeout_s + limit + 15.0,
+                "partition: a proof after the heal",
+            )
+            if released_at < healed:
+                raise ConformanceFailure("S2 violated: released before the link healed")
+            if release.proof not in {Proof.LATE_ACKS, Proof.WRITER_FENCE}:
+                raise ConformanceFailure(f"partition: released by {release.proof.value} after the heal")
+            _settled_before(cluster, PARTITION_ROOM, released_at)
+            watch = max(kvconn_settings.late_write_watch_s, 2 * kvconn_settings.write_timeout_s)
+            _no_late_bytes(cluster, PARTITION_ROOM, pages, watch)
+            log.info(
+                "partition: released by %s %.2f s after the heal", release.proof.value, released_at - healed
+            )
 
     def test_fanout_needs_every_rank(self, wide: Cluster, kvconn_settings: Settings) -> None:
         """A room written by three ranks is released only after all three acked."""
