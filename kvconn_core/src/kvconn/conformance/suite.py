@@ -41,6 +41,7 @@ from kvconn.protocol.hold import HoldState, Proof
 from kvconn.protocol.messages import AbortAck, TcpConnection
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.sockets import TcpTable
+from kvconn.testing.hosts import tcp_ends_of
 from kvconn.transport import Settlement
 
 MiB = 1 << 20
@@ -144,10 +145,10 @@ def _kill_rank(rank: Child, what: str) -> None:
             ) from None
 
 
-def _connections_with(host: str) -> dict[TcpConnection, int]:
+def _connections_with(ends: set[tuple[str, int]]) -> dict[TcpConnection, int]:
     """This host's TCP connections (decode's, in cross-host mode) whose other
-    end is ``host``, and their /proc/net/tcp state."""
-    return {r.conn: r.state for r in TcpTable().rows if r.conn.remote_host == host}
+    end is one of ``ends``, and their /proc/net/tcp state."""
+    return {r.conn: r.state for r in TcpTable().rows if (r.conn.remote_host, r.conn.remote_port) in ends}
 
 
 #: /proc/net/tcp: ESTABLISHED (the remote end has not closed).
@@ -163,21 +164,24 @@ def _killed_across_hosts(cluster: Cluster, victim: RankProc, room: int, pages: l
     deadline."""
     assert victim.host is not None
     settings = cluster.settings
-    before = {c for c, state in _connections_with(victim.host.ip).items() if state == _ESTABLISHED}
+    # The suite sees every host: the victim's own ends tell its connections
+    # from those of the other processes on its host.
+    before = {c for c, state in _connections_with(tcp_ends_of(victim.pid)).items() if state == _ESTABLISHED}
     if not before:
-        raise ConformanceFailure(
-            "killed writer across hosts: decode holds no connection from the writer's host"
-        )
+        raise ConformanceFailure("killed writer across hosts: decode holds no connection from the writer")
     _kill_rank(victim, "killed writer")
     killed = time.monotonic()
+    ends = {(c.remote_host, c.remote_port) for c in before}
 
     def still_open() -> set[TcpConnection]:
-        now = _connections_with(victim.host.ip) if victim.host is not None else {}
+        now = _connections_with(ends)
         return {c for c in before if now.get(c) == _ESTABLISHED}
 
-    wait_for(
-        lambda: not still_open(), 5.0, "killed writer across hosts: the remote kernel closes its connections"
-    )
+    try:
+        wait_for(lambda: not still_open(), 5.0, "killed writer across hosts: the remote kernel closes them")
+    except ConformanceFailure as exc:
+        left = sorted(f"{c.local_port}->{c.remote_host}:{c.remote_port}" for c in still_open())
+        raise ConformanceFailure(f"{exc}; still established: {left} of {len(before)}") from None
     closed = time.monotonic()
     log.info(
         "killed writer across hosts: %d connections closed by the remote kernel %.0f ms after the kill",

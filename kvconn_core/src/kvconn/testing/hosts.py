@@ -25,11 +25,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import ipaddress
 import os
 import random
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -186,6 +188,41 @@ def _descendants(root: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def tcp_ends_of(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket process ``pid`` holds, read
+    in its own network (``/proc/PID/net``): what the other end of each of
+    its connections sees as the remote end."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    ends = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[9]) in inodes:
+                ends.add(_endpoint(fields[1]))
+    return ends
+
+
+def _endpoint(field: str) -> tuple[str, int]:
+    hex_ip, hex_port = field.split(":")
+    if len(hex_ip) == 8:
+        raw = struct.pack("<I", int(hex_ip, 16))
+        return str(ipaddress.IPv4Address(raw)), int(hex_port, 16)
+    raw = b"".join(struct.pack("<I", int(hex_ip[i : i + 8], 16)) for i in range(0, 32, 8))
+    ip6 = ipaddress.IPv6Address(raw)
+    return str(ip6.ipv4_mapped or ip6), int(hex_port, 16)
 
 
 def ns_pid(pid: int) -> list[int]:
