@@ -1,0 +1,77 @@
+"""The conformance suite across hosts (``kvconn conformance BACKEND
+--cross-host``) for nixl and mooncake, both at once: decode on one host,
+the writers on two others (kvconn.testing.hosts). It needs root; without it,
+it skips saying so.
+
+CI runs one or more checks of every kind the cross_host claim rests on:
+integrity, engine memory, aborts racing a chunk, acks, fences, a frozen
+writer, a frozen page owner, a killed writer, a partition healed after the
+deadline. ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
+docs/multi-host.md reports)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvconn.testing import hosts
+from kvconn.testing.libraries import why_unavailable
+
+pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavailable() or "n/a")
+
+CI_CHECKS = (
+    "integrity or engine_tp_fan_in or abort_races_chunk or forged or fanout or writer_fence_stops "
+    "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim"
+)
+#: Checks that exist or behave differently across hosts: each must have run and passed.
+MUST_PASS = (
+    "test_cross_host_claim",
+    "test_killed_writer_proves_exit",
+    "test_frozen_owner_killed_writer_gets_pages_back_only_after_drain",
+    "test_partition_healed_after_the_deadline_lands_nothing_late",
+    "test_frozen_owner_gets_pages_back_only_after_drain",
+    "test_writer_fence_stops_frozen_writer",
+)
+
+
+def test_the_suite_passes_across_hosts_for_nixl_and_mooncake() -> None:
+    backends = [b for b in ("nixl", "mooncake") if why_unavailable(b) is None]
+    if not backends:
+        pytest.skip(f"neither nixl nor mooncake is installed: {why_unavailable('nixl')}")
+    full = os.environ.get("KVCONN_CROSS_HOST_FULL") == "1"
+    started = time.monotonic()
+    runs = {
+        b: subprocess.Popen(
+            [sys.executable, "-m", "kvconn.cli", "conformance", b, "--cross-host", "--strict", "-q"]
+            + ([] if full else ["-k", CI_CHECKS]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for b in backends
+    }
+    outputs = {}
+    try:
+        for b, proc in runs.items():
+            outputs[b], _ = proc.communicate(timeout=1200)
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for b, out in outputs.items():
+        assert runs[b].returncode == 0, f"{b} across hosts:\n{out[-6000:]}"
+        summary = re.search(rf"^{b}: (\d+) passed, (\d+) skipped, (\d+) failed", out, re.M)
+        assert summary is not None, out[-3000:]
+        passed, skipped, failed = (int(x) for x in summary.groups())
+        assert failed == 0 and skipped == 0 and passed >= (30 if full else 20), summary.group(0)
+        for check in MUST_PASS:
+            assert re.search(rf"^PASSED\s+{check}\b", out, re.M), f"{b}: {check} did not pass\n{out[-3000:]}"
+    print(
+        f"\ncross-host suite ({'full' if full else 'CI'}) for {', '.join(backends)}: "
+        f"{time.monotonic() - started:.0f} s"
+    )
