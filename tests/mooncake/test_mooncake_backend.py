@@ -66,6 +66,21 @@ def test_backend_object() -> None:
     assert be.capabilities_for({"host": "10.1.2.3", "protocol": "rdma"}).cross_host is False  # untested
 
 
+def test_an_address_this_host_lacks_is_refused() -> None:
+    """host= an address no interface here has (another host's, a typo): a
+    clear OptionError, not an engine that tells its peers where nobody is."""
+    import kvconn_mooncake
+    from kvconn.options import OptionError
+
+    be = kvconn_mooncake.backend
+    with pytest.raises(OptionError, match=r"host='192.0.2.77': no interface of this host has that address"):
+        be.open_region(4096, {"host": "192.0.2.77"})
+    with pytest.raises(OptionError, match=r"host='192.0.2.77': no interface"):
+        be.open_writer(4096, {"host": "192.0.2.77"})
+    with pytest.raises(OptionError, match="cannot resolve it"):
+        be.open_region(4096, {"host": "no-such-host.invalid"})
+
+
 def test_memory_options() -> None:
     """memory=vram: declared only with the CUDA wheel; without it (or without a
     GPU) open_region fails with a clear error, which the conformance suite skips."""

@@ -299,6 +299,25 @@ def test_a_fence_whose_new_agent_fails_still_fences(monkeypatch: pytest.MonkeyPa
             w.close()
 
 
+def test_an_interface_this_host_lacks_is_refused_by_name(tmp_path: Any) -> None:
+    """net_devices naming no interface here (a typo, another host's name): a
+    clear OptionError before any agent exists, not UCX's NIXL_ERR_BACKEND."""
+    from kvconn.options import OptionError
+    from kvconn_nixl._nixl import check_net_devices
+
+    with pytest.raises(
+        OptionError, match=r"net_devices='nosuchif0': this host has no network interface 'nosuchif0'"
+    ):
+        backend.open_region(MiB, {"net_devices": "nosuchif0"})
+    with pytest.raises(OptionError, match="no network interface 'eth9'"):
+        backend.open_writer(MiB, {"net_devices": "lo,eth9"})
+    (tmp_path / "eth1").mkdir()
+    check_net_devices("eth1", str(tmp_path))  # present (carrier or not): UCX's to judge
+    check_net_devices("all,mlx5_0:1", str(tmp_path))  # UCX's own words
+    with pytest.raises(OptionError, match=r"it has: eth1\)"):
+        check_net_devices("eth1,eth2", str(tmp_path))
+
+
 def test_no_fence_claimed_without_tcp() -> None:
     w = backend.open_writer(MiB, {"ucx_tls": "default"})
     try:

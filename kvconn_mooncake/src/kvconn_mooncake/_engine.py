@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvconn.options import OptionError
 from kvconn_mooncake._options import read as read_options
 
 #: Engine timeout (seconds) the plugin sets when the operator set none. The
@@ -73,8 +75,27 @@ def engine_settings(options: Mapping[str, str]) -> tuple[str, str, str]:
     )
 
 
+def check_host(host: str) -> None:
+    """Refuse an address no interface of this host has: the engine would
+    start, and tell its peers an address where nobody answers."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OptionError(f"mooncake option host={host!r}: cannot resolve it ({exc.strerror})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OptionError(
+                f"mooncake option host={host!r}: no interface of this host has that address "
+                f"({exc.strerror}): the engine's peers could not reach it"
+            ) from None
+
+
 def new_engine(host: str, protocol: str, device: str) -> Any:
     """A fresh engine, P2P handshake (no metadata server)."""
+    check_host(host)
     engine = _engine_class()()
     rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
     if rc != 0:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvconn.buffers import Buffer, FlatSpace, buffers_of
 from kvconn.memory import MEMORY_KINDS, MemorySpace
-from kvconn.options import BackendOptions
+from kvconn.options import BackendOptions, OptionError
 
 #: Set (if unset) before nixl/UCX is loaded. ``UCX_MODULES=^ib``: without it
 #: every process that made a UCX agent segfaults at exit (bundled libnl-route
@@ -181,6 +181,21 @@ class Options:
 # agents
 
 
+def check_net_devices(devices: str, sysfs: str = "/sys/class/net") -> None:
+    """Refuse a network interface this host (its network namespace) does not
+    have, by name: UCX only says "no usable transports/devices" and NIXL
+    ``NIXL_ERR_BACKEND``. An interface that exists without carrier (a
+    partition) passes; UCX then refuses it, and a fence copes."""
+    present = set(os.listdir(sysfs)) if os.path.isdir(sysfs) else set()
+    for device in (d.strip() for d in devices.split(",")):
+        # "all", and IB-style "mlx5_0:1" names, are UCX's to judge.
+        if device and device != "all" and ":" not in device and device not in present:
+            raise OptionError(
+                f"nixl option net_devices={devices!r}: this host has no network interface {device!r} "
+                f"(it has: {', '.join(sorted(present)) or 'none'})"
+            )
+
+
 def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
     """Build a ``nixl_agent`` with UCX only, the requested UCX_TLS, a real
     progress-thread delay and a serialising sync mode (hooks run on several
@@ -211,6 +226,7 @@ def make_agent(role: str, opts: Options, progress_thread: bool) -> Any:
         backends=[],
         sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
+    check_net_devices(opts.net_devices)
     env = dict(FORCED_UCX_ENV)
     if opts.ucx_tls != "default":
         env["UCX_TLS"] = opts.ucx_tls
