@@ -41,7 +41,10 @@ def test_an_unreachable_rank_address_fails_the_bootstrap(fabric: Fabric) -> None
     nobody = f"tcp://{fabric.subnet}.250:5555"  # on the network, no host there
     before = _threads()
     started = time.monotonic()
-    with decode.entered(), pytest.raises(BootstrapError, match=r"0 of 1 prefill ranks answered within 1\.0 s"):
+    with (
+        decode.entered(),
+        pytest.raises(BootstrapError, match=r"0 of 1 prefill ranks answered within 1\.0 s"),
+    ):
         DecodeEndpoint(
             get_backend("loopback"),
             8,
