@@ -159,14 +159,16 @@ class NixlWriter:
         fence destroyed the last one and could not make its successor: UCX
         refuses a new agent while its pinned interface has no carrier (a
         partition), and the fence itself is done once the old one is gone."""
-        if self._agent is None:
+        agent: Any = self._agent
+        if agent is None:
             self._new_agent()
+            agent = self._agent
             for name, peer in self._peers.items():
                 try:
-                    self._agent.add_remote_agent(peer.info.agent_md)
+                    agent.add_remote_agent(peer.info.agent_md)
                 except Exception as exc:  # a peer gone: the next post to it fails (and fences)
                     log.warning("nixl: could not reconnect to %s: %r", name, exc)
-        return self._agent
+        return agent
 
     def connect(self, peer: str, metadata: bytes) -> None:
         info = RegionInfo.decode(metadata)
