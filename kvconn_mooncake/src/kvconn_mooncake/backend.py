@@ -761,7 +761,7 @@ class MooncakeBackend:
             cross_host=True,
             max_write_timeout_s=engine_timeout_s(),
             notes=(
-                "Mooncake TE 0.3.13 over P2PHANDSHAKE; tcp tested (loopback), rdma untested. "
+                "Mooncake TE 0.3.13 over P2PHANDSHAKE; tcp tested on one host and across hosts (host=<address>), rdma untested. "
                 "Failed writes count as UNSETTLED (a failed call may still write). Fence = destroy "
                 "and re-create the engine of each decode with writes in flight (~1 s each); proven for a stalled writer; for a stalled "
                 "page owner the core waits for decode's ends of the closed connections to drain (8 MiB "
