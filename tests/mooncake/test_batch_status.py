@@ -162,7 +162,11 @@ def test_writer_mode_choice(reset_api: None, monkeypatch: pytest.MonkeyPatch) ->
         be.capabilities_for({"max_inflight": "2000"})
     with pytest.raises(ValueError, match=r"max_engines='0'"):
         be.capabilities_for({"max_engines": "0"})
-    assert be.capabilities_for({"max_inflight": "8", "protocol": "TCP"}) == be.capabilities
+    # Bound to a host's address: the class-level claims; to loopback (the default host): this host only.
+    assert (
+        be.capabilities_for({"max_inflight": "8", "protocol": "TCP", "host": "10.1.2.3"}) == be.capabilities
+    )
+    assert be.capabilities_for({"max_inflight": "8", "protocol": "TCP"}).cross_host is False
     monkeypatch.setattr(bs, "_installed_version", lambda: "9.9.9")
     monkeypatch.setattr(bs, "_api", None)
     monkeypatch.setattr(bs, "_api_problem", None)
