@@ -43,6 +43,7 @@ from kvconn.bench.workload import (
     plan_for_decode,
     stats,
 )
+from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
 from kvconn.testing import scenarios
 from kvconn.transport import capabilities_of
@@ -134,13 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--backend-option wants KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
+    return parse_key_values(items, "--backend-option")
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

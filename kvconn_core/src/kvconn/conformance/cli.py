@@ -91,6 +91,7 @@ def _check_options(backend: str, items: list[str], write_timeout_s: float, abort
     """Why the backend cannot be checked with these options ("" if it can):
     said once, here, rather than by every check of the suite."""
     from kvconn.config import Config
+    from kvconn.options import parse_key_values
     from kvconn.plugins import BackendError, get_backend
     from kvconn.transport import capabilities_of
 
@@ -99,14 +100,8 @@ def _check_options(backend: str, items: list[str], write_timeout_s: float, abort
     except ValueError as exc:
         return f"--write-timeout / --abort-timeout: {exc}"
 
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            return f"-o wants KEY=VALUE, got {item!r}"
-        options[key] = value
     try:
-        capabilities_of(get_backend(backend), options)
+        capabilities_of(get_backend(backend), parse_key_values(items, "-o"))
     except (BackendError, ValueError) as exc:
         return str(exc)
     return ""

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvconn.conformance.harness import Settings
+from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
 from kvconn.transport import capabilities_of
 
@@ -72,11 +73,10 @@ def kvconn_settings(request: pytest.FixtureRequest) -> Settings:
     if not name:
         raise pytest.UsageError("kvconn conformance: name a backend (--kvconn-backend or backend_name)")
     options: dict[str, str] = dict(getattr(request.cls, "backend_options", {}) or {})
-    for item in config.getoption("--kvconn-option"):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise pytest.UsageError(f"--kvconn-option wants KEY=VALUE, got {item!r}")
-        options[key] = value
+    try:
+        options.update(parse_key_values(config.getoption("--kvconn-option"), "--kvconn-option"))
+    except OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
     try:
         capabilities_of(get_backend(name), options)  # refuses bad options before any process starts
     except (BackendError, ValueError) as exc:
