@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvconn.protocol.hold import HoldState
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.testing.cluster import PROOFS, Cluster, total
 from kvconn.testing.netns import NetnsUnavailable, VethPair, veth_pair
+from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 16
 NROOMS = 4

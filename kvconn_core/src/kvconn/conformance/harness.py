@@ -5,6 +5,7 @@ gets back and checks it before handing the page out again."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,6 +27,7 @@ from kvconn.plugins import get_backend
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.procs import all_threads_stopped
+from kvconn.testing import waiting
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend, Capabilities, capabilities_of
 
@@ -35,6 +37,11 @@ ACK_PROOFS = frozenset({Proof.ACKS, Proof.LATE_ACKS, Proof.COMPLETED, Proof.NOTH
 
 class ConformanceFailure(AssertionError):
     """A check failed; the message names it."""
+
+
+#: kvconn.testing's wait, failing as a check of the suite does (the suite
+#: tells a failed check from a crash by this class).
+wait_for = functools.partial(waiting.wait_for, poll=0.002, failure=ConformanceFailure)
 
 
 @attrs.frozen
@@ -84,14 +91,6 @@ class Settings:
             bootstrap_timeout_s=30.0,
             backend_options=dict(self.options),
         )
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 0.002) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise ConformanceFailure(f"{what}: not within {timeout:.1f} s")
-        time.sleep(poll)
 
 
 class Child:

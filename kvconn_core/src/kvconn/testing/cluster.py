@@ -24,20 +24,9 @@ from kvconn.protocol.hold import Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.procs import wait_until_stopped
 from kvconn.testing.faults import AckProxy
-from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.testing.patterns import CANARY, canary, shard_bytes
 
-CANARY = 0xA5
 LOOPBACK_SLOW = {"piece_bytes": "16384", "piece_delay_s": "0.004"}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") -> float:
-    """Poll ``cond`` until true; fail after ``timeout`` s. Returns the time taken."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-    return time.monotonic() - t0
 
 
 def free_port() -> int:

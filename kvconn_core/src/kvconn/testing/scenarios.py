@@ -30,8 +30,10 @@ from typing import Any
 import attrs
 
 from kvconn.runtime.procs import wait_until_stopped
-from kvconn.testing.cluster import CANARY, Cluster, wait_for
+from kvconn.testing.cluster import Cluster
 from kvconn.testing.netns import NetnsUnavailable, VethPair, veth_pair
+from kvconn.testing.patterns import CANARY
+from kvconn.testing.waiting import wait_for
 
 FAULTS = ("frozen", "late_queue", "partition")
 WRITE_S, DEADLINE_S = 0.4, 0.8  #: writer and decode deadlines (the legacy mode frees at the latter)
