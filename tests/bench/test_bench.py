@@ -4,6 +4,7 @@ documented JSON, a deliberately broken transport is caught as violations."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,9 @@ import pytest
 
 from kvconn.bench.cli import check_output_paths
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance" / "liars"))
+from kvconn_liars.registry import liar_path  # noqa: E402
+
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",
     "--stream-requests", "8", "--concurrency", "4", "--overhead-chunks", "500",
@@ -20,13 +24,17 @@ SMALL = [
 ]  # fmt: skip
 
 
-def bench(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+def bench(tmp_path: Path, *extra: str, liars: bool = False) -> tuple[int, dict[str, Any], str]:
+    """``liars``: with the test-only ``liar-*`` transports installed (the
+    broken loopback variants are ``--backend liar-loopback``)."""
     out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=liar_path(tmp_path / "liars")) if liars else None
     proc = subprocess.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *SMALL, "--json", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=50,
+        env=env,
     )
     report = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, report, proc.stdout + proc.stderr
@@ -65,8 +73,9 @@ def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
     code, rep, out = bench(
         tmp_path,
         "--modes", "kvconn", "--prefill-fail-fraction", "0", "--abort-fraction", "0",
-        "--backend-option", "linger_after_fail=1", "--backend-option", "fail_every=5",
-        "--backend-option", "piece_bytes=4096",
+        "--backend", "liar-loopback", "--backend-option", "linger_after_fail=1",
+        "--backend-option", "fail_every=5", "--backend-option", "piece_bytes=4096",
+        liars=True,
     )  # fmt: skip
     assert code == 1, out
     kinds = {v["kind"] for v in rep["violations"]["kvconn"]}
@@ -80,8 +89,9 @@ def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
 def test_early_done_is_a_violation(tmp_path: Path) -> None:
     code, rep, out = bench(
         tmp_path,
-        "--modes", "kvconn", "--backend-option", "early_done=1",
+        "--modes", "kvconn", "--backend", "liar-loopback", "--backend-option", "early_done=1",
         "--backend-option", "piece_delay_s=0.002", "--backend-option", "piece_bytes=4096",
+        liars=True,
     )  # fmt: skip
     assert code == 1, out
     assert rep["violations"]["kvconn"], out
@@ -115,8 +125,9 @@ def test_late_writes_are_caught_at_every_decode(tmp_path: Path) -> None:
     code, rep, out = bench(
         tmp_path,
         "--modes", "kvconn", "--ranks", "1", "--decodes", "2", "--prefill-fail-fraction", "0",
-        "--abort-fraction", "0", "--backend-option", "linger_after_fail=1",
+        "--abort-fraction", "0", "--backend", "liar-loopback", "--backend-option", "linger_after_fail=1",
         "--backend-option", "fail_every=5", "--backend-option", "piece_bytes=4096",
+        liars=True,
     )  # fmt: skip
     assert code == 1, out
     per_decode = rep["modes"]["kvconn"]["per_decode"]

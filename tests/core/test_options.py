@@ -92,9 +92,9 @@ def test_loopback_refuses_a_typo_on_both_sides() -> None:
 
 def test_loopback_reads_its_options() -> None:
     lb = get_backend("loopback")
-    options = {"piece_bytes": "1024", "fail_chunks": " 3:1, 5:0 ,", "fail_every": "4", "no_fence": "on"}
+    options = {"piece_bytes": "1024", "fail_chunks": " 3:1, 5:0 ,", "fail_every": "4", "late_delivery_s": "1"}
     assert LoopbackOptions.parse(options) == LoopbackOptions(
-        piece_bytes=1024, fail_chunks=frozenset({(3, 1), (5, 0)}), fail_every=4, no_fence=True
+        piece_bytes=1024, fail_chunks=frozenset({(3, 1), (5, 0)}), fail_every=4, late_delivery_s=1.0
     )
     w = LoopbackWriter(4096, options)
     try:
@@ -105,6 +105,15 @@ def test_loopback_reads_its_options() -> None:
         lb.open_writer(4096, {"fail_chunks": "3"})
     with pytest.raises(OptionError, match=r"piece_bytes='0': expected at least 1"):
         lb.open_writer(4096, {"piece_bytes": "0"})
+
+
+@pytest.mark.parametrize("lie", ["early_done", "linger_after_fail", "no_fence", "misplace_buffer"])
+def test_loopback_ships_no_broken_option(lie: str) -> None:
+    """The broken-on-purpose variants are a test-only transport (liar-loopback):
+    no deployment can switch one on by an option."""
+    lb = get_backend("loopback")
+    with pytest.raises(OptionError, match=f"unknown loopback option '{lie}'"):
+        lb.open_writer(4096, {lie: "1"})
 
 
 # -- KEY=VALUE items: one rule for every command line and variable ----------
