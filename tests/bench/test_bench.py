@@ -15,7 +15,7 @@ import pytest
 from kvconn.bench.cli import check_output_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance" / "liars"))
-from kvconn_liars.registry import liar_path  # noqa: E402
+from kvconn_liars.registry import liar_path
 
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",

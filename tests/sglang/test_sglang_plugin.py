@@ -138,8 +138,8 @@ def test_settings_refuse_what_they_cannot_use() -> None:
 def test_backend_options_follow_kvconns_key_value_rule(text: str, message: str) -> None:
     from kvconn_sglang.settings import Settings, SettingsError
 
-    assert dict(Settings.from_env({"KVCONN_SGLANG_BACKEND_OPTIONS": " u = x=y ,"}).config.backend_options) == {
-        "u": "x=y"
-    }
+    assert dict(
+        Settings.from_env({"KVCONN_SGLANG_BACKEND_OPTIONS": " u = x=y ,"}).config.backend_options
+    ) == {"u": "x=y"}
     with pytest.raises(SettingsError, match=message):
         Settings.from_env({"KVCONN_SGLANG_BACKEND_OPTIONS": text})

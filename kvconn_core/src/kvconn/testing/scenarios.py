@@ -147,7 +147,7 @@ def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: VethPair | Non
     for i in range(rooms):
         room = _room(fault, i)
         before = _rank_counts(c)
-        rx, pages = c.open(room, npages, exclude=sorted(c.freed_once))
+        rx, pages = c.open(room, npages, exclude=sorted(c.pages.returned_once))
         if fault == "frozen":
             wait_until_stopped(c.ranks[0].proc.pid, timeout=30)  # half way through its chunk
         elif fault == "late_queue":  # rank 0 posted the chunk: its first half is in
