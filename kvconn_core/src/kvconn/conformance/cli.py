@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 import kvconn.conformance._collect as collect
+from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="backend option (repeatable)"
     )
-    parser.add_argument("--write-timeout", type=float, default=0.5, help="writer deadline in s (0.5)")
-    parser.add_argument("--abort-timeout", type=float, default=2.0, help="decode deadline in s (2.0)")
+    parser.add_argument(
+        "--write-timeout",
+        type=float,
+        default=WRITE_TIMEOUT_S,
+        help=f"writer deadline in s ({WRITE_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--abort-timeout",
+        type=float,
+        default=ABORT_TIMEOUT_S,
+        help=f"decode deadline in s ({ABORT_TIMEOUT_S})",
+    )
     parser.add_argument(
         "--watch",
         type=float,

@@ -29,6 +29,12 @@ from kvconn.transport import Backend, Capabilities, capabilities_of
 ACK_PROOFS = frozenset({Proof.ACKS, Proof.LATE_ACKS, Proof.COMPLETED, Proof.NOTHING_SENT})
 
 
+#: The deadlines the suite runs with unless told otherwise (``kvconn
+#: conformance``, the pytest plugin and :class:`Settings` share them).
+WRITE_TIMEOUT_S = 0.5
+ABORT_TIMEOUT_S = 2.0
+
+
 class ConformanceFailure(AssertionError):
     """A check failed; the message names it."""
 
@@ -44,8 +50,8 @@ class Settings:
 
     backend_name: str
     options: Mapping[str, str] = attrs.field(factory=dict)
-    write_timeout_s: float = 0.5
-    abort_timeout_s: float = 2.0
+    write_timeout_s: float = WRITE_TIMEOUT_S
+    abort_timeout_s: float = ABORT_TIMEOUT_S
     strict: bool = False
     #: More and wider rounds (a longer run).
     thorough: bool = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvconn.conformance.harness import Settings
+from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S, Settings
 from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
 from kvconn.transport import capabilities_of
@@ -45,8 +45,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="backend option (repeatable)",
     )
     group.addoption("--kvconn-strict", action="store_true", help="undeclared skips fail")
-    group.addoption("--kvconn-write-timeout", type=float, default=0.5, help="writer deadline, s (0.5)")
-    group.addoption("--kvconn-abort-timeout", type=float, default=2.0, help="decode deadline, s (2.0)")
+    group.addoption(
+        "--kvconn-write-timeout",
+        type=float,
+        default=WRITE_TIMEOUT_S,
+        help=f"writer deadline, s ({WRITE_TIMEOUT_S})",
+    )
+    group.addoption(
+        "--kvconn-abort-timeout",
+        type=float,
+        default=ABORT_TIMEOUT_S,
+        help=f"decode deadline, s ({ABORT_TIMEOUT_S})",
+    )
     group.addoption(
         "--kvconn-watch",
         type=float,
