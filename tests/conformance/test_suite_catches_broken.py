@@ -95,6 +95,7 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
         (["-o", "piece_bytes=0"], "loopback option piece_bytes='0': expected at least 1"),
         (["-o", "piece_bytes"], "-o wants KEY=VALUE, got 'piece_bytes'"),
         (["-o", "early_done=1"], "unknown loopback option 'early_done'"),
+        (["-o", "piece_bytes=1", "-o", "piece_bytes=2"], "-o: 'piece_bytes' given twice"),
         (
             ["--write-timeout", "3"],
             "--write-timeout / --abort-timeout: write_timeout_s (3.0 s) must be shorter",
@@ -107,6 +108,7 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
         "out_of_bounds",
         "no_value",
         "no_lies_on_loopback",
+        "given_twice",
         "write_not_shorter",
         "no_deadline",
         "negative_watch",
@@ -133,3 +135,14 @@ def test_the_fixture_fails_a_suite_with_bad_options(pytester: pytest.Pytester) -
     result = pytester.runpytest_subprocess("-k", "done_barrier and dram")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*kvconn conformance: unknown loopback option 'piece_byte'*"])
+
+
+def test_the_plugin_reads_kvconn_option_by_the_same_rule(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_dup=STRICT_FILE)
+    result = pytester.runpytest_subprocess(
+        "-k", "landed and dram", "--kvconn-option", "piece_bytes=1", "--kvconn-option", "piece_bytes=2"
+    )
+    assert result.ret != 0
+    assert "--kvconn-option: 'piece_bytes' given twice (piece_bytes='1' and piece_bytes='2')" in str(
+        result.stdout
+    ) + str(result.stderr)
