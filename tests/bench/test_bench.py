@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvconn.bench.cli import check_output_paths
+from kvconn.bench.output import check_output_paths
 
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",

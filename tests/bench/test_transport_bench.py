@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvconn.bench.sizes import parse_size
-from kvconn.bench.transport import Shape, check_pages, make_plan, source_pattern
+from kvconn.bench.shapes import Shape, check_pages, make_plan, source_pattern
 
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
@@ -137,7 +137,7 @@ def test_spot_checks_expect_the_last_writer_of_a_page() -> None:
 
 
 def test_kv_shapes_parse_and_refuse_mixing() -> None:
-    from kvconn.bench.transport import _kv_shapes
+    from kvconn.bench.shapes import kv_shapes
 
     kv = Shape.parse("kv:2x4:scattered")
     assert (kv.layers, kv.chunk_pages, kv.scattered, kv.page_bytes) == (2, 4, True, 16 * 8 * 256)
@@ -146,11 +146,11 @@ def test_kv_shapes_parse_and_refuse_mixing() -> None:
     for bad in ("kv:0x4", "kv:2xz", "kv:2x4:tight"):
         with pytest.raises(ValueError, match="shape"):
             Shape.parse(bad)
-    assert _kv_shapes([kv, Shape.parse("kv:2x8")])
+    assert kv_shapes([kv, Shape.parse("kv:2x8")])
     with pytest.raises(ValueError, match="cannot run together"):
-        _kv_shapes([kv, Shape.parse("4096")])
+        kv_shapes([kv, Shape.parse("4096")])
     with pytest.raises(ValueError, match="same number of layers"):
-        _kv_shapes([kv, Shape.parse("kv:3x4")])
+        kv_shapes([kv, Shape.parse("kv:3x4")])
 
 
 def test_kv_shape_runs_over_engine_buffers_and_counts_segments(tmp_path: Path) -> None:

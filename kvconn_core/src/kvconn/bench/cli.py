@@ -8,20 +8,22 @@ showed any violation, 2 if the bench could not run.
 
 ``kvconn bench --transport [--backend a,b] [--repeat N]`` instead compares
 bytes/s of the same chunked writes through kvconn and through each
-transport's raw API (see :mod:`kvconn.bench.transport`); exit code 1 if a
-spot-checked page came out wrong.
+transport's raw API; exit code 1 if a spot-checked page came out wrong.
+
+docs/bench.md explains every row of the output and every JSON field.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
+import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -29,8 +31,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvconn.bench import child as child_mod
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import transport as transport_mod
+from kvconn.bench.output import check_output_paths, write_json
+from kvconn.bench.output import console as make_console
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.sizes import size_arg
 from kvconn.bench.workload import (
@@ -52,12 +57,41 @@ KVCONN, LEGACY = "kvconn", "legacy"
 STEAL_NOTE_PCT = 5.0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown once: not for a flag that is off or an option with no
+    default (its help says what happens then), nor where the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+#: Environment that quiets a transport library's own logging unless --verbose:
+#: Mooncake logs through glog ("No RDMA devices found", "Local segment
+#: descriptor not found" on every run); glog reads GLOG_* when it loads.
+QUIET_NATIVE_ENV = {"GLOG_minloglevel": "3"}
+
+
+def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
+    """Set :data:`QUIET_NATIVE_ENV` in ``env`` (this process's, which every
+    child inherits) unless ``verbose`` or the user set the variable already."""
+    target: Any = os.environ if env is None else env
+    if not verbose:
+        for key, value in QUIET_NATIVE_ENV.items():
+            target.setdefault(key, value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = HelpFormatter
     p.description = __doc__
     p.add_argument("--backend", default="loopback", help="loopback, nixl, mooncake or any installed plugin")
     p.add_argument(
         "--backend-option",
+        "-o",
+        "--option",
+        dest="backend_option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -87,9 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--abort-window-ms",
         type=float,
         default=None,
-        help="aborts fall uniformly in [0, window] after the request (default: measured p50 latency)",
+        help="aborts fall uniformly in [0, window] after the request (default: the streaming phase's "
+        "p50 latency)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (which rooms abort, and when)")
     p.add_argument(
         "--pool-pages", type=int, default=None, help="decode pages (default: sized from the workload)"
     )
@@ -129,7 +164,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="after the modes, on loopback: a rank frozen mid-write, a late transport queue and a "
         "partitioned rank (needs root), in both modes; short: one room each, long: four",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="pass child processes' stderr and transport libraries' own logging (Mooncake's glog) through",
+    )
     transport_mod.add_arguments(p)
 
 
@@ -148,34 +189,48 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         add_arguments(parser)
         args = parser.parse_args(sys.argv[2:])
     to_stdout = args.json == "-"
-    console = Console(stderr=to_stdout)
-    err = Console(stderr=True)
+    console = make_console(stderr=to_stdout)
+    err = make_console(stderr=True)
     unused = _unused_options(parser, args)
     if unused:
         bench = "--transport" if args.transport else "the abort bench (no --transport)"
-        err.print(f"[red]kvconn bench: {bench} does not use {', '.join(unused)}[/red]")
+        err.print(f"[red]kvconn bench: {bench} does not use {escape(', '.join(unused))}[/red]")
         return 2
+    child_mod.VERBOSE = args.verbose
+    quiet_native_logs(args.verbose)
     try:
-        if args.transport:
-            return transport_mod.main(args, console, err)
-        return _run(args, console, err)
+        with _interruptible():
+            if args.transport:
+                return transport_mod.main(args, _options(args.backend_option), console, err)
+            return _run(args, console, err)
+    except KeyboardInterrupt:
+        err.print("kvconn bench: interrupted (Ctrl-C); no results")
+        return 130
     except (ValueError, RuntimeError, OSError, KeyError, LookupError) as exc:
         err.print(f"[red]kvconn bench: {escape(str(exc))}[/red]")
         return 2
 
 
-def check_output_paths(*paths: str | None) -> None:
-    """Refuse, before a run of minutes, a file the results cannot be written to."""
-    for path in paths:
-        if not path or path == "-":
-            continue
-        if os.path.exists(path):
-            if os.path.isdir(path) or not os.access(path, os.W_OK):
-                raise ValueError(f"cannot write {path}")
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"cannot write {path}: {folder} is not a writable folder")
+@contextmanager
+def _interruptible() -> Iterator[None]:
+    """Ctrl-C stops the run with one line: the interrupt unwinds the main
+    thread through every ``finally`` that closes children and endpoints,
+    while the logging and thread tracebacks of that teardown (connections
+    closing under the runtime's threads) are silenced."""
+    previous_hook = threading.excepthook
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda args: None
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        threading.excepthook = previous_hook
+        logging.disable(logging.NOTSET)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -216,7 +271,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 #: Options both benches read; every other one belongs to one of them.
-_SHARED = frozenset({"backend", "backend_option", "json", "no_progress", "seed", "transport"})
+_SHARED = frozenset({"backend", "backend_option", "json", "no_progress", "seed", "transport", "verbose"})
 
 
 def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -357,14 +412,9 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         report["ok"] = not report["violations"][KVCONN]
     _print(console, report)
     if args.json:
-        text = json.dumps(report, indent=2)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(args.json, report)
     if args.plot:
-        _plot(args.plot, results, legacy_timeout, err)
+        _plot(args.plot, results, legacy_timeout, report.get("faults", []), err)
     return 1 if report["violations"][KVCONN] else 0
 
 
@@ -456,8 +506,8 @@ def _report(
     violations.setdefault(KVCONN, [])
     targets: list[dict[str, Any]] = []
 
-    def target(name: str, goal: str, value: str, ok: bool | None) -> None:
-        targets.append({"target": name, "goal": goal, "value": value, "ok": ok})
+    def target(name: str, goal: str, value: str, ok: bool | None, gates_exit: bool = False) -> None:
+        targets.append({"target": name, "goal": goal, "value": value, "ok": ok, "gates_exit": gates_exit})
 
     if fast["n"]:
         target(
@@ -502,8 +552,9 @@ def _report(
             "always",
             f"peak {r.peak_pages_held} <= {r.peak_pages_aborted_unreleased}",
             not exceeded,
+            gates_exit=True,  # a page held past what aborts explain is a violation
         )
-        target("violations (kvconn)", "0", str(len(r.violations)), not r.violations)
+        target("violations (kvconn)", "0", str(len(r.violations)), not r.violations, gates_exit=True)
     notes.append(
         f"GIL switch interval {args.gil_switch_ms:g} ms in decode and every rank (--gil-switch-ms, "
         "Config.gil_switch_interval_s)"
@@ -656,24 +707,66 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
             f"(overhead ratio {raw.get('overhead_ratio', 0):.2f}x)"
         )
     else:
-        console.print(f"raw comparison: {raw['detail']}")
+        console.print(f"raw comparison: {escape(raw['detail'])}")
     if rep.get("faults"):
         _print_faults(console, rep["faults"])
-    tt = Table(title="targets")
-    for c in ("target", "goal", "value", "ok"):
-        tt.add_column(c)
-    for tg in rep["targets"]:
-        ok = {True: "[green]yes[/green]", False: "[red]NO[/red]", None: "-"}[tg["ok"]]
-        tt.add_row(tg["target"], tg["goal"], tg["value"], ok)
-    console.print(tt)
+    _print_targets(console, rep)
     for mode, vs in rep["violations"].items():
-        label = "kvconn" if mode == KVCONN else "legacy (expected to be possible there)"
+        label = escape("[kvconn]" if mode == KVCONN else "[legacy] (expected to be possible there)")
         for v in vs[:20]:
-            console.print(f"[red]violation[/red] [{label}] {v['kind']} room={v['room']}: {v['detail']}")
+            console.print(
+                f"[red]violation[/red] {label} {escape(str(v['kind']))} room={v['room']}: "
+                f"{escape(str(v['detail']))}"
+            )
         if len(vs) > 20:
             console.print(f"... and {len(vs) - 20} more {mode} violations (see --json)")
     for n in rep["notes"]:
-        console.print(f"note: {n}")
+        console.print(f"note: {escape(n)}")
+
+
+#: Busy share of the machine's CPUs during kvconn's mode above which a
+#: missed latency target is put down to the machine, in the report.
+SATURATED_BUSY_PCT = 90.0
+
+
+def _print_targets(console: Console, rep: dict[str, Any]) -> None:
+    """The targets, which of them decide the exit code, and why a stated one
+    missed on this machine."""
+    tt = Table(title="targets")
+    for c in ("target", "goal", "value", "met", "gates exit code"):
+        tt.add_column(c)
+    for tg in rep["targets"]:
+        gates = tg.get("gates_exit", False)
+        if tg["ok"] is None:
+            ok = "-"
+        elif tg["ok"]:
+            ok = "[green]yes[/green]"
+        else:
+            ok = "[red]NO[/red]" if gates else "[yellow]no[/yellow] (stated)"
+        tt.add_row(
+            escape(tg["target"]), escape(tg["goal"]), escape(tg["value"]), ok, "yes" if gates else "no"
+        )
+    console.print(tt)
+    console.print(
+        "exit code: 1 only if kvconn's mode shows a violation (a late write into a released page, "
+        "wrong bytes, pages held past what aborts explain, a production fault corrupting a page): "
+        "the safety targets, which hold on any machine. The latency, overhead and throughput targets "
+        "are measured and stated, never gated: they depend on this machine's cores and load."
+    )
+    missed = [tg["target"] for tg in rep["targets"] if tg["ok"] is False and not tg.get("gates_exit")]
+    if not missed:
+        return
+    cpu = rep["modes"].get(KVCONN, {}).get("cpu") or {}
+    busy, steal = cpu.get("busy", 0.0), cpu.get("steal", 0.0)
+    if busy >= SATURATED_BUSY_PCT or steal >= STEAL_NOTE_PCT:
+        why = (
+            f"the machine's CPUs were {busy:.0f}% busy ({steal:.0f}% stolen by the hypervisor) during "
+            "kvconn's mode: every hop of an abort waited for a core, so these figures measure the "
+            "machine as much as kvconn"
+        )
+    else:
+        why = f"the machine was not saturated ({busy:.0f}% busy, {steal:.0f}% steal): worth a look"
+    console.print(f"stated targets missed: {escape(', '.join(missed))}; {escape(why)}")
 
 
 def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
@@ -694,7 +787,7 @@ def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
         if k is None or leg is None:
             continue
         if k["skipped"]:
-            t.add_row(fault, "-", "-", f"not run: {k['skipped']}")
+            t.add_row(fault, "-", "-", f"not run: {escape(k['skipped'])}")
             continue
         back = ", ".join(f"{s:.2f} s" for s in k["recovery_s"]) or "-"
         cost = f"{k['quarantined_pages']} of {k['pages']} pages, {back} ({', '.join(k['proofs'])})"
@@ -705,21 +798,47 @@ def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
             fault,
             f"[red]{bad}[/red] of {leg['pages']}" if bad else f"0 of {leg['pages']}",
             f"[red]{k['corrupted_pages']}[/red]" if k["corrupted_pages"] else "[green]0[/green]",
-            cost,
+            escape(cost),
         )
     console.print(t)
 
 
-def _plot(path: str, results: dict[str, ModeResult], legacy_timeout: float, err: Console) -> None:
+#: The decode deadline a deployment runs with (the default of
+#: ``Config.abort_timeout_s``): where a timeout-only engine frees pages.
+DEPLOYMENT_DEADLINE_S = 30.0
+
+
+def _plot(
+    path: str,
+    results: dict[str, ModeResult],
+    legacy_timeout: float,
+    faults: list[dict[str, Any]],
+    err: Console,
+) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        err.print("--plot needs matplotlib: pip install 'kvconn-core[plot]'; no plot written")
+        err.print(escape("--plot needs matplotlib: pip install 'kvconn-core[plot]'; no plot written"))
         return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = figure(results, legacy_timeout, faults)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    err.print(f"plot written to {escape(path)}")
+
+
+def figure(results: dict[str, ModeResult], legacy_timeout: float, faults: list[dict[str, Any]]) -> Any:
+    """Release latency after abort in each mode, the deadlines that bound
+    timeout-only release (the bench's short one and a deployment's 30 s)
+    and, when the fault phase ran, the pages each mode let a late write
+    corrupt."""
+    import matplotlib.pyplot as plt
+
+    ran = [f for f in faults if not f.get("skipped")]
+    fig, axes = plt.subplots(1, 2 if ran else 1, figsize=(12 if ran else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
     for mode, res in results.items():
         xs = sorted(res.latencies_ms)
         if not xs:
@@ -727,13 +846,34 @@ def _plot(path: str, results: dict[str, ModeResult], legacy_timeout: float, err:
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         label = "kvconn (ABORT_ACK)" if mode == KVCONN else f"timeout-only ({legacy_timeout:g} s)"
         ax.step(xs, ys, where="post", label=f"{label}, n={len(xs)}")
+    ax.axvline(
+        legacy_timeout * 1e3, color="grey", linestyle=":", label=f"bench deadline ({legacy_timeout:g} s)"
+    )
+    ax.axvline(
+        DEPLOYMENT_DEADLINE_S * 1e3,
+        color="red",
+        linestyle="--",
+        label=f"deployment deadline ({DEPLOYMENT_DEADLINE_S:g} s): timeout-only frees pages here",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("abort -> release (ms, log)")
     ax.set_ylabel("fraction of aborted rooms")
-    ax.set_title("kvconn bench: release latency after abort")
+    ax.set_title("release latency after abort")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
+    if ran:
+        bx = axes[0][1]
+        names = [f["fault"] for f in ran if f["mode"] == KVCONN]
+        by = {(f["fault"], f["mode"]): f["corrupted_pages"] for f in ran}
+        at = range(len(names))
+        for shift, mode, label in ((-0.2, LEGACY, "timeout-only"), (0.2, KVCONN, "kvconn")):
+            heights = [by.get((n, mode), 0) for n in names]
+            bars = bx.bar([x + shift for x in at], heights, width=0.4, label=label)
+            bx.bar_label(bars)
+        bx.set_xticks(list(at), names, rotation=15, fontsize="small")
+        bx.set_ylabel("pages corrupted by a late write")
+        bx.set_title("production faults: pages handed back, then written")
+        bx.legend(fontsize="small")
+    fig.suptitle("kvconn bench")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    err.print(f"plot written to {path}")
+    return fig
