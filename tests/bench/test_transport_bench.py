@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvconn.bench.sizes import parse_size
 from kvconn.bench.shapes import Shape, check_pages, make_plan, source_pattern
+from kvconn.bench.sizes import parse_size
 
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",

@@ -63,15 +63,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False) or "default" in text:
+        if action.default in (None, False, []) or "default" in text:
             return text
         return super()._get_help_string(action)
 
 
 #: Environment that quiets a transport library's own logging unless --verbose:
-#: Mooncake logs through glog ("No RDMA devices found", "Local segment
-#: descriptor not found" on every run); glog reads GLOG_* when it loads.
-QUIET_NATIVE_ENV = {"GLOG_minloglevel": "3"}
+#: Mooncake logs warnings through glog on every run ("No RDMA devices found",
+#: "Using default malloc/free") at the level MC_LOG_LEVEL sets when it loads
+#: (it ignores GLOG_minloglevel). Its one ERROR line, "Local segment
+#: descriptor not found", is not below any level that keeps real errors.
+QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR"}
 
 
 def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
@@ -85,7 +87,7 @@ def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = HelpFormatter
-    p.description = __doc__
+    p.description = (__doc__ or "").replace("``", "")
     p.add_argument("--backend", default="loopback", help="loopback, nixl, mooncake or any installed plugin")
     p.add_argument(
         "--backend-option",
@@ -136,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gil-switch-ms",
         type=float,
         default=0.5,
-        help="Config.gil_switch_interval_s of decode and every rank, in ms (0: Python's default, 5 ms)",
+        help="Config.gil_switch_interval_s of decode and every rank, in ms (0: Python's own, 5 ms)",
     )
     p.add_argument(
         "--legacy-timeout",
@@ -147,7 +149,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="kvconn,legacy", help="which modes to run: kvconn, legacy or both")
     p.add_argument("--compare-raw", action="store_true", help="also time the same writes through the raw API")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
-    p.add_argument("--plot", metavar="FILE.png", help="plot release-latency distributions (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="plot release latency after abort and the fault table "
+        "(needs matplotlib: pip install 'kvconn-core[plot]')",
+    )
     p.add_argument(
         "--drain-s", type=float, default=5.0, help="kvconn mode: wait this long for held rooms at the end"
     )
@@ -711,7 +718,14 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
     if rep.get("faults"):
         _print_faults(console, rep["faults"])
     _print_targets(console, rep)
-    for mode, vs in rep["violations"].items():
+    _print_violations(console, rep["violations"])
+    for n in rep["notes"]:
+        console.print(f"note: {escape(n)}")
+
+
+def _print_violations(console: Console, violations: dict[str, list[dict[str, Any]]]) -> None:
+    """Up to 20 violations of each mode, each labelled with its mode."""
+    for mode, vs in violations.items():
         label = escape("[kvconn]" if mode == KVCONN else "[legacy] (expected to be possible there)")
         for v in vs[:20]:
             console.print(
@@ -720,8 +734,6 @@ def _print(console: Console, rep: dict[str, Any]) -> None:
             )
         if len(vs) > 20:
             console.print(f"... and {len(vs) - 20} more {mode} violations (see --json)")
-    for n in rep["notes"]:
-        console.print(f"note: {escape(n)}")
 
 
 #: Busy share of the machine's CPUs during kvconn's mode above which a

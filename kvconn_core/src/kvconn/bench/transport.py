@@ -42,8 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape",
         action="append",
         default=None,
-        metavar="PAGE_BYTES[xCHUNK_PAGES][:scattered]",
-        help=f"chunk shape (repeatable; default {', '.join(DEFAULT_SHAPES)})",
+        metavar="SHAPE",
+        help="chunk shape, repeatable: PAGE_BYTES[xCHUNK_PAGES][:scattered] (a flat region, e.g. "
+        "4KiBx1024:scattered), or kv:LAYERSxCHUNK_PAGES[:scattered] (an engine's per-layer K and V "
+        f"buffers, 16-token fp16 pages of 8 heads x 128, e.g. kv:32x64:scattered); default "
+        f"{', '.join(DEFAULT_SHAPES)}",
     )
     g.add_argument(
         "--bytes-per-run", type=size_arg, default=256 * MiB, help="bytes per measurement and shape"
