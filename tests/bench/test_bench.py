@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_doc import undocumented
 
 from kvconn.bench.output import check_output_paths
 
@@ -58,7 +59,12 @@ def test_small_run_passes_and_reports(tmp_path: Path) -> None:
     assert rep["raw"]["available"] is True and rep["raw"]["gbps"] > 0
     assert {"legacy_timeout_s", "ratio_vs_30s_timeout_p99"} <= set(rep["comparison"])
     assert any(t["target"].startswith("per-chunk overhead") for t in rep["targets"])
+    assert {t["target"] for t in rep["targets"] if t["gates_exit"]} == {
+        "peak pages held <= aborted, unreleased",
+        "violations (kvconn)",
+    }
     assert "kvconn bench: loopback" in out
+    assert not undocumented(rep), "fields docs/bench.md does not explain"
 
 
 def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
@@ -186,7 +192,9 @@ def test_production_faults_corrupt_the_timeout_only_mode_and_not_kvconn(tmp_path
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    faults = {(f["fault"], f["mode"]): f for f in json.loads(out.read_text())["faults"]}
+    rep = json.loads(out.read_text())
+    assert not undocumented(rep), "fields docs/bench.md does not explain"
+    faults = {(f["fault"], f["mode"]): f for f in rep["faults"]}
     for fault in ("frozen", "late_queue", "partition"):
         kvconn, legacy = faults[(fault, "kvconn")], faults[(fault, "legacy")]
         if kvconn["skipped"]:  # the partition needs root and iproute2

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_doc import undocumented
 
 from kvconn.bench.shapes import Shape, check_pages, make_plan, source_pattern
 from kvconn.bench.sizes import parse_size
@@ -34,7 +35,9 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     assert "kvconn bench --transport: loopback" in text
     assert "5% target" in text and "kvconn / raw" in text
-    (rep,) = json.loads(out.read_text())["transport"]
+    doc = json.loads(out.read_text())
+    assert not undocumented(doc), "fields docs/bench.md does not explain"
+    (rep,) = doc["transport"]
     assert rep["backend"] == "loopback" and rep["verified"] is True
     assert isinstance(rep["target_met"], bool) and rep["raw_path"]
     assert [s["shape"] for s in rep["shapes"]] == ["16 x 4 KiB scattered", "1 x 64 KiB"]
@@ -174,7 +177,9 @@ def test_kv_shape_runs_over_engine_buffers_and_counts_segments(tmp_path: Path) -
         env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (rep,) = json.loads(out.read_text())["transport"]
+    doc = json.loads(out.read_text())
+    assert not undocumented(doc), "fields docs/bench.md does not explain"
+    (rep,) = doc["transport"]
     assert rep["verified"] is True  # every checked page equal to its source page, in all 4 buffers
     runs, scattered = rep["shapes"]
     assert runs["segments_per_chunk"] == 4  # 4 adjacent pages merge: one segment per buffer
