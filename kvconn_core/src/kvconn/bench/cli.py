@@ -220,10 +220,14 @@ def _interruptible() -> Iterator[None]:
     """Ctrl-C stops the run with one line: the interrupt unwinds the main
     thread through every ``finally`` that closes children and endpoints,
     while the logging and thread tracebacks of that teardown (connections
-    closing under the runtime's threads) are silenced."""
+    closing under the runtime's threads, until the process exits) are
+    silenced."""
+    interrupted = False
     previous_hook = threading.excepthook
 
     def on_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda args: None
         raise KeyboardInterrupt
@@ -233,8 +237,9 @@ def _interruptible() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        threading.excepthook = previous_hook
-        logging.disable(logging.NOTSET)
+        if not interrupted:  # else threads still winding down stay quiet until the exit
+            threading.excepthook = previous_hook
+            logging.disable(logging.NOTSET)
 
 
 def _check_args(args: argparse.Namespace) -> None:
