@@ -35,6 +35,7 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     assert "kvconn bench --transport: loopback" in text
     assert "5% target" in text and "kvconn / raw" in text
+    assert "exit code: 1 only if a spot-checked page came out wrong" in " ".join(text.split())
     doc = json.loads(out.read_text())
     assert not undocumented(doc), "fields docs/bench.md does not explain"
     (rep,) = doc["transport"]

@@ -160,3 +160,8 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
         console.print(f"[red]5% target NOT met[/red] on {rep['backend']} for: {', '.join(missed)} ({pairs})")
     else:
         console.print(f"[green]5% target met[/green] on {rep['backend']} for every shape ({pairs})")
+    console.print(
+        "exit code: 1 only if a spot-checked page came out wrong (the bytes are checked after every "
+        "measurement); the 95% target is judged here and does not gate the exit code: it depends on "
+        "this machine's cores and load."
+    )
