@@ -235,7 +235,8 @@ class _Broken:
     capabilities = Capabilities(writer_fence=True)
 
     def open_region(self, nbytes, options):
-        raise OSError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+        # what kvconn_mooncake raises when its engine cannot load
+        raise ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
 
     open_writer = open_region
 
@@ -266,7 +267,7 @@ def test_backends_opens_what_it_lists(broken_backend: dict[str, str]) -> None:
     )
     out = " ".join(proc.stdout.split())
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "does not open here: OSError: libibverbs.so.1: cannot open shared object file" in out, out
+    assert "does not open here: ImportError: libibverbs.so.1: cannot open shared object file" in out, out
     assert out.count("does not open here") == 1  # loopback opens
 
 
@@ -284,6 +285,50 @@ def test_a_child_that_dies_is_one_line_with_its_cause(broken_backend: dict[str, 
     assert len(lines) <= 2, lines
     text = " ".join(" ".join(lines).split())
     assert "bench rank child exited with 1" in text and "libibverbs.so.1" in text, text
+
+
+def test_the_abort_bench_on_a_backend_that_does_not_open_is_one_line(broken_backend: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvconn.cli",
+            "bench",
+            "--no-progress",
+            "--backend",
+            "fakebroken",
+            "--faults",
+            "off",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=broken_backend,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) <= 2 and "libibverbs.so.1" in " ".join(lines), lines
+
+
+def test_a_native_library_that_fails_to_load_here_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvconn_mooncake raises an ImportError when decode's engine cannot load
+    in the bench's own process: the bench says so, as for any failure to run."""
+    import argparse
+
+    def fails(*_: object) -> int:
+        raise ImportError("the Mooncake engine needs the system library libibverbs.so.1")
+
+    monkeypatch.setattr(bench_cli, "_run", fails)
+    monkeypatch.setattr(child_mod, "VERBOSE", False)  # main sets both: restored after the test
+    monkeypatch.setenv("MC_LOG_LEVEL", "WARNING")
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert bench_cli.main(parser, parser.parse_args(["--no-progress"])) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "kvconn bench: the Mooncake engine needs the system library libibverbs.so.1" in err
 
 
 def test_child_stderr_is_kept_for_the_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,6 +49,7 @@ from kvconn.bench.workload import (
     plan,
     plan_for_decode,
 )
+from kvconn.errors import KvconnError
 from kvconn.plugins import get_backend
 from kvconn.testing import scenarios
 from kvconn.transport import capabilities_of
@@ -210,7 +211,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         err.print("kvconn bench: interrupted (Ctrl-C); no results")
         return 130
-    except (ValueError, RuntimeError, OSError, KeyError, LookupError) as exc:
+    except (ValueError, RuntimeError, OSError, LookupError, ImportError, KvconnError) as exc:
+        # ImportError: a transport's native library that does not load here
+        # (Mooncake without libibverbs), raised when decode opens its region.
         err.print(f"[red]kvconn bench: {escape(str(exc))}[/red]")
         return 2
 
