@@ -90,6 +90,20 @@ def test_transport_is_a_command_line_only() -> None:
 # -- Ctrl-C ---------------------------------------------------------------------
 
 
+def children_running(parent: int, module: str) -> bool:
+    """Whether a child process of ``parent`` runs ``python -m module`` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == parent and module.encode() in cmdline:
+            return True
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the bench's children in /proc")
 def test_ctrl_c_stops_with_one_line_and_quiet_children() -> None:
     """The terminal sends SIGINT to every process of the bench at once (its
     process group): one line, exit 130, no child's traceback."""
@@ -111,8 +125,11 @@ def test_ctrl_c_stops_with_one_line_and_quiet_children() -> None:
         start_new_session=True,  # its own process group: the signal reaches only the bench's processes
     )
     try:
-        time.sleep(8)  # into the workload: the prefill ranks are up
-        assert proc.poll() is None, proc.communicate()[0]
+        deadline = time.monotonic() + 90
+        while not children_running(proc.pid, "kvconn.bench.prefill_worker"):  # into the workload
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        time.sleep(1)  # the ranks serving requests
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
