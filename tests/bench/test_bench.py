@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_doc import undocumented
 
-from kvconn.bench.cli import check_output_paths
+from kvconn.bench.output import check_output_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance" / "liars"))
 from kvconn_liars.registry import liar_path
@@ -66,7 +67,12 @@ def test_small_run_passes_and_reports(tmp_path: Path) -> None:
     assert rep["raw"]["available"] is True and rep["raw"]["gbps"] > 0
     assert {"legacy_timeout_s", "ratio_vs_30s_timeout_p99"} <= set(rep["comparison"])
     assert any(t["target"].startswith("per-chunk overhead") for t in rep["targets"])
+    assert {t["target"] for t in rep["targets"] if t["gates_exit"]} == {
+        "peak pages held <= aborted, unreleased",
+        "violations (kvconn)",
+    }
     assert "kvconn bench: loopback" in out
+    assert not undocumented(rep), "fields docs/bench.md does not explain"
 
 
 def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
@@ -197,7 +203,9 @@ def test_production_faults_corrupt_the_timeout_only_mode_and_not_kvconn(tmp_path
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    faults = {(f["fault"], f["mode"]): f for f in json.loads(out.read_text())["faults"]}
+    rep = json.loads(out.read_text())
+    assert not undocumented(rep), "fields docs/bench.md does not explain"
+    faults = {(f["fault"], f["mode"]): f for f in rep["faults"]}
     for fault in ("frozen", "late_queue", "partition"):
         kvconn, legacy = faults[(fault, "kvconn")], faults[(fault, "legacy")]
         if kvconn["skipped"]:  # the partition needs root and iproute2
