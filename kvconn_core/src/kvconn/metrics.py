@@ -3,14 +3,16 @@
 Each endpoint gets a fresh :class:`prometheus_client.CollectorRegistry`, so
 several endpoints in one process (tests, the bench) never share a series;
 ``value()`` reads a sample in-process, ``exposition()`` renders the text
-format for a scrape handler.
+format for a scrape handler, and :func:`serve_metrics` / :func:`export` serve
+one or more registries over HTTP for an engine that has no metrics endpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvconn.transport import Settlement
@@ -131,3 +133,156 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+#: The label the exporter adds to every sample: which endpoint's registry it
+#: came from. A decode endpoint and its ranks register the same families, so
+#: one scrape of several registries needs it to keep their series apart.
+#: Not ``endpoint``: the Prometheus Operator sets that target label itself.
+ENDPOINT_LABEL = "kvconn_endpoint"
+
+
+class _Merged:
+    """A collector over several registries, each sample labelled with its
+    registry's name; families of one name are merged, since the text format
+    allows one HELP/TYPE block per family."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: dict[str, CollectorRegistry] = {}
+
+    def add(self, name: str, registry: CollectorRegistry) -> None:
+        with self._lock:
+            if name in self._sources:
+                raise ValueError(f"a registry named {name!r} is already served")
+            self._sources[name] = registry
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._sources.pop(name, None)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._sources)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            sources = list(self._sources.items())
+        merged: dict[str, Metric] = {}
+        for name, registry in sources:
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                for s in family.samples:
+                    out.samples.append(s._replace(labels={**s.labels, ENDPOINT_LABEL: name}))
+        yield from merged.values()
+
+
+class MetricsServer:
+    """An HTTP exporter (``GET /metrics``, Prometheus text format) of one or
+    more endpoints' registries on one port, for engines that serve none.
+
+    Its thread serves scrapes alone: an endpoint's lock is never taken (the
+    families read plain numbers), so a slow scraper cannot stall a transfer.
+    """
+
+    def __init__(self, port: int = 0, addr: str = "127.0.0.1") -> None:
+        self._merged = _Merged()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._merged)
+        self._server, self._thread = start_http_server(port, addr, registry=registry)
+        self.addr = addr
+        #: The bound port (the one the OS chose, for ``port=0``).
+        self.port: int = self._server.server_port
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def add(self, name: str, registry: CollectorRegistry) -> None:
+        """Serve ``registry`` too, its samples labelled ``kvconn_endpoint=name``."""
+        self._merged.add(name, registry)
+
+    def remove(self, name: str) -> None:
+        self._merged.remove(name)
+
+    def names(self) -> list[str]:
+        return self._merged.names()
+
+    def close(self) -> None:
+        """Stop serving and free the port; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_metrics(
+    registries: Mapping[str, CollectorRegistry | Metrics] | CollectorRegistry | Metrics,
+    port: int = 0,
+    addr: str = "127.0.0.1",
+) -> MetricsServer:
+    """Serve endpoints' metrics on ``http://addr:port/metrics``; ``port=0``
+    takes a free port (read it from ``.port``). ``registries`` maps a name
+    (the ``kvconn_endpoint`` label of its samples) to a registry or an
+    endpoint's :class:`Metrics`; a single one is named by its role."""
+    if isinstance(registries, (CollectorRegistry, Metrics)):
+        registries = {registries.role if isinstance(registries, Metrics) else "kvconn": registries}
+    server = MetricsServer(port, addr)
+    try:
+        for name, r in registries.items():
+            server.add(name, r.registry if isinstance(r, Metrics) else r)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[str, int], MetricsServer] = {}
+
+
+def export(metrics: Metrics, name: str, port: int, addr: str = "127.0.0.1") -> Callable[[], None]:
+    """Serve ``metrics`` on the process's exporter at ``addr:port``, started
+    by the first endpoint that asks and stopped when the last one leaves, so
+    a decode endpoint and ranks in one process share one port. ``name`` is
+    made unique (``decode``, ``decode-2``, ...). Returns the call that stops
+    serving this endpoint (idempotent)."""
+    key = (addr, port)
+    with _shared_lock:
+        server = _shared.get(key)
+        if server is None:
+            server = _shared[key] = MetricsServer(port, addr)
+        taken = set(server.names())
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}-{n}"
+        server.add(unique, metrics.registry)
+    done = False
+
+    def stop() -> None:
+        nonlocal done
+        with _shared_lock:
+            if done:
+                return
+            done = True
+            server.remove(unique)
+            if not server.names() and _shared.get(key) is server:
+                del _shared[key]
+                server.close()
+
+    return stop
