@@ -15,7 +15,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from kvconn.protocol.hold import Proof
 from kvconn.transport import Settlement
+
+#: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
+FENCE_RESULTS = ("ok", "failed")
+RANK_DOWN_CAUSES = ("exited", "silent")
 
 #: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
 LATENCY_BUCKETS = (
@@ -113,6 +118,16 @@ class Metrics:
         self.quarantine_seconds = Counter(
             "kvconn_quarantine_seconds", "Time released rooms spent in quarantine", registry=r
         )
+        # Known label values are exported at 0 from the start: Prometheus's
+        # increase() cannot see a series' first event, so a counter child
+        # created by its first inc() would never fire an alert on it.
+        for proof in Proof:
+            self.releases.labels(proof.value)
+            self.released_pages.labels(proof.value)
+        for result in FENCE_RESULTS:
+            self.fences.labels(result)
+        for cause in RANK_DOWN_CAUSES:
+            self.ranks_down.labels(cause)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""
@@ -185,8 +200,8 @@ class MetricsServer:
     """An HTTP exporter (``GET /metrics``, Prometheus text format) of one or
     more endpoints' registries on one port, for engines that serve none.
 
-    Its thread serves scrapes alone: an endpoint's lock is never taken (the
-    families read plain numbers), so a slow scraper cannot stall a transfer.
+    Scrapes run on its own thread; decode's hold gauges take the endpoint's
+    lock for one pass over the held rooms, as an in-process scrape does.
     """
 
     def __init__(self, port: int = 0, addr: str = "127.0.0.1") -> None:
