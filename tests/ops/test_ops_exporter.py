@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import EndpointChild
+from ops_support import EndpointChild
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
