@@ -112,12 +112,13 @@ def test_endpoints_of_one_process_share_an_exporter_until_the_last_leaves() -> N
     b.pages_held.set(7)
     stop_a = export(a, "decode", port)
     stop_b = export(b, "decode", port)  # same name in one process: made unique
+    assert (stop_a.name, stop_b.name, stop_a.port, stop_b.port) == ("decode", "decode-2", port, port)
     held = {s.labels[ENDPOINT_LABEL]: s.value for s in scrape(port)["kvconn_pages_held"]}
     assert held == {"decode": 5.0, "decode-2": 7.0}
-    stop_a()
-    stop_a()  # idempotent: must not take b's name or the server down
+    stop_a.close()
+    stop_a.close()  # idempotent: must not take b's name or the server down
     assert {s.labels[ENDPOINT_LABEL] for s in scrape(port)["kvconn_pages_held"]} == {"decode-2"}
-    stop_b()
+    stop_b.close()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
 

@@ -10,7 +10,7 @@ one or more registries over HTTP for an engine that has no metrics endpoint.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -270,12 +270,39 @@ _shared_lock = threading.Lock()
 _shared: dict[tuple[str, int], MetricsServer] = {}
 
 
-def export(metrics: Metrics, name: str, port: int, addr: str = "127.0.0.1") -> Callable[[], None]:
+class Exported:
+    """One endpoint served on its process's shared exporter (:func:`export`)."""
+
+    def __init__(self, key: tuple[str, int], server: MetricsServer, name: str) -> None:
+        self._key, self.server, self.name = key, server, name
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        """Stop serving this endpoint; the server stops with its last one. Idempotent."""
+        with _shared_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.server.remove(self.name)
+            if not self.server.names() and _shared.get(self._key) is self.server:
+                del _shared[self._key]
+                self.server.close()
+
+
+def export(metrics: Metrics, name: str, port: int, addr: str = "127.0.0.1") -> Exported:
     """Serve ``metrics`` on the process's exporter at ``addr:port``, started
     by the first endpoint that asks and stopped when the last one leaves, so
-    a decode endpoint and ranks in one process share one port. ``name`` is
-    made unique (``decode``, ``decode-2``, ...). Returns the call that stops
-    serving this endpoint (idempotent)."""
+    a decode endpoint and ranks in one process share one port (``port=0``:
+    one free port, shared the same way). ``name`` is made unique
+    (``decode``, ``decode-2``, ...)."""
     key = (addr, port)
     with _shared_lock:
         server = _shared.get(key)
@@ -287,17 +314,4 @@ def export(metrics: Metrics, name: str, port: int, addr: str = "127.0.0.1") -> C
             n += 1
             unique = f"{name}-{n}"
         server.add(unique, metrics.registry)
-    done = False
-
-    def stop() -> None:
-        nonlocal done
-        with _shared_lock:
-            if done:
-                return
-            done = True
-            server.remove(unique)
-            if not server.names() and _shared.get(key) is server:
-                del _shared[key]
-                server.close()
-
-    return stop
+    return Exported(key, server, unique)
