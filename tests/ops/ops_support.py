@@ -38,7 +38,7 @@ def exported_series() -> set[str]:
         "gauge": ("",),
         "histogram": ("_bucket", "_count", "_sum", "_created"),
     }
-    names = set()
+    names: set[str] = set()
     for family in Metrics("decode").registry.collect():
         names.update(family.name + s for s in suffixes[family.type])
     return names

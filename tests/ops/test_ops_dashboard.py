@@ -28,7 +28,7 @@ def load() -> dict[str, Any]:
 
 def targets(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     """(panel title, expression) of every query."""
-    out = []
+    out: list[tuple[str, str]] = []
     for panel in dashboard["panels"]:
         for sub in [panel, *panel.get("panels", [])]:
             out.extend((sub["title"], t["expr"]) for t in sub.get("targets", []))
