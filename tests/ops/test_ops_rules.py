@@ -46,3 +46,10 @@ def test_the_rules_use_only_metrics_kvconn_exports() -> None:
     used = referenced(RULES.read_text())
     assert used, "no kvconn metric found in the rules"
     assert used <= exported_series(), f"not exported by kvconn: {used - exported_series()}"
+
+
+def test_every_recording_rule_has_a_unit_test() -> None:
+    records = re.findall(r"^\s*- record: (\S+)\s*$", RULES.read_text(), re.M)
+    assert len(records) >= 5, records
+    tested = set(re.findall(r"^\s*- expr: (kvconn:\S+)\s*$", RULE_TESTS.read_text(), re.M))
+    assert set(records) <= tested, f"recording rules without a promtool test: {set(records) - tested}"
