@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 missing=()
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] || missing+=(libibverbs1)
 command -v ip >/dev/null || missing+=(iproute2)
+command -v promtool >/dev/null || missing+=(prometheus)  # promtool: the alert rules and dashboard tests
 if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq

@@ -4,14 +4,19 @@ documented JSON, a deliberately broken transport is caught as violations."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_doc import undocumented
 
-from kvconn.bench.cli import check_output_paths
+from kvconn.bench.output import check_output_paths
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance" / "liars"))
+from kvconn_liars.registry import liar_path
 
 SMALL = [
     "--requests", "24", "--pages", "8", "--page-bytes", "16384", "--chunk-pages", "2",
@@ -20,13 +25,17 @@ SMALL = [
 ]  # fmt: skip
 
 
-def bench(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+def bench(tmp_path: Path, *extra: str, liars: bool = False) -> tuple[int, dict[str, Any], str]:
+    """``liars``: with the test-only ``liar-*`` transports installed (the
+    broken loopback variants are ``--backend liar-loopback``)."""
     out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=liar_path(tmp_path / "liars")) if liars else None
     proc = subprocess.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *SMALL, "--json", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=50,
+        env=env,
     )
     report = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, report, proc.stdout + proc.stderr
@@ -58,15 +67,21 @@ def test_small_run_passes_and_reports(tmp_path: Path) -> None:
     assert rep["raw"]["available"] is True and rep["raw"]["gbps"] > 0
     assert {"legacy_timeout_s", "ratio_vs_30s_timeout_p99"} <= set(rep["comparison"])
     assert any(t["target"].startswith("per-chunk overhead") for t in rep["targets"])
+    assert {t["target"] for t in rep["targets"] if t["gates_exit"]} == {
+        "peak pages held <= aborted, unreleased",
+        "violations (kvconn)",
+    }
     assert "kvconn bench: loopback" in out
+    assert not undocumented(rep), "fields docs/bench.md does not explain"
 
 
 def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
     code, rep, out = bench(
         tmp_path,
         "--modes", "kvconn", "--prefill-fail-fraction", "0", "--abort-fraction", "0",
-        "--backend-option", "linger_after_fail=1", "--backend-option", "fail_every=5",
-        "--backend-option", "piece_bytes=4096",
+        "--backend", "liar-loopback", "--backend-option", "linger_after_fail=1",
+        "--backend-option", "fail_every=5", "--backend-option", "piece_bytes=4096",
+        liars=True,
     )  # fmt: skip
     assert code == 1, out
     kinds = {v["kind"] for v in rep["violations"]["kvconn"]}
@@ -80,8 +95,9 @@ def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
 def test_early_done_is_a_violation(tmp_path: Path) -> None:
     code, rep, out = bench(
         tmp_path,
-        "--modes", "kvconn", "--backend-option", "early_done=1",
+        "--modes", "kvconn", "--backend", "liar-loopback", "--backend-option", "early_done=1",
         "--backend-option", "piece_delay_s=0.002", "--backend-option", "piece_bytes=4096",
+        liars=True,
     )  # fmt: skip
     assert code == 1, out
     assert rep["violations"]["kvconn"], out
@@ -115,8 +131,9 @@ def test_late_writes_are_caught_at_every_decode(tmp_path: Path) -> None:
     code, rep, out = bench(
         tmp_path,
         "--modes", "kvconn", "--ranks", "1", "--decodes", "2", "--prefill-fail-fraction", "0",
-        "--abort-fraction", "0", "--backend-option", "linger_after_fail=1",
+        "--abort-fraction", "0", "--backend", "liar-loopback", "--backend-option", "linger_after_fail=1",
         "--backend-option", "fail_every=5", "--backend-option", "piece_bytes=4096",
+        liars=True,
     )  # fmt: skip
     assert code == 1, out
     per_decode = rep["modes"]["kvconn"]["per_decode"]
@@ -186,7 +203,9 @@ def test_production_faults_corrupt_the_timeout_only_mode_and_not_kvconn(tmp_path
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    faults = {(f["fault"], f["mode"]): f for f in json.loads(out.read_text())["faults"]}
+    rep = json.loads(out.read_text())
+    assert not undocumented(rep), "fields docs/bench.md does not explain"
+    faults = {(f["fault"], f["mode"]): f for f in rep["faults"]}
     for fault in ("frozen", "late_queue", "partition"):
         kvconn, legacy = faults[(fault, "kvconn")], faults[(fault, "legacy")]
         if kvconn["skipped"]:  # the partition needs root and iproute2

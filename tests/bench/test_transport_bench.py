@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_doc import undocumented
 
+from kvconn.bench.shapes import Shape, check_pages, make_plan, source_pattern
 from kvconn.bench.sizes import parse_size
-from kvconn.bench.transport import Shape, check_pages, make_plan, source_pattern
 
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
@@ -34,7 +35,10 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     assert "kvconn bench --transport: loopback" in text
     assert "5% target" in text and "kvconn / raw" in text
-    (rep,) = json.loads(out.read_text())["transport"]
+    assert "exit code: 1 only if a spot-checked page came out wrong" in " ".join(text.split())
+    doc = json.loads(out.read_text())
+    assert not undocumented(doc), "fields docs/bench.md does not explain"
+    (rep,) = doc["transport"]
     assert rep["backend"] == "loopback" and rep["verified"] is True
     assert isinstance(rep["target_met"], bool) and rep["raw_path"]
     assert [s["shape"] for s in rep["shapes"]] == ["16 x 4 KiB scattered", "1 x 64 KiB"]
@@ -137,7 +141,7 @@ def test_spot_checks_expect_the_last_writer_of_a_page() -> None:
 
 
 def test_kv_shapes_parse_and_refuse_mixing() -> None:
-    from kvconn.bench.transport import _kv_shapes
+    from kvconn.bench.shapes import kv_shapes
 
     kv = Shape.parse("kv:2x4:scattered")
     assert (kv.layers, kv.chunk_pages, kv.scattered, kv.page_bytes) == (2, 4, True, 16 * 8 * 256)
@@ -146,11 +150,11 @@ def test_kv_shapes_parse_and_refuse_mixing() -> None:
     for bad in ("kv:0x4", "kv:2xz", "kv:2x4:tight"):
         with pytest.raises(ValueError, match="shape"):
             Shape.parse(bad)
-    assert _kv_shapes([kv, Shape.parse("kv:2x8")])
+    assert kv_shapes([kv, Shape.parse("kv:2x8")])
     with pytest.raises(ValueError, match="cannot run together"):
-        _kv_shapes([kv, Shape.parse("4096")])
+        kv_shapes([kv, Shape.parse("4096")])
     with pytest.raises(ValueError, match="same number of layers"):
-        _kv_shapes([kv, Shape.parse("kv:3x4")])
+        kv_shapes([kv, Shape.parse("kv:3x4")])
 
 
 def test_kv_shape_runs_over_engine_buffers_and_counts_segments(tmp_path: Path) -> None:
@@ -174,7 +178,9 @@ def test_kv_shape_runs_over_engine_buffers_and_counts_segments(tmp_path: Path) -
         env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (rep,) = json.loads(out.read_text())["transport"]
+    doc = json.loads(out.read_text())
+    assert not undocumented(doc), "fields docs/bench.md does not explain"
+    (rep,) = doc["transport"]
     assert rep["verified"] is True  # every checked page equal to its source page, in all 4 buffers
     runs, scattered = rep["shapes"]
     assert runs["segments_per_chunk"] == 4  # 4 adjacent pages merge: one segment per buffer

@@ -35,9 +35,11 @@ pytest_plugins = ["pytester"]
     ],
     ids=["early_done", "linger_after_fail", "no_fence", "misplace_buffer"],
 )
-def test_broken_loopback_fails_the_named_check(options: list[str], check: str, message: str) -> None:
+def test_broken_loopback_fails_the_named_check(
+    liar_env: dict[str, str], options: list[str], check: str, message: str
+) -> None:
     keyword = check.split("[")[0].removeprefix("test_")
-    code, out = conformance("loopback", "-k", keyword, *options)
+    code, out = conformance("liar-loopback", "-k", keyword, *options, env=liar_env)
     assert code != 0, out
     assert f"FAILED   {check}" in out, out
     assert message in out, out
@@ -53,15 +55,15 @@ def test_healthy_options_pass_the_same_checks() -> None:
     )
 
 
-def test_exitfirst_stops_at_the_first_failed_check() -> None:
+def test_exitfirst_stops_at_the_first_failed_check(liar_env: dict[str, str]) -> None:
     """``-x``, the start-up gate's mode (kvconn-vllm's ``conformance`` option):
     a lying transport is refused by its first failed check, not after the
     whole suite; the same checks without ``-x`` fail more than once."""
     lie = ("-o", "early_done=1", "-o", "piece_delay_s=0.001", "-k", "engine_buffers or done_barrier")
-    code, out = conformance("loopback", "-x", *lie)
+    code, out = conformance("liar-loopback", "-x", *lie, env=liar_env)
     assert code != 0 and out.count("\nFAILED   ") == 1, out
     assert "stopping after 1 failures" in out, out
-    code, out = conformance("loopback", *lie)
+    code, out = conformance("liar-loopback", *lie, env=liar_env)
     assert code != 0 and out.count("\nFAILED   ") > 1, out
 
 
@@ -92,6 +94,8 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
         (["-o", "fail_evry=3"], "unknown loopback option 'fail_evry' (did you mean 'fail_every'?)"),
         (["-o", "piece_bytes=0"], "loopback option piece_bytes='0': expected at least 1"),
         (["-o", "piece_bytes"], "-o wants KEY=VALUE, got 'piece_bytes'"),
+        (["-o", "early_done=1"], "unknown loopback option 'early_done'"),
+        (["-o", "piece_bytes=1", "-o", "piece_bytes=2"], "-o: 'piece_bytes' given twice"),
         (
             ["--write-timeout", "3"],
             "--write-timeout / --abort-timeout: write_timeout_s (3.0 s) must be shorter",
@@ -99,7 +103,16 @@ def test_strict_fails_undeclared_skips(pytester: pytest.Pytester) -> None:
         (["--abort-timeout", "0"], "--write-timeout / --abort-timeout: abort_timeout_s must be > 0"),
         (["--watch", "-1"], "--watch must be >= 0"),
     ],
-    ids=["typo", "out_of_bounds", "no_value", "write_not_shorter", "no_deadline", "negative_watch"],
+    ids=[
+        "typo",
+        "out_of_bounds",
+        "no_value",
+        "no_lies_on_loopback",
+        "given_twice",
+        "write_not_shorter",
+        "no_deadline",
+        "negative_watch",
+    ],
 )
 def test_bad_options_are_refused_once_before_any_check(args: list[str], message: str) -> None:
     code, out = conformance("loopback", *args, timeout=60)
@@ -122,3 +135,14 @@ def test_the_fixture_fails_a_suite_with_bad_options(pytester: pytest.Pytester) -
     result = pytester.runpytest_subprocess("-k", "done_barrier and dram")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*kvconn conformance: unknown loopback option 'piece_byte'*"])
+
+
+def test_the_plugin_reads_kvconn_option_by_the_same_rule(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_dup=STRICT_FILE)
+    result = pytester.runpytest_subprocess(
+        "-k", "landed and dram", "--kvconn-option", "piece_bytes=1", "--kvconn-option", "piece_bytes=2"
+    )
+    assert result.ret != 0
+    assert "--kvconn-option: 'piece_bytes' given twice (piece_bytes='1' and piece_bytes='2')" in str(
+        result.stdout
+    ) + str(result.stderr)

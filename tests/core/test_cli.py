@@ -5,6 +5,7 @@ everything kvconn-core imports is something its install brings."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,36 @@ def test_every_module_kvconn_core_imports_is_installed_with_it() -> None:
     assert not missing, f"imported by kvconn-core but not in its dependencies: {missing}"
     for module, extra in OPTIONAL.items():
         assert module in declared(extras[extra]), (module, extra)
+
+
+def kvconn(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvconn.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200", **env},
+    )
+
+
+def test_an_allow_list_naming_no_installed_backend_says_so() -> None:
+    proc = kvconn("backends", KVCONN_BACKENDS="bogus")
+    assert proc.returncode == 1
+    err = " ".join(proc.stderr.split())
+    assert "KVCONN_BACKENDS='bogus' names bogus, which no installed backend is" in err, proc.stderr
+    assert "installed: " in err and "loopback" in err
+
+
+def test_backends_lists_and_opens_loopback() -> None:
+    proc = kvconn("backends", KVCONN_BACKENDS="loopback")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "each opened here" in proc.stdout and "loopback" in proc.stdout
+    assert "does not open here" not in proc.stdout
+
+
+def test_help_and_version_read_as_text() -> None:
+    top = kvconn("--help")
+    assert top.returncode == 0 and "The ``kvconn`` command" not in top.stdout
+    assert "never hand a page" in " ".join(top.stdout.split())
+    version = kvconn("--version")
+    assert version.returncode == 0 and version.stdout.startswith("kvconn ")

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend, NullRegion
 from kvconn.config import Config
 from kvconn.protocol import wire
 from kvconn.protocol.ledger import KVPoll
@@ -17,6 +16,7 @@ from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.cluster import free_port
+from kvconn.testing.null import NullBackend, NullRegion
 
 
 def test_listener_sleeps_through_sub_millisecond_waits() -> None:

@@ -18,8 +18,9 @@ from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import BootstrapError, DecodeEndpoint
-from kvconn.testing.cluster import Rank, wait_for
+from kvconn.testing.cluster import Rank
 from kvconn.testing.kvpattern import EngineShape, dirty_bytes, fill_canary, page_matches
+from kvconn.testing.waiting import wait_for
 
 SHAPE = EngineShape(layers=3, pages=16, tokens=4, heads=4, head_bytes=32)
 

@@ -23,14 +23,15 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.protocol.messages import AbortAck, TcpConnection
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.procs import pid_namespace
-from kvconn.testing.cluster import free_port, wait_for
+from kvconn.testing.cluster import free_port
+from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 

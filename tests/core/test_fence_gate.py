@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 
 from kvconn.runtime.prefill import FenceGate
-from kvconn.testing.cluster import wait_for
+from kvconn.testing.waiting import wait_for
 
 WAIT_S = 30.0  # a bound for a loaded CI machine, not a timing: each wait ends on its event
 BLOCKED_S = 0.2  # how long a blocked thread is given to (wrongly) get through

@@ -10,14 +10,14 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.errors import IncompleteRoomError, KvconnError, PageError, RoomInUseError, RoomStateError
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.prefill import PrefillRank, Sender
-from kvconn.testing.cluster import wait_for
+from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 PAGES = 16
 

@@ -11,13 +11,14 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import Cluster, at_the_same_address, free_port, wait_for
+from kvconn.testing.cluster import Cluster, at_the_same_address, free_port
+from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 WAIT_S = 10.0
 #: Short liveness timers: a rank silent for 0.5 s is down.

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.metrics import Metrics
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.null import NullBackend
 
 
 def test_tally_scrapes_as_a_counter_with_every_outcome() -> None:

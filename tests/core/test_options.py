@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvconn.backends.loopback import LoopbackOptions, LoopbackWriter
-from kvconn.options import BackendOptions, OptionError
+from kvconn.errors import KvconnError
+from kvconn.options import BackendOptions, OptionError, parse_key_values
 from kvconn.plugins import get_backend
 
 KNOWN = {"piece_bytes", "delay_s", "mode", "hot_poll_s", "strict", "host"}
@@ -91,9 +92,9 @@ def test_loopback_refuses_a_typo_on_both_sides() -> None:
 
 def test_loopback_reads_its_options() -> None:
     lb = get_backend("loopback")
-    options = {"piece_bytes": "1024", "fail_chunks": " 3:1, 5:0 ,", "fail_every": "4", "no_fence": "on"}
+    options = {"piece_bytes": "1024", "fail_chunks": " 3:1, 5:0 ,", "fail_every": "4", "late_delivery_s": "1"}
     assert LoopbackOptions.parse(options) == LoopbackOptions(
-        piece_bytes=1024, fail_chunks=frozenset({(3, 1), (5, 0)}), fail_every=4, no_fence=True
+        piece_bytes=1024, fail_chunks=frozenset({(3, 1), (5, 0)}), fail_every=4, late_delivery_s=1.0
     )
     w = LoopbackWriter(4096, options)
     try:
@@ -104,3 +105,36 @@ def test_loopback_reads_its_options() -> None:
         lb.open_writer(4096, {"fail_chunks": "3"})
     with pytest.raises(OptionError, match=r"piece_bytes='0': expected at least 1"):
         lb.open_writer(4096, {"piece_bytes": "0"})
+
+
+@pytest.mark.parametrize("lie", ["early_done", "linger_after_fail", "no_fence", "misplace_buffer"])
+def test_loopback_ships_no_broken_option(lie: str) -> None:
+    """The broken-on-purpose variants are a test-only transport (liar-loopback):
+    no deployment can switch one on by an option."""
+    lb = get_backend("loopback")
+    with pytest.raises(OptionError, match=f"unknown loopback option '{lie}'"):
+        lb.open_writer(4096, {lie: "1"})
+
+
+# -- KEY=VALUE items: one rule for every command line and variable ----------
+def test_key_values_split_at_the_first_equals_and_strip_blanks() -> None:
+    got = parse_key_values([" url = http://h/?a=b ", "empty=", "n=1"], "-o")
+    assert got == {"url": "http://h/?a=b", "empty": "", "n": "1"}
+    assert parse_key_values([], "-o") == {}
+
+
+@pytest.mark.parametrize("item", ["piece_bytes", "=4096", " =1", ""])
+def test_key_values_refuse_an_item_without_a_key(item: str) -> None:
+    with pytest.raises(OptionError, match=rf"^--backend-option wants KEY=VALUE, got {item!r}$"):
+        parse_key_values(["ok=1", item], "--backend-option")
+
+
+def test_key_values_refuse_a_key_given_twice_naming_both_values() -> None:
+    with pytest.raises(OptionError, match=r"^-o: 'n' given twice \(n='1' and n='2'\)$"):
+        parse_key_values(["n=1", "m=0", " n = 2"], "-o")
+
+
+def test_option_errors_are_kvconn_errors_and_value_errors() -> None:
+    with pytest.raises(OptionError) as err:
+        parse_key_values(["x"], "-o")
+    assert isinstance(err.value, KvconnError) and isinstance(err.value, ValueError)

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.errors import PageError
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import free_port, wait_for
+from kvconn.testing.cluster import free_port
+from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 NUM_PAGES = 16
 

@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.protocol import wire
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import Hello, TransferRequest
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.null import NullBackend
 
 KEY = b"k" * 32
 WAIT_S = 10.0

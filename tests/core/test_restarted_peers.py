@@ -12,7 +12,6 @@ from typing import TypeVar
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.protocol import wire
 from kvconn.protocol.hold import Release
@@ -20,7 +19,9 @@ from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import HelloAck, Message, TransferRequest
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import at_the_same_address, free_port, wait_for
+from kvconn.testing.cluster import at_the_same_address, free_port
+from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 WAIT_S = 10.0
 T = TypeVar("T")

@@ -19,8 +19,9 @@ from kvconn.plugins import get_backend
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
-from kvconn.testing.cluster import LOOPBACK_SLOW, Rank, free_port, wait_for
+from kvconn.testing.cluster import LOOPBACK_SLOW, Rank, free_port
 from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.testing.waiting import wait_for
 
 PAGE_BYTES, NUM_PAGES = 16 << 10, 64
 CONFIG = Config(

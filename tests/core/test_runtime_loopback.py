@@ -16,7 +16,8 @@ from kvconn.protocol.hold import HoldState, Proof
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import AbortAck, RoomOutcome, RoomStatus
 from kvconn.runtime.decode import BootstrapError, DecodeEndpoint, Receiver
-from kvconn.testing.cluster import Cluster, wait_for
+from kvconn.testing.cluster import Cluster
+from kvconn.testing.waiting import wait_for
 
 PAGES = 8
 

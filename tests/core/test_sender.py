@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend
 from kvconn.config import Config
 from kvconn.protocol.ledger import KVPoll, RoomKey
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.testing.cluster import wait_for
+from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 
 def test_no_chunk_may_follow_the_last_one() -> None:

@@ -15,13 +15,13 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend, NullWriter
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
 from kvconn.protocol.ledger import KVPoll, RoomKey
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.prefill import _STOP, PrefillRank
+from kvconn.testing.null import NullBackend, NullWriter
 from kvconn.transport import Settlement
 
 WAIT_S = 10.0

@@ -14,8 +14,9 @@ from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import Abort, AbortAck, Message
 from kvconn.runtime.control import Outbox
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.testing.cluster import PROOFS, Cluster, total
 from kvconn.testing.faults import only_acks
+from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 16
 NROOMS = 6

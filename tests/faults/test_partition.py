@@ -16,8 +16,9 @@ import pytest
 
 from kvconn.protocol.hold import HoldState
 from kvconn.testing import hosts
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.testing.cluster import PROOFS, Cluster, total
 from kvconn.testing.hosts import Fabric
+from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 16
 NROOMS = 4

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvconn.protocol.ledger import KVPoll
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.testing.cluster import PROOFS, Cluster, total
+from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 16
 BAD, GOOD, AFTER = 8000, 8001, 8002

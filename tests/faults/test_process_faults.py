@@ -15,7 +15,8 @@ import pytest
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.procs import pid_namespace, wait_until_stopped
-from kvconn.testing.cluster import LOOPBACK_SLOW, PROOFS, Cluster, total, wait_for
+from kvconn.testing.cluster import LOOPBACK_SLOW, PROOFS, Cluster, total
+from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 16
 

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from kvconn.protocol.ledger import KVPoll
-from kvconn.testing.cluster import PROOFS, Cluster, total, wait_for
+from kvconn.testing.cluster import PROOFS, Cluster, total
 from kvconn.testing.libraries import require_library
+from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 32
 # mooncake may take 10 s to fail a write: decode's deadline must be longer

@@ -20,8 +20,9 @@ import pytest
 from kvconn.protocol.hold import Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
-from kvconn.testing.cluster import CANARY, Cluster, wait_for
-from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.testing.cluster import Cluster
+from kvconn.testing.patterns import CANARY, canary, shard_bytes
+from kvconn.testing.waiting import wait_for
 
 ROOM, PAGES = 8100, 16
 

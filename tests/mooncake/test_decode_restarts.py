@@ -5,8 +5,9 @@ and the core has no "decode gone" signal. The Mooncake writer's engines
 from __future__ import annotations
 
 from kvconn.protocol.ledger import KVPoll
-from kvconn.testing.cluster import Cluster, wait_for
+from kvconn.testing.cluster import Cluster
 from kvconn.testing.libraries import require_library
+from kvconn.testing.waiting import wait_for
 
 require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 

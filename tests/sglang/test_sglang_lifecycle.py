@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from kvpool import NUM_PAGES, Pool
 
-from kvconn.testing.cluster import wait_for
+from kvconn.testing.waiting import wait_for
 
 ROOM_SEQ = iter(range(1000, 1_000_000))
 

@@ -126,3 +126,20 @@ def test_settings_refuse_what_they_cannot_use() -> None:
         Settings.from_env({"KVCONN_SGLANG_ABORT_TIMEOUT_S": "soon"})
     with pytest.raises(SettingsError, match="MEMORY"):
         Settings.from_env({"KVCONN_SGLANG_MEMORY": "hbm"})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a=1,=2", r"KVCONN_SGLANG_BACKEND_OPTIONS wants KEY=VALUE, got '=2'"),
+        ("a=1, a=2", r"KVCONN_SGLANG_BACKEND_OPTIONS: 'a' given twice \(a='1' and a='2'\)"),
+    ],
+)
+def test_backend_options_follow_kvconns_key_value_rule(text: str, message: str) -> None:
+    from kvconn_sglang.settings import Settings, SettingsError
+
+    assert dict(
+        Settings.from_env({"KVCONN_SGLANG_BACKEND_OPTIONS": " u = x=y ,"}).config.backend_options
+    ) == {"u": "x=y"}
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env({"KVCONN_SGLANG_BACKEND_OPTIONS": text})

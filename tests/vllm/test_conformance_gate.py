@@ -3,6 +3,10 @@ kvconn's conformance suite before vLLM registers any KV memory with it."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 from conftest import NEEDS_VLLM
 
@@ -22,10 +26,22 @@ def worker(**extra: object) -> WorkerSide:
     return WorkerSide(settings, producer=True, consumer=True, geometry=GEOMETRY)
 
 
-def test_a_lying_transport_is_refused_before_use() -> None:
-    # loopback's early_done: the DONE barrier says "landed" before the bytes are.
+@pytest.fixture
+def liars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test-only ``liar-*`` transports, findable here and in the suite's process."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance" / "liars"))
+    from kvconn_liars.registry import liar_path
+
+    path = liar_path(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", path)
+    for entry in reversed(path.split(os.pathsep)):
+        monkeypatch.syspath_prepend(entry)
+
+
+def test_a_lying_transport_is_refused_before_use(liars: None) -> None:
+    # liar-loopback's early_done: the DONE barrier says "landed" before the bytes are.
     with pytest.raises(TransportRefused, match="failed kvconn conformance") as refused:
-        worker(backend_options={"early_done": "1"})
+        worker(backend="liar-loopback", backend_options={"early_done": "1"})
     assert "test_done_barrier_means_landed" in str(refused.value) or "FAILED" in str(refused.value)
 
 

@@ -1,36 +1,163 @@
-"""The ``kvconn`` command."""
+"""kvconn: move KV cache pages from prefill to decode, and never hand a page
+out again before proof that no write can still reach it.
+
+Subcommands: "backends" lists the installed transport backends and checks
+that each one opens here; "bench" runs the abort-mid-transfer benchmark (or
+"bench --transport": kvconn against each transport's raw API);
+"conformance" runs the plugin conformance suite against a backend.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from kvconn.plugins import discover
+from kvconn.plugins import ALLOW_ENV, BackendInfo, discover, installed_names, unknown_allowed
+
+#: Seconds one backend's probe may take (a native library that hangs).
+PROBE_TIMEOUT_S = 60.0
+#: Bytes of the region and writer a probe opens.
+PROBE_BYTES = 4096
+
+
+def probe_child(name: str) -> None:
+    """In a child process: open a small region and writer of backend ``name``
+    and connect them, which loads its native library as a run would; see
+    whether device memory can be allocated here if it claims ``vram``. Prints
+    one JSON line, then exits at once (a native library's exit-time noise is
+    no part of the answer)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's per-run warnings
+    out: dict[str, Any] = {"ok": False, "error": "", "vram": None}
+    try:
+        from kvconn.plugins import get_backend
+
+        backend = get_backend(name)
+        region = backend.open_region(PROBE_BYTES, {})
+        try:
+            writer = backend.open_writer(PROBE_BYTES, {})
+            try:
+                writer.connect("probe", region.metadata)
+            finally:
+                writer.close()
+        finally:
+            region.close()
+        out["ok"] = True
+        if "vram" in backend.capabilities.memory:
+            try:
+                from kvconn.memory import Memory
+
+                Memory(PROBE_BYTES, "vram").free()
+                out["vram"] = ""
+            except Exception as exc:
+                out["vram"] = _one_line(exc)
+    except Exception as exc:
+        out["error"] = _one_line(exc)
+    print(json.dumps(out), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _probe(name: str) -> dict[str, Any]:
+    """Run :func:`probe_child` for ``name`` in a process of its own (a
+    native library that crashes takes only the probe down)."""
+    code = "import sys\nfrom kvconn.cli import probe_child\nprobe_child(sys.argv[1])\n"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, name],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"opening a region and a writer took over {PROBE_TIMEOUT_S:g} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and "ok" in msg:
+            return msg
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    cause = lines[-1] if lines else "no output"
+    return {"ok": False, "error": f"the probe process exited with {proc.returncode}: {cause}"}
+
+
+def _detail(info: BackendInfo, probe: dict[str, Any] | None) -> str:
+    caps = info.capabilities
+    if caps is None:
+        return f"[red]failed to load: {escape(info.error or '')}[/red]"
+    memory = ",".join(sorted(caps.memory))
+    if probe is not None and probe.get("vram"):
+        memory += f" (vram not here: {probe['vram']})"
+    text = escape(
+        f"writer_fence={caps.writer_fence} memory={memory} "
+        f"cross_host={caps.cross_host} max_write_timeout_s={caps.max_write_timeout_s}"
+    )
+    if probe is not None and not probe["ok"]:
+        text += f"\n[red]does not open here: {escape(probe['error'])}[/red]"
+    return text
 
 
 def _backends(args: argparse.Namespace) -> int:
-    table = Table(title="kvconn backends")
+    console = Console()
+    err = Console(stderr=True)
+    unknown = unknown_allowed()
+    if unknown:
+        err.print(
+            escape(
+                f"kvconn backends: {ALLOW_ENV}={os.environ.get(ALLOW_ENV, '')!r} names "
+                f"{', '.join(unknown)}, which no installed backend is "
+                f"(installed: {', '.join(installed_names()) or 'none'})"
+            )
+        )
+    infos = discover()
+    if not infos:
+        if unknown:
+            return 1  # said above
+        err.print(
+            escape(
+                f"kvconn backends: no backend to list ({ALLOW_ENV} admits none of the installed ones)"
+                if os.environ.get(ALLOW_ENV, "").strip()
+                else "kvconn backends: no backend is installed (kvconn-core ships loopback: reinstall it)"
+            )
+        )
+        return 1
+    loaded = [i.name for i in infos if i.backend is not None]
+    probes: dict[str, dict[str, Any]] = {}
+    if not args.no_probe and loaded:
+        with ThreadPoolExecutor(max_workers=len(loaded)) as pool:
+            probes = dict(zip(loaded, pool.map(_probe, loaded), strict=True))
+    table = Table(title="kvconn backends" + ("" if args.no_probe else " (each opened here)"))
     for col in ("name", "distribution", "version", "capabilities / error"):
         table.add_column(col)
-    infos = discover()
     for info in infos:
-        caps = info.capabilities
-        if caps is None:
-            detail = f"[red]failed to load: {info.error}[/red]"
-        else:
-            detail = (
-                f"writer_fence={caps.writer_fence} memory={','.join(sorted(caps.memory))} "
-                f"cross_host={caps.cross_host} max_write_timeout_s={caps.max_write_timeout_s}"
-            )
-        table.add_row(info.name, info.distribution, info.version, detail)
-    Console().print(table)
-    return 0 if infos and all(i.backend is not None for i in infos) else 1
+        table.add_row(
+            escape(info.name),
+            escape(info.distribution),
+            escape(info.version),
+            _detail(info, probes.get(info.name)),
+        )
+    console.print(table)
+    ok = all(i.backend is not None for i in infos) and all(p["ok"] for p in probes.values())
+    return 0 if ok and not unknown else 1
 
 
 #: How to install a third-party module a subcommand imports, when it is missing
@@ -81,11 +208,32 @@ def _add_arguments(command: str, module: str, parser: argparse.ArgumentParser) -
         add(parser)
 
 
+def _version() -> str:
+    try:
+        return version("kvconn-core")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvconn", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvconn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("backends", help="list installed transport backends").set_defaults(func=_backends)
+    backends = sub.add_parser(
+        "backends",
+        help="list installed transport backends, each opened here",
+        description="List the installed transport backends and open a small region and writer of "
+        f"each (in a process of its own), so a missing native library shows here, not in a run. "
+        f"{ALLOW_ENV} (comma-separated names) restricts which may load. Exit code 1 if one does "
+        "not load or open.",
+    )
+    backends.add_argument(
+        "--no-probe", action="store_true", help="only load each backend's module; open nothing"
+    )
+    backends.set_defaults(func=_backends)
     # Each subcommand module adds its own arguments; imported only when used.
     for name, module, help_text in (
         ("bench", "kvconn.bench.cli", "abort-mid-transfer benchmark: verify and measure"),

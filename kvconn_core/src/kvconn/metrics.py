@@ -3,17 +3,24 @@
 Each endpoint gets a fresh :class:`prometheus_client.CollectorRegistry`, so
 several endpoints in one process (tests, the bench) never share a series;
 ``value()`` reads a sample in-process, ``exposition()`` renders the text
-format for a scrape handler.
+format for a scrape handler, and :func:`serve_metrics` / :func:`export` serve
+one or more registries over HTTP for an engine that has no metrics endpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from kvconn.protocol.hold import Proof
 from kvconn.transport import Settlement
+
+#: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
+FENCE_RESULTS = ("ok", "failed")
+RANK_DOWN_CAUSES = ("exited", "silent")
 
 #: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
 LATENCY_BUCKETS = (
@@ -111,6 +118,16 @@ class Metrics:
         self.quarantine_seconds = Counter(
             "kvconn_quarantine_seconds", "Time released rooms spent in quarantine", registry=r
         )
+        # Known label values are exported at 0 from the start: Prometheus's
+        # increase() cannot see a series' first event, so a counter child
+        # created by its first inc() would never fire an alert on it.
+        for proof in Proof:
+            self.releases.labels(proof.value)
+            self.released_pages.labels(proof.value)
+        for result in FENCE_RESULTS:
+            self.fences.labels(result)
+        for cause in RANK_DOWN_CAUSES:
+            self.ranks_down.labels(cause)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""
@@ -131,3 +148,170 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+#: The label the exporter adds to every sample: which endpoint's registry it
+#: came from. A decode endpoint and its ranks register the same families, so
+#: one scrape of several registries needs it to keep their series apart.
+#: Not ``endpoint``: the Prometheus Operator sets that target label itself.
+ENDPOINT_LABEL = "kvconn_endpoint"
+
+
+class _Merged:
+    """A collector over several registries, each sample labelled with its
+    registry's name; families of one name are merged, since the text format
+    allows one HELP/TYPE block per family."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: dict[str, CollectorRegistry] = {}
+
+    def add(self, name: str, registry: CollectorRegistry) -> None:
+        with self._lock:
+            if name in self._sources:
+                raise ValueError(f"a registry named {name!r} is already served")
+            self._sources[name] = registry
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._sources.pop(name, None)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._sources)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            sources = list(self._sources.items())
+        merged: dict[str, Metric] = {}
+        for name, registry in sources:
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                for s in family.samples:
+                    out.samples.append(s._replace(labels={**s.labels, ENDPOINT_LABEL: name}))
+        yield from merged.values()
+
+
+class MetricsServer:
+    """An HTTP exporter (``GET /metrics``, Prometheus text format) of one or
+    more endpoints' registries on one port, for engines that serve none.
+
+    Scrapes run on its own thread; decode's hold gauges take the endpoint's
+    lock for one pass over the held rooms, as an in-process scrape does.
+    """
+
+    def __init__(self, port: int = 0, addr: str = "127.0.0.1") -> None:
+        self._merged = _Merged()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._merged)
+        self._server, self._thread = start_http_server(port, addr, registry=registry)
+        self.addr = addr
+        #: The bound port (the one the OS chose, for ``port=0``).
+        self.port: int = self._server.server_port
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def add(self, name: str, registry: CollectorRegistry) -> None:
+        """Serve ``registry`` too, its samples labelled ``kvconn_endpoint=name``."""
+        self._merged.add(name, registry)
+
+    def remove(self, name: str) -> None:
+        self._merged.remove(name)
+
+    def names(self) -> list[str]:
+        return self._merged.names()
+
+    def close(self) -> None:
+        """Stop serving and free the port; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_metrics(
+    registries: Mapping[str, CollectorRegistry | Metrics] | CollectorRegistry | Metrics,
+    port: int = 0,
+    addr: str = "127.0.0.1",
+) -> MetricsServer:
+    """Serve endpoints' metrics on ``http://addr:port/metrics``; ``port=0``
+    takes a free port (read it from ``.port``). ``registries`` maps a name
+    (the ``kvconn_endpoint`` label of its samples) to a registry or an
+    endpoint's :class:`Metrics`; a single one is named by its role."""
+    if isinstance(registries, (CollectorRegistry, Metrics)):
+        registries = {registries.role if isinstance(registries, Metrics) else "kvconn": registries}
+    server = MetricsServer(port, addr)
+    try:
+        for name, r in registries.items():
+            server.add(name, r.registry if isinstance(r, Metrics) else r)
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[str, int], MetricsServer] = {}
+
+
+class Exported:
+    """One endpoint served on its process's shared exporter (:func:`export`)."""
+
+    def __init__(self, key: tuple[str, int], server: MetricsServer, name: str) -> None:
+        self._key, self.server, self.name = key, server, name
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        """Stop serving this endpoint; the server stops with its last one. Idempotent."""
+        with _shared_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.server.remove(self.name)
+            if not self.server.names() and _shared.get(self._key) is self.server:
+                del _shared[self._key]
+                self.server.close()
+
+
+def export(metrics: Metrics, name: str, port: int, addr: str = "127.0.0.1") -> Exported:
+    """Serve ``metrics`` on the process's exporter at ``addr:port``, started
+    by the first endpoint that asks and stopped when the last one leaves, so
+    a decode endpoint and ranks in one process share one port (``port=0``:
+    one free port, shared the same way). ``name`` is made unique
+    (``decode``, ``decode-2``, ...)."""
+    key = (addr, port)
+    with _shared_lock:
+        server = _shared.get(key)
+        if server is None:
+            server = _shared[key] = MetricsServer(port, addr)
+        taken = set(server.names())
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}-{n}"
+        server.add(unique, metrics.registry)
+    return Exported(key, server, unique)

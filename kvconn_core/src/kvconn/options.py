@@ -15,16 +15,30 @@ being ignored while the default silently applies.
         opts = BackendOptions("mybackend", options, KNOWN)
         self.piece_bytes = opts.integer("piece_bytes", 1 << 18, low=1)
         self.hot_poll_s = opts.seconds_or_none("hot_poll_s", 0.002)
+
+Every place a user writes options as ``KEY=VALUE`` items (``kvconn bench
+--backend-option``, ``kvconn conformance -o``, pytest's ``--kvconn-option``,
+``KVCONN_SGLANG_BACKEND_OPTIONS``) reads them with :func:`parse_key_values`,
+so one rule holds everywhere:
+
+* an item is split at its first ``=``: the value may hold ``=`` itself
+  (``url=http://h/?a=b``) and may be empty (``key=``);
+* blanks around the key and the value are dropped, the key must not be empty;
+* a key given twice is refused, naming both values: on one command line two
+  values of one key are a mistake to point out, not one to settle silently
+  by their order.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TypeVar
 
-__all__ = ["BackendOptions", "OptionError"]
+from kvconn.errors import KvconnError
+
+__all__ = ["BackendOptions", "OptionError", "parse_key_values"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -32,8 +46,26 @@ _NONE = frozenset({"", "none"})
 _N = TypeVar("_N", int, float)
 
 
-class OptionError(ValueError):
-    """A backend option is unknown, or its value does not parse or is out of bounds."""
+class OptionError(KvconnError, ValueError):
+    """A backend option is unknown, or its value does not parse or is out of
+    bounds, or a ``KEY=VALUE`` item is malformed. (Also a ValueError: what
+    this raised before.)"""
+
+
+def parse_key_values(items: Iterable[str], what: str) -> dict[str, str]:
+    """``KEY=VALUE`` items as a mapping, read by the rule in this module's
+    docstring; ``what`` names where they came from (``--backend-option``) in
+    every error."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise OptionError(f"{what} wants KEY=VALUE, got {item!r}")
+        if key in out:
+            raise OptionError(f"{what}: {key!r} given twice ({key}={out[key]!r} and {key}={value!r})")
+        out[key] = value
+    return out
 
 
 class BackendOptions:

@@ -58,6 +58,21 @@ def _load(ep: EntryPoint) -> BackendInfo:
     return BackendInfo(ep.name, name, version, obj, None)
 
 
+def unknown_allowed() -> list[str]:
+    """The names in ``KVCONN_BACKENDS`` that no installed backend has (a
+    typo there would otherwise hide every backend without a word)."""
+    allowed = _allowed()
+    if allowed is None:
+        return []
+    installed = {ep.name for ep in entry_points(group=GROUP)}
+    return sorted(allowed - installed)
+
+
+def installed_names() -> list[str]:
+    """Every installed backend's name, whatever ``KVCONN_BACKENDS`` admits."""
+    return sorted({ep.name for ep in entry_points(group=GROUP)})
+
+
 def discover() -> list[BackendInfo]:
     """Every backend the allow-list admits, sorted by name."""
     allowed = _allowed()

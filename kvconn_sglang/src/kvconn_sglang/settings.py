@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import attrs
 
 from kvconn.config import Config
+from kvconn.options import OptionError, parse_key_values
 
 PREFIX = "KVCONN_SGLANG_"
 
@@ -65,13 +66,11 @@ class Settings:
 
 def _options(text: str) -> dict[str, str]:
     """``key=value,key=value``: options passed to the kvconn transport."""
-    options = {}
-    for item in filter(None, (i.strip() for i in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SettingsError(f"{PREFIX}BACKEND_OPTIONS: expected key=value, got {item!r}")
-        options[key.strip()] = value.strip()
-    return options
+    items = filter(None, (i.strip() for i in text.split(",")))
+    try:
+        return parse_key_values(items, f"{PREFIX}BACKEND_OPTIONS")
+    except OptionError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _default_memory() -> str:

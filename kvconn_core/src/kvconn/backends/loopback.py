@@ -30,16 +30,6 @@ Options (strings, from ``Config.backend_options``):
     comma-separated ``room:index`` pairs whose chunk fails half way.
 ``fail_every``
     fail every N-th posted chunk half way (0: never).
-``linger_after_fail``
-    BROKEN on purpose: report a failed chunk settled but keep writing it.
-``early_done``
-    BROKEN on purpose: the DONE barrier answers LANDED without waiting.
-``no_fence``
-    BROKEN on purpose: the fence returns at once, the NIC keeps writing.
-``misplace_buffer``
-    BROKEN on purpose: into a region of several buffers, what is meant for
-    the second buffer is written into the first, at the same offset (a
-    layer's slice in the wrong layer).
 ``freeze_chunks``
     comma-separated ``rank:room:index`` triples: the rank writes the first
     half of that chunk, then stops its own process (SIGSTOP: a GC pause, a
@@ -60,7 +50,10 @@ settled by its deadline; one that settles later (its process was frozen) is
 UNSETTLED, as it would be had the barrier looked at the deadline.
 
 Any other key is refused when a region or writer opens (a typo is an error,
-not a default silently applied).
+not a default silently applied). Every option keeps the transport honest:
+the broken variants the conformance suite and the bench must catch are a
+test-only transport of their own (``liar-loopback``, in the repository's
+``tests/conformance/liars``), never an option a deployment could set.
 
 The fence (``on_fence``) stops the NIC thread between pieces and joins it:
 once it returns no thread of this writer touches the region, so nothing
@@ -129,10 +122,6 @@ class LoopbackOptions:
     piece_delay_s: float = 0.0
     fail_chunks: frozenset[tuple[int, int]] = frozenset()
     fail_every: int = 0
-    linger_after_fail: bool = False
-    early_done: bool = False
-    no_fence: bool = False
-    misplace_buffer: bool = False
     freeze_chunks: frozenset[tuple[int, int, int]] = frozenset()
     late_chunks: frozenset[tuple[int, int, int]] = frozenset()
     late_delivery_s: float = 2.0
@@ -146,10 +135,6 @@ class LoopbackOptions:
             piece_delay_s=opts.number("piece_delay_s", default.piece_delay_s, low=0.0),
             fail_chunks=_chunk_ids(opts, "fail_chunks"),
             fail_every=opts.integer("fail_every", default.fail_every, low=0),
-            linger_after_fail=opts.flag("linger_after_fail", default.linger_after_fail),
-            early_done=opts.flag("early_done", default.early_done),
-            no_fence=opts.flag("no_fence", default.no_fence),
-            misplace_buffer=opts.flag("misplace_buffer", default.misplace_buffer),
             freeze_chunks=_rank_chunk_ids(opts, "freeze_chunks"),
             late_chunks=_rank_chunk_ids(opts, "late_chunks"),
             late_delivery_s=opts.number("late_delivery_s", default.late_delivery_s, low=0.0),
@@ -386,10 +371,7 @@ class LoopbackWriter:
         rows = SegmentTable.of(segments).rows_within(self.nbytes, peer.nbytes)
         pieces = _pieces(rows, self.options.piece_bytes)
         pieces[:, 0] = self._space.locate(pieces[:, 0], pieces[:, 2])[0]
-        pieces[:, 1], buffer = peer.space.locate(pieces[:, 1], pieces[:, 2])
-        if self.options.misplace_buffer and len(peer.space.buffers) > 1:
-            second, first = peer.space.buffers[1].address, peer.space.buffers[0].address
-            pieces[buffer == 1, 1] += first - second
+        pieces[:, 1] = peer.space.locate(pieces[:, 1], pieces[:, 2])[0]
         steps = peer.steps(pieces, self.options.piece_bytes)
         with self._lock:
             self._posted += 1
@@ -436,8 +418,6 @@ class LoopbackWriter:
 
     @hookimpl
     def on_done_barrier(self, chunk: Chunk, posted: _Handle, deadline: float) -> Settlement:
-        if self.options.early_done:
-            return Settlement.LANDED
         if not posted.finished.wait(max(0.0, deadline - time.monotonic())):
             return Settlement.UNSETTLED
         if posted.finished_at > deadline:  # settled late (frozen past the deadline)
@@ -446,9 +426,8 @@ class LoopbackWriter:
 
     @hookimpl
     def on_fence(self) -> bool:
-        if not self.options.no_fence:
-            self._stop_nic()
-            self._start_nic()
+        self._stop_nic()
+        self._start_nic()
         return True
 
     # -- the NIC -----------------------------------------------------------
@@ -483,10 +462,7 @@ class LoopbackWriter:
                     error = "fenced"
                     break
                 if i == fail_at:
-                    error = "injected failure"
-                    if self.options.linger_after_fail:
-                        rest = (peer, pieces, handle.steps[i:])
-                        threading.Thread(target=self._linger, args=rest, daemon=True).start()
+                    error = self._fail_midway(peer, pieces, handle.steps[i:])
                     break
                 if self.options.piece_delay_s:
                     time.sleep(self.options.piece_delay_s)
@@ -517,10 +493,11 @@ class LoopbackWriter:
             error = peer.copy(pieces, first, end) or error
         handle.finish(error)
 
-    def _linger(self, peer: _Peer, pieces: npt.NDArray[np.int64], steps: list[tuple[int, int]]) -> None:
-        time.sleep(max(self.options.piece_delay_s, 0.05) * 4)
-        for first, end in steps:
-            peer.copy(pieces, first, end)
+    def _fail_midway(self, peer: _Peer, pieces: npt.NDArray[np.int64], rest: list[tuple[int, int]]) -> str:
+        """An injected failure (``fail_chunks``, ``fail_every``) at the first
+        of the ``rest`` steps: none of them is ever written, so the chunk is
+        settled as it fails. The error it fails with."""
+        return "injected failure"
 
 
 #: What the NIC thread is given: the handle, the peer, the pieces (source

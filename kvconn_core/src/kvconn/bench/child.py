@@ -3,17 +3,67 @@ line, replies on stdout, and it serves until stdin closes.
 
 Every wait for it is bounded: a child that does not answer in time is
 killed (it is ours: we started it, and we stop it by its pid).
+
+A child's stderr (its tracebacks, a transport library's log lines) goes to a
+temporary file unless :data:`VERBOSE`: a child that dies is reported as one
+line, the last line it wrote there (a traceback's exception), not as a screen
+of interleaved tracebacks from every process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from typing import IO, Any
+
+#: Children write their stderr to ours (``kvconn bench --verbose``).
+VERBOSE = False
+
+
+class ChildError(RuntimeError):
+    """A bench child process exited before it answered."""
+
+
+class StderrLog:
+    """Where one child's stderr goes: a temporary file, read back for the cause
+    of a failure; ours when :data:`VERBOSE`."""
+
+    def __init__(self) -> None:
+        self.file = (  # closed in close(), when the child is gone
+            None if VERBOSE else tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        )
+
+    def cause(self) -> str:
+        """The last line the child wrote (a traceback ends with its exception)."""
+        if self.file is None:
+            return "see its output above"
+        self.file.flush()
+        self.file.seek(0)
+        lines = [line.strip() for line in self.file.read().splitlines() if line.strip()]
+        return lines[-1] if lines else "it wrote nothing to stderr"
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def exited(what: str, code: int, log: StderrLog) -> ChildError:
+    """The one-line error for a child that exited with ``code``."""
+    how = "after Ctrl-C" if code in (-signal.SIGINT, 130) else f"with {code}"
+    return ChildError(f"{what} exited {how}: {log.cause()}")
+
+
+def quiet_interrupts() -> None:
+    """In a child: ignore Ctrl-C, which the terminal sends to every process of
+    the bench at once. The parent tears the run down and closes our stdin, and
+    we exit then, without a traceback of our own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Child:
@@ -21,10 +71,12 @@ class Child:
     its first reply carrying ``key`` (e.g. its address, or "ready")."""
 
     def __init__(self, module: str, role: str, config: Mapping[str, Any], key: str) -> None:
+        self.stderr = StderrLog()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, role],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self.stderr.file,
             text=True,
         )
         self.role = role
@@ -52,7 +104,7 @@ class Child:
             while True:
                 line = stdout.readline()
                 if not line:
-                    raise RuntimeError(f"bench {self.role} child exited with {self.proc.wait()}")
+                    raise exited(f"bench {self.role} child", self.proc.wait(), self.stderr)
                 with contextlib.suppress(ValueError):
                     msg = json.loads(line)
                     if isinstance(msg, dict) and key in msg:
@@ -79,6 +131,7 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.stderr.close()
         last: dict[str, Any] = {}
         for line in out.splitlines():
             with contextlib.suppress(ValueError):

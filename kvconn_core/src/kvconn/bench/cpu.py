@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -55,3 +56,27 @@ def process_seconds(pid: int | None = None) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+class Meter:
+    """CPU used by the bench's processes (this one: decode's page owner; the
+    rank child; the raw child) and the machine's shares, around one measurement."""
+
+    def __init__(self, pids: Mapping[str, int | None]) -> None:
+        self._pids = dict(pids)
+        self._start: dict[str, float | None] = {}
+        self._machine: tuple[int, ...] | None = None
+        self.result: dict[str, float] = {}
+
+    def __enter__(self) -> Meter:
+        self._start = {name: process_seconds(pid) for name, pid in self._pids.items()}
+        self._machine = sample()
+        self.result = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.result = dict(shares(self._machine, sample()))
+        for name, pid in self._pids.items():
+            t0, t1 = self._start.get(name), process_seconds(pid)
+            if t0 is not None and t1 is not None:
+                self.result[name] = t1 - t0

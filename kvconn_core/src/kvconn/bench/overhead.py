@@ -12,72 +12,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
 
 import attrs
 
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk
 from kvconn.config import Config
-from kvconn.hookspecs import hookimpl
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
-from kvconn.transport import Capabilities, Settlement
-
-
-class NullRegion:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.metadata = b"null"
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return bytes(nbytes)
-
-    def write(self, offset: int, data: bytes) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class NullWriter:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return bytes(nbytes)
-
-    def write(self, offset: int, data: bytes) -> None:
-        pass
-
-    def connect(self, peer: str, metadata: bytes) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @hookimpl
-    def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> object:
-        return segments
-
-    @hookimpl
-    def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Settlement:
-        return Settlement.LANDED
-
-    @hookimpl
-    def on_fence(self) -> bool:
-        return True
-
-
-class NullBackend:
-    name = "null"
-    capabilities = Capabilities(writer_fence=True, notes="does nothing: for overhead measurement")
-
-    def open_region(self, nbytes: int, options: Mapping[str, str]) -> NullRegion:
-        return NullRegion(nbytes)
-
-    def open_writer(self, nbytes: int, options: Mapping[str, str]) -> NullWriter:
-        return NullWriter(nbytes)
+from kvconn.testing.null import NullBackend
 
 
 @attrs.frozen

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 
+from kvconn.bench.child import quiet_interrupts
 from kvconn.metrics import Metrics
 from kvconn.testing.prefill_proc import Driver
 
@@ -31,6 +32,7 @@ def snapshot(m: Metrics) -> dict[str, float]:
 
 
 def main() -> None:
+    quiet_interrupts()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     driver = Driver(json.loads(sys.argv[1]))
     print(json.dumps({"address": driver.rank.address}), flush=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from kvconn.bench.child import Child, read_config
+from kvconn.bench.child import Child, quiet_interrupts, read_config
 from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, Segment
 from kvconn.plugins import get_backend
@@ -190,4 +190,5 @@ def _rank_main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] != ["rank"]:
         raise SystemExit("usage: python -m kvconn.bench.raw rank  (config JSON on stdin)")
+    quiet_interrupts()
     _rank_main()

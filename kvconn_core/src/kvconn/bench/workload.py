@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from kvconn.bench import cpu
+from kvconn.bench.child import StderrLog, exited
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Release
@@ -249,24 +250,25 @@ class PrefillProcs:
         self.procs: list[subprocess.Popen[str]] = []
         self.addresses: list[str] = []
         self.metrics: list[dict[str, float]] = []
+        self._logs: list[StderrLog] = []
         try:
             for a in args:
+                self._logs.append(StderrLog())
                 self.procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "kvconn.bench.prefill_worker", json.dumps(a)],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
+                        stderr=self._logs[-1].file,
                         text=True,
                     )
                 )
-            for p in self.procs:
+            for p, log in zip(self.procs, self._logs, strict=True):
                 assert p.stdout is not None
                 while True:  # a transport library may print its own lines first
                     line = p.stdout.readline()
                     if not line:
-                        raise RuntimeError(
-                            f"prefill process exited with {p.wait()} before it printed its address"
-                        )
+                        raise exited("a prefill rank process", p.wait(), log)
                     with contextlib.suppress(ValueError):
                         msg = json.loads(line)
                         if isinstance(msg, dict) and "address" in msg:
@@ -297,7 +299,9 @@ class PrefillProcs:
                     continue
                 if isinstance(msg, dict) and "metrics" in msg:
                     self.metrics.append(msg["metrics"])
-        self.procs = []
+        for log in self._logs:
+            log.close()
+        self.procs, self._logs = [], []
 
 
 class ModeRun:

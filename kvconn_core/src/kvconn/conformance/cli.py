@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 import kvconn.conformance._collect as collect
+from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--option", action="append", default=[], metavar="KEY=VALUE", help="backend option (repeatable)"
     )
-    parser.add_argument("--write-timeout", type=float, default=0.5, help="writer deadline in s (0.5)")
-    parser.add_argument("--abort-timeout", type=float, default=2.0, help="decode deadline in s (2.0)")
+    parser.add_argument(
+        "--write-timeout",
+        type=float,
+        default=WRITE_TIMEOUT_S,
+        help=f"writer deadline in s ({WRITE_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--abort-timeout",
+        type=float,
+        default=ABORT_TIMEOUT_S,
+        help=f"decode deadline in s ({ABORT_TIMEOUT_S})",
+    )
     parser.add_argument(
         "--watch",
         type=float,
@@ -99,6 +110,7 @@ def _check_options(backend: str, items: list[str], write_timeout_s: float, abort
     """Why the backend cannot be checked with these options ("" if it can):
     said once, here, rather than by every check of the suite."""
     from kvconn.config import Config
+    from kvconn.options import parse_key_values
     from kvconn.plugins import BackendError, get_backend
     from kvconn.transport import capabilities_of
 
@@ -107,14 +119,8 @@ def _check_options(backend: str, items: list[str], write_timeout_s: float, abort
     except ValueError as exc:
         return f"--write-timeout / --abort-timeout: {exc}"
 
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            return f"-o wants KEY=VALUE, got {item!r}"
-        options[key] = value
     try:
-        capabilities_of(get_backend(backend), options)
+        capabilities_of(get_backend(backend), parse_key_values(items, "-o"))
     except (BackendError, ValueError) as exc:
         return str(exc)
     return ""

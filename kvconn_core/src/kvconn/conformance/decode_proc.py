@@ -20,10 +20,10 @@ import sys
 from typing import Any
 
 from kvconn.config import Config
-from kvconn.conformance.rank_proc import emit, load_args
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.child import emit, load_args
 from kvconn.testing.patterns import canary
 
 

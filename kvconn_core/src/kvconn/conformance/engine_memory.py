@@ -24,7 +24,8 @@ import pytest
 from kvconn.conformance.harness import Child, ConformanceFailure, Settings, decode_host, prefill_host
 from kvconn.conformance.plugin import require_capability
 from kvconn.layout import KVLayout
-from kvconn.testing.kvpattern import CANARY, EngineShape, wrong_buffers
+from kvconn.testing.kvpattern import EngineShape, wrong_buffers
+from kvconn.testing.patterns import CANARY
 from kvconn.transport import PageRegion, Settlement, register_region
 
 ENGINE_ROOM = 0xE0_0001

@@ -23,9 +23,9 @@ import pluggy
 
 from kvconn import hookspecs
 from kvconn.chunk import Chunk
-from kvconn.conformance.rank_proc import emit
 from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
+from kvconn.testing.child import emit
 from kvconn.testing.kvpattern import EngineShape, fill_page
 from kvconn.transport import Settlement, register_writer
 

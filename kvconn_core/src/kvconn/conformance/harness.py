@@ -4,18 +4,13 @@ gets back and checks it before handing the page out again."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
-import queue
 import random
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -25,8 +20,9 @@ from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
-from kvconn.runtime.procs import all_threads_stopped
+from kvconn.testing import child, waiting
 from kvconn.testing.hosts import Fabric, Host
+from kvconn.testing.pages import CanaryPages
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend, Capabilities, capabilities_of
 
@@ -34,8 +30,19 @@ from kvconn.transport import Backend, Capabilities, capabilities_of
 ACK_PROOFS = frozenset({Proof.ACKS, Proof.LATE_ACKS, Proof.COMPLETED, Proof.NOTHING_SENT})
 
 
+#: The deadlines the suite runs with unless told otherwise (``kvconn
+#: conformance``, the pytest plugin and :class:`Settings` share them).
+WRITE_TIMEOUT_S = 0.5
+ABORT_TIMEOUT_S = 2.0
+
+
 class ConformanceFailure(AssertionError):
     """A check failed; the message names it."""
+
+
+#: kvconn.testing's wait, failing as a check of the suite does (the suite
+#: tells a failed check from a crash by this class).
+wait_for = functools.partial(waiting.wait_for, poll=0.002, failure=ConformanceFailure)
 
 
 #: Cross-host mode (``--kvconn-cross-host``): the hosts the suite's processes
@@ -84,8 +91,8 @@ class Settings:
 
     backend_name: str
     options: Mapping[str, str] = attrs.field(factory=dict)
-    write_timeout_s: float = 0.5
-    abort_timeout_s: float = 2.0
+    write_timeout_s: float = WRITE_TIMEOUT_S
+    abort_timeout_s: float = ABORT_TIMEOUT_S
     strict: bool = False
     #: More and wider rounds (a longer run).
     thorough: bool = False
@@ -142,149 +149,10 @@ class Settings:
         )
 
 
-def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 0.002) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise ConformanceFailure(f"{what}: not within {timeout:.1f} s")
-        time.sleep(poll)
+class Child(child.Child):
+    """A child process of the suite: a wait on it that runs out is a failed check."""
 
-
-class Child:
-    """A child process that reports JSON lines on stdout, in a session of its
-    own: whatever it starts stays in that session unless it leaves on purpose,
-    so the suite can tell what outlived it (:meth:`survivors`)."""
-
-    #: Longer arguments go through a file (a command line holds ~128 KiB).
-    INLINE_ARGS = 64 << 10
-
-    def __init__(
-        self, module: str, args: Mapping[str, Any], prefix: Sequence[str] = (), host: Host | None = None
-    ) -> None:
-        """``host``: run it on that host (cross-host mode), with ``prefix``
-        inside it; its pid is then the command's own, not the wrapper's."""
-        payload = json.dumps(dict(args))
-        self._args_file: str | None = None
-        if len(payload) > self.INLINE_ARGS:
-            fd, self._args_file = tempfile.mkstemp(prefix="kvconn-conformance-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                f.write(payload)
-            payload = "@" + self._args_file
-        self.host = host
-        self.proc = subprocess.Popen(
-            [*(host.prefix() if host is not None else ()), *prefix, sys.executable, "-m", module, payload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        #: Signals, freezes and kills go here: on another host, the command
-        #: itself (its wrappers, pid 1 of its PID namespace among them,
-        #: would not pass a SIGSTOP on).
-        self.pid = self.proc.pid if host is None else host.main_pid(self.proc)
-        #: Everything it starts stays in this session.
-        self.session = self.proc.pid
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.log: list[dict[str, Any]] = []
-        self._log_lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True, name=f"conformance-read-{self.pid}").start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            with self._log_lock:
-                self.log.append(event)
-            self.events.put(event)
-
-    def history(self) -> list[dict[str, Any]]:
-        with self._log_lock:
-            return list(self.log)
-
-    def expect(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
-        """The next event whose fields equal ``match`` (others are skipped)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or (self.proc.poll() is not None and self.events.empty()):
-                code = self.proc.poll()
-                raise ConformanceFailure(
-                    f"{what}: child {self.pid} did not report {match} within {timeout:.1f} s (exit code {code})"
-                )
-            try:
-                event = self.events.get(timeout=min(left, 0.05))
-            except queue.Empty:
-                continue
-            if all(event.get(k) == v for k, v in match.items()):
-                return event
-
-    def send_line(self, line: str = "go") -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def stopped(self) -> bool:
-        return all_threads_stopped(self.pid)
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def survivors(self) -> list[str]:
-        """Processes of this child's session still alive ("pid cmdline"): a
-        helper that can write after the child is gone."""
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in (self.pid, self.session):
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                fields = stat[stat.rindex(")") + 2 :].split()
-                state, session = fields[0], int(fields[3])
-                if session != self.session or state in ("Z", "X"):
-                    continue
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except (OSError, ValueError, IndexError):
-                continue
-            found.append(f"{entry} {cmdline[:120]}")
-        return found
-
-    def reap_survivors(self) -> None:
-        """Kill what :meth:`survivors` found (once the check has said so)."""
-        for line in self.survivors():
-            with contextlib.suppress(OSError):
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.signal(signal.SIGCONT)
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.reap_survivors()
-        if self._args_file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._args_file)
-
-    def frozen(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
-        """The child's next ``freeze`` report, once every thread is stopped."""
-        event = self.expect(timeout, what, event="freeze", **match)
-        wait_for(self.stopped, 5, f"{what}: the child froze")
-        return event
+    failure = ConformanceFailure
 
 
 class RankProc(Child):
@@ -391,8 +259,6 @@ class Cluster:
         self._lock = threading.Lock()
         self.releases: dict[int, tuple[Release, float]] = {}
         self.corrupted: list[str] = []
-        self._free: list[int] = list(range(num_pages))
-        self._returned: set[int] = set()
         try:
             if ranks_of is not None:
                 self.ranks = list(ranks_of.ranks)
@@ -413,7 +279,7 @@ class Cluster:
                 on_release=self._on_release,
             )
             self.region = self.decode.region
-            self.region.write(0, canary(num_pages * page_bytes))
+            self.pages = CanaryPages(self.region, num_pages, page_bytes, num_ranks)
         except BaseException:
             self.close()
             raise
@@ -430,21 +296,10 @@ class Cluster:
     def alloc(self, n: int, scattered: bool = False) -> list[int]:
         """``n`` free pages; a page that came back from a room is checked for
         its canary first: a change is a write that landed after release."""
-        with self._lock:
-            if len(self._free) < n:
-                raise ConformanceFailure(f"suite bug: {n} pages wanted, {len(self._free)} free")
-            # Pages that never came back first: returned ones cool down, so a
-            # late write into them is seen by the checks of their old room.
-            self._free.sort(key=lambda p: (p in self._returned, p))
-            if scattered:
-                pages = sorted(self.rng.sample(self._free[: max(n, len(self._free) // 2)], n))
-            else:
-                pages = self._free[:n]
-            for p in pages:
-                self._free.remove(p)
-            returned = [p for p in pages if p in self._returned]
-            self._returned.difference_update(pages)
-        bad = self.changed_pages(returned)
+        if len(self.pages.free_pages()) < n:
+            raise ConformanceFailure(f"suite bug: {n} pages wanted, {len(self.pages.free_pages())} free")
+        pages, reused = self.pages.take(n, fresh_first=True, rng=self.rng if scattered else None)
+        bad = self.pages.changed(reused)
         if bad:
             raise ConformanceFailure(
                 f"late write after release: pages {bad[:8]} changed after decode released them "
@@ -457,49 +312,31 @@ class Cluster:
         merge, so a chunk of them is one segment per page and rank, and every
         page in between is a guard that must keep its canary."""
         span = self.alloc(2 * n - 1)
-        with self._lock:
-            self._free.extend(span[1::2])
+        self.pages.untake(span[1::2])
         return span[::2]
 
     def changed_pages(self, pages: Iterable[int]) -> list[int]:
-        pb = self.page_bytes
-        want = canary(pb)
-        return [p for p in pages if self.region.read(p * pb, pb) != want]
+        return self.pages.changed(pages)
 
     def changed_free_pages(self) -> list[int]:
         """Free pages (never handed out, or released and canaried again) whose
         canary changed: a write that landed outside the pages of its room."""
-        with self._lock:
-            free = sorted(self._free)
-        return self.changed_pages(free)
+        return self.pages.changed(self.pages.free_pages())
 
     def changed_after_release(self, pages: Iterable[int]) -> list[int]:
         """Released pages, not handed out again since, whose canary changed."""
-        with self._lock:
-            still = [p for p in pages if p in self._returned]
-        return self.changed_pages(still)
+        return self.pages.changed(self.pages.returned_pages(pages))
 
     def bad_pattern_pages(
         self, room: int, pages: Sequence[int], ranks: Iterable[int] | None = None
     ) -> list[int]:
-        bad = []
-        for i, page in enumerate(pages):
-            for rank in range(self.num_ranks) if ranks is None else ranks:
-                got = self.region.read(page * self.page_bytes + rank * self.shard, self.shard)
-                if got != shard_bytes(room, rank, i, self.shard):
-                    bad.append(page)
-                    break
-        return bad
+        return self.pages.wrong_pattern(room, pages, ranks)
 
     def _on_release(self, release: Release) -> None:
         """Decode hands the pages back: lay the canary right away."""
-        pb = self.page_bytes
-        for page in release.pages:
-            self.region.write(page * pb, canary(pb))
+        self.pages.give_back(release.pages)
         with self._lock:
             self.releases[release.room] = (release, time.monotonic())
-            self._free.extend(release.pages)
-            self._returned.update(release.pages)
 
     # -- rooms ----------------------------------------------------------------
     def receiver(self, room: int, pages: Sequence[int], ranks: frozenset[int] | None = None) -> Receiver:
@@ -507,13 +344,7 @@ class Cluster:
 
     def finish(self, receiver: Receiver) -> None:
         """A completed room: the engine takes the pages, uses them, frees them."""
-        pages = receiver.finish()
-        pb = self.page_bytes
-        for page in pages:
-            self.region.write(page * pb, canary(pb))
-        with self._lock:
-            self._free.extend(pages)
-            self._returned.update(pages)
+        self.pages.give_back(receiver.finish())
 
     def release_of(self, room: int) -> tuple[Release, float] | None:
         with self._lock:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from kvconn.conformance import harness
-from kvconn.conformance.harness import Settings
+from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S, Settings
+from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
 from kvconn.testing import hosts
 from kvconn.transport import capabilities_of
@@ -50,8 +51,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="backend option (repeatable)",
     )
     group.addoption("--kvconn-strict", action="store_true", help="undeclared skips fail")
-    group.addoption("--kvconn-write-timeout", type=float, default=0.5, help="writer deadline, s (0.5)")
-    group.addoption("--kvconn-abort-timeout", type=float, default=2.0, help="decode deadline, s (2.0)")
+    group.addoption(
+        "--kvconn-write-timeout",
+        type=float,
+        default=WRITE_TIMEOUT_S,
+        help=f"writer deadline, s ({WRITE_TIMEOUT_S})",
+    )
+    group.addoption(
+        "--kvconn-abort-timeout",
+        type=float,
+        default=ABORT_TIMEOUT_S,
+        help=f"decode deadline, s ({ABORT_TIMEOUT_S})",
+    )
     group.addoption(
         "--kvconn-watch",
         type=float,
@@ -112,11 +123,10 @@ def kvconn_settings(request: pytest.FixtureRequest) -> Settings:
     if not name:
         raise pytest.UsageError("kvconn conformance: name a backend (--kvconn-backend or backend_name)")
     options: dict[str, str] = dict(getattr(request.cls, "backend_options", {}) or {})
-    for item in config.getoption("--kvconn-option"):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise pytest.UsageError(f"--kvconn-option wants KEY=VALUE, got {item!r}")
-        options[key] = value
+    try:
+        options.update(parse_key_values(config.getoption("--kvconn-option"), "--kvconn-option"))
+    except OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
     try:
         capabilities_of(get_backend(name), options)  # refuses bad options before any process starts
     except (BackendError, ValueError) as exc:

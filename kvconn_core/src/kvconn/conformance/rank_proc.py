@@ -20,12 +20,9 @@ POINT is one of ``dequeue``, ``skip``, ``before_post``, ``after_post``,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -33,40 +30,9 @@ from typing import Any
 from kvconn.chunk import Chunk, Segment
 from kvconn.hookspecs import hookimpl
 from kvconn.protocol.messages import Abort
+from kvconn.testing.child import emit, load_args, stop_self
 from kvconn.testing.prefill_proc import Driver
 from kvconn.transport import Settlement
-
-_out_lock = threading.Lock()
-
-
-def emit(event: dict[str, Any]) -> None:
-    event["t"] = time.monotonic()
-    line = json.dumps(event)
-    with _out_lock:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-
-def load_args(arg: str) -> dict[str, Any]:
-    """The JSON argument, given inline or, when too long for a command line
-    (rounds of thousands of segments), as ``@PATH`` of a file holding it."""
-    if arg.startswith("@"):
-        with open(arg[1:]) as f:
-            arg = f.read()
-    args: dict[str, Any] = json.loads(arg)
-    return args
-
-
-def stop_self() -> None:
-    """SIGSTOP this whole process, the calling thread included, before this returns.
-
-    ``kill(getpid())`` would not do: the kernel may hand a process-directed
-    SIGSTOP to another thread (the main one, blocked on stdin), and the caller
-    runs on, writing, until that thread is scheduled. A thread-directed
-    SIGSTOP stops the caller on its way out of the system call, and the group
-    stop then takes every other thread.
-    """
-    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 class InjectedFault(RuntimeError):

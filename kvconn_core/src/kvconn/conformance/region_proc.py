@@ -12,8 +12,8 @@ import os
 import sys
 
 from kvconn.conformance.harness import RegionImage
-from kvconn.conformance.rank_proc import emit, load_args
 from kvconn.plugins import get_backend
+from kvconn.testing.child import emit, load_args
 
 
 def main() -> None:

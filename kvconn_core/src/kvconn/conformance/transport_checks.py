@@ -74,7 +74,7 @@ class BareWriter(Child):
                 "rounds": [dict(r) for r in rounds],
             },
             prefix,
-            host,
+            host=host,
         )
 
     def answer(self, step: str, round_no: int) -> dict[str, Any]:

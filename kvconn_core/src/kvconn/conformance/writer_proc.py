@@ -32,9 +32,9 @@ import pluggy
 
 from kvconn import hookspecs
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.conformance.rank_proc import emit, load_args, stop_self
 from kvconn.plugins import get_backend
 from kvconn.protocol.messages import Abort
+from kvconn.testing.child import emit, load_args, stop_self
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Settlement
 

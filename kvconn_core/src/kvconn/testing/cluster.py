@@ -5,12 +5,9 @@ that lands after a release is found and counted."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,21 +20,11 @@ from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.procs import wait_until_stopped
+from kvconn.testing.child import Child
 from kvconn.testing.faults import AckProxy
-from kvconn.testing.patterns import canary, shard_bytes
+from kvconn.testing.pages import CanaryPages
 
-CANARY = 0xA5
 LOOPBACK_SLOW = {"piece_bytes": "16384", "piece_delay_s": "0.004"}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str = "condition") -> float:
-    """Poll ``cond`` until true; fail after ``timeout`` s. Returns the time taken."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-    return time.monotonic() - t0
 
 
 def free_port() -> int:
@@ -65,48 +52,26 @@ def at_the_same_address(make: Callable[[], T], timeout: float = 10.0) -> T:
             time.sleep(0.01)
 
 
-class Rank:
+class Rank(Child):
     """A prefill rank process (``python -m kvconn.testing.faults``)."""
 
     def __init__(self, args: dict[str, Any], netns: str | None = None, wrap: Sequence[str] = ()) -> None:
         """``wrap``: a command the rank runs under (e.g. ``unshare ...``)."""
-        cmd = [*wrap, sys.executable, "-m", "kvconn.testing.faults", json.dumps(args)]
-        if netns:
-            cmd = ["ip", "netns", "exec", netns, *cmd]
-        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_MODULES="^ib", MC_LOG_LEVEL="WARNING")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        prefix = [*(["ip", "netns", "exec", netns] if netns else []), *wrap]
+        env = {"NIXL_LOG_LEVEL": "WARN", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING"}
+        super().__init__("kvconn.testing.faults", args, prefix, env)
         self.address = ""
         self.killed = False
 
     def ready(self, timeout: float = 30) -> str:
-        line = self._line(timeout)
-        self.address = json.loads(line)["address"]
+        self.address = str(self.next_with("address", timeout, "rank start")["address"])
         return self.address
-
-    def _line(self, timeout: float) -> str:
-        out: list[str] = []
-        assert self.proc.stdout is not None
-        t = threading.Thread(target=lambda: out.append(self._json_line()), daemon=True)
-        t.start()
-        t.join(timeout)
-        if not out:
-            raise AssertionError(f"rank pid {self.proc.pid} did not answer within {timeout} s")
-        return out[0]
-
-    def _json_line(self) -> str:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line or line.startswith("{"):
-                return line
 
     def metrics(self, timeout: float = 10) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """The rank's Prometheus samples; also proves its listener thread's
         process is alive and answering."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("metrics\n")
-        self.proc.stdin.flush()
-        samples = json.loads(self._line(timeout))["samples"]
+        self.send_line("metrics")
+        samples = self.next_with("samples", timeout, "rank metrics")["samples"]
         return {(n, frozenset(lab.items())): v for n, lab, v in samples}
 
     def value(self, name: str, **labels: str) -> float:
@@ -119,22 +84,6 @@ class Rank:
                 wait_until_stopped(self.proc.pid)
         if sig == signal.SIGKILL:
             self.killed = True
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            except (BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        else:
-            self.proc.wait(5)
 
 
 class Cluster:
@@ -189,8 +138,7 @@ class Cluster:
         self.ranks: list[Rank] = []
         self.lock = threading.Lock()
         self.releases: list[Release] = []
-        self.free: set[int] = set(range(num_pages))
-        self.freed_once: set[int] = set()
+        self._pages: CanaryPages | None = None
         self.proxy: AckProxy | None = None
         self.decode: DecodeEndpoint | None = None
         try:
@@ -223,8 +171,6 @@ class Cluster:
 
     def start_decode(self, proxy: bool = False) -> DecodeEndpoint:
         with self.lock:
-            self.free = set(range(self.num_pages))
-            self.freed_once = set()
             self.releases = []
         self.decode = DecodeEndpoint(
             self.backend,
@@ -234,7 +180,7 @@ class Cluster:
             self.config,
             on_release=self._on_release,
         )
-        self.decode.region.write(0, canary(self.num_pages * self.page_bytes))
+        self._pages = CanaryPages(self.decode.region, self.num_pages, self.page_bytes, self.num_ranks)
         if proxy:
             self.proxy = AckProxy(self.decode.address, self.config.host, self.key)
             # ABORTs name the proxy as the place to ack: every ack crosses it.
@@ -246,21 +192,18 @@ class Cluster:
         assert self.decode is not None
         return self.decode
 
+    @property
+    def pages(self) -> CanaryPages:
+        """Decode's pages (a fresh pool each time decode starts)."""
+        assert self._pages is not None, "decode has not started"
+        return self._pages
+
     # -- the allocator -----------------------------------------------------
     def alloc(self, n: int, exclude: Sequence[int] = ()) -> list[int]:
-        with self.lock:
-            pages = sorted(self.free - set(exclude))[:n]
-            if len(pages) < n:
-                raise AssertionError(f"only {len(self.free)} free pages")
-            self.free -= set(pages)
-            return pages
+        return self.pages.take(n, exclude)[0]
 
     def _give_back(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            self.dec.region.write(p * self.page_bytes, canary(self.page_bytes))
-        with self.lock:
-            self.free |= set(pages)
-            self.freed_once |= set(pages)
+        self.pages.give_back(pages)
 
     def _on_release(self, rel: Release) -> None:
         with self.lock:
@@ -283,34 +226,23 @@ class Cluster:
     # -- checks ------------------------------------------------------------
     def landed_bytes(self, pages: Sequence[int]) -> int:
         """Bytes of ``pages`` that are not canary any more."""
-        return sum(self._dirty(p) for p in pages)
-
-    def _dirty(self, page: int) -> int:
-        data = self.dec.region.read(page * self.page_bytes, self.page_bytes)
-        return len(data) - data.count(CANARY)
+        return sum(self.pages.dirty_bytes(p) for p in pages)
 
     def late_pages(self, pages: Sequence[int] | None = None) -> list[int]:
         """Pages handed back (of ``pages``, or all) that a write reached after
         they were given back."""
-        with self.lock:
-            free = sorted(self.free if pages is None else self.free & set(pages))
-        return [p for p in free if self._dirty(p)]
+        free = self.pages.free_pages()
+        if pages is not None:
+            free = sorted(set(free) & set(pages))
+        return [p for p in free if self.pages.dirty_bytes(p)]
 
     def late_bytes(self) -> int:
         """Bytes written into free pages (pages handed back) after they were
         given back: must be 0."""
-        with self.lock:
-            pages = sorted(self.free)
-        return sum(self._dirty(p) for p in pages)
+        return sum(self.pages.dirty_bytes(p) for p in self.pages.free_pages())
 
     def correct(self, room: int, pages: Sequence[int], ranks: Sequence[int] | None = None) -> bool:
-        ranks = range(self.num_ranks) if ranks is None else ranks
-        for i, p in enumerate(pages):
-            for r in ranks:
-                got = self.dec.region.read(p * self.page_bytes + r * self.shard, self.shard)
-                if got != shard_bytes(room, r, i, self.shard):
-                    return False
-        return True
+        return not self.pages.wrong_pattern(room, pages, ranks)
 
     def metric(self, name: str, **labels: str) -> float:
         return self.dec.metrics.value(name, **labels)

@@ -233,9 +233,10 @@ def metric_samples(registry: Any) -> list[tuple[str, dict[str, str], float]]:
 def main() -> None:
     import kvconn.testing.prefill_proc as prefill_proc
     from kvconn.runtime.prefill import PrefillRank
+    from kvconn.testing.child import load_args
 
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
-    args = json.loads(sys.argv[1])
+    args = load_args(sys.argv[1])
     host = str(args.get("host", "127.0.0.1"))
     port = int(args.get("port", 0))  # fixed: a restarted rank comes back at its address
     observers = [

@@ -11,7 +11,8 @@ import pluggy
 
 from kvconn import hookspecs
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.testing.kvpattern import CANARY, EngineShape, dirty_bytes, fill_page, page_matches
+from kvconn.testing.kvpattern import EngineShape, dirty_bytes, fill_page, page_matches
+from kvconn.testing.patterns import CANARY
 from kvconn.transport import Backend, Settlement, register_region, register_writer
 
 

@@ -21,12 +21,12 @@ import attrs
 import numpy as np
 
 from kvconn.layout import ExtraSlots, KVLayout, PagedBuffer
+from kvconn.testing.patterns import CANARY
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
 #: Free pages at decode hold this: never a pattern byte (those are 0x40..0x7F).
-CANARY = 0xA5
 _MAX_INDEX = 1 << 12  # pages per room the pattern tells apart
 
 

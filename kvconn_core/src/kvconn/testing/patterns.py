@@ -6,6 +6,11 @@ import struct
 
 _MASK = (1 << 64) - 1
 
+#: The byte decode lays in every free page (and a test in every byte it
+#: watches): any other value there is a write that landed where or when it
+#: must not. The one canary of every test, suite and bench.
+CANARY = 0xA5
+
 
 def shard_bytes(room: int, rank: int, page_index: int, nbytes: int) -> bytes:
     """What ``rank`` writes as its shard of the ``page_index``-th page of
@@ -18,4 +23,4 @@ def shard_bytes(room: int, rank: int, page_index: int, nbytes: int) -> bytes:
 
 def canary(nbytes: int) -> bytes:
     """What decode lays in free pages: any change reveals a late write."""
-    return b"\xa5" * nbytes
+    return bytes([CANARY]) * nbytes

@@ -31,8 +31,10 @@ import attrs
 
 from kvconn.runtime.procs import wait_until_stopped
 from kvconn.testing import hosts
-from kvconn.testing.cluster import CANARY, Cluster, wait_for
+from kvconn.testing.cluster import Cluster
 from kvconn.testing.hosts import Host, HostsUnavailable
+from kvconn.testing.patterns import CANARY
+from kvconn.testing.waiting import wait_for
 
 FAULTS = ("frozen", "late_queue", "partition")
 WRITE_S, DEADLINE_S = 0.4, 0.8  #: writer and decode deadlines (the legacy mode frees at the latter)
@@ -150,7 +152,7 @@ def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: Host | None) -
     for i in range(rooms):
         room = _room(fault, i)
         before = _rank_counts(c)
-        rx, pages = c.open(room, npages, exclude=sorted(c.freed_once))
+        rx, pages = c.open(room, npages, exclude=sorted(c.pages.returned_once))
         if fault == "frozen":
             wait_until_stopped(c.ranks[0].proc.pid, timeout=30)  # half way through its chunk
         elif fault == "late_queue":  # rank 0 posted the chunk: its first half is in

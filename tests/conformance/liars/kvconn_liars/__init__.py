@@ -6,7 +6,9 @@ pages in POSIX shared memory, a copy thread per writer that copies posted
 segments piece by piece. Every other ``liar-*`` backend is that transport
 telling one lie (see :data:`LIES`). The tests register them as backends
 through a throw-away ``.dist-info`` (see ``tests/conformance/liars/registry.py``),
-never through the installed packages.
+never through the installed packages. ``liar-loopback``
+(:mod:`kvconn_liars.loopback`) is kvconn's own loopback transport with four
+lies to switch on by option.
 
 Options: ``piece_bytes`` (default 65536), ``pace_s`` (sleep per piece,
 default 0), ``memory`` (``dram``; ``vram`` only where declared),

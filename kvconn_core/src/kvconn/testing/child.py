@@ -1,0 +1,227 @@
+"""Child processes that speak JSON lines, both ends.
+
+The parent's end is :class:`Child`: it starts ``python -m MODULE ARGS_JSON``
+in a session of its own, collects every JSON line the child prints as an
+event, and signals, freezes, closes and reaps it (and whatever it started).
+The child's end is :func:`load_args` (the argument, inline or ``@FILE``),
+:func:`emit` (one timestamped event line) and :func:`stop_self`. Prefill
+rank processes, bare writers, decode processes of the conformance suite and
+the fault-injection rank of :mod:`kvconn.testing.cluster` all use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvconn.runtime.procs import all_threads_stopped
+from kvconn.testing.waiting import wait_for
+
+if TYPE_CHECKING:
+    from kvconn.testing.hosts import Host
+
+__all__ = ["Child", "emit", "load_args", "stop_self"]
+
+_out_lock = threading.Lock()
+
+
+def emit(event: dict[str, Any]) -> None:
+    """Print ``event`` as one JSON line, stamped with ``t``: ``time.monotonic()``
+    (CLOCK_MONOTONIC is shared by the processes of a host, so the parent can
+    order a child's events against its own)."""
+    event["t"] = time.monotonic()
+    line = json.dumps(event)
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def load_args(arg: str) -> dict[str, Any]:
+    """The JSON argument, given inline or, when too long for a command line
+    (rounds of thousands of segments), as ``@PATH`` of a file holding it."""
+    if arg.startswith("@"):
+        with open(arg[1:]) as f:
+            arg = f.read()
+    args: dict[str, Any] = json.loads(arg)
+    return args
+
+
+def stop_self() -> None:
+    """SIGSTOP this whole process, the calling thread included, before this returns.
+
+    ``kill(getpid())`` would not do: the kernel may hand a process-directed
+    SIGSTOP to another thread (the main one, blocked on stdin), and the caller
+    runs on, writing, until that thread is scheduled. A thread-directed
+    SIGSTOP stops the caller on its way out of the system call, and the group
+    stop then takes every other thread.
+    """
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
+class Child:
+    """A child process that reports JSON lines on stdout, in a session of its
+    own: whatever it starts stays in that session unless it leaves on purpose,
+    so a test can tell what outlived it (:meth:`survivors`)."""
+
+    #: What a wait on the child raises when it runs out (the conformance
+    #: suite's children raise its ConformanceFailure).
+    failure: type[AssertionError] = AssertionError
+
+    #: Longer arguments go through a file (a command line holds ~128 KiB).
+    INLINE_ARGS = 64 << 10
+
+    def __init__(
+        self,
+        module: str,
+        args: Mapping[str, Any],
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        host: Host | None = None,
+    ) -> None:
+        """Run ``python -m module ARGS_JSON`` under the command ``prefix``
+        (``ip netns exec NS``, ``unshare ...``), with ``env`` added to this
+        process's environment. ``host``: on that host
+        (:mod:`kvconn.testing.hosts`), ``prefix`` inside it; the child's pid
+        is then the command's own, not its wrappers'."""
+        payload = json.dumps(dict(args))
+        self._args_file: str | None = None
+        if len(payload) > self.INLINE_ARGS:
+            fd, self._args_file = tempfile.mkstemp(prefix="kvconn-conformance-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(payload)
+            payload = "@" + self._args_file
+        self.host = host
+        self.proc = subprocess.Popen(
+            [*(host.prefix() if host is not None else ()), *prefix, sys.executable, "-m", module, payload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
+        )
+        #: Signals, freezes and kills go here: on another host, the command
+        #: itself (its wrappers, pid 1 of its PID namespace among them,
+        #: would not pass a SIGSTOP on).
+        self.pid = self.proc.pid if host is None else host.main_pid(self.proc)
+        #: Everything it starts stays in this session.
+        self.session = self.proc.pid
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.log: list[dict[str, Any]] = []
+        self._log_lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True, name=f"kvconn-child-read-{self.pid}").start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._log_lock:
+                self.log.append(event)
+            self.events.put(event)
+
+    def history(self) -> list[dict[str, Any]]:
+        with self._log_lock:
+            return list(self.log)
+
+    def expect(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
+        """The next event whose fields equal ``match`` (others are skipped)."""
+        return self.next_event(timeout, what, lambda e: all(e.get(k) == v for k, v in match.items()), match)
+
+    def next_with(self, key: str, timeout: float, what: str) -> dict[str, Any]:
+        """The next event that has the field ``key`` (others are skipped)."""
+        return self.next_event(timeout, what, lambda e: key in e, f"a {key!r} field")
+
+    def next_event(
+        self, timeout: float, what: str, wanted: Callable[[dict[str, Any]], bool], describe: object
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.proc.poll() is not None and self.events.empty()):
+                code = self.proc.poll()
+                raise self.failure(
+                    f"{what}: child {self.pid} did not report {describe} within {timeout:.1f} s (exit code {code})"
+                )
+            try:
+                event = self.events.get(timeout=min(left, 0.05))
+            except queue.Empty:
+                continue
+            if wanted(event):
+                return event
+
+    def send_line(self, line: str = "go") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stopped(self) -> bool:
+        return all_threads_stopped(self.pid)
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def survivors(self) -> list[str]:
+        """Processes of this child's session still alive ("pid cmdline"): a
+        helper that can write after the child is gone."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in (self.pid, self.session):
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                state, session = fields[0], int(fields[3])
+                if session != self.session or state in ("Z", "X"):
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            found.append(f"{entry} {cmdline[:120]}")
+        return found
+
+    def reap_survivors(self) -> None:
+        """Kill what :meth:`survivors` found (once the check has said so)."""
+        for line in self.survivors():
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.reap_survivors()
+        if self._args_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._args_file)
+
+    def frozen(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
+        """The child's next ``freeze`` report, once every thread is stopped."""
+        event = self.expect(timeout, what, event="freeze", **match)
+        wait_for(self.stopped, 5, f"{what}: the child froze", poll=0.002, failure=self.failure)
+        return event

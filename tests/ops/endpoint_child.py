@@ -1,0 +1,62 @@
+"""A decode endpoint and a prefill rank over loopback, in one child process,
+serving both registries through :func:`kvconn.metrics.serve_metrics`.
+
+It moves one room to SUCCESS and aborts another (released by proof), prints
+``{"port": N, ...}`` as one JSON line, then serves scrapes until stdin
+closes. Run as ``python tests/ops/endpoint_child.py ARGS_JSON``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from kvconn.config import Config
+from kvconn.metrics import serve_metrics
+from kvconn.plugins import get_backend
+from kvconn.protocol.ledger import KVPoll
+from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
+
+PAGE_BYTES = 4096
+
+
+def wait(cond: object, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"child: {what} did not happen within {timeout} s")
+        time.sleep(0.002)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    pages = int(args["pages"])
+    backend = get_backend("loopback")
+    config = Config(write_timeout_s=1.0, abort_timeout_s=5.0)
+    rank = PrefillRank(backend, 0, 64 * PAGE_BYTES, config)
+    decode = DecodeEndpoint(backend, 64, PAGE_BYTES, [rank.address], config)
+    server = serve_metrics({"decode": decode.metrics, "prefill-0": rank.metrics}, port=int(args["port"]))
+    try:
+        rx = decode.receiver(1, tuple(range(pages)))
+        sender = rank.sender(1)
+        wait(lambda: sender.poll() >= KVPoll.WAITING_FOR_INPUT, "the request reaching the rank")
+        for page in range(pages):
+            sender.send([page], last=page == pages - 1)
+        wait(lambda: rx.poll() is KVPoll.SUCCESS, "room 1 landing")
+        rx.finish()
+        aborted = decode.receiver(2, (pages, pages + 1))
+        wait(lambda: rank.sender(2).poll() >= KVPoll.WAITING_FOR_INPUT, "room 2 reaching the rank")
+        aborted.abort()
+        wait(lambda: decode.held_pages() == 0, "room 2's release")
+        print(json.dumps({"port": server.port}), flush=True)
+        sys.stdin.read()  # serve until the parent closes our stdin
+    finally:
+        server.close()
+        decode.close()
+        rank.close()
+
+
+if __name__ == "__main__":
+    main()
