@@ -230,3 +230,12 @@ TombstonesNeverEarlyNorForever.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
 TestTombstonesNeverEarlyNorForever = TombstonesNeverEarlyNorForever.TestCase
+
+
+def test_the_tombstone_bench_runs_small() -> None:
+    from kvconn.bench.tombstones import measure, report
+
+    r = measure(rooms=3000, decodes=4, ttl=TTL)
+    assert r["bytes_per_tombstone"] < 250 and r["mib_after_expiry"] < 0.05
+    assert r["expire_calls"] >= 3000 // RoomLedger(0).expire_budget
+    assert "worst single expire()" in report(r)

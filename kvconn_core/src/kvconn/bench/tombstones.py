@@ -35,7 +35,8 @@ from kvconn.protocol.messages import Abort
 POLL_S = 0.05
 TTL_S = 600.0
 
-GOALS = {"bytes_per_tombstone": 200.0, "us_per_abort": 5.0, "worst_expire_ms": 1.0}
+#: CPU microseconds of the calibration loop on an idle recent x86 core (CPython 3.11).
+NOMINAL_CALIBRATION_US = 8.0
 
 
 def _storm(ledger: RoomLedger, rooms: int, decodes: list[str], rate: float, t0: float) -> float:
@@ -55,11 +56,12 @@ def _storm(ledger: RoomLedger, rooms: int, decodes: list[str], rate: float, t0: 
     return now
 
 
-def _drain(ledger: RoomLedger, start: float, rooms: int) -> tuple[float, int, float]:
+def _drain(ledger: RoomLedger, start: float, rooms: int) -> tuple[float, float, int, float]:
     """Call expire() every POLL_S from ``start`` (when every tombstone is due)
     until ``rooms`` are forgotten: returns the worst single call (s), the
-    calls made, and how long after ``start`` the last was forgotten."""
-    worst = 0.0
+    median, the calls made, and how long after ``start`` the last was
+    forgotten."""
+    times: list[float] = []
     calls = forgotten = 0
     now = start
     while forgotten < rooms:
@@ -67,10 +69,11 @@ def _drain(ledger: RoomLedger, start: float, rooms: int) -> tuple[float, int, fl
             raise AssertionError(f"{rooms - forgotten} tombstones never forgotten")
         t = _clock()
         forgotten += len(ledger.expire(now))
-        worst = max(worst, _clock() - t)
+        times.append(_clock() - t)
         calls += 1
         now += POLL_S
-    return worst, calls, now - POLL_S - start
+    times.sort()
+    return times[-1], times[len(times) // 2], calls, now - POLL_S - start
 
 
 def _clock() -> float:
@@ -130,7 +133,7 @@ def measure(
             worst_between = max(worst_between, _clock() - t)
         # The worst case: the first poll once every tombstone is due (a burst
         # storm, or a listener busy for a while), then polls until all are gone.
-        worst, calls, late = _drain(ledger, end + ttl, rooms)
+        worst, median, calls, late = _drain(ledger, end + ttl, rooms)
         del ledger
     finally:
         gc.enable()
@@ -173,6 +176,7 @@ def measure(
         "calibration_us": calibration,
         "first_expire_ms": first_expire * 1e3,
         "worst_expire_ms": max(worst, worst_between, first_expire) * 1e3,
+        "median_expire_ms": median * 1e3,
         "expire_calls": calls,
         "last_forgotten_late_s": late,
         #: What the ledger (an empty one included) still holds once every tombstone is gone.
@@ -181,38 +185,55 @@ def measure(
 
 
 def report(r: dict[str, Any]) -> str:
+    # Times scaled to an idle core by the calibration loop: a shared
+    # machine's CPU can be several times slower than its model's.
+    scale = NOMINAL_CALIBRATION_US / r["calibration_us"]
     rows = [
+        ("bytes per tombstone", f"{r['bytes_per_tombstone']:.0f} B", "", "<= 200 B"),
+        ("abort + try_ack", f"{r['us_per_abort']:.2f} us", f"{r['us_per_abort'] * scale:.2f} us", "<= 5 us"),
         (
-            "bytes per tombstone",
-            f"{r['bytes_per_tombstone']:.0f} B",
-            f"<= {GOALS['bytes_per_tombstone']:.0f} B",
+            "first expire() after the storm",
+            f"{r['first_expire_ms']:.3f} ms",
+            f"{r['first_expire_ms'] * scale:.3f} ms",
+            "<= 1 ms",
         ),
-        ("abort + try_ack (CPU)", f"{r['us_per_abort']:.2f} us", f"<= {GOALS['us_per_abort']:.0f} us"),
-        ("first expire() after the storm", f"{r['first_expire_ms']:.3f} ms", "<= 1 ms"),
         (
-            "worst single expire() (CPU)",
+            "worst single expire()",
             f"{r['worst_expire_ms']:.3f} ms",
-            f"<= {GOALS['worst_expire_ms']:.0f} ms",
+            f"{r['worst_expire_ms'] * scale:.3f} ms",
+            "<= 1 ms",
         ),
-        ("objects the collector walks", f"{r['gc_objects_per_tombstone']:.2f}", "per tombstone"),
-        ("memory left after expiry", f"{r['mib_after_expiry']:.2f} MiB", "0 (baseline)"),
+        (
+            "median expire() while draining",
+            f"{r['median_expire_ms']:.3f} ms",
+            f"{r['median_expire_ms'] * scale:.3f} ms",
+            "",
+        ),
+        ("objects the collector walks", f"{r['gc_objects_per_tombstone']:.2f}", "", "per tombstone"),
+        ("memory left after expiry", f"{r['mib_after_expiry']:.2f} MiB", "", "0 (baseline)"),
     ]
     lines = [
         f"tombstones: {r['rooms']:,} ABORTs of unknown rooms from {r['decodes']} decodes, "
         f"{r['aborts_per_s']:.0f}/s simulated, TTL {r['ttl_s']:.0f} s "
         f"({r['held_mib']:.1f} MiB held at the peak)",
+        f"  {'':<{_W}}  {'here (CPU)':>12}  {'idle core':>12}   goal",
     ]
-    width = max(len(name) for name, _, _ in rows)
-    lines += [f"  {name:<{width}}  {got:>12}   goal {goal}" for name, got, goal in rows]
+    lines += [
+        f"  {name:<{_W}}  {got:>12}  {scaled:>12}   {goal}".rstrip() for name, got, scaled, goal in rows
+    ]
     lines.append(
         f"  CPU times exclude building each ABORT ({r['us_loop_per_abort']:.2f} us); this machine runs "
-        f"sum(range(1000)) in {r['calibration_us']:.1f} us of CPU (an idle recent x86 core: about 8)"
+        f"sum(range(1000)) in {r['calibration_us']:.1f} us of CPU, an idle recent x86 core in about "
+        f"{NOMINAL_CALIBRATION_US:.0f} ('idle core' scales by that)"
     )
     lines.append(
         f"  all forgotten after {r['expire_calls']} expire() calls {POLL_S * 1e3:.0f} ms apart; "
         f"the last {r['last_forgotten_late_s']:.2f} s after it fell due"
     )
     return "\n".join(lines)
+
+
+_W = 31
 
 
 def main(argv: list[str] | None = None) -> int:
