@@ -105,7 +105,7 @@ class RoomLedger:
     of, kept for ``tombstone_ttl`` (about ``aborts/s x TTL`` of them). The
     common one, an ABORT of an unknown room once acked, is kept *compact*:
     one int in :attr:`_tombs` and one slot of the deadline queue, instead of
-    a full entry (about 100 B instead of about 1 KB). It turns into a full
+    a full entry (about 150 B instead of about 1 KB). It turns into a full
     entry (:meth:`_promote`) the moment anything but a duplicate ABORT or
     :meth:`expire` looks at it, so every other path sees one kind of entry.
     """
