@@ -134,7 +134,7 @@ def _rank_key(rank: Rank) -> tuple[object, ...]:
             e.seq,
             e.incarnation == rank.incarnation,
         )
-        for k, e in sorted(rank.ledger._rooms.items())
+        for k, e in sorted(rank.ledger.entries().items())
     )
     inbox = tuple((a.room, a.generation) for a in rank.inbox)
     return (
@@ -170,17 +170,7 @@ def _tracker_key(tracker: HoldTracker) -> tuple[object, ...]:
 
 
 def _clone_ledger(old: RoomLedger) -> RoomLedger:
-    ledger = copy.copy(old)
-    ledger._poisoned = set(old._poisoned)
-    ledger._rooms = {
-        k: attrs.evolve(v, targets=dict(v.targets), acked=set(v.acked)) for k, v in old._rooms.items()
-    }
-    ledger._by_room = {}
-    for k, v in ledger._rooms.items():
-        ledger._by_room.setdefault(k.room, {})[k.decode] = v
-    ledger._touched = set(old._touched)
-    ledger._expiry = [(t, seq, k, ledger._rooms.get(k, e)) for t, seq, k, e in old._expiry]
-    return ledger
+    return old.copy()
 
 
 def _clone_rank(rank: Rank, ledgers: dict[int, RoomLedger] | None = None) -> Rank:

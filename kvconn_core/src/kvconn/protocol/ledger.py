@@ -17,10 +17,15 @@ The two invariants are properties of this module's shape, not of its callers:
 
 from __future__ import annotations
 
+import bisect
+import copy
 import enum
 import heapq
 import itertools
-from typing import NamedTuple
+import sys
+from array import array
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple, TypeVar, cast
 
 import attrs
 
@@ -94,35 +99,62 @@ class _Room:
 
 
 class RoomLedger:
-    """Per-rank bookkeeping of rooms, counts and ack targets."""
+    """Per-rank bookkeeping of rooms, counts and ack targets.
 
-    def __init__(self, rank: int, tombstone_ttl: float = 600.0, session: int = 0) -> None:
+    An abort storm leaves a tombstone for every room id a rank never heard
+    of, kept for ``tombstone_ttl`` (about ``aborts/s x TTL`` of them). The
+    common one, an ABORT of an unknown room once acked, is kept *compact*:
+    one int in :attr:`_tombs` and one slot of the deadline queue, instead of
+    a full entry (about 150 B instead of about 1 KB). It turns into a full
+    entry (:meth:`_promote`) the moment anything but a duplicate ABORT or
+    :meth:`expire` looks at it, so every other path sees one kind of entry.
+    """
+
+    #: Keep acked tombstones compact (the scanning reference of the tests
+    #: turns it off, to be the ledger as it was).
+    _compact_tombstones: ClassVar[bool] = True
+
+    def __init__(
+        self, rank: int, tombstone_ttl: float = 600.0, session: int = 0, expire_budget: int = 256
+    ) -> None:
         self.rank = rank
         self.session = session  #: the rank process's, named in every ack and status
         self.tombstone_ttl = tombstone_ttl
+        #: Rooms one expire() call forgets at most, beyond those scheduled
+        #: since the previous call (see :meth:`expire`).
+        self.expire_budget = expire_budget
         self._rooms: dict[RoomKey, _Room] = {}
         #: The decodes each room id is requested by (or aborted, failed for).
         self._by_room: dict[int, dict[str, _Room]] = {}
+        #: Compact tombstones, at most one per room id: room id -> its ack
+        #: still pending (:class:`_Pending`), or ``generation << 48 | pos``
+        #: once acked (the ack of ``generation`` sent, no target left). Its
+        #: decode and deadline are slot ``pos`` of :attr:`_expiry`.
+        self._tombs: dict[int, int | _Pending] = {}
         self._poisoned: set[RoomKey] = set()
         #: Rooms changed since the last expire(): only they can have become
         #: expirable, so expire() never walks the thousands of acked rooms
         #: that wait out their TTL (it runs on every control message).
         self._touched: set[RoomKey] = set()
-        self._expiry: list[tuple[float, int, RoomKey, _Room]] = []  # (expires, seq, key, entry)
-        self._seq = 0
+        self._expiry = _Deadlines()
+        #: Tombstones made since the last expire(): each pays for its own
+        #: forgetting later, so forgetting keeps up with any abort rate.
+        self._credit = 0
         self._incarnations = itertools.count(1)
 
     # -- queries -----------------------------------------------------------
     def status(self, key: RoomKey) -> KVPoll | None:
         entry = self._rooms.get(key)
-        return entry.status if entry is not None else None
+        if entry is not None:
+            return entry.status
+        return KVPoll.FAILED if self._compact(key) is not None else None
 
     def incarnation(self, key: RoomKey) -> int | None:
         """Which entry ``key`` has now (None: none). Decode reuses a room id
         once the room concluded: the engine's handle on the earlier request
         names its incarnation, so that a late clear() or fail() of it leaves
         the new request alone."""
-        entry = self._rooms.get(key)
+        entry = self._lookup(key)
         return entry.incarnation if entry is not None else None
 
     def entry(self, key: RoomKey) -> RoomEntry | None:
@@ -130,11 +162,25 @@ class RoomLedger:
         caller's lock, never change it). Once the ledger replaces or forgets
         it, it keeps the status it ended with: how a handle on an earlier
         request learns its outcome without seeing the newer request's."""
-        return self._rooms.get(key)
+        return self._lookup(key)
 
     def decodes_of(self, room: int) -> dict[str, RoomEntry]:
         """The entries room id ``room`` has now, one per decode (a copy)."""
+        item = self._tombs.get(room)
+        if item is not None:
+            self._promote(RoomKey(self._expiry.decode_at(_pos(item)), room), item)
         return dict(self._by_room.get(room, {}))
+
+    def entries(self) -> dict[RoomKey, RoomEntry]:
+        """Every room remembered here (for model checkers and tests): a
+        compact tombstone as a detached full entry, so looking changes
+        nothing (it has no incarnation yet: 0)."""
+        rooms = dict(self._rooms)
+        for room, item in self._tombs.items():
+            pos = _pos(item)
+            key = RoomKey(self._expiry.decode_at(pos), room)
+            rooms[key] = self._full(key, item, self._expiry.deadline_at(pos), incarnation=0)
+        return rooms
 
     def outstanding(self, key: RoomKey) -> int:
         entry = self._rooms.get(key)
@@ -163,7 +209,7 @@ class RoomLedger:
         room's own (see :func:`_reusable`). Otherwise a tombstoned or Failed
         room stays Failed and will write nothing.
         """
-        entry = self._rooms.get(key)
+        entry = self._lookup(key)
         if entry is not None and _reusable(entry, seq):
             # A new room, whose status starts over (statuses only move forward
             # within one room).
@@ -183,7 +229,7 @@ class RoomLedger:
         A room still live (requested, its last chunk not landed) fails first,
         and decode is told: its queued chunks are skipped from now on, and
         decode would otherwise wait for them."""
-        entry = self._rooms.get(key)
+        entry = self._lookup(key)
         if entry is None or incarnation not in (None, entry.incarnation):
             return []
         actions: list[LedgerAction] = []
@@ -195,7 +241,7 @@ class RoomLedger:
     def fail(self, key: RoomKey, reason: str, incarnation: int | None = None) -> list[LedgerAction]:
         """Prefill-initiated failure (the engine gave up on ``key``, or on
         that incarnation of it: once it is gone, there is nothing to fail)."""
-        entry = self._rooms.get(key)
+        entry = self._lookup(key)
         if incarnation is not None and (entry is None or entry.incarnation != incarnation):
             return []
         if entry is None:
@@ -207,8 +253,9 @@ class RoomLedger:
         has not come, leave a Failed tombstone, so that a request arriving
         later writes nothing (the caller tells decode). Returns whether the
         key was given up (False: the request is here after all)."""
-        if key in self._rooms:
+        if key in self._rooms or self._compact(key) is not None:
             return False
+        self._credit += 1
         entry = self._put(key, self._new_entry(expires=now + self.tombstone_ttl))
         entry.status = KVPoll.FAILED
         entry.tombstone = True
@@ -230,7 +277,7 @@ class RoomLedger:
         which decode may have handed out again (counted on the entry the room
         has now, which therefore acks nothing until the skip is over).
         """
-        entry = self._rooms.get(key)
+        entry = self._lookup(key)
         if entry is None:  # unknown here: counted, then skipped
             entry = self._put(key, self._new_entry(cleared=True))
         entry.outstanding += 1  # invariant D: before any status check
@@ -294,10 +341,30 @@ class RoomLedger:
         existed, and a room whose chunks all drained already. An unknown room
         gets a tombstone, so a transfer request arriving later writes nothing.
         """
-        key = RoomKey(msg.decode, msg.room)
+        key = _key(msg.decode, msg.room)
         entry = self._rooms.get(key)
+        if entry is None:
+            item = self._tombs.get(msg.room)
+            if item is None:
+                if self._compact_tombstones:
+                    # Unknown here: a compact tombstone, Failed from the start (F).
+                    pos = self._expiry.push(now + self.tombstone_ttl, msg.room, msg.decode)
+                    if pos is not None:
+                        self._tombs[msg.room] = _Pending(msg.decode, msg.reply_to, msg.generation, pos)
+                        self._credit += 1
+                        return False
+            elif isinstance(item, _Pending):
+                if item.decode == msg.decode:
+                    if item.generation < msg.generation:  # the newer target replaces the older
+                        self._tombs[msg.room] = _Pending(msg.decode, msg.reply_to, msg.generation, item.pos)
+                    return False
+            elif self._expiry.decode_at(item & _POS_MASK) == msg.decode:
+                if item >> _POS_BITS == msg.generation:
+                    return False  # a duplicate of the ABORT acked: at most one ack each
+                entry = self._promote(key, item)
         known = entry is not None and entry.expires is None
         if entry is None:
+            self._credit += 1
             entry = self._put(key, self._new_entry(expires=now + self.tombstone_ttl))
             entry.tombstone = True
         self._mark_failed(key, entry, "aborted by decode", notify=False)
@@ -311,12 +378,21 @@ class RoomLedger:
     def try_ack(self, key: RoomKey) -> list[LedgerAction]:
         """Ack ``key`` to its targets if nothing of it can land any more."""
         entry = self._rooms.get(key)
-        return self._settle(key, entry, []) if entry is not None else []
+        if entry is not None:
+            return self._settle(key, entry, [])
+        item = self._tombs.get(key.room)
+        if isinstance(item, _Pending) and item.decode == key.decode:
+            # Nothing of an unknown room was counted, nothing can land: ack,
+            # and keep only which generation was acked.
+            self._tombs[key.room] = item.generation << _POS_BITS | item.pos
+            ack = AbortAck(key.room, self.rank, item.generation, False, key.decode, self.session)
+            return [SendAck(item.reply_to, ack)]
+        return []
 
     def poison(self, key: RoomKey, reason: str) -> list[LedgerAction]:
         """Something outside the count (a plugin that raised) may have left
         writes behind: fail the room and hold it until a fence."""
-        entry = self._rooms.get(key)
+        entry = self._lookup(key)
         if entry is None:
             entry = self._put(key, self._new_entry())
         entry.outstanding += 1
@@ -328,8 +404,19 @@ class RoomLedger:
         """Forget tombstones and cleared rooms once idle for ``tombstone_ttl``;
         returns the rooms forgotten.
 
-        Cost: the rooms touched since the last call plus those due, not every
-        room the ledger remembers."""
+        Never early: a room is forgotten only once ``now`` is past its
+        deadline. Bounded: the rooms touched since the previous call are
+        scheduled (each cost its own call more than that), and at most
+        ``expire_budget`` rooms, plus one per room scheduled since the
+        previous call, are forgotten, however many the ledger remembers or
+        are due: it never stalls the thread that handles control messages
+        (the listener calls it at least every 50 ms). Never forever: what is
+        left due is taken first by the next calls (deadline order), and the
+        rooms scheduled meanwhile pay for their own share, so a room is
+        forgotten at most ``backlog / expire_budget`` calls late."""
+        credit = self._credit
+        self._credit = 0
+        expiry = self._expiry
         for key in self._touched:
             entry = self._rooms.get(key)
             if entry is None or entry.scheduled or not _expirable(entry):
@@ -337,20 +424,104 @@ class RoomLedger:
             if entry.expires is None:
                 entry.expires = now + self.tombstone_ttl
             entry.scheduled = True
-            self._seq += 1
-            heapq.heappush(self._expiry, (entry.expires, self._seq, key, entry))
+            credit += 1
+            if expiry.push(entry.expires, key.room, entry) is None:
+                expiry.push_late(entry.expires, key.room, entry)
         self._touched.clear()
+        self._touched = _shrunk(self._touched)
         forgotten = []
-        while self._expiry and self._expiry[0][0] <= now:
-            _, _, key, entry = heapq.heappop(self._expiry)
-            entry.scheduled = False
-            if self._rooms.get(key) is entry and _expirable(entry):
-                self._drop(key)
+        tombs = self._tombs
+        new = tuple.__new__
+        for room, tag, deadline in expiry.take(now, self.expire_budget + credit):
+            if isinstance(tag, str):  # a compact tombstone (a promoted one is retagged)
+                key = new(RoomKey, (tag, room))
+                item = tombs[room]
+                if isinstance(item, _Pending):
+                    # Its ack not sent yet (a hook ran in between, or try_ack
+                    # never came): a full entry, scheduled again once idle.
+                    self._promote(key, item, popped=deadline)
+                    continue
+                del tombs[room]
                 forgotten.append(key)
-            # else: replaced, or busy again; a busy one is touched when it settles
+            else:
+                key = _key(tag.decode, room)
+                tag.scheduled = False
+                if self._rooms.get(key) is tag and _expirable(tag):
+                    self._drop(key)
+                    forgotten.append(key)
+                # else: replaced, or busy again; a busy one is touched when it settles
+        if not self._tombs:
+            self._tombs = _shrunk(self._tombs)
+        if not self._rooms:
+            self._rooms = _shrunk(self._rooms)
+            self._by_room = _shrunk(self._by_room)
         return forgotten
 
+    def copy(self) -> RoomLedger:
+        """An independent copy, entries included (a model checker forks
+        worlds with it)."""
+        new = copy.copy(self)
+        entries = {
+            id(e): attrs.evolve(e, targets=dict(e.targets), acked=set(e.acked)) for e in self._rooms.values()
+        }
+        new._rooms = {k: entries[id(e)] for k, e in self._rooms.items()}
+        new._by_room = {}
+        for k, e in new._rooms.items():
+            new._by_room.setdefault(k.room, {})[k.decode] = e
+        new._tombs = dict(self._tombs)
+        new._poisoned = set(self._poisoned)
+        new._touched = set(self._touched)
+        new._expiry = self._expiry.copy(
+            lambda tag: tag if isinstance(tag, str) else entries.get(id(tag), tag)
+        )
+        return new
+
     # -- internals ---------------------------------------------------------
+    def _lookup(self, key: RoomKey) -> _Room | None:
+        """The full entry of ``key``, a compact tombstone made one."""
+        entry = self._rooms.get(key)
+        if entry is not None:
+            return entry
+        item = self._compact(key)
+        return None if item is None else self._promote(key, item)
+
+    def _compact(self, key: RoomKey) -> int | _Pending | None:
+        item = self._tombs.get(key.room)
+        if item is None or self._expiry.decode_at(_pos(item)) != key.decode:
+            return None
+        return item
+
+    def _promote(self, key: RoomKey, item: int | _Pending, popped: float | None = None) -> _Room:
+        """Make a compact tombstone a full entry, with the deadline it had:
+        its slot in the deadline queue, still to come, names the entry from
+        now on (``popped``: the slot was just taken, at this deadline, and
+        the entry is not scheduled)."""
+        pos = _pos(item)
+        del self._tombs[key.room]
+        if popped is None:
+            entry = self._full(key, item, self._expiry.deadline_at(pos))
+            entry.scheduled = True
+            self._expiry.retag(pos, entry)
+        else:
+            entry = self._full(key, item, popped)
+        return self._put(key, entry)
+
+    def _full(
+        self, key: RoomKey, item: int | _Pending, expires: float | None, incarnation: int = -1
+    ) -> _Room:
+        entry = _Room(
+            status=KVPoll.FAILED,
+            decode=key.decode,
+            expires=expires,
+            tombstone=True,
+            incarnation=next(self._incarnations) if incarnation < 0 else incarnation,
+        )
+        if isinstance(item, _Pending):
+            entry.targets[key.decode] = (item.reply_to, item.generation)
+        else:
+            entry.acked.add((key.decode, item >> _POS_BITS))
+        return entry
+
     def _put(self, key: RoomKey, entry: _Room) -> _Room:
         entry.decode = key.decode
         self._rooms[key] = entry
@@ -440,3 +611,196 @@ def _reusable(entry: _Room, seq: int) -> bool:
 def _expirable(entry: _Room) -> bool:
     """Idle, and either cleared by the engine or a tombstone."""
     return _idle(entry) and (entry.cleared or entry.expires is not None)
+
+
+# -- compact tombstones and their deadlines ----------------------------------
+
+#: A compact tombstone's acked generation sits above its queue slot's number.
+_POS_BITS = 48
+_POS_MASK = (1 << _POS_BITS) - 1
+
+
+class _Pending(NamedTuple):
+    """A compact tombstone whose ack is still to be sent."""
+
+    decode: str
+    reply_to: str
+    generation: int
+    pos: int
+
+
+def _key(decode: str, room: int) -> RoomKey:
+    """RoomKey(decode, room) without the Python-level ``__new__`` of a
+    NamedTuple (on the abort path, several times per message)."""
+    return tuple.__new__(RoomKey, (decode, room))
+
+
+def _pos(item: int | _Pending) -> int:
+    return item.pos if isinstance(item, _Pending) else item & _POS_MASK
+
+
+_C = TypeVar(
+    "_C", dict[RoomKey, _Room], dict[int, dict[str, _Room]], dict[int, "int | _Pending"], set[RoomKey]
+)
+
+
+def _shrunk(container: _C) -> _C:
+    """An empty container in place of an emptied one: neither a dict nor a
+    set gives its table back as it empties, so an expired storm would keep
+    its peak's memory."""
+    return type(container)() if sys.getsizeof(container) > 512 else container
+
+
+#: Queue slots per chunk: a drained chunk is freed whole.
+_CHUNK_BITS = 10
+_CHUNK = 1 << _CHUNK_BITS
+
+_Tag = str | _Room
+
+
+class _Chunk:
+    __slots__ = ("deadlines", "rooms", "tags")
+
+    def __init__(self) -> None:
+        self.deadlines = array("d")
+        self.rooms: list[int | None] = []
+        self.tags: list[_Tag | None] = []
+
+
+class _Deadlines:
+    """The rooms waiting out their TTL, earliest deadline first.
+
+    With one TTL and a clock that only moves forward, rooms come due in the
+    order they were scheduled: that part is a FIFO of fixed-size chunks
+    (about 24 B a slot, O(1) each way, a chunk freed as soon as it drained),
+    whose slots have stable numbers a compact tombstone names. A deadline
+    earlier than the FIFO's last (an entry that was busy past its deadline,
+    a clock set back) goes to a small heap beside it. A slot's tag is the
+    decode of a compact tombstone, or the full entry it stands for."""
+
+    __slots__ = ("_chunks", "_end", "_first", "_head", "_last", "_late", "_seq")
+
+    def __init__(self) -> None:
+        self._chunks: list[_Chunk | None] = []
+        self._first = 0  #: the number of the chunk self._chunks[0] is
+        self._head = 0  #: the next slot to pop
+        self._end = 0  #: the next slot to push
+        self._last = 0.0  #: the latest deadline in the FIFO
+        self._late: list[tuple[float, int, int, _Room]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return self._end - self._head + len(self._late)
+
+    def push(self, deadline: float, room: int, tag: _Tag) -> int | None:
+        """Append to the FIFO and return the slot's number, or None (nothing
+        done) if ``deadline`` is earlier than the FIFO's last."""
+        if self._head < self._end:
+            if deadline < self._last:
+                return None
+        elif self._chunks:
+            # Drained: start afresh at a chunk boundary (slot numbers only grow).
+            self._head = self._end = (self._end + _CHUNK - 1) & ~(_CHUNK - 1)
+            self._first = self._end >> _CHUNK_BITS
+            self._chunks = []
+        pos = self._end
+        i = (pos >> _CHUNK_BITS) - self._first
+        if i == len(self._chunks):
+            self._chunks.append(_Chunk())
+        chunk = self._chunks[i]
+        assert chunk is not None
+        chunk.deadlines.append(deadline)
+        chunk.rooms.append(room)
+        chunk.tags.append(tag)
+        self._last = deadline
+        self._end = pos + 1
+        return pos
+
+    def push_late(self, deadline: float, room: int, entry: _Room) -> None:
+        self._seq += 1
+        heapq.heappush(self._late, (deadline, self._seq, room, entry))
+
+    def take(self, now: float, limit: int) -> list[tuple[int, _Tag, float]]:
+        """Up to ``limit`` slots due by ``now``, earliest first, taken out:
+        (room, tag, deadline) each. A chunk's due run is found by bisection
+        and taken as slices, not slot by slot."""
+        out: list[tuple[int, _Tag, float]] = []
+        late = self._late
+        while len(out) < limit:
+            head = self._head
+            bound = now if not late or late[0][0] > now else late[0][0]  # ties: the FIFO first
+            if head < self._end:
+                chunk = self._chunks[(head >> _CHUNK_BITS) - self._first]
+                assert chunk is not None
+                off = head & (_CHUNK - 1)
+                deadlines = chunk.deadlines
+                end = bisect.bisect_right(deadlines, bound, off, min(len(deadlines), off + limit - len(out)))
+                if end > off:
+                    # Slots not yet taken are never None.
+                    rooms = cast("list[int]", chunk.rooms[off:end])
+                    tags = cast("list[_Tag]", chunk.tags[off:end])
+                    out.extend(zip(rooms, tags, deadlines[off:end], strict=True))
+                    # Freed now, not with the chunk.
+                    chunk.rooms[off:end] = [None] * (end - off)
+                    chunk.tags[off:end] = [None] * (end - off)
+                    self._head = head + end - off
+                    if end == _CHUNK or self._head == self._end:
+                        self._drained(self._head - 1)
+                    continue
+            if late and late[0][0] <= now:
+                deadline, _, room, entry = heapq.heappop(late)
+                out.append((room, entry, deadline))
+                continue
+            break
+        if not late:
+            self._late = []  # a heap list keeps its peak's size too
+        return out
+
+    def deadline_at(self, pos: int) -> float:
+        chunk, off = self._slot(pos)
+        return chunk.deadlines[off]
+
+    def decode_at(self, pos: int) -> str:
+        """The decode of the compact tombstone at slot ``pos``."""
+        chunk, off = self._slot(pos)
+        tag = chunk.tags[off]
+        assert isinstance(tag, str)
+        return tag
+
+    def retag(self, pos: int, tag: _Tag) -> None:
+        chunk, off = self._slot(pos)
+        chunk.tags[off] = tag
+
+    def copy(self, retag: Callable[[_Tag], _Tag]) -> _Deadlines:
+        new = _Deadlines()
+        new._first, new._head, new._end, new._last = self._first, self._head, self._end, self._last
+        new._seq = self._seq
+        for chunk in self._chunks:
+            if chunk is None:
+                new._chunks.append(None)
+                continue
+            c = _Chunk()
+            c.deadlines = array("d", chunk.deadlines)
+            c.rooms = list(chunk.rooms)
+            c.tags = [None if t is None else retag(t) for t in chunk.tags]
+            new._chunks.append(c)
+        new._late = [(d, s, r, retag(e)) for d, s, r, e in self._late]  # type: ignore[misc]
+        return new
+
+    def _slot(self, pos: int) -> tuple[_Chunk, int]:
+        chunk = self._chunks[(pos >> _CHUNK_BITS) - self._first]
+        assert chunk is not None
+        return chunk, pos & (_CHUNK - 1)
+
+    def _drained(self, pos: int) -> None:
+        """Slot ``pos`` was its chunk's last, or the FIFO's: free what drained."""
+        i = (pos >> _CHUNK_BITS) - self._first
+        if self._head == self._end:
+            self._chunks = []
+            self._head = self._end = (self._end + _CHUNK - 1) & ~(_CHUNK - 1)
+            self._first = self._end >> _CHUNK_BITS
+            return
+        self._chunks[i] = None
+        if i + 1 >= 64 and i + 1 >= len(self._chunks) // 2:
+            del self._chunks[: i + 1]
+            self._first += i + 1

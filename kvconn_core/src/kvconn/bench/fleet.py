@@ -1,0 +1,318 @@
+"""Fleet scale, simulated (issue 35, goal 8).
+
+``python -m kvconn.bench.fleet [--scales 0.1,1,10] [--json FILE]``
+
+A fleet of D decode endpoints and P prefill instances of R ranks each
+cannot run on one machine, but the sans-I/O core can: this drives the real
+:class:`~kvconn.protocol.hold.HoldTracker` of every decode and the real
+:class:`~kvconn.protocol.ledger.RoomLedger` of every rank, without sockets,
+under a Poisson request load with a share of them aborted, and counts the
+control messages that would cross the network, by kind, per second:
+
+* ``request`` (TransferRequest, one per rank of the room) and ``status``
+  (RoomStatus: a rank's room completed, or refused);
+* ``abort`` (ABORT, one per unproven rank) and ``ack`` (ABORT_ACK);
+* ``heartbeat``: today's rule in ``runtime/decode.py``: every
+  ``heartbeat_interval_s`` a decode Hellos every rank it ever bootstrapped,
+  and each answers with a HelloAck. With a router spreading requests over
+  every instance, that is every rank of the fleet; it is counted from the
+  simulated decodes' known ranks, not simulated message by message;
+* ``heartbeat (proposed)``: the same liveness, asked only of ranks that a
+  decode has rooms open or held with, and only when nothing (a status, an
+  ack) was heard from them within the interval (see docs/performance.md);
+* ``bootstrap``: one Hello and one HelloAck per (decode, rank) pair, once.
+
+Memory per endpoint is the deep size of the state machines (a sample of
+them) at the end of the window, and for ranks, extrapolated to a full
+``tombstone_ttl_s`` of history (a rank keeps tombstones and acked rooms that
+long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import json
+import random
+import sys
+import time
+import types
+from collections import Counter
+from typing import Any
+
+import attrs
+
+from kvconn.config import Config
+from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
+from kvconn.protocol.ledger import NotifyDecode, RoomKey, RoomLedger, SendAck
+from kvconn.protocol.messages import RoomOutcome
+
+KINDS = ("request", "status", "abort", "ack", "heartbeat", "heartbeat (proposed)")
+
+
+@attrs.frozen
+class Fleet:
+    decodes: int = 100
+    instances: int = 100
+    ranks: int = 8  #: per prefill instance
+    #: Requests each decode endpoint starts per second.
+    rate: float = 10.0
+    abort_fraction: float = 0.3
+    #: Of the aborts, those decode sends before its request (a tombstone at every rank).
+    early_fraction: float = 0.2
+    #: From a request to its last chunk landing.
+    transfer_s: float = 0.2
+    pages: int = 16
+    seconds: float = 3.0  #: simulated
+    step: float = 0.05  #: the listeners' poll
+    seed: int = 0
+
+    def scaled(self, factor: float) -> Fleet:
+        return attrs.evolve(
+            self,
+            decodes=max(1, round(self.decodes * factor)),
+            instances=max(1, round(self.instances * factor)),
+        )
+
+
+def deep_size(root: object) -> int:
+    """Bytes of ``root`` and everything it alone reaches (types, modules,
+    functions and interned names left out)."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def simulate(f: Fleet) -> dict[str, Any]:
+    cfg = Config()
+    rng = random.Random(f.seed)
+    n_ranks = f.instances * f.ranks
+    ledgers = [RoomLedger(g, cfg.tombstone_ttl_s) for g in range(n_ranks)]
+    names = [f"decode-{d}" for d in range(f.decodes)]
+    trackers = [
+        HoldTracker(names[d], f"tcp://decode-{d}", cfg.abort_timeout_s, cfg.resend_interval_s)
+        for d in range(f.decodes)
+    ]
+    counts: Counter[str] = Counter()
+    #: (time, tiebreak, kind, decode, room, instance)
+    events: list[tuple[float, int, str, int, int, int]] = []
+    next_room = [0] * f.decodes
+    seq = [0] * f.decodes
+    heard: list[dict[int, float]] = [{} for _ in range(f.decodes)]  #: decode -> rank -> last heard
+    involved: list[dict[int, int]] = [{} for _ in range(f.decodes)]  #: decode -> room -> instance
+    tick = 0
+
+    def ranks_of(instance: int) -> range:
+        return range(instance * f.ranks, (instance + 1) * f.ranks)
+
+    def to_decode(d: int, actions: list[Any], now: float) -> None:
+        for a in actions:
+            if isinstance(a, SendAck):
+                counts["ack"] += 1
+                heard[d][a.ack.rank] = now
+                released = [r for r in trackers[d].ack(a.ack, now) if isinstance(r, Release)]
+                for r in released:
+                    involved[d].pop(r.room, None)
+            elif isinstance(a, NotifyDecode):
+                counts["status"] += 1
+                heard[d][a.status.rank] = now
+
+    def send_aborts(d: int, actions: list[Any], now: float) -> None:
+        for a in actions:
+            if isinstance(a, SendAbort):
+                counts["abort"] += 1
+                ledger = ledgers[a.rank]
+                ledger.abort(a.abort, now)
+                to_decode(d, ledger.try_ack(RoomKey(a.abort.decode, a.abort.room)), now)
+            elif isinstance(a, Release):
+                involved[d].pop(a.room, None)
+
+    def start(d: int, now: float) -> None:
+        counts["rooms"] += 1
+        room = next_room[d]
+        next_room[d] += 1
+        instance = rng.randrange(f.instances)
+        ranks = ranks_of(instance)
+        trackers[d].open(room, tuple(range(f.pages)), frozenset(ranks))
+        involved[d][room] = instance
+        aborted = rng.random() < f.abort_fraction
+        if aborted and rng.random() < f.early_fraction:
+            send_aborts(d, trackers[d].abort(room, now), now)  # before its request: tombstones
+            return
+        seq[d] += 1
+        for g in ranks:
+            counts["request"] += 1
+            key = RoomKey(names[d], room)
+            ledgers[g].request(key, seq[d])
+            ledgers[g].dequeue(key)  # its chunk in flight
+        nonlocal tick
+        tick += 1
+        when = now + (rng.uniform(0, f.transfer_s) if aborted else f.transfer_s)
+        heapq.heappush(events, (when, tick, "abort" if aborted else "done", d, room, instance))
+
+    def finish(kind: str, d: int, room: int, instance: int, now: float) -> None:
+        key = RoomKey(names[d], room)
+        if kind == "abort":
+            send_aborts(d, trackers[d].abort(room, now), now)  # no ack yet: a chunk is in flight
+            for g in ranks_of(instance):
+                to_decode(d, ledgers[g].landed(key, last=False), now)
+                to_decode(d, ledgers[g].clear(key), now)
+            return
+        for g in ranks_of(instance):
+            actions = ledgers[g].landed(key, last=True)
+            to_decode(d, actions, now)
+            for a in actions:
+                if isinstance(a, NotifyDecode) and a.status.outcome is RoomOutcome.SUCCESS:
+                    trackers[d].succeeded(room, g)
+            to_decode(d, ledgers[g].clear(key), now)
+        trackers[d].finish(room)
+        involved[d].pop(room, None)
+
+    cpu = time.process_time()
+    now = 0.0
+    next_beat = 0.0
+    steps = round(f.seconds / f.step)
+    for _ in range(steps):
+        now += f.step
+        for _ in range(_poisson(rng, f.rate * f.decodes * f.step)):
+            start(rng.randrange(f.decodes), now)
+        while events and events[0][0] <= now:
+            _, _, kind, d, room, instance = heapq.heappop(events)
+            finish(kind, d, room, instance, now)
+        for d, tracker in enumerate(trackers):
+            send_aborts(d, tracker.tick(now), now)
+        if now >= next_beat:
+            next_beat = now + cfg.heartbeat_interval_s
+            for ledger in ledgers:
+                ledger.expire(now)
+            # Today: every decode, every rank it bootstrapped (all, with random routing).
+            counts["heartbeat"] += 2 * f.decodes * n_ranks
+            # Proposed: only ranks with rooms open or held, and silent for an interval.
+            for d in range(f.decodes):
+                ranks = {g for i in involved[d].values() for g in ranks_of(i)}
+                silent = [g for g in ranks if now - heard[d].get(g, -1e9) >= cfg.heartbeat_interval_s]
+                counts["heartbeat (proposed)"] += 2 * len(silent)
+    cpu = time.process_time() - cpu
+
+    sample = range(0, n_ranks, max(1, n_ranks // 16))
+    empty = deep_size(RoomLedger(0))
+    rank_bytes = sum(deep_size(ledgers[g]) for g in sample) / len(sample)
+    steady = empty + (rank_bytes - empty) * max(1.0, cfg.tombstone_ttl_s / f.seconds)
+    decode_sample = range(0, f.decodes, max(1, f.decodes // 16))
+    decode_bytes = sum(deep_size(trackers[d]) for d in decode_sample) / len(decode_sample)
+    per_s = {k: counts[k] / f.seconds for k in KINDS}
+    held = sum(len(t.rooms_in(HoldState.HELD)) + len(t.rooms_in(HoldState.QUARANTINED)) for t in trackers)
+    work = sum(per_s[k] for k in ("request", "status", "abort", "ack"))
+    return {
+        "decodes": f.decodes,
+        "instances": f.instances,
+        "ranks": n_ranks,
+        "requests_per_s": f.rate * f.decodes,
+        "per_s": per_s,
+        "work_per_s": work,
+        "bootstrap_once": 2 * f.decodes * n_ranks,
+        "per_rank_per_s": {k: v / n_ranks for k, v in per_s.items()},
+        "per_decode_per_s": {k: v / f.decodes for k, v in per_s.items()},
+        "heartbeat_to_work": per_s["heartbeat"] / work if work else float("inf"),
+        "proposed_to_work": per_s["heartbeat (proposed)"] / work if work else float("inf"),
+        "rank_kib": rank_bytes / 1024,
+        "rank_kib_at_ttl": steady / 1024,
+        "decode_kib": decode_bytes / 1024,
+        "peers_per_decode": n_ranks,
+        "peers_per_rank": f.decodes,
+        "cpu_s": cpu,
+        "rooms": counts["rooms"],
+        "counts": dict(counts),
+        #: Aborted rooms still waiting for proof (acks come at once here: none).
+        "held_at_end": held,
+        "tombstones_at_end": sum(e.tombstone for ledger in ledgers for e in ledger.entries().values()),
+        "simulated_s": f.seconds,
+    }
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    if mean > 30:  # a normal approximation, fine at these means
+        return max(0, round(rng.gauss(mean, mean**0.5)))
+    n, p, limit = 0, 1.0, pow(2.718281828459045, -mean)
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return n
+        n += 1
+
+
+def report(rows: list[dict[str, Any]], fleet: Fleet) -> str:
+    cfg = Config()
+    lines = [
+        f"fleet: {fleet.rate:g} requests/s per decode, {fleet.abort_fraction:.0%} aborted "
+        f"({fleet.early_fraction:.0%} of those before the request), {fleet.ranks} ranks per instance, "
+        f"heartbeat every {cfg.heartbeat_interval_s:g} s, tombstone TTL {cfg.tombstone_ttl_s:g} s, "
+        f"{fleet.seconds:g} s simulated",
+        f"{'decodes x ranks':>16} {'requests/s':>10} {'request':>9} {'status':>9} {'abort':>9} {'ack':>9} "
+        f"{'heartbeat':>11} {'hb/work':>8} {'proposed':>9} {'prop/work':>9}",
+    ]
+    for r in rows:
+        p = r["per_s"]
+        lines.append(
+            f"{r['decodes']:>6} x {r['ranks']:<7} {r['requests_per_s']:>10.0f} {p['request']:>9.0f} "
+            f"{p['status']:>9.0f} {p['abort']:>9.0f} {p['ack']:>9.0f} {p['heartbeat']:>11.0f} "
+            f"{r['heartbeat_to_work']:>8.1f} {p['heartbeat (proposed)']:>9.0f} {r['proposed_to_work']:>9.2f}"
+        )
+    lines.append("per endpoint (messages/s in and out; memory of its state machine):")
+    for r in rows:
+        pr, pd = r["per_rank_per_s"], r["per_decode_per_s"]
+        lines.append(
+            f"  {r['decodes']:>5} x {r['ranks']:<6} rank: work {sum(pr[k] for k in KINDS[:4]):7.1f}/s, "
+            f"heartbeats {pr['heartbeat']:8.0f}/s ({r['peers_per_rank']} decodes), ledger "
+            f"{r['rank_kib']:.0f} KiB ({r['rank_kib_at_ttl']:.0f} KiB at the TTL) | decode: work "
+            f"{sum(pd[k] for k in KINDS[:4]):6.1f}/s, heartbeats {pd['heartbeat']:8.0f}/s "
+            f"({r['peers_per_decode']} ranks), tracker {r['decode_kib']:.0f} KiB  [{r['cpu_s']:.1f} s CPU]"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvconn.bench.fleet", description=__doc__.splitlines()[0])
+    p.add_argument("--scales", default="0.1,1,10", help="fleet sizes, as factors of the base fleet")
+    p.add_argument("--decodes", type=int, default=100, help="decode endpoints at scale 1")
+    p.add_argument("--instances", type=int, default=100, help="prefill instances at scale 1")
+    p.add_argument("--ranks", type=int, default=8, help="ranks per prefill instance")
+    p.add_argument("--rate", type=float, default=10.0, help="requests per second per decode")
+    p.add_argument("--abort-fraction", type=float, default=0.3)
+    p.add_argument("--early-fraction", type=float, default=0.2, help="of the aborts, before the request")
+    p.add_argument("--seconds", type=float, default=3.0, help="simulated seconds")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON ('-': stdout)")
+    args = p.parse_args(argv)
+    base = Fleet(
+        decodes=args.decodes,
+        instances=args.instances,
+        ranks=args.ranks,
+        rate=args.rate,
+        abort_fraction=args.abort_fraction,
+        early_fraction=args.early_fraction,
+        seconds=args.seconds,
+    )
+    rows = [simulate(base.scaled(float(s))) for s in args.scales.split(",")]
+    print(report(rows, base))
+    if args.json:
+        text = json.dumps(rows, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
