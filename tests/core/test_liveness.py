@@ -100,7 +100,7 @@ def test_open_rooms_of_a_silent_rank_fail_and_its_pages_wait_for_its_proof() -> 
     [release] = _releases(state.handle(_ack(state, 1, abort.generation), 40.0))
     assert release.proof is Proof.LATE_ACKS and release.quarantined_for == 4.0
     # up again: a new room is not failed at once
-    fresh, sends = state.open(2, (0, 1), state.default, None, None, 41.0)  # type: ignore[arg-type]
+    fresh, _ = state.open(2, (0, 1), state.default, None, None, 41.0)  # type: ignore[arg-type]
     assert state.sent(fresh, [], 41.0) == [] and fresh.poll() is KVPoll.TRANSFERRING
 
 
@@ -251,7 +251,7 @@ def test_a_refused_open_changes_nothing(
     assert isinstance(info.value, ValueError) and info.value.room == 1
     assert state.requests == {} and state.tracker.state(1) is None
     # the same room id and pages are free for the next request
-    request, sent = state.open(1, (0, 1), state.default, None, None, 0.0)  # type: ignore[arg-type]
+    _, sent = state.open(1, (0, 1), state.default, None, None, 0.0)  # type: ignore[arg-type]
     assert [r.seq for r in requests(sent)] == [1]  # the refused call numbered nothing
 
 
