@@ -16,7 +16,8 @@ from kvconn.protocol.messages import AbortAck, Hello, HelloAck, Message
 @attrs.frozen(slots=True)
 class WriterIdentity:
     """A prefill rank's process, as it announced itself (see
-    :func:`kvconn.runtime.procs.announced` for how the runtime fills it in)."""
+    :meth:`kvconn.runtime.procs.WriterIdentity.announced` for how the runtime
+    fills it in)."""
 
     address: str
     pid_namespace: str  #: where ``pid`` means this process ("": nowhere we can check)

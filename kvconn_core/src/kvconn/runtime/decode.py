@@ -148,6 +148,7 @@ class DecodeEndpoint:
             transfer_timeout_s=self.config.transfer_timeout_s,
             check_pages=self.config.check_pages,
         )
+        self._state.EXIT_CHECK_S, self._state.MAX_DRAINING = self.EXIT_CHECK_S, self.MAX_DRAINING
         self._carrier = Carrier(self._state, self._outbox, self.metrics, self._bootstrapped, self._count_drop)
         self._gauge_hold_state()
         self._listener.start()
