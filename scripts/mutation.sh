@@ -42,16 +42,14 @@ if [[ $keep == 1 && -d $stage/mutants ]]; then
     rm -rf "$stage/mutants/tests" "$stage/mutants/mutmut-stats.json"
 fi
 
-# What is mutated: all of the protocol core, and of the runtime only its
-# decision points (the rest of decode.py and prefill.py is plumbing that only
-# the process-level tests exercise, minutes per mutant). Names are mutmut's,
-# globs allowed; arguments replace this list.
+# What is mutated: all of the protocol core (decode's decisions included:
+# protocol/endpoint.py), and of the runtime only prefill's FenceGate (the rest
+# of prefill.py, and all of decode.py, is plumbing that only the process-level
+# tests exercise, minutes per mutant). Names are mutmut's, globs allowed;
+# arguments replace this list.
 targets=(
     "kvconn.protocol.*"
     "kvconn.runtime.prefill.xǁFenceGateǁ*"
-    "kvconn.runtime.decode.xǁDecodeEndpointǁ_check_exits__mutmut_*"
-    "kvconn.runtime.decode.xǁDecodeEndpointǁ_hold_back__mutmut_*"
-    "kvconn.runtime.decode.xǁDecodeEndpointǁ_drained_acks__mutmut_*"
 )
 if [[ $# -gt 0 ]]; then targets=("$@"); fi
 

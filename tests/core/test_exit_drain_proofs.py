@@ -88,18 +88,16 @@ def _mark_gone(decode: DecodeEndpoint, rank: int, pid: int) -> None:
     namespace): the rank's identity, and the one each open request kept of
     the process it asked to write its room."""
     with decode._lock:
-        gone = attrs.evolve(decode._writers[rank], pid_namespace=pid_namespace(), pid=pid)
-        decode._writers[rank] = gone
-        for request in decode._requests.values():
+        gone = attrs.evolve(decode._state.writers[rank], pid_namespace=pid_namespace(), pid=pid)
+        decode._state.writers[rank] = gone
+        for request in decode._state.requests.values():
             if rank in request.writers:
                 request.writers[rank] = gone
 
 
 def _check_exits(decode: DecodeEndpoint) -> None:
     """One pass of decode's exit check, as its idle loop runs it."""
-    with decode._lock:
-        releases = decode._execute(decode._check_exits(decode.clock()))
-    decode._notify(releases)
+    decode._check_exits()
 
 
 def _released_after_check(decode: DecodeEndpoint, released: list[Release], count: int = 1) -> bool:
@@ -182,7 +180,7 @@ def test_every_gone_writer_releases_its_rooms_held_or_quarantined() -> None:
         first.abort()
         now[0] = 100.0  # past its deadline
         with decode._lock:
-            decode._execute(decode.tracker.tick(now[0]))
+            decode._run(decode._state.carry(decode.tracker.tick(now[0])), now[0])
         assert first.state() is HoldState.QUARANTINED
         second = decode.receiver(2, (2,), frozenset({1}))
         second.abort()
@@ -237,7 +235,7 @@ def test_held_back_acks_of_several_rooms_all_count_once_drained(setup: Setup) ->
 
 def test_a_full_drain_backlog_drops_new_acks_and_counts_them(setup: Setup) -> None:
     decode = setup.decode
-    decode.MAX_DRAINING = 1
+    decode._state.MAX_DRAINING = 1
     ours, server, closed = _undrained_connection()
     try:
         for room in (1, 2):
@@ -265,8 +263,10 @@ def test_an_exit_proves_only_the_rooms_asked_of_that_process(setup: Setup) -> No
     decode = setup.decode
     first = decode.receiver(1, (1,))
     with decode._lock:
-        live = decode._writers[0]
-        decode._requests[1].writers[0] = attrs.evolve(live, pid_namespace=pid_namespace(), pid=_exited_pid())
+        live = decode._state.writers[0]
+        decode._state.requests[1].writers[0] = attrs.evolve(
+            live, pid_namespace=pid_namespace(), pid=_exited_pid()
+        )
     second = decode.receiver(2, (2,))
     first.abort()
     second.abort()

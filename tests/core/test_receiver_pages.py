@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvconn.config import Config
-from kvconn.errors import PageError
+from kvconn.errors import KvconnError, PageError, RequestError, RoomStateError
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.cluster import free_port
@@ -57,3 +57,37 @@ def test_the_first_and_last_pages_are_accepted(decode: tuple[DecodeEndpoint, Pre
     assert endpoint.tracker.state(1) is not None
     rx.abort()
     wait_for(lambda: endpoint.tracker.state(1) is None, 30.0, "the aborted room's release")
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        dict(ranks=frozenset()),  # issue 31 item 1: these pages stayed "in use" for good
+        dict(ranks=frozenset({3})),
+        dict(extras_slot=0),  # a region of pages has no extras slots
+    ],
+    ids=["no-ranks", "unknown-rank", "extras-slot"],
+)
+def test_a_refused_receiver_leaves_its_room_and_pages_free(
+    decode: tuple[DecodeEndpoint, PrefillRank], refused: dict[str, object]
+) -> None:
+    endpoint, _ = decode
+    with pytest.raises(RequestError) as info:
+        endpoint.receiver(40, (7, 8), **refused)  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError) and info.value.room == 40  # what an engine caught before
+    assert endpoint.tracker.state(40) is None
+    rx = endpoint.receiver(41, (7, 8))  # the same pages, for another room: not refused as in use
+    rx.abort()
+    wait_for(lambda: endpoint.tracker.state(41) is None, 30.0, "the aborted room's release")
+
+
+def test_finish_before_completion_is_still_a_value_error(decode: tuple[DecodeEndpoint, PrefillRank]) -> None:
+    """Issue 31 item 3: finish() raised ValueError before the typed errors;
+    an engine catching that must still catch it."""
+    endpoint, _ = decode
+    rx = endpoint.receiver(42, (9,))
+    with pytest.raises(ValueError, match="room 42: not completed") as info:
+        rx.finish()
+    assert isinstance(info.value, RoomStateError) and isinstance(info.value, KvconnError)
+    rx.abort()
+    wait_for(lambda: endpoint.tracker.state(42) is None, 30.0, "the aborted room's release")

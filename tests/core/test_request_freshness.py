@@ -62,7 +62,7 @@ def test_a_replayed_request_after_the_room_concluded_writes_nothing(
     _until("room 1 to succeed", lambda: rx.poll() is KVPoll.SUCCESS)
     rx.finish()  # decode has its page back and may hand it out
     landed = rank.metrics.value("kvconn_chunks_total", outcome="landed")
-    session = decode._writers[0].session
+    session = decode._state.writers[0].session
     recorded = wire.encode(TransferRequest(1, decode.name, (5,), session, 1), KEY)  # what decode sent
     rank._listener.deliver(recorded)
     _until("the replay to be dropped", lambda: _stale(rank) == 1)
@@ -78,7 +78,7 @@ def test_a_request_for_another_process_of_the_rank_is_dropped(
     world: tuple[PrefillRank, DecodeEndpoint, list[int]],
 ) -> None:
     rank, decode, requests = world
-    other = decode._writers[0].session ^ 1  # a rank process that ran at this address before
+    other = decode._state.writers[0].session ^ 1  # a rank process that ran at this address before
     rank._listener.deliver(wire.encode(TransferRequest(2, decode.name, (7,), other, 99), KEY))
     _until("the request to be dropped", lambda: _stale(rank) == 1)
     assert requests == [] and rank.sender(2).poll() is KVPoll.BOOTSTRAPPING

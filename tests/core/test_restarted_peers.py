@@ -128,16 +128,16 @@ def test_a_lost_hello_ack_is_answered_again(
     waiting bootstrap_timeout_s for an answer nobody would send again."""
     rank = PrefillRank(NullBackend(), 0, 16 * 4096, Config())
     closing += [rank]
-    answer = DecodeEndpoint._on_hello_ack
-    lost: list[HelloAck] = []
+    answer = DecodeEndpoint._on_message
+    lost: list[Message] = []
 
-    def lossy(self: DecodeEndpoint, msg: HelloAck) -> None:
-        if not lost:
+    def lossy(self: DecodeEndpoint, msg: Message) -> None:
+        if isinstance(msg, HelloAck) and not lost:
             lost.append(msg)  # the first answer never arrives
             return
         answer(self, msg)
 
-    monkeypatch.setattr(DecodeEndpoint, "_on_hello_ack", lossy)
+    monkeypatch.setattr(DecodeEndpoint, "_on_message", lossy)
     decode = DecodeEndpoint(
         NullBackend(), 16, 4096, [rank.address], Config(bootstrap_timeout_s=5.0, resend_interval_s=0.05)
     )

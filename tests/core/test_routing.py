@@ -270,7 +270,7 @@ def test_an_unreachable_instance_does_not_hold_up_the_bootstrap_of_another() -> 
     silent = threading.Thread(target=connect_silent, daemon=True)
     try:
         silent.start()
-        wait_for(lambda: bool(dec._pending), timeout=10)
+        wait_for(lambda: bool(dec._state.pending), timeout=10)
         with instance(1) as one:
             # Before: every bootstrap took one lock, so this waited the
             # silent instance's 60 s out.

@@ -60,7 +60,7 @@ def test_rooms_land_byte_for_byte_and_aborts_release_only_with_acks(cluster: Clu
     wait_for(lambda: cluster.dec.held_pages() == 0, 5, "nothing held")
     assert cluster.late_bytes() == 0
     assert all(rooms[r][0].poll() is KVPoll.FAILED for r in aborted)  # still, after the release
-    assert not cluster.dec._requests  # released and finished rooms are forgotten
+    assert not cluster.dec._state.requests  # released and finished rooms are forgotten
     assert cluster.metric("kvconn_quarantines_total") == 0
     assert cluster.metric("kvconn_acks_received_total") >= len(aborted)
     print(f"\n  {len(rooms)} rooms, {len(aborted)} aborted mid-transfer, 0 late bytes")

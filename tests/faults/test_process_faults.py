@@ -82,7 +82,7 @@ def test_a_writer_in_its_own_pid_namespace_is_never_proven_gone() -> None:
     c = Cluster(wrap=UNSHARE_PID, write_timeout_s=0.5, abort_timeout_s=3.0)
     try:
         here = pid_namespace()
-        for writer in c.dec._writers.values():
+        for writer in c.dec._state.writers.values():
             assert writer.pid_namespace != here
             assert not writer.proven_gone(here)
             # What a hostname check let through: its pid means another process

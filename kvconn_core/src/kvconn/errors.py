@@ -46,11 +46,27 @@ class BootstrapError(KvconnError, RuntimeError):
     """A prefill rank did not answer, or refused, decode's bootstrap."""
 
 
+# -- decode-side misuse (issue 31) --------------------------------------------
+class RequestError(KvconnError, ValueError):
+    """A request decode cannot make as given: no prefill instance named, no
+    ranks or unknown ones, an extras slot outside the layout, addresses that
+    name a rank twice or a rank of another instance. (Also a ValueError: what
+    these calls raised before.)"""
+
+
+class FinishRefusedError(RoomStateError, ValueError):
+    """``finish()`` of a room whose pages are not the engine's to take: not
+    completed, aborted, or finished already. (Also a ValueError: what
+    ``Receiver.finish()`` and ``HoldTracker.finish()`` raised before.)"""
+
+
 __all__ = [
     "BootstrapError",
+    "FinishRefusedError",
     "IncompleteRoomError",
     "KvconnError",
     "PageError",
+    "RequestError",
     "RoomInUseError",
     "RoomStateError",
 ]

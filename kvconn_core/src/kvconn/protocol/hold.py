@@ -19,6 +19,7 @@ from collections.abc import Collection
 
 import attrs
 
+from kvconn.errors import FinishRefusedError, KvconnError, RequestError, RoomInUseError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.messages import Abort, AbortAck
 
@@ -91,6 +92,12 @@ class _Room:
     exited: bool = False
 
 
+def _about(room: int, error: KvconnError) -> KvconnError:
+    """``error`` naming ``room``, its message kept as this module always wrote it."""
+    error.room = room
+    return error
+
+
 class HoldTracker:
     """Decode's rooms, their holds after an abort, and their release."""
 
@@ -148,9 +155,11 @@ class HoldTracker:
     def open(self, room: int, pages: tuple[int, ...], ranks: frozenset[int]) -> None:
         """The engine created a receiver: ``ranks`` will write ``pages``."""
         if room in self._rooms:
-            raise ValueError(f"room {room} is still tracked ({self._rooms[room].state.value})")
+            raise _about(
+                room, RoomInUseError(f"room {room} is still tracked ({self._rooms[room].state.value})")
+            )
         if not ranks:
-            raise ValueError("a room needs at least one writing rank")
+            raise _about(room, RequestError("a room needs at least one writing rank"))
         self._rooms[room] = _Room(pages=pages, ranks=ranks)
         self._pages[HoldState.OPEN] += len(pages)
 
@@ -164,9 +173,9 @@ class HoldTracker:
 
     def finish(self, room: int) -> tuple[int, ...]:
         """The engine took a completed room's pages: stop tracking it."""
-        entry = self._rooms[room]
-        if entry.state is not HoldState.OPEN or not entry.succeeded >= entry.ranks:
-            raise ValueError(f"room {room} is not completed")
+        entry = self._rooms.get(room)
+        if entry is None or entry.state is not HoldState.OPEN or not entry.succeeded >= entry.ranks:
+            raise _about(room, FinishRefusedError(f"room {room} is not completed"))
         del self._rooms[room]
         self._pages[HoldState.OPEN] -= len(entry.pages)
         return entry.pages

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 import time
 
+import attrs
+
+from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
+from kvconn.protocol.messages import HelloAck
+
 
 def proc_stat(pid: int, task_of: int | None = None) -> tuple[str, int]:
     """``pid``'s state letter and kernel start time (clock ticks since boot);
@@ -60,3 +65,40 @@ def wait_until_stopped(pid: int, timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} not stopped within {timeout} s")
         time.sleep(0.001)
+
+
+@attrs.frozen(slots=True)
+class WriterIdentity(WriterIdentityBase):
+    """A prefill rank's process, as it announced itself, with the ``/proc``
+    checks that make its identity a proof."""
+
+    @classmethod
+    def announced(cls, msg: HelloAck) -> WriterIdentity:
+        """The identity a HelloAck announces, with its pid check kept only if
+        this process sees that pid in ``/proc`` as announced (pid and start
+        time): ``/proc`` mounted hidepid=2, or another namespace after all,
+        would make a live writer's pid look free."""
+        try:
+            seen = proc_stat(msg.pid)[1] == msg.start_time
+        except (OSError, ValueError, IndexError):
+            seen = False
+        namespace = msg.pid_namespace if seen else ""
+        return cls(msg.address, namespace, msg.pid, msg.start_time, msg.session)
+
+    def proven_gone(self, local_pid_namespace: str) -> bool:
+        return proven_gone(self, local_pid_namespace)
+
+
+def proven_gone(writer: WriterIdentityBase, local_pid_namespace: str) -> bool:
+    """True only when this very process certainly no longer runs: its pids
+    are ours (same kernel boot, same pid namespace, and neither unknown),
+    and its pid is free, reused by another process, or a zombie."""
+    if not local_pid_namespace or writer.pid_namespace != local_pid_namespace:
+        return False  # elsewhere only a closed transport connection proves it
+    try:
+        state, start_time = proc_stat(writer.pid)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return start_time != writer.start_time or state in ("Z", "X")

@@ -1,0 +1,568 @@
+"""A decode endpoint's view of its prefill ranks, and its requests' verdicts.
+
+Sans-I/O like :class:`~kvconn.protocol.hold.HoldTracker`, which it wraps:
+the runtime passes ``now``, feeds in what arrived or what a probe found (a
+message, a :class:`Tick`, which writers ``/proc`` proves gone, which fenced
+acks' connections drained) and carries out the returned actions. It decides:
+
+* prefill instances and their ranks' endpoint-wide ids (every instance has a
+  rank 0; the tracker knows a rank by its id);
+* writer identities and sessions: each request remembers the rank processes
+  it was sent to, and only their acks, statuses and exits count for it;
+* liveness: a rank silent for ``peer_timeout_s`` or proven gone is down, a new
+  session at its address is a restart (re-bootstrapped); either fails the open
+  rooms of the process it concerns, onto the abort path;
+* transfer deadlines, fenced acks held back until their connections drained,
+  and each request's verdict (SUCCESS once every rank reported every chunk
+  landed, FAILED otherwise; final).
+
+It never frees a page on its own account: pages leave only through the
+tracker's :class:`~kvconn.protocol.hold.Release`, which names its proof.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from typing import TypeVar
+
+import attrs
+
+from kvconn.errors import BootstrapError, FinishRefusedError, PageError, RequestError, RoomInUseError
+from kvconn.protocol.drops import DropReason
+from kvconn.protocol.endpoint_events import (
+    AckCounted,
+    Action,
+    Answered,
+    CheckDrain,
+    Drop,
+    ExitsProbed,
+    Identified,
+    Identify,
+    Instance,
+    Probes,
+    RankDown,
+    RankRestarted,
+    Request,
+    RoomFailed,
+    Send,
+    Tick,
+    Undrained,
+    WriterIdentity,
+)
+from kvconn.protocol.hold import Dropped, HoldAction, HoldState, HoldTracker, Release, SendAbort
+from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.messages import (
+    AbortAck,
+    Hello,
+    HelloAck,
+    RoomOutcome,
+    RoomStatus,
+    TransferRequest,
+)
+
+_R = TypeVar("_R", AbortAck, RoomStatus)
+
+
+class EndpointState:
+    """Every decision of one decode endpoint but the page holds themselves
+    (``tracker``'s)."""
+
+    EXIT_CHECK_S = 0.05
+    MAX_DRAINING = 4096
+
+    def __init__(
+        self,
+        name: str,
+        tracker: HoldTracker,
+        *,
+        num_pages: int,
+        num_slots: int = 0,
+        heartbeat_interval_s: float = 1.0,
+        peer_timeout_s: float = 10.0,
+        transfer_timeout_s: float | None = None,
+        check_pages: bool = True,
+    ) -> None:
+        self.name = name
+        self.tracker = tracker
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.peer_timeout_s = peer_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.check_pages = check_pages
+        self.default: Instance | None = None
+        #: Every bootstrapped rank's current process, by endpoint-wide rank id.
+        self.writers: dict[int, WriterIdentity] = {}
+        self.ranks: frozenset[int] = frozenset()
+        self.instances: dict[tuple[str, ...], Instance] = {}
+        self._rank_of: dict[int, tuple[Instance, int]] = {}
+        self._id_at: dict[str, int] = {}
+        #: (rank, session) of every current writer -> its id: an ack for a
+        #: room no longer tracked still names whose it is.
+        self._id_of_session: dict[tuple[int, int], int] = {}
+        #: Addresses of instances being bootstrapped now.
+        self.pending: dict[str, Instance] = {}
+        #: The current request of every room the tracker has (open or held).
+        self.requests: dict[int, Request] = {}
+        #: Pages of tracked rooms, when check_pages (a set: its C-level
+        #: isdisjoint/update cost ~15 us for 1024 pages, a Python loop ~100).
+        self._in_use: set[int] = set()
+        self._seq = 0
+        #: When each rank's current process last answered, which ranks are
+        #: down (and why), and sessions of processes replaced at a rank's
+        #: address (their late answers are not a restart).
+        self._heard: dict[int, float] = {}
+        self.down: dict[int, str] = {}
+        self._retired: set[tuple[int, int]] = set()
+        self._next_heartbeat = 0.0
+        self._next_exit_check = 0.0
+        #: (deadline, seq, request) of open rooms, when transfer_timeout_s.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_seq = 0
+        #: Fenced acks held back until decode's ends of the connections the
+        #: fence closed have drained.
+        self.draining: dict[tuple[int, int, int], AbortAck] = {}
+
+    # -- queries -----------------------------------------------------------
+    def instance(self, addresses: Sequence[str] | None) -> Instance | None:
+        return self.default if addresses is None else self.instances.get(tuple(addresses))
+
+    def session_of(self, rank: int, addresses: Sequence[str] | None = None) -> int:
+        instance = self.instance(addresses)
+        if instance is None:
+            raise RequestError(f"no bootstrapped prefill instance {addresses}")
+        return self.writers[instance.ids[rank]].session
+
+    def current(self, request: Request) -> bool:
+        """``request`` is its room's current one (not replaced, not forgotten)."""
+        return self.requests.get(request.room) is request
+
+    def hold_state(self, request: Request) -> HoldState | None:
+        return self.tracker.state(request.room) if self.current(request) else None
+
+    def held_pages(self) -> int:
+        return self.tracker.pages_in(HoldState.HELD) + self.tracker.pages_in(HoldState.QUARANTINED)
+
+    def next_wakeup(self) -> float | None:
+        """The earliest instant a :class:`Tick` has a deadline to act on."""
+        times = [self.tracker.next_deadline(), self._deadlines[0][0] if self._deadlines else None]
+        return min((t for t in times if t is not None), default=None)
+
+    def owed(self) -> frozenset[WriterIdentity]:
+        """The writers held rooms wait for (an exit check looks these up)."""
+        return frozenset(w for _, w, _ in self._owed())
+
+    def probes(self, now: float) -> Probes:
+        """What a :class:`Tick` at ``now`` needs looked up."""
+        owed = self.owed() if now >= self._next_exit_check else frozenset()
+        live: frozenset[WriterIdentity] = frozenset()
+        if self.ranks and now >= self._next_heartbeat:
+            live = frozenset(self.writers[r] for r in self.ranks if r not in self.down)
+        return Probes(tuple(self.draining.values()), owed, live)
+
+    # -- bootstrap ---------------------------------------------------------
+    def begin_bootstrap(self, addresses: tuple[str, ...], hello: Hello) -> Instance:
+        """Start bootstrapping the instance at ``addresses`` (send it
+        :meth:`hellos` until :meth:`unanswered` is empty or time is up, then
+        :meth:`end_bootstrap`; :meth:`forget_bootstrap` in any case)."""
+        if not addresses:
+            raise RequestError("a prefill instance needs at least one rank address")
+        if len(set(addresses)) != len(addresses):
+            raise RequestError(f"prefill addresses {list(addresses)} name one rank twice")
+        taken = [a for a in addresses if a in self._id_at or a in self.pending]
+        if taken:
+            raise RequestError(
+                f"prefill addresses {taken} are ranks of another prefill instance of this endpoint"
+            )
+        instance = Instance(addresses, hello)
+        for address in addresses:
+            self.pending[address] = instance
+        return instance
+
+    def hellos(self, instance: Instance) -> list[Send]:
+        """Hellos to the ranks of a bootstrap that have not answered yet (a
+        Hello or its HelloAck can be lost; a rank answers a repeated Hello
+        as the first)."""
+        return [Send(a, instance.hello) for a in self.unanswered(instance)]
+
+    def unanswered(self, instance: Instance) -> list[str]:
+        answered = {w.address for w in instance.answers.values()} | set(instance.refusals)
+        return [a for a in instance.addresses if a not in answered]
+
+    def end_bootstrap(self, instance: Instance, now: float, timeout_s: float | None = None) -> None:
+        """The bootstrap of ``instance`` is over (``timeout_s``: it ran out of
+        time): the instance is kept, or :class:`BootstrapError` says why not."""
+        unanswered = self.unanswered(instance)
+        if unanswered and timeout_s is not None:
+            answered = len(instance.addresses) - len(unanswered)
+            raise BootstrapError(
+                f"{answered} of {len(instance.addresses)} prefill ranks answered within {timeout_s} s"
+            )
+        if instance.refusals:
+            raise BootstrapError("; ".join(f"{a}: {e}" for a, e in instance.refusals.items()))
+        if sorted(instance.answers) != list(range(len(instance.addresses))):
+            raise BootstrapError(
+                f"ranks {sorted(instance.answers)} answered, expected 0..{len(instance.addresses) - 1}"
+            )
+        # Ids follow on from the instances before: the first instance's
+        # ranks keep their own numbers.
+        first = max(self.ranks, default=-1) + 1
+        instance.ids = tuple(range(first, first + len(instance.addresses)))
+        for rank, writer in instance.answers.items():
+            rank_id = instance.ids[rank]
+            self.writers[rank_id] = writer
+            self._rank_of[rank_id] = (instance, rank)
+            self._id_at[writer.address] = rank_id
+            self._id_of_session[rank, writer.session] = rank_id
+            self._heard[rank_id] = now
+        if not self.ranks:
+            self._next_heartbeat = now + self.heartbeat_interval_s
+        self.ranks |= frozenset(instance.ids)
+        self.instances[instance.addresses] = instance
+
+    def forget_bootstrap(self, instance: Instance) -> None:
+        """``instance``'s bootstrap is over, kept or not: its later HelloAcks are heartbeats."""
+        for address in instance.addresses:
+            if self.pending.get(address) is instance:
+                del self.pending[address]
+
+    # -- the engine's requests -----------------------------------------------
+    def open(
+        self,
+        room: int,
+        pages: Sequence[int],
+        instance: Instance,
+        ranks: frozenset[int] | None,
+        extras_slot: int | None,
+        now: float,
+    ) -> tuple[Request, list[Send]]:
+        """A new request for ``room``: its TransferRequests, numbered (send
+        them in this order before numbering more). Refused whole, with
+        nothing recorded, by a :class:`~kvconn.errors.KvconnError`."""
+        known = frozenset(range(len(instance.ids)))
+        local = known if ranks is None else frozenset(ranks)
+        if not local <= known:
+            raise RequestError(f"unknown ranks {sorted(local - known)}", room)
+        if not local:
+            raise RequestError("a room needs at least one writing rank", room)
+        if extras_slot is not None and not 0 <= extras_slot < self.num_slots:
+            raise RequestError(f"extras slot {extras_slot} outside the layout's {self.num_slots} slots", room)
+        pages = tuple(pages)
+        bad = [p for p in pages if not 0 <= p < self.num_pages]
+        if bad:
+            raise PageError(f"pages {bad[:8]} outside 0..{self.num_pages - 1}", room)
+        if len(set(pages)) != len(pages):
+            twice = sorted(p for p, n in Counter(pages).items() if n > 1)
+            raise PageError(f"pages {twice[:8]} given more than once", room)
+        state = self.tracker.state(room)
+        if state is not None:
+            raise RoomInUseError(f"still tracked ({state.value}): its pages are not back yet", room)
+        if self.check_pages and not self._in_use.isdisjoint(pages):
+            taken = sorted(self._in_use.intersection(pages))
+            raise PageError(f"pages {taken[:8]} belong to another room not finished or released yet", room)
+        ids = frozenset(instance.ids[r] for r in local)
+        # Every refusal is behind us: from here on the request is recorded whole.
+        self.tracker.open(room, pages, ids)
+        if self.check_pages:
+            self._in_use.update(pages)
+        writers = {rank: self.writers[rank] for rank in ids}
+        request = self.requests[room] = Request(room, pages, writers, instance.ids)
+        if self.transfer_timeout_s is not None:
+            self._deadline_seq += 1
+            heapq.heappush(self._deadlines, (now + self.transfer_timeout_s, self._deadline_seq, request))
+        slot = 0 if extras_slot is None else extras_slot + 1
+        sends = []
+        for rank in sorted(ids):
+            self._seq += 1
+            message = TransferRequest(room, self.name, pages, writers[rank].session, self._seq, slot)
+            sends.append(Send(writers[rank].address, message, rank))
+        return request, sends
+
+    def sent(self, request: Request, unsent: Sequence[int], now: float) -> list[Action]:
+        """The runtime sent ``request``'s TransferRequests; those to ``unsent``
+        ranks were dropped. Nothing re-sends a request, and a room not yet
+        aborted has no deadline: it fails now, so the engine aborts it. A
+        room asked of a rank known down fails now too, onto the abort path
+        (it would stay TRANSFERRING)."""
+        if unsent:
+            request.fail(f"request to ranks {sorted(unsent)} dropped: send queue full")
+        down = sorted(set(request.writers) & set(self.down))
+        if not down:
+            return []
+        reason = "; ".join(f"rank {r} is down: {self.down[r]}" for r in down)
+        return self._fail_and_abort(request, reason, now)
+
+    def abort(self, request: Request, now: float) -> list[Action]:
+        """The engine gave ``request`` up."""
+        if request.aborted or request.finished or not self.current(request):
+            return []  # its pages are the engine's already, or on their way back
+        request.aborted = True
+        # The engine's own verdict, even over a SUCCESS that raced it: its
+        # pages come back through on_release, never through finish().
+        request.verdict = KVPoll.FAILED
+        return self.carry(self.tracker.abort(request.room, now))
+
+    def finish(self, request: Request) -> tuple[int, ...]:
+        """The engine takes a completed request's pages."""
+        if request.finished:
+            raise FinishRefusedError("finish() was already called: its pages are the engine's", request.room)
+        if request.aborted:
+            raise FinishRefusedError("aborted: its pages come back through on_release", request.room)
+        if request.verdict is not KVPoll.SUCCESS or not self.current(request):
+            raise FinishRefusedError(f"not completed (poll() says {request.poll().name})", request.room)
+        pages = self.tracker.finish(request.room)
+        request.finished = True
+        self._forget(request.room)
+        return pages
+
+    # -- stimuli -------------------------------------------------------------
+    @functools.singledispatchmethod
+    def handle(self, stimulus: object, now: float) -> list[Action]:
+        """Feed one stimulus in; carry out what comes back, in order."""
+        return [Drop(DropReason.UNEXPECTED_TYPE)]
+
+    @handle.register
+    def _(self, msg: AbortAck, now: float) -> list[Action]:
+        ack = self._for_us(msg)
+        if isinstance(ack, DropReason):
+            return [Drop(ack)]
+        if ack.closed:
+            return [CheckDrain(ack)]
+        return self._ack(ack, now)
+
+    @handle.register
+    def _(self, event: Undrained, now: float) -> list[Action]:
+        if event.drained:
+            return self._ack(event.ack, now)
+        key = (event.ack.room, event.ack.rank, event.ack.generation)
+        if key not in self.draining and len(self.draining) >= self.MAX_DRAINING:
+            return [Drop(DropReason.DRAIN_BACKLOG_FULL)]
+        self.draining[key] = event.ack
+        return []
+
+    @handle.register
+    def _(self, msg: RoomStatus, now: float) -> list[Action]:
+        status = self._for_us(msg)
+        if isinstance(status, DropReason):
+            return [Drop(status)]
+        request = self.requests.get(status.room)
+        if status.rank not in self.tracker.ranks_of(status.room) or request is None:
+            return [Drop(DropReason.STRANGER_STATUS)]
+        if status.outcome is RoomOutcome.SUCCESS:
+            if self.tracker.succeeded(status.room, status.rank) and request.verdict is None:
+                request.verdict = KVPoll.SUCCESS
+        else:
+            request.fail(status.reason)
+        return []
+
+    @handle.register
+    def _(self, msg: HelloAck, now: float) -> list[Action]:
+        instance = self.pending.get(msg.address)
+        if instance is not None:
+            if msg.error:
+                instance.refusals[msg.address] = msg.error
+                return [Answered(msg.address)]
+            answer = instance.answers.get(msg.rank)
+            if answer is not None and answer.address != msg.address:
+                instance.refusals[msg.address] = f"rank {msg.rank} also claimed by {answer.address}"
+                return [Answered(msg.address)]
+            return [Identify(msg)]
+        rank = self._id_at.get(msg.address)  # the endpoint-wide id of the rank there
+        if rank is None:
+            return [Drop(DropReason.STRANGER_HELLO)]
+        if msg.rank != self._rank_of[rank][1]:
+            return [Drop(DropReason.HELLO_ACK_CHANGED)]
+        if msg.error or (rank, msg.session) in self._retired:
+            reason = DropReason.HELLO_REFUSED if msg.error else DropReason.RETIRED_SESSION
+            return [Drop(reason)]
+        if msg.session == self.writers[rank].session:
+            self._heard[rank] = now
+            self.down.pop(rank, None)
+            return []
+        return [Identify(msg)]
+
+    @handle.register
+    def _(self, event: Identified, now: float) -> list[Action]:
+        msg, writer = event.ack, event.writer
+        instance = self.pending.get(msg.address)
+        if instance is not None:
+            known = instance.answers.get(msg.rank)
+            if known is None:
+                instance.answers[msg.rank] = writer
+            elif known != writer:
+                # The first identity stays: a later one could only make
+                # another process's exit count as this writer's.
+                return [Drop(DropReason.HELLO_ACK_CHANGED), Answered(msg.address)]
+            return [Answered(msg.address)]
+        rank = self._id_at.get(msg.address)
+        if rank is None or msg.session == self.writers[rank].session:
+            return []  # answered meanwhile
+        # A new process at the rank's address, re-bootstrapped (it took our
+        # Hello). Rooms the earlier one was asked to write keep needing its
+        # proof (exit with drain, or quarantine); they fail now.
+        old = self.writers[rank]
+        self._retired.add((rank, old.session))
+        self.writers[rank] = writer
+        self._id_of_session.pop((msg.rank, old.session), None)
+        self._id_of_session[msg.rank, msg.session] = rank
+        self._heard[rank] = now
+        self.down.pop(rank, None)
+        reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
+        actions: list[Action] = [RankRestarted(rank, msg.rank, msg.address)]
+        return actions + self._fail_rooms_of(rank, old, reason, now)
+
+    @handle.register
+    def _(self, event: Tick, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for ack in event.drained:
+            if self.draining.pop((ack.room, ack.rank, ack.generation), None) is not None:
+                actions += self._ack(ack, now)
+        actions += self.carry(self.tracker.tick(now))
+        if now >= self._next_exit_check:
+            self._next_exit_check = now + self.EXIT_CHECK_S
+            actions += self._exits(event.gone, event.peers_drained, now)
+        if self.ranks and now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.heartbeat_interval_s
+            actions += self._heartbeat(event.gone, now)
+        return actions + self._expire(now)
+
+    @handle.register
+    def _(self, event: ExitsProbed, now: float) -> list[Action]:
+        return self._exits(event.gone, event.peers_drained, now)
+
+    # -- internals -----------------------------------------------------------
+    def _for_us(self, msg: _R) -> _R | DropReason:
+        """``msg`` with its rank as this endpoint's id, if it is for this
+        endpoint from the rank process it asked (else why it is dropped). An ack names its rank as its own
+        instance numbers it: the room's request says which instance. Another
+        process at that rank's address (a restart) never wrote for us: its
+        ack would skip the proof our own writer owes. An earlier decode at
+        our address had rooms of the same ids: its SUCCESS would hand out
+        pages a request of ours is about to write."""
+        request = self.requests.get(msg.room)
+        rank_id: int | None
+        if request is not None:
+            rank_id = request.ids[msg.rank] if 0 <= msg.rank < len(request.ids) else None
+            writer = request.writers.get(rank_id) if rank_id is not None else None
+        else:
+            rank_id = self._id_of_session.get((msg.rank, msg.session))
+            writer = self.writers.get(rank_id) if rank_id is not None else None
+        if msg.decode != self.name:
+            return DropReason.OTHER_DECODE
+        if writer is None or rank_id is None or msg.session != writer.session:
+            return DropReason.OTHER_SESSION
+        return attrs.evolve(msg, rank=rank_id)
+
+    def _ack(self, ack: AbortAck, now: float) -> list[Action]:
+        held_since = self.tracker.held_since(ack.room)
+        actions = self.tracker.ack(ack, now)
+        counted: list[Action] = []
+        if not any(isinstance(a, Dropped) for a in actions):
+            counted.append(AckCounted(ack.rank, None if held_since is None else now - held_since))
+        return counted + self.carry(actions)
+
+    def _owed(self) -> list[tuple[int, WriterIdentity, int]]:
+        """(rank, writer, room) for every held or quarantined room's unproven
+        writers: each room's own (a process restarted at a rank's address
+        proves nothing for the rooms the earlier one was asked to write)."""
+        owed = []
+        for room in self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED):
+            request = self.requests.get(room)
+            for rank in self.tracker.ranks_of(room):
+                writer = request.writers[rank] if request is not None else self.writers[rank]
+                owed.append((rank, writer, room))
+        return owed
+
+    def _exits(self, gone: frozenset[WriterIdentity], peers_drained: bool, now: float) -> list[Action]:
+        """Release held rooms whose writer processes are proven gone, once
+        nothing they sent can still arrive."""
+        if not gone or not peers_drained:
+            return []
+        rooms: dict[tuple[int, WriterIdentity], list[int]] = {}
+        for rank, writer, room in self._owed():
+            if writer in gone:
+                rooms.setdefault((rank, writer), []).append(room)
+        actions: list[Action] = []
+        for (rank, _), held in rooms.items():
+            actions += self.carry(self.tracker.writer_exited(rank, now, frozenset(held)))
+        return actions
+
+    def _heartbeat(self, gone: frozenset[WriterIdentity], now: float) -> list[Action]:
+        """Hello every rank again (its answer proves it alive and names its
+        session); a rank silent past peer_timeout_s, or whose process is
+        proven gone, is down."""
+        actions: list[Action] = []
+        for rank in sorted(self.ranks):
+            writer = self.writers[rank]
+            actions.append(Send(writer.address, self._rank_of[rank][0].hello, rank))
+            if rank in self.down:
+                continue
+            if writer in gone:
+                actions += self._rank_down(rank, "exited", f"its process (pid {writer.pid}) exited", now)
+            elif now - self._heard[rank] > self.peer_timeout_s:
+                silent = f"no answer for {now - self._heard[rank]:.1f} s"
+                actions += self._rank_down(rank, "silent", silent, now)
+        return actions
+
+    def _rank_down(self, rank: int, cause: str, reason: str, now: float) -> list[Action]:
+        self.down[rank] = reason
+        actions: list[Action] = [RankDown(rank, cause, reason)]
+        return actions + self._fail_rooms_of(rank, self.writers[rank], f"rank {rank} is down: {reason}", now)
+
+    def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[Action]:
+        """Fail the open rooms ``writer`` was asked to write."""
+        actions: list[Action] = []
+        for request in list(self.requests.values()):
+            if request.writers.get(rank) == writer and request.verdict is None and not request.aborted:
+                actions.append(RoomFailed(request.room, "rank"))
+                actions += self._fail_and_abort(request, reason, now)
+        return actions
+
+    def _fail_and_abort(self, request: Request, reason: str, now: float) -> list[Action]:
+        """FAILED to the engine, then the abort path: the pages are held
+        until proof, never freed here."""
+        if not self.current(request) or request.aborted or request.finished:
+            return []
+        request.fail(reason)
+        request.aborted = True
+        return self.carry(self.tracker.abort(request.room, now))
+
+    def _expire(self, now: float) -> list[Action]:
+        """Open rooms past their transfer deadline fail."""
+        actions: list[Action] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if request.verdict is None and not request.aborted:
+                actions.append(RoomFailed(request.room, "deadline"))
+                actions += self._fail_and_abort(
+                    request, f"not complete within {self.transfer_timeout_s} s", now
+                )
+        return actions
+
+    def carry(self, actions: Sequence[HoldAction]) -> list[Action]:
+        """The tracker's actions for the runtime: an ABORT goes to its rank's
+        address, and a released room leaves every table (a serving decode
+        sees millions; its receivers keep what they need)."""
+        out: list[Action] = []
+        for action in actions:
+            if isinstance(action, SendAbort):
+                out.append(Send(self.writers[action.rank].address, action.abort, action.rank))
+                continue
+            if isinstance(action, Dropped):
+                out.append(Drop(action.reason))
+                continue
+            if isinstance(action, Release):
+                self._forget(action.room)
+            out.append(action)
+        return out
+
+    def _forget(self, room: int) -> None:
+        request = self.requests.pop(room, None)
+        if request is not None and self.check_pages:
+            self._in_use.difference_update(request.pages)
+
+
+__all__ = ["EndpointState"]

@@ -1,0 +1,57 @@
+"""Broken variants of the decode endpoint's state machine, each one change
+that must break safety or liveness. ``explore_endpoint`` has to catch every
+one; if it ever stops catching one, it has gone blind to that bug."""
+
+from __future__ import annotations
+
+from kvconn.protocol.endpoint import EndpointState
+from kvconn.protocol.endpoint_events import Action, Undrained, WriterIdentity
+from kvconn.protocol.messages import AbortAck, RoomStatus
+
+
+class AckOfAnySession(EndpointState):
+    """An ack or status is taken from whatever process is at the rank's
+    address: a process restarted there acks rooms it never wrote."""
+
+    def _for_us(self, msg):  # type: ignore[no-untyped-def]
+        request = self.requests.get(msg.room)
+        if request is not None and 0 <= msg.rank < len(request.ids):
+            expected = request.writers.get(request.ids[msg.rank])
+            if expected is not None:
+                msg = type(msg)(**{**_fields(msg), "session": expected.session})
+        return super()._for_us(msg)
+
+
+def _fields(msg: AbortAck | RoomStatus) -> dict[str, object]:
+    return {name: getattr(msg, name) for name in msg.__slots__ if not name.startswith("__")}
+
+
+class ExitWithoutDrain(EndpointState):
+    """A writer's exit proves its rooms free at once, while our ends of its
+    connections still hold bytes its kernel will deliver."""
+
+    def _exits(self, gone: frozenset[WriterIdentity], peers_drained: bool, now: float) -> list[Action]:
+        return super()._exits(gone, True, now)
+
+
+class FencedAckAtOnce(EndpointState):
+    """A fenced ack counts before decode's ends of the connections its fence
+    closed drained."""
+
+    def handle(self, stimulus: object, now: float) -> list[Action]:  # type: ignore[override]
+        if isinstance(stimulus, Undrained):
+            stimulus = Undrained(stimulus.ack, drained=True)
+        return super().handle(stimulus, now)
+
+
+class RestartKeepsOldRooms(EndpointState):
+    """A rank restarted at its address: the rooms its earlier process was
+    asked to write are not failed, and wait TRANSFERRING for good."""
+
+    def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[Action]:
+        if "restarted" in reason:
+            return []
+        return super()._fail_rooms_of(rank, writer, reason, now)
+
+
+__all__ = ["AckOfAnySession", "ExitWithoutDrain", "FencedAckAtOnce", "RestartKeepsOldRooms"]

@@ -1,0 +1,524 @@
+"""Exhaustive exploration of a decode endpoint's state machine
+(:class:`~kvconn.protocol.endpoint.EndpointState`) in small worlds.
+
+The world: one or two prefill instances, rank processes at their addresses,
+the engine opening rooms (reusing a room id once its pages came back),
+aborting and finishing them, and the clock ticking. Every step calls the
+real machine; the explorer plays the network (each peer's messages in order, peers
+interleaved in every way), the rank
+processes and the runtime's ``/proc`` probes. A rank process takes a request
+naming its session, completes it, or is aborted and acks (plainly, or after
+a fence whose closed connections have yet to drain); it may exit (what it
+sent may still arrive until our ends drain), and a new process may take its
+address (a restart) while the earlier one still writes.
+
+Checked in every reachable state:
+
+* S: the pages of a room are released (or finished by the engine) only when
+  no process that took the room's current request can still write into them.
+* L: from every terminal state, once time passes and every message and
+  connection drains, every aborted room whose writers all stopped is
+  released (no page pinned forever once its proof exists), and no open
+  request is left TRANSFERRING whose writer process is gone or replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import attrs
+from endpoint_world import HERE, NAME, writer
+from explore import _clone_tracker, _tracker_key
+
+from kvconn.protocol.endpoint import EndpointState
+from kvconn.protocol.endpoint_events import (
+    Action,
+    CheckDrain,
+    Identified,
+    Identify,
+    Release,
+    Send,
+    Tick,
+    Undrained,
+)
+from kvconn.protocol.hold import HoldState, HoldTracker
+from kvconn.protocol.ledger import KVPoll
+from kvconn.protocol.messages import (
+    Abort,
+    AbortAck,
+    Hello,
+    HelloAck,
+    Message,
+    RoomOutcome,
+    RoomStatus,
+    TcpConnection,
+    TransferRequest,
+)
+
+DT = 1.0  #: one tick of the clock: a heartbeat; two unanswered ones make a rank silent
+CLOSED = (TcpConnection("127.0.0.1", 1, "127.0.0.1", 2),)
+
+
+class Violation(AssertionError):
+    pass
+
+
+@dataclass
+class Proc:
+    """One rank process at an address: ``taken`` maps a request (its index)
+    to "writing" (bytes may land), "draining" (stopped, but bytes it sent may
+    still arrive) or "stopped"."""
+
+    address: str
+    rank: int  #: its rank in its instance
+    session: int
+    alive: bool = True
+    undrained: bool = False  #: a fence or its exit left bytes on their way
+    taken: dict[int, str] = field(default_factory=dict)
+    #: Its ledger, as far as decode's safety depends on it: per room (status,
+    #: seq, tombstone, fenced: every ack of a fenced room names the closed
+    #: connections). A tombstone (an ABORT of a room never asked for here)
+    #: keeps a late request of that room from writing; a Failed room is taken
+    #: anew only by a newer request once its abort was acked.
+    rooms: dict[int, tuple[str, int, bool, bool]] = field(default_factory=dict)  #: + fenced
+
+
+@dataclass
+class World:
+    state: EndpointState
+    procs: dict[str, list[Proc]]  #: by address; the last one is there now
+    #: (channel, destination, message): each channel (a ZMQ PUSH socket to
+    #: one peer) delivers in order; channels interleave freely.
+    net: list[tuple[str, str, Message]] = field(default_factory=list)
+    now: float = 0.0
+    ticks: int = 0
+    restarts: int = 0
+    exits: int = 0
+    aborts: int = 0
+    #: Requests by index, each room's current one, and TransferRequest seq -> request.
+    requests: list[object] = field(default_factory=list)
+    current: dict[int, int] = field(default_factory=dict)
+    by_seq: dict[int, int] = field(default_factory=dict)
+    opened: dict[int, int] = field(default_factory=dict)  #: requests made per room
+    trace: tuple[str, ...] = ()  #: the steps that led here (not part of the state)
+
+
+@dataclass(frozen=True)
+class Limits:
+    rooms: tuple[tuple[int, int], ...] = ((1, 0),)  #: (room, instance index) the engine may open
+    requests_per_room: int = 2  #: 2: a room id is reused once its pages are back
+    ticks: int = 3
+    aborts: int = 2  #: the engine's own aborts (a room it never aborts must still end)
+    restarts: int = 0
+    exits: int = 0
+    fenced: bool = False
+    transfer_timeout_s: float | None = None
+
+
+@dataclass
+class Report:
+    states: int = 0
+    transitions: int = 0
+    terminals: int = 0
+
+
+Factory = Callable[..., EndpointState]
+
+
+def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory) -> World:
+    tracker = HoldTracker(NAME, "tcp://decode", abort_timeout=1.5, resend_interval=1.0)
+    state = factory(
+        NAME,
+        tracker,
+        num_pages=4,
+        heartbeat_interval_s=DT,
+        peer_timeout_s=1.5,
+        transfer_timeout_s=limits.transfer_timeout_s,
+    )
+    world = World(state, {})
+    for addresses in instances:
+        instance = state.begin_bootstrap(
+            tuple(addresses), Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
+        )
+        for rank, address in enumerate(addresses):
+            world.procs[address] = [Proc(address, rank, 1)]
+            ack = HelloAck(rank, address, HERE, writer(address, 1).pid, 1, "", 1)
+            _carry(world, state.handle(ack, 0.0))
+        state.end_bootstrap(instance, 0.0)
+        state.forget_bootstrap(instance)
+    world.net.clear()
+    return world
+
+
+# -- the runtime's part: carrying out actions -------------------------------------
+def _carry(world: World, actions: Sequence[Action]) -> None:
+    for action in actions:
+        if isinstance(action, Send):
+            world.net.append((f"decode>{action.address}", action.address, action.message))
+        elif isinstance(action, Identify):
+            ack = action.ack
+            _carry(world, world.state.handle(Identified(ack, writer(ack.address, ack.session)), world.now))
+        elif isinstance(action, CheckDrain):
+            drained = not _proc_of(world, action.ack.session, action.ack.rank).undrained
+            _carry(world, world.state.handle(Undrained(action.ack, drained), world.now))
+        elif isinstance(action, Release):
+            _check_release(world, action.room, "released")
+
+
+def _proc_of(world: World, session: int, rank_id: int) -> Proc:
+    instance, _ = world.state._rank_of[rank_id]
+    address = instance.addresses[world.state._rank_of[rank_id][1]]
+    return next(p for p in world.procs[address] if p.session == session)
+
+
+def _proc(world: World, address: str, session: int) -> Proc:
+    return next(p for p in world.procs[address] if p.session == session)
+
+
+def _check_release(world: World, room: int, how: str) -> None:
+    q = world.current[room]
+    for procs in world.procs.values():
+        for proc in procs:
+            if proc.taken.get(q) in ("writing", "draining"):
+                raise Violation(
+                    f"S: room {room} {how} while process {proc.address}/{proc.session} can still write it "
+                    f"({proc.taken[q]})"
+                )
+
+
+def _tick(world: World) -> None:
+    state, now = world.state, world.now
+    probes = state.probes(now)
+    dead = {writer(p.address, p.session) for ps in world.procs.values() for p in ps if not p.alive}
+    gone = frozenset(w for w in probes.owed | probes.live if w in dead)
+    peers_drained = not any(not p.alive and p.undrained for ps in world.procs.values() for p in ps)
+    drained = tuple(a for a in probes.acks if not _proc_of(world, a.session, a.rank).undrained)
+    _carry(world, state.handle(Tick(gone, peers_drained, drained), now))
+
+
+# -- the rank processes' part ------------------------------------------------------
+def _from(proc: Proc) -> str:
+    return f"{proc.address}/{proc.session}>decode"
+
+
+def _deliver(world: World, address: str, msg: Message, fenced: bool = False) -> None:
+    proc = world.procs[address][-1]
+    if not proc.alive:
+        return  # lost with the process
+    if isinstance(msg, Hello):
+        reply: Message = HelloAck(
+            proc.rank, address, HERE, writer(address, proc.session).pid, 1, "", proc.session
+        )
+        world.net.append((_from(proc), "decode", reply))
+    elif isinstance(msg, TransferRequest):
+        if msg.session != proc.session:
+            return  # for another process of this rank: dropped
+        entry = proc.rooms.get(msg.room)
+        if (
+            entry is None
+            or entry[0] == "success"
+            or (entry[0] == "failed" and not entry[2] and entry[1] < msg.seq)
+        ):
+            proc.rooms[msg.room] = ("live", msg.seq, False, False)
+            proc.taken.setdefault(world.by_seq[msg.seq], "writing")
+        else:
+            proc.rooms[msg.room] = (entry[0], max(entry[1], msg.seq), entry[2], entry[3])
+    elif isinstance(msg, Abort):
+        for q, how in proc.taken.items():
+            if how == "writing" and world.requests[q].room == msg.room:  # type: ignore[attr-defined]
+                proc.taken[q] = "draining" if fenced else "stopped"
+                proc.undrained = proc.undrained or fenced
+        entry = proc.rooms.get(msg.room)
+        if entry is None:
+            entry = ("failed", 0, True, False)  # a tombstone
+        elif entry[0] == "live":
+            entry = ("failed", entry[1], False, fenced)
+        proc.rooms[msg.room] = entry
+        # nothing of the room can land any more (a fence's bytes once drained): ack
+        closed = CLOSED if entry[3] else ()
+        ack = AbortAck(msg.room, proc.rank, msg.generation, entry[3], msg.decode, proc.session, closed)
+        world.net.append((_from(proc), "decode", ack))
+
+
+def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, Callable[[World], None]]]:
+    state = world.state
+    for room, inst in limits.rooms:
+        if state.tracker.state(room) is None and world.opened.get(room, 0) < limits.requests_per_room:
+
+            def open_(w: World, room: int = room, inst: int = inst) -> None:
+                instance = list(w.state.instances.values())[inst]
+                request, sends = w.state.open(room, (room,), instance, None, None, w.now)
+                w.requests.append(request)
+                q = w.current[room] = len(w.requests) - 1
+                w.opened[room] = w.opened.get(room, 0) + 1
+                for send in sends:
+                    w.by_seq[send.message.seq] = q  # type: ignore[union-attr]
+                _carry(w, sends)
+                _carry(w, w.state.sent(request, [], w.now))
+
+            yield f"open{room}", open_
+    for room, q in world.current.items():
+        request = world.requests[q]
+        if state.current(request) and not request.aborted and not request.finished:  # type: ignore[attr-defined]
+            if world.aborts < limits.aborts:
+
+                def abort(w: World, q: int = q) -> None:
+                    w.aborts += 1
+                    _carry(w, w.state.abort(w.requests[q], w.now))  # type: ignore[arg-type]
+
+                yield f"abort{room}", abort
+            if request.verdict is KVPoll.SUCCESS:  # type: ignore[attr-defined]
+
+                def finish(w: World, q: int = q, room: int = room) -> None:
+                    _check_release(w, room, "finished")
+                    w.state.finish(w.requests[q])  # type: ignore[arg-type]
+
+                yield f"finish{room}", finish
+    if world.ticks < limits.ticks:
+
+        def tick(w: World) -> None:
+            w.ticks += 1
+            w.now += DT
+            _tick(w)
+
+        yield "tick", tick
+    heads: set[str] = set()
+    for i, (channel, _, msg) in enumerate(world.net):
+        if channel in heads:
+            continue  # behind an earlier message of its channel
+        heads.add(channel)
+
+        def deliver(w: World, i: int = i, fenced: bool = False) -> None:
+            _, dest, msg = w.net.pop(i)
+            if dest == "decode":
+                _carry(w, w.state.handle(msg, w.now))
+            else:
+                _deliver(w, dest, msg, fenced)
+
+        yield f"deliver{i}", deliver
+        if limits.fenced and isinstance(msg, Abort):
+            yield f"deliver{i}:fenced", lambda w, i=i: deliver(w, i, True)  # type: ignore[misc]
+    for address, procs in world.procs.items():
+        for j, proc in enumerate(procs):
+            for q, how in proc.taken.items():
+                entry = proc.rooms.get(world.requests[q].room)  # type: ignore[attr-defined]
+                if how == "writing" and proc.alive and entry is not None and entry[0] == "live":
+
+                    def complete(w: World, address: str = address, j: int = j, q: int = q) -> None:
+                        p = w.procs[address][j]
+                        p.taken[q] = "stopped"
+                        room = w.requests[q].room  # type: ignore[attr-defined]
+                        p.rooms[room] = ("success", p.rooms[room][1], False, False)
+                        status = RoomStatus(
+                            w.requests[q].room,  # type: ignore[attr-defined]
+                            p.rank,
+                            RoomOutcome.SUCCESS,
+                            "",
+                            NAME,
+                            p.session,
+                        )
+                        w.net.append((_from(p), "decode", status))
+
+                    yield f"{address}/{proc.session}:complete{q}", complete
+            if proc.alive and world.exits < limits.exits:
+
+                def exit_(w: World, address: str = address, j: int = j) -> None:
+                    p = w.procs[address][j]
+                    p.alive, p.undrained = False, True
+                    p.taken = {q: "draining" if how == "writing" else how for q, how in p.taken.items()}
+                    w.exits += 1
+
+                yield f"{address}/{proc.session}:exit", exit_
+            if proc.undrained:
+
+                def drain(w: World, address: str = address, j: int = j) -> None:
+                    p = w.procs[address][j]
+                    p.undrained = False
+                    p.taken = {q: "stopped" if how == "draining" else how for q, how in p.taken.items()}
+
+                yield f"{address}/{proc.session}:drain", drain
+        if world.restarts < limits.restarts:
+
+            def restart(w: World, address: str = address) -> None:
+                last = w.procs[address][-1]
+                w.procs[address].append(Proc(address, last.rank, last.session + 1))
+                w.restarts += 1
+
+            yield f"{address}:restart", restart
+
+
+# -- cloning (deepcopy was most of the time) ----------------------------------------
+def _clone(world: World) -> World:
+    s = world.state
+    new = copy.copy(s)
+    requests = {id(r): attrs.evolve(r) for r in world.requests}  # type: ignore[misc]
+    new.tracker = _clone_tracker(s.tracker)
+    new.writers = dict(s.writers)
+    new.down = dict(s.down)
+    new._retired = set(s._retired)
+    new._heard = dict(s._heard)
+    new._id_of_session = dict(s._id_of_session)
+    new.requests = {room: requests[id(r)] for room, r in s.requests.items()}
+    new._in_use = set(s._in_use)
+    new._deadlines = [(t, n, requests[id(r)]) for t, n, r in s._deadlines]
+    new.draining = dict(s.draining)
+    procs = {a: [_copy_proc(p) for p in ps] for a, ps in world.procs.items()}
+    return World(
+        new,
+        procs,
+        list(world.net),
+        world.now,
+        world.ticks,
+        world.restarts,
+        world.exits,
+        world.aborts,
+        [requests[id(r)] for r in world.requests],
+        dict(world.current),
+        dict(world.by_seq),
+        dict(world.opened),
+        world.trace,
+    )
+
+
+def _copy_proc(p: Proc) -> Proc:
+    return Proc(p.address, p.rank, p.session, p.alive, p.undrained, dict(p.taken), dict(p.rooms))
+
+
+# -- state keys --------------------------------------------------------------------
+def _machine_key(world: World) -> tuple[object, ...]:
+    s = world.state
+    index = {id(r): q for q, r in enumerate(world.requests)}
+
+    def req(r: object) -> tuple[object, ...]:
+        return (index[id(r)], r.verdict, r.failure is None, r.aborted, r.finished)  # type: ignore[attr-defined]
+
+    return (
+        tuple(sorted(s.writers.items())),
+        tuple(sorted(s.down)),
+        tuple(sorted(s._retired)),
+        tuple(sorted(s._heard.items())),
+        s._next_heartbeat,
+        s._next_exit_check,
+        tuple((t, index[id(r)]) for t, _, r in s._deadlines),
+        tuple(sorted(s.draining)),
+        tuple(sorted((room, req(r)) for room, r in s.requests.items())),
+        tuple(sorted(s._in_use)),
+        tuple(sorted(s._id_of_session.items())),
+        _tracker_key(s.tracker),
+        tuple(sorted((t, req(r)) for t, r in enumerate(world.requests))),
+    )
+
+
+def _key(world: World) -> tuple[object, ...]:
+    procs = tuple(
+        (
+            a,
+            tuple(
+                (
+                    p.session,
+                    p.alive,
+                    p.undrained,
+                    tuple(sorted(p.taken.items())),
+                    tuple(sorted(p.rooms.items())),
+                )
+                for p in ps
+            ),
+        )
+        for a, ps in sorted(world.procs.items())
+    )
+    channels: dict[str, list[str]] = {}
+    for channel, _, msg in world.net:  # each channel's order matters, not their interleaving
+        channels.setdefault(channel, []).append(repr(msg))
+    net = tuple(sorted((c, tuple(ms)) for c, ms in channels.items()))
+    return (
+        _machine_key(world),
+        procs,
+        net,
+        world.now,
+        world.ticks,
+        world.restarts,
+        world.exits,
+        world.aborts,
+        tuple(sorted(world.current.items())),
+        tuple(sorted(world.opened.items())),
+    )
+
+
+# -- liveness ----------------------------------------------------------------------
+def _check_terminal(world: World) -> None:
+    """Let time pass and everything drain and arrive, then look at what is left."""
+    w = _clone(world)
+    for procs in w.procs.values():
+        for p in procs:
+            p.undrained = False
+            p.taken = {q: "stopped" if how == "draining" else how for q, how in p.taken.items()}
+    for _ in range(6):
+        w.now += 10 * DT
+        _tick(w)
+        while w.net:
+            _, dest, msg = w.net.pop(0)
+            if dest == "decode":
+                _carry(w, w.state.handle(msg, w.now))
+            else:
+                _deliver(w, dest, msg)
+    for room, q in w.current.items():
+        request = w.requests[q]
+        # Proof can come for a writer that is the live process at its address
+        # (it gets the re-sent ABORTs) or one that exited (its exit, drained);
+        # an earlier process still running after a restart at its address
+        # proves nothing, ever.
+        writing = any(p.taken.get(q) == "writing" for ps in w.procs.values() for p in ps)
+        unprovable = any(
+            wr.session != w.procs[wr.address][-1].session and _proc(w, wr.address, wr.session).alive
+            for wr in request.writers.values()  # type: ignore[attr-defined]
+        )
+        held = w.state.current(request) and w.state.tracker.state(room) in (  # type: ignore[arg-type]
+            HoldState.HELD,
+            HoldState.QUARANTINED,
+        )
+        if held and not writing and not unprovable:
+            raise Violation(
+                f"L: room {room} stays {w.state.tracker.state(room)} although its writers stopped"
+            )
+        if request.verdict is None and not request.aborted:  # type: ignore[attr-defined]
+            for rank, wr in request.writers.items():  # type: ignore[attr-defined]
+                now_there = w.procs[wr.address][-1]
+                if wr.session != now_there.session or not now_there.alive:
+                    raise Violation(f"L: room {room} left TRANSFERRING, its rank {rank}'s process gone")
+
+
+def explore(
+    instances: Sequence[Sequence[str]] = (("p0",),),
+    limits: Limits = Limits(),
+    factory: Factory = EndpointState,
+) -> Report:
+    """Visit every reachable state; raise :class:`Violation` on the first bad one."""
+    report = Report()
+    start = initial(instances, limits, factory)
+    seen = {_key(start)}
+    stack = [start]
+    while stack:
+        world = stack.pop()
+        report.states += 1
+        enabled = list(steps(world, limits, len(instances)))
+        if not enabled:
+            report.terminals += 1
+            try:
+                _check_terminal(world)
+            except Violation as exc:
+                raise Violation(f"{exc} (after {' '.join(world.trace)})") from None
+        for label, step in enabled:
+            nxt = _clone(world)
+            nxt.trace = (*world.trace, label)
+            try:
+                step(nxt)
+            except Violation as exc:
+                raise Violation(f"{exc} (after {' '.join(nxt.trace)})") from None
+            report.transitions += 1
+            key = _key(nxt)
+            if key not in seen:
+                seen.add(key)
+                stack.append(nxt)
+    return report
