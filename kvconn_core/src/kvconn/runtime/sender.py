@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.errors import PageError, RoomStateError
+from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.rank import LegChunk, Verdict
 from kvconn.runtime.layout import EngineLayout, PageLayout
@@ -155,12 +155,12 @@ def _with_extras(
 ) -> SegmentTable:
     """A last chunk's segments, and its room's extras after them."""
     if not isinstance(layout, EngineLayout):
-        raise ValueError(f"room {room}: decode asked for extras, but its pages are no engine layout")
+        raise PageError("decode asked for extras, but its pages are no engine layout", room)
     if not layout.src.writes_extras_to(layout.dst):
         return segments
     if src_slot is None:
-        raise ValueError(
-            f"room {room}: decode asked for its extras; the last chunk must name this rank's slot"
+        raise IncompleteRoomError(
+            "decode asked for its extras; the last chunk must name this rank's slot", room
         )
     extras = layout.src.extra_segments(layout.dst, src_slot, dst_slot)
     return SegmentTable(np.concatenate([segments.rows, extras.rows]))
