@@ -183,6 +183,20 @@ def test_a_fan_out_sender_is_settled_only_once_every_decode_settled() -> None:
     assert verdict is not None and verdict.ok and verdict.settled
 
 
+def test_a_sender_waiting_for_a_decodes_request_is_not_settled() -> None:
+    """Found by explore_rank.py: a sender with no request yet said settled()
+    (all of no legs), and an engine reusing its source pages then would have
+    them read by the chunks it sends once the request comes."""
+    state, seq = _state(), _Seq()
+    s = state.open_sender(1, 2, 0.0)
+    assert not state.settled(s)
+    _request(state, seq, A, 1, (0,))
+    _abort(state, A, 1)  # one decode's leg concluded, the other decode not asked yet
+    assert not state.settled(s)
+    assert state.poll(s, 0.0)[0] is KVPoll.FAILED  # the verdict: nothing more is written
+    assert state.settled(s)
+
+
 def test_a_failed_fan_out_room_is_concluded_but_not_settled_while_a_chunk_is_written() -> None:
     state, seq = _state(), _Seq()
     _request(state, seq, A, 1, (0,))

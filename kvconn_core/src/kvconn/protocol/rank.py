@@ -340,9 +340,13 @@ class RankState(Generic[L]):
         return {leg.key.decode: self._leg_status(leg) for leg in s.legs}
 
     def settled(self, s: SenderState) -> bool:
-        """Every leg concluded and nothing of any is being written (a leg
-        never bound was written nothing)."""
+        """Every decode's leg concluded and nothing of any is being written.
+        A sender still waiting for a decode's request is not settled (it may
+        yet write); one concluded without it (failed, gave up, cleared)
+        wrote nothing into that decode."""
         self._bind(s)
+        if s.verdict is None and len(s.legs) < s.decodes:
+            return False
         return all(
             self._leg_status(leg) in CONCLUDED and leg.entry.outstanding == leg.entry.stuck for leg in s.legs
         )
