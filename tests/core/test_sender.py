@@ -72,7 +72,8 @@ def test_a_late_clear_or_fail_of_a_concluded_request_leaves_the_reused_room_alon
         old.fail("the engine gave up late on its first request")
         assert rank.ledger.status(RoomKey(decode.name, 1)) is KVPoll.WAITING_FOR_INPUT
         with pytest.raises(RuntimeError, match="requested again"):
-            old._last_sent = False  # even a handle that did not finish may not send into the new request
+            # even a handle that did not finish may not send into the new request
+            old._state.last_sent = False
             old.send([2])
         new = rank.sender(1)
         new.send([2, 3], last=True)

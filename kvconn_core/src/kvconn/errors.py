@@ -20,10 +20,11 @@ class KvconnError(Exception):
         self.room = room
 
 
-class RoomStateError(KvconnError, RuntimeError):
+class RoomStateError(KvconnError, RuntimeError, ValueError):
     """The room (or this handle on it) is not in a state that allows the call:
     not bootstrapped yet, already finished, its request replaced by a newer
-    one, its last chunk already sent."""
+    one, its last chunk already sent. (Also a ValueError: what some of these
+    calls raised before, ``Receiver.finish()`` of a room not completed.)"""
 
 
 class RoomInUseError(RoomStateError, ValueError):
@@ -54,7 +55,7 @@ class RequestError(KvconnError, ValueError):
     these calls raised before.)"""
 
 
-class FinishRefusedError(RoomStateError, ValueError):
+class FinishRefusedError(RoomStateError):
     """``finish()`` of a room whose pages are not the engine's to take: not
     completed, aborted, or finished already. (Also a ValueError: what
     ``Receiver.finish()`` and ``HoldTracker.finish()`` raised before.)"""

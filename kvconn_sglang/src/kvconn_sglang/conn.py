@@ -28,12 +28,11 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
-from kvconn.errors import BootstrapError
+from kvconn.errors import BootstrapError, KvconnError
 from kvconn.plugins import get_backend
-from kvconn.protocol.hold import Release
-from kvconn.protocol.ledger import KVPoll as KvconnPoll
-from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.runtime.decode import DecodeEndpoint, Release
 from kvconn.runtime.decode import Receiver as KvconnReceiver
+from kvconn.runtime.prefill import KVPoll as KvconnPoll
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.prefill import Sender as KvconnSender
 from kvconn_sglang.memory import engine_kv
@@ -44,8 +43,6 @@ from kvconn_sglang.settings import Settings
 log = logging.getLogger(__name__)
 
 _CONCLUDED = (KvconnPoll.SUCCESS, KvconnPoll.FAILED)
-#: A room failed before any decode asked fails every decode's request.
-_EVERY_DECODE = 1 << 16
 
 
 class KVConnTransferError(RuntimeError):
@@ -235,7 +232,9 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
             self.rank.close()
 
     # -- decode helpers -------------------------------------------------------
-    def _hold(self, room: int) -> None:
+    def hold(self, room: int) -> None:
+        """``room``'s pages are SGLang's "held" until kvconn releases them
+        (a receiver calls it before its abort: a release can fire inside it)."""
         with self._lock:
             self._held.add(room)
 
@@ -315,7 +314,7 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         try:
             last = self._pages_sent >= self._num_pages
             sender.send(pages, last=last, extras_slot=self._aux_slot if last else None)
-        except (RuntimeError, ValueError) as exc:
+        except KvconnError as exc:
             self._fail(str(exc))
 
     def _bound(self) -> KvconnSender | None:
@@ -336,13 +335,18 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self._failure = reason
         sender = self._bound()
         if sender is None:
-            # No decode asked yet, so how many will is unknown: fail every
-            # request of the room, here now or still to come.
-            sender = self._sender = self._rank.sender(self.bootstrap_room, decodes=_EVERY_DECODE)
-        sender.fail(reason)
+            # No decode asked yet, so how many will is unknown: the rank
+            # fails every request of the room, here now or still to come.
+            self._rank.fail_room(self.bootstrap_room, reason)
+        else:
+            sender.fail(reason)
 
     def poll(self) -> int:
         if self._concluded is not None:
+            return self._concluded
+        if self._sender is None and self._failure is not None:
+            # Failed before any decode asked: nothing was or will be written.
+            self._concluded = int(KVPoll.Failed)
             return self._concluded
         sender = self._bound()
         if sender is None:
@@ -354,14 +358,15 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
             # written the rest of a request no one will decode.
             self._failed_everywhere = True
             sender.fail("failed at another decode rank of the request")
-        # SGLang reuses the source pages once told Success or Failed: say so
-        # only when no chunk of the room is still being read from them.
-        if status in _CONCLUDED and not sender.settled():
+        verdict = sender.verdict() if status in _CONCLUDED else None
+        if verdict is None:
+            return to_sglang(status, KVPoll)
+        # SGLang reuses the source pages once told Success or Failed: kvconn's
+        # verdict says so only once every decode's chunks are settled.
+        if not verdict.settled:
             return int(KVPoll.Transferring)
-        value = to_sglang(status, KVPoll)
-        if status in _CONCLUDED:
-            self._concluded = value
-        return value
+        self._concluded = to_sglang(verdict.status, KVPoll)
+        return self._concluded
 
     def poll_pp_consensus(self) -> int:
         return self.poll()
@@ -377,12 +382,13 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
         self._fail("aborted by prefill")
 
     def clear(self) -> None:
-        if self._bound() is None:
+        sender = self._sender if self._failure is not None else self._bound()
+        if sender is None:
             # SGLang gave the request up before decode asked: a request
             # arriving later must be told Failed, not wait for chunks.
-            self._fail("cleared by prefill before decode asked for the room")
-        assert self._sender is not None  # bound, or made by _fail
-        self._sender.clear()
+            self._fail(self._failure or "cleared by prefill before decode asked for the room")
+        else:
+            sender.clear()
 
     def get_transfer_metric(self) -> Any:
         return KVTransferMetric()
@@ -443,7 +449,7 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             self.kv_mgr.forget_prefill(self.bootstrap_addr, self._prefill_dp_rank)
             self._failure = f"bootstrap with prefill {self.bootstrap_addr} failed: {exc}"
             return
-        except ValueError as exc:
+        except (KvconnError, ValueError) as exc:  # ValueError: an index that is no int
             self._failure = str(exc)
             return
         self.bootstrap_infos = [{"rank": r} for r in range(len(self._prefill))]
@@ -484,7 +490,7 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return
         self.abort_notified = True
         # Held before the abort: a release can fire inside abort() itself.
-        self.kv_mgr._hold(self.bootstrap_room)
+        self.kv_mgr.hold(self.bootstrap_room)
         if self._failure is None:
             self._failure = self._receiver.failure()
         self._receiver.abort()

@@ -8,7 +8,7 @@ the integers through would turn a failure into a success.
 
 from __future__ import annotations
 
-from kvconn.protocol.ledger import KVPoll as KvconnPoll
+from kvconn.runtime.prefill import KVPoll as KvconnPoll
 
 #: kvconn's states by the name SGLang gives the same state.
 _SGLANG_NAME = {

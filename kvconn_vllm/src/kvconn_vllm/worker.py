@@ -23,13 +23,11 @@ from typing import Any
 
 import attrs
 
-from kvconn.errors import BootstrapError
+from kvconn.errors import KvconnError
 from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
-from kvconn.protocol.hold import Release
-from kvconn.protocol.ledger import LIVE, KVPoll
-from kvconn.runtime.decode import DecodeEndpoint, Receiver
-from kvconn.runtime.prefill import PrefillRank, Sender
+from kvconn.runtime.decode import DecodeEndpoint, Receiver, Release
+from kvconn.runtime.prefill import KVPoll, PrefillRank, Sender
 from kvconn.transport import Backend
 from kvconn_vllm.conformance import check_transport
 from kvconn_vllm.layout import KVGeometry, engine_memory
@@ -41,6 +39,8 @@ log = logging.getLogger(__name__)
 #: Rooms decode asked for before this worker heard of them (the proxy is
 #: quick): remembered up to this many, oldest forgotten first.
 MAX_EARLY_REQUESTS = 65536
+#: A sender's states in which its room may still be sent.
+_SENDABLE = (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
 
 
 @attrs.frozen
@@ -100,7 +100,6 @@ class WorkerSide:
         self._outgoing: dict[int, _Outgoing] = {}
         self._early: OrderedDict[int, int] = OrderedDict()
         self._finished_reqs: set[str] = set()
-        self._given_up: dict[int, tuple[Sender, float]] = {}
         # decode
         self._incoming: dict[str, _Incoming] = {}
         self._by_room: dict[int, str] = {}
@@ -204,7 +203,7 @@ class WorkerSide:
         if outgoing.sent or outgoing.given_up:
             return
         blocks = outgoing.send.block_ids
-        if npages > len(blocks) or outgoing.sender.poll() not in LIVE:
+        if npages > len(blocks) or outgoing.sender.poll() not in _SENDABLE:
             outgoing.given_up = True
             outgoing.sender.fail(f"decode asked for {npages} blocks, prefill holds {len(blocks)}")
             return
@@ -212,7 +211,7 @@ class WorkerSide:
         # for the rest.
         try:
             outgoing.sender.send(blocks[len(blocks) - npages :], last=True)
-        except (RuntimeError, ValueError) as exc:
+        except KvconnError as exc:
             outgoing.given_up = True
             outgoing.sender.fail(f"send refused: {exc}")
             return
@@ -233,19 +232,12 @@ class WorkerSide:
                 # vLLM takes a send as finished only for a request it reported finished.
                 over = outgoing.sent or outgoing.given_up
                 if over and req_id in self._finished_reqs and outgoing.sender.settled():
-                    if outgoing.given_up:
-                        # The failed room stays in the ledger a while: a decode
-                        # asking late must find it Failed, not a fresh room.
-                        self._given_up[room] = (outgoing.sender, now + self.settings.config.tombstone_ttl_s)
-                    else:
-                        outgoing.sender.clear()
+                    # A failed room's decode asking late is told Failed by the
+                    # rank (for its tombstone TTL), cleared sender or not.
+                    outgoing.sender.clear()
                     del self._outgoing[room]
                     self._finished_reqs.discard(req_id)
                     done.add(req_id)
-            for room, (sender, expires) in list(self._given_up.items()):
-                if now >= expires:
-                    sender.clear()
-                    del self._given_up[room]
         return done
 
     # -- decode ------------------------------------------------------------
@@ -279,7 +271,7 @@ class WorkerSide:
         outcome: BaseException | None = None
         try:
             decode.connect(prefill)
-        except (BootstrapError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # whatever ended it, the requests waiting on it must hear
             outcome = exc
         with self._lock:
             self._connected[prefill] = outcome

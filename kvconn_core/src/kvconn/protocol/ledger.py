@@ -96,6 +96,15 @@ class _Room:
     incarnation: int = 0
     #: The sequence number of decode's request for it (0: none yet).
     seq: int = 0
+    #: The destination pages of decode's request (None: no request yet):
+    #: this incarnation's own, never an earlier request's of the same id.
+    dst_pages: tuple[int, ...] | None = None
+    #: Decode's extras slot for the room (None: none asked for).
+    extras: int | None = None
+    #: A sender took it once (see :meth:`RoomLedger.claim`).
+    claimed: bool = False
+    #: Why it failed, as decode was told ("" while it has not).
+    reason: str = ""
 
 
 class RoomLedger:
@@ -198,10 +207,14 @@ class RoomLedger:
         return len(self._poisoned)
 
     # -- room lifecycle ----------------------------------------------------
-    def request(self, key: RoomKey, seq: int = 0) -> None:
+    def request(
+        self, key: RoomKey, seq: int = 0, dst_pages: tuple[int, ...] = (), extras: int | None = None
+    ) -> None:
         """Decode ``key.decode`` asked for room ``key.room`` (its request
-        numbered ``seq``, growing with every request of that decode): its
-        pages are known, input may flow.
+        numbered ``seq``, growing with every request of that decode) to be
+        written into ``dst_pages`` (and its extras into slot ``extras``): its
+        pages are known, input may flow. An entry keeps the pages of its
+        first request: a duplicate cannot move a room's writes elsewhere.
 
         A concluded room's id that decode reuses starts a new entry (a new
         incarnation): a Success room once drained, and a Failed one once its
@@ -218,6 +231,8 @@ class RoomLedger:
         if entry is None:
             entry = self._put(key, self._new_entry())
         entry.seq = max(entry.seq, seq)
+        if entry.dst_pages is None:
+            entry.dst_pages, entry.extras = tuple(dst_pages), extras
         if entry.status == KVPoll.BOOTSTRAPPING:
             entry.status = KVPoll.WAITING_FOR_INPUT
 
@@ -261,6 +276,13 @@ class RoomLedger:
         entry.tombstone = True
         self._touched.add(key)
         return True
+
+    def claim(self, key: RoomKey) -> None:
+        """A sender took ``key``'s entry: once it concluded, it is that
+        sender's verdict, never a fresh sender's (see protocol/rank.py)."""
+        entry = self._rooms.get(key)
+        if entry is not None:
+            entry.claimed = True
 
     # -- the transfer worker's path ----------------------------------------
     def dequeue(self, key: RoomKey, incarnation: int | None = None) -> bool:
@@ -548,6 +570,7 @@ class RoomLedger:
         if entry.status == KVPoll.FAILED:
             return []
         entry.status = KVPoll.FAILED
+        entry.reason = reason
         if notify and key.decode:
             return [NotifyDecode(key.decode, self.room_status(key, RoomOutcome.FAILED, reason))]
         return []

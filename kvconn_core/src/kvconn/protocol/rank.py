@@ -1,0 +1,545 @@
+"""A prefill rank's handling of requests, senders and verdicts, sans-I/O.
+
+:class:`RankState` decides everything a rank does above the chunk path
+(which stays :class:`~kvconn.protocol.ledger.RoomLedger`'s): which decode's
+request is fresh, which request a room id names now (its incarnation), which
+requests an engine's sender writes (its legs), what the sender may still
+send and into which pages, and what its verdict is. Each stimulus (a message,
+an engine call, a tick) takes the time as an argument and returns the
+actions the caller carries out; the caller serialises the calls (one lock).
+
+Why this is the one place:
+
+* **Incarnations by identity.** Decode reuses a room id once the room's
+  pages came back. A sender keeps the ledger entry it first saw (a *leg*):
+  an entry replaced or forgotten since is over for it, so its late
+  ``clear()``/``fail()`` never touches the request that took the id, and it
+  never sends into that request's pages (every chunk it queues names its
+  leg's incarnation; :meth:`RoomLedger.dequeue` skips one that does not
+  match).
+* **One TTL.** A room a sender gave up on (or failed before every decode
+  asked) is refused for the ledger's own ``tombstone_ttl``, whichever decode
+  asks: the same TTL as every tombstone.
+* **Verdicts.** A sender's status is the sum of its legs: FAILED if any leg
+  failed, SUCCESS once all succeeded; it is *settled* only once no chunk of
+  any leg is still being written (its source pages may then be reused).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import attrs
+
+from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
+from kvconn.protocol.drops import DropReason
+from kvconn.protocol.ledger import (
+    LIVE,
+    KVPoll,
+    LedgerAction,
+    NotifyDecode,
+    RoomEntry,
+    RoomKey,
+    RoomLedger,
+)
+from kvconn.protocol.messages import Abort, Hello, RoomOutcome, TransferRequest
+
+#: The layout of a decode's pages as the runtime lowers chunks with it
+#: (opaque here: only compared, never read).
+L = TypeVar("L")
+
+CONCLUDED = frozenset({KVPoll.SUCCESS, KVPoll.FAILED})
+
+
+# -- actions -----------------------------------------------------------------
+@attrs.frozen(slots=True)
+class Drop:
+    """Count the message as dropped; do nothing else."""
+
+    reason: DropReason
+
+
+@attrs.frozen(slots=True)
+class Requested:
+    """Tell the engine decode asked for ``room`` (``npages`` pages)."""
+
+    room: int
+    npages: int
+
+
+@attrs.frozen(slots=True)
+class Bootstrap:
+    """Check and connect the decode a Hello names (I/O), then call
+    :meth:`RankState.hello` and :meth:`RankState.add_peer`."""
+
+    hello: Hello
+
+
+@attrs.frozen(slots=True)
+class AbortHook:
+    """Run the plugins' abort hook, then call :meth:`RankState.abort_hooked`
+    (the ack waits for it: a raising hook poisons the room)."""
+
+    abort: Abort
+    known: bool
+
+
+@attrs.frozen(slots=True)
+class Fence:
+    """Run the writer's fence (off the listener thread): nothing else would
+    settle the room a raising hook poisoned."""
+
+
+@attrs.frozen(slots=True)
+class GaveUp:
+    """A sender stopped waiting for decode's requests (count it)."""
+
+    room: int
+
+
+Action = LedgerAction | Drop | Requested | Bootstrap | AbortHook | Fence | GaveUp
+
+
+class HelloPlan(enum.Enum):
+    """What a Hello from a decode asks of the rank."""
+
+    KNOWN = "known"  #: the same decode again: answer, change nothing
+    NEW = "new"  #: connect it
+    #: connect it; another decode listened at its address before (it is gone:
+    #: one endpoint binds an address), so drop the connection to it first
+    NEW_AT_REUSED_ADDRESS = "new_at_reused_address"
+
+
+# -- state -------------------------------------------------------------------
+@attrs.define(slots=True, eq=False)
+class Peer(Generic[L]):
+    """A bootstrapped decode endpoint."""
+
+    reply_to: str
+    layout: L
+    #: Its layout's tensor-parallel size (1 for a decode of equal page shards).
+    tp_size: int = 1
+    #: Its last request's sequence number: a fresh request's is higher.
+    last_seq: int = 0
+
+
+@attrs.define(slots=True, eq=False)
+class Leg:
+    """One decode's request a sender writes: the ledger entry, as the sender
+    first saw it (its identity is the request's incarnation)."""
+
+    key: RoomKey
+    entry: RoomEntry
+
+
+@attrs.frozen(slots=True)
+class Verdict:
+    """How a sender's room ended: SUCCESS or FAILED, with why."""
+
+    status: KVPoll
+    #: No chunk of the room is being written any more, at any of its
+    #: decodes: the source pages may be reused.
+    settled: bool
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is KVPoll.SUCCESS
+
+
+@attrs.define(slots=True, eq=False, weakref_slot=True)
+class SenderState:
+    """The machine's record of one engine sender (see :meth:`RankState.open_sender`)."""
+
+    room: int
+    decodes: int
+    #: When it stops waiting for decodes' requests (None: never).
+    deadline: float | None
+    legs: list[Leg] = attrs.Factory(list)
+    verdict: KVPoll | None = None
+    cleared: bool = False
+    gave_up: bool = False
+    #: Pages queued so far (into each leg), chunks queued, the last one queued.
+    sent: int = 0
+    index: int = 0
+    last_sent: bool = False
+    #: Why the engine failed it ("" if it did not).
+    reason: str = ""
+
+
+@attrs.frozen(slots=True)
+class LegChunk(Generic[L]):
+    """One leg's share of a chunk to queue: tagged with its incarnation."""
+
+    key: RoomKey
+    incarnation: int
+    dst_pages: tuple[int, ...]
+    #: decode's extras slot, on a last chunk of a room with extras
+    extras: int | None
+    layout: L
+
+
+@attrs.frozen(slots=True)
+class SendPlan(Generic[L]):
+    """A checked send, not yet queued (:meth:`RankState.commit_send`)."""
+
+    index: int
+    last: bool
+    npages: int
+    legs: tuple[LegChunk[L], ...]
+
+
+class RankState(Generic[L]):
+    """A prefill rank's decisions above the chunk path (see the module doc)."""
+
+    def __init__(
+        self,
+        ledger: RoomLedger,
+        bootstrap_timeout: float | None = None,
+        reachable: Callable[[str], bool] = lambda address: True,
+    ) -> None:
+        """``bootstrap_timeout``: how long a sender waits for every decode's
+        request (None: for ever). ``reachable``: whether a reply address can
+        be sent to at all (an abort naming one that cannot is dropped whole,
+        or the ledger would keep an ack target that fails every send)."""
+        self.ledger = ledger
+        self.bootstrap_timeout = bootstrap_timeout
+        self._reachable = reachable
+        self.peers: dict[str, Peer[L]] = {}
+        #: Rooms given up (room id -> until when): a request arriving later
+        #: is refused, whichever decode sends it.
+        self._given_up: dict[int, float] = {}
+        #: Requests (incarnations) a live sender took. A sender dropped
+        #: unused frees them: the engine's handle is the sender, and only it.
+        self._taken: weakref.WeakValueDictionary[int, SenderState] = weakref.WeakValueDictionary()
+
+    # -- messages --------------------------------------------------------------
+    @functools.singledispatchmethod
+    def handle(self, msg: object, now: float) -> list[Action]:
+        """A control message from a decode endpoint."""
+        return [Drop(DropReason.UNEXPECTED_TYPE)]
+
+    @handle.register
+    def _request(self, msg: TransferRequest, now: float) -> list[Action]:
+        peer = self.peers.get(msg.decode)
+        if peer is None:
+            return [Drop(DropReason.UNKNOWN_DECODE)]
+        if msg.session != self.ledger.session or msg.seq <= peer.last_seq:
+            return [Drop(DropReason.STALE_REQUEST)]  # replayed, or for another process
+        peer.last_seq = msg.seq
+        # A room is this decode's: the same id requested by another decode is
+        # another room (its own pages, counts and acks).
+        key = RoomKey(msg.decode, msg.room)
+        ledger = self.ledger
+        if ledger.entry(key) is None and self.given_up(msg.room, now):
+            ledger.give_up(key, now)  # its sender gave up: write nothing
+        ledger.request(key, msg.seq, msg.dst_pages, msg.extras)
+        actions: list[Action] = []
+        if ledger.status(key) is KVPoll.FAILED:
+            # It will write nothing: say so, or decode waits for a transfer
+            # that never comes.
+            reason = (
+                "room is failed or tombstoned at this rank (aborted, its sender gave up "
+                "waiting for this request, or its id reused too soon)"
+            )
+            actions.append(NotifyDecode(msg.decode, ledger.room_status(key, RoomOutcome.FAILED, reason)))
+        actions.append(Requested(msg.room, len(msg.dst_pages)))
+        return actions
+
+    @handle.register
+    def _abort(self, msg: Abort, now: float) -> list[Action]:
+        if not self._reachable(msg.reply_to):
+            return [Drop(DropReason.BAD_REPLY_TO)]
+        return [AbortHook(msg, self.ledger.abort(msg, now))]
+
+    @handle.register
+    def _hello(self, msg: Hello, now: float) -> list[Action]:
+        return [Bootstrap(msg)]
+
+    def abort_hooked(self, abort: Abort, raised: bool) -> list[Action]:
+        """The abort hook ran (``raised``: it raised, and may have left
+        writes behind): ack the room if nothing of it can land."""
+        key = RoomKey(abort.decode, abort.room)
+        actions: list[Action] = []
+        if raised:
+            actions += self.ledger.poison(key, "on_abort_notification raised")
+            actions.append(Fence())
+        actions += self.ledger.try_ack(key)
+        return actions
+
+    def hello(self, decode: str, reply_to: str, layout: L) -> HelloPlan:
+        """What a checked Hello asks. Raises ValueError for a Hello that
+        would change a known decode: a decode's name is new with every
+        endpoint, so it is not that decode's own (nor may a replay reset it)."""
+        known = self.peers.get(decode)
+        if known is None:
+            if any(peer.reply_to == reply_to for peer in self.peers.values()):
+                return HelloPlan.NEW_AT_REUSED_ADDRESS
+            return HelloPlan.NEW
+        if (known.reply_to, known.layout) != (reply_to, layout):
+            raise ValueError(f"decode {decode} is already bootstrapped with another address or layout")
+        return HelloPlan.KNOWN
+
+    def add_peer(self, decode: str, reply_to: str, layout: L, tp_size: int = 1) -> None:
+        """``decode`` is connected (a second Hello that raced this one keeps the first)."""
+        self.peers.setdefault(decode, Peer(reply_to, layout, tp_size))
+
+    def tick(self, now: float) -> list[Action]:
+        """Forget what expired: idle tombstones and cleared rooms, given-up rooms."""
+        self.ledger.expire(now)
+        for room in [r for r, until in self._given_up.items() if until <= now]:
+            del self._given_up[room]
+        return []
+
+    def given_up(self, room: int, now: float) -> bool:
+        until = self._given_up.get(room)
+        return until is not None and until > now
+
+    # -- the engine's calls ----------------------------------------------------
+    def requesting_tp(self, room: int) -> int | None:
+        """The tensor-parallel size of a decode whose request for ``room``
+        no sender took, or None while there is none."""
+        for decode, entry in self.ledger.decodes_of(room).items():
+            if entry.dst_pages is not None and self._takeable(entry):
+                return self.peers[decode].tp_size
+        return None
+
+    def open_sender(self, room: int, decodes: int, now: float) -> SenderState:
+        if decodes < 1:
+            raise ValueError(f"room {room}: a sender writes into at least one decode, got decodes={decodes}")
+        deadline = None if self.bootstrap_timeout is None else now + self.bootstrap_timeout
+        return SenderState(room, decodes, deadline)
+
+    def poll(self, s: SenderState, now: float) -> tuple[KVPoll, list[Action]]:
+        """The sender's status (binding any requests that came); past its
+        bootstrap deadline without every decode's request, it gives up."""
+        if s.verdict is not None:
+            return s.verdict, []
+        self._bind(s)
+        statuses = [self._leg_status(leg) for leg in s.legs]
+        if KVPoll.FAILED in statuses:
+            s.verdict = KVPoll.FAILED
+            return s.verdict, []
+        if len(s.legs) < s.decodes:
+            if s.deadline is not None and now >= s.deadline:
+                return KVPoll.FAILED, self._give_up(s, now)
+            return KVPoll.BOOTSTRAPPING, []
+        if all(status is KVPoll.SUCCESS for status in statuses):
+            s.verdict = KVPoll.SUCCESS
+            return s.verdict, []
+        if any(status >= KVPoll.TRANSFERRING for status in statuses):
+            return KVPoll.TRANSFERRING, []
+        return KVPoll.WAITING_FOR_INPUT, []
+
+    def leg_statuses(self, s: SenderState) -> dict[str, KVPoll]:
+        """Each leg's status, by decode (after :meth:`poll`)."""
+        return {leg.key.decode: self._leg_status(leg) for leg in s.legs}
+
+    def settled(self, s: SenderState) -> bool:
+        """Every decode's leg concluded and nothing of any is being written.
+        A sender still waiting for a decode's request is not settled (it may
+        yet write); one concluded without it (failed, gave up, cleared)
+        wrote nothing into that decode."""
+        self._bind(s)
+        if s.verdict is None and len(s.legs) < s.decodes:
+            return False
+        return all(
+            self._leg_status(leg) in CONCLUDED and leg.entry.outstanding == leg.entry.stuck for leg in s.legs
+        )
+
+    def verdict(self, s: SenderState, now: float) -> tuple[Verdict | None, list[Action]]:
+        """The sender's verdict once its room concluded (None before)."""
+        status, actions = self.poll(s, now)
+        if status not in CONCLUDED:
+            return None, actions
+        reason = s.reason
+        if not reason and status is KVPoll.FAILED:
+            failed = [leg.entry.reason for leg in s.legs if leg.entry.reason]
+            if failed:
+                reason = failed[0]
+            elif s.gave_up:
+                reason = "the prefill engine gave up waiting for every decode's request"
+            elif s.cleared:
+                reason = "cleared by the prefill engine"
+        return Verdict(status, self.settled(s), reason), actions
+
+    def plan_send(self, s: SenderState, npages: int, last: bool, polled: KVPoll) -> SendPlan[L]:
+        """Check the sender's next chunk of ``npages`` pages (``polled``: its
+        status just now) and say where each leg's share goes. Raises, and
+        changes nothing, if it may not be sent."""
+        room = s.room
+        if s.last_sent:
+            raise RoomStateError("its last chunk was sent, no chunk may follow it", room)
+        ledger = self.ledger
+        for leg in s.legs:
+            if ledger.entry(leg.key) is not leg.entry:
+                raise RoomStateError(
+                    "its request is over (the room was cleared, or requested again since this sender began)",
+                    room,
+                )
+        if s.cleared:
+            raise RoomStateError(f"this sender was cleared ({polled.name})", room)
+        if s.gave_up:
+            raise RoomStateError("this sender gave up waiting for decode's request", room)
+        if len(s.legs) < s.decodes and any(
+            entry.status is KVPoll.SUCCESS for entry in ledger.decodes_of(room).values()
+        ):
+            # Complete here, and not this sender's: its pages are decode's again.
+            raise RoomStateError("complete at this rank: no chunk may follow its last", room)
+        if len(s.legs) < s.decodes or any(leg.entry.dst_pages is None for leg in s.legs):
+            raise RoomStateError(
+                f"not bootstrapped yet ({len(s.legs)} of {s.decodes} decodes requested it; "
+                f"poll() says {polled.name})",
+                room,
+            )
+        if any(leg.entry.status is KVPoll.SUCCESS for leg in s.legs):
+            # Its last chunk landed and decode was told: the pages are decode's again.
+            raise RoomStateError("complete at this rank: no chunk may follow its last", room)
+        legs = []
+        for leg in s.legs:
+            dst_all = leg.entry.dst_pages
+            assert dst_all is not None  # checked above
+            dst = dst_all[s.sent : s.sent + npages]
+            left = len(dst_all) - s.sent
+            if len(dst) != npages:
+                raise PageError(f"{left} pages left, got {npages}", room)
+            if last and npages != left:
+                raise IncompleteRoomError(
+                    f"a last chunk of {npages} pages leaves {left - npages} of the "
+                    f"room's {len(dst_all)} destination pages unwritten",
+                    room,
+                )
+            extras = leg.entry.extras if last else None
+            legs.append(
+                LegChunk(leg.key, leg.entry.incarnation, dst, extras, self.peers[leg.key.decode].layout)
+            )
+        return SendPlan(s.index, last, npages, tuple(legs))
+
+    def commit_send(self, s: SenderState, plan: SendPlan[L]) -> list[Action]:
+        """The planned chunk is being queued (its legs' shares lowered)."""
+        s.sent += plan.npages
+        s.index += 1
+        s.last_sent = plan.last
+        return []
+
+    def fail(self, s: SenderState, reason: str, now: float) -> list[Action]:
+        """Prefill-initiated failure of the sender's requests; a decode whose
+        request has not come yet is told FAILED when it does."""
+        self._bind(s)
+        s.reason = s.reason or reason
+        actions: list[Action] = []
+        for leg in s.legs:
+            actions += self.ledger.fail(leg.key, reason, leg.entry.incarnation)
+        if len(s.legs) < s.decodes:
+            self._give_up_room(s.room, now)
+            s.verdict = KVPoll.FAILED
+        return actions + self.poll(s, now)[1]
+
+    def clear(self, s: SenderState, now: float) -> list[Action]:
+        """The engine is done with the sender: a leg still live fails (its
+        decode is told), drained legs are forgotten, the verdict is final."""
+        if s.cleared:
+            return []
+        self._bind(s)
+        s.cleared = True  # binds nothing from now on
+        ledger = self.ledger
+        if not s.legs:
+            # A sender that never saw a request live clears whatever the room
+            # has now (as it always did), and only that.
+            present = sorted((entry.incarnation, d, entry) for d, entry in ledger.decodes_of(s.room).items())
+            s.legs = [Leg(RoomKey(d, s.room), entry) for _, d, entry in present[: s.decodes]]
+            if not s.legs:
+                s.verdict = KVPoll.FAILED  # nothing requested: nothing will be sent
+                return []
+        actions: list[Action] = []
+        for leg in s.legs:
+            actions += ledger.clear(leg.key, leg.entry.incarnation)
+        verdict, more = self.poll(s, now)
+        s.verdict = verdict if verdict in CONCLUDED else KVPoll.FAILED
+        return actions + more
+
+    def fail_room(self, room: int, reason: str, now: float) -> list[Action]:
+        """The engine fails ``room`` for every decode, before (or without)
+        knowing how many will ask: requests here now fail (a sender's legs
+        included), and any arriving within the tombstone TTL is refused.
+        The requests no sender took are cleared too: no handle would."""
+        self._give_up_room(room, now)
+        actions: list[Action] = []
+        for decode, entry in sorted(self.ledger.decodes_of(room).items()):
+            key = RoomKey(decode, room)
+            actions += self.ledger.fail(key, reason, entry.incarnation)
+            if entry.incarnation not in self._taken:
+                actions += self.ledger.clear(key, entry.incarnation)
+        return actions
+
+    # -- internals -------------------------------------------------------------
+    def _takeable(self, entry: RoomEntry) -> bool:
+        """A request a new sender may take: live, or concluded Failed before
+        any sender took it (decode aborted it first): that sender's verdict
+        is FAILED, not a wait for a request that will not come."""
+        if entry.incarnation in self._taken:
+            return False
+        if entry.status in LIVE:
+            return True
+        return entry.status is KVPoll.FAILED and not entry.claimed and not entry.cleared
+
+    def _bind(self, s: SenderState) -> None:
+        """Take requests for the room, oldest first, up to ``decodes``: a
+        room concluded and claimed is an earlier request's, not this one's."""
+        if len(s.legs) >= s.decodes or s.cleared:
+            return
+        free = sorted(
+            (entry.incarnation, decode, entry)
+            for decode, entry in self.ledger.decodes_of(s.room).items()
+            if self._takeable(entry)
+        )
+        for _, decode, entry in free[: s.decodes - len(s.legs)]:
+            key = RoomKey(decode, s.room)
+            s.legs.append(Leg(key, entry))
+            self._taken[entry.incarnation] = s
+            self.ledger.claim(key)
+
+    def _leg_status(self, leg: Leg) -> KVPoll:
+        status = leg.entry.status
+        if leg.entry is not self.ledger.entry(leg.key) and status < KVPoll.SUCCESS:
+            status = KVPoll.FAILED  # forgotten unconcluded: nothing of it is written any more
+        return status
+
+    def _give_up(self, s: SenderState, now: float) -> list[Action]:
+        """Stop waiting for decodes' requests: one arriving later writes
+        nothing (decode is told FAILED), and those already taken fail."""
+        self._give_up_room(s.room, now)
+        actions: list[Action] = [GaveUp(s.room)]
+        for leg in s.legs:
+            reason = "the prefill engine gave up waiting for every decode's request"
+            actions += self.ledger.fail(leg.key, reason, leg.entry.incarnation)
+        s.verdict = KVPoll.FAILED
+        s.gave_up = True
+        return actions
+
+    def _give_up_room(self, room: int, now: float) -> None:
+        # The ledger's TTL: a given-up room is refused as long as a tombstone is.
+        self._given_up[room] = now + self.ledger.tombstone_ttl
+
+
+__all__ = [
+    "Action",
+    "AbortHook",
+    "Bootstrap",
+    "Drop",
+    "Fence",
+    "GaveUp",
+    "HelloPlan",
+    "Leg",
+    "LegChunk",
+    "Peer",
+    "RankState",
+    "Requested",
+    "SendPlan",
+    "SenderState",
+    "Verdict",
+]
