@@ -63,6 +63,11 @@ class Config:
     #: by default) for the GIL, at each hop of an abort (decode, rank,
     #: decode). Process-wide, hence opt-in; ``kvconn bench`` sets 0.5 ms.
     gil_switch_interval_s: float | None = None
+    #: Serve the endpoint's metrics at ``http://host:metrics_port/metrics``
+    #: (:func:`kvconn.metrics.export`: the endpoints of one process share the
+    #: port, each sample labelled ``kvconn_endpoint``). 0: a free port (read
+    #: it from the endpoint's ``metrics_server``). None: not served.
+    metrics_port: int | None = None
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)
@@ -81,6 +86,8 @@ class Config:
             raise ValueError(f"bind to an explicit address, not {self.host!r}")
         if self.gil_switch_interval_s is not None and self.gil_switch_interval_s <= 0:
             raise ValueError(f"gil_switch_interval_s must be > 0, got {self.gil_switch_interval_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0-65535 or None, got {self.metrics_port}")
 
     def apply_to_process(self) -> None:
         """Apply the process-wide settings (called by each endpoint)."""

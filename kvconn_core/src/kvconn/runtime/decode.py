@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from kvconn.config import Config
 from kvconn.errors import BootstrapError, RequestError
 from kvconn.layout import KVLayout, checked_buffers
-from kvconn.metrics import Metrics
+from kvconn.metrics import Exported, Metrics, export
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
@@ -151,6 +151,16 @@ class DecodeEndpoint:
         self._state.EXIT_CHECK_S, self._state.MAX_DRAINING = self.EXIT_CHECK_S, self.MAX_DRAINING
         self._carrier = Carrier(self._state, self._outbox, self.metrics, self._bootstrapped, self._count_drop)
         self._gauge_hold_state()
+        self.metrics_server: Exported | None = None
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics_server = export(
+                    self.metrics, "decode", self.config.metrics_port, self.config.host
+                )
+            except BaseException:
+                self._listener.close()
+                self._outbox.close()
+                raise
         self._listener.start()
         if prefill:
             try:
@@ -238,6 +248,8 @@ class DecodeEndpoint:
         """Stop listening. The page region is freed only if no page is held
         or quarantined: a writer may still reach those, and memory freed
         under it could be this process's next allocation."""
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self._listener.close()
         self._outbox.close()
         held = self.held_pages()

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from kvconn.buffers import Buffer
 from kvconn.config import Config, check_deadlines
 from kvconn.layout import KVLayout, checked_buffers
-from kvconn.metrics import Metrics
+from kvconn.metrics import Exported, Metrics, export
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import KVPoll, RoomLedger
 from kvconn.protocol.messages import Hello, HelloAck, Message, TcpConnection
@@ -145,6 +145,16 @@ class PrefillRank(TransferPath):
             idle=self._on_idle,
         )
         self.address = self._listener.address
+        self.metrics_server: Exported | None = None
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics_server = export(
+                    self.metrics, f"prefill-{rank}", self.config.metrics_port, self.config.host
+                )
+            except BaseException:
+                self._listener.close()
+                self._outbox.close()
+                raise
         for w in self._workers:
             w.start()
         self._listener.start()
@@ -201,6 +211,8 @@ class PrefillRank(TransferPath):
         self._after(self._execute(actions))
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         for q in self._queues:
             q.put(_STOP)
         for w in self._workers:
