@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
-from kvconn.bench.overhead import NullBackend, NullWriter
 from kvconn.chunk import Chunk, Segment
 from kvconn.config import Config
 from kvconn.errors import KvconnError, RoomStateError
@@ -18,6 +17,7 @@ from kvconn.hookspecs import hookimpl
 from kvconn.protocol.ledger import RoomKey
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import KVPoll, PrefillRank
+from kvconn.testing.null import NullBackend, NullWriter
 from kvconn.transport import Settlement
 
 WAIT_S = 10.0
