@@ -32,6 +32,7 @@ from typing import Protocol, cast, runtime_checkable
 import attrs
 
 from kvconn.buffers import Buffer, buffers_of
+from kvconn.errors import KvconnError
 
 
 class Settlement(enum.Enum):
@@ -111,6 +112,11 @@ class PageRegion(Protocol):
 
 class OwnerFenceUnsupported(TypeError):
     """The region's backend cannot fence as the page owner."""
+
+
+class OwnerFenceFailed(KvconnError, RuntimeError):
+    """The owner fence did not happen (the old endpoint could not be
+    destroyed): nothing is proven; the region's pages stay held."""
 
 
 def owner_fence(region: PageRegion) -> bytes:
