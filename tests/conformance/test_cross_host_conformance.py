@@ -6,7 +6,7 @@ it skips saying so.
 CI runs one or more checks of every kind the cross_host claim rests on:
 integrity, engine memory, aborts racing a chunk, acks, fences, a frozen
 writer, a frozen page owner, a killed writer, a partition healed after the
-deadline. ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
+deadline, the owner fence. ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
 docs/multi-host.md reports)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavaila
 
 CI_CHECKS = (
     "integrity or engine_tp_fan_in or abort_races_chunk or forged or fanout or writer_fence_stops "
-    "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim"
+    "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim or owner_fence"
 )
 #: Checks that exist or behave differently across hosts: each must have run and passed.
 MUST_PASS = (
@@ -36,6 +36,7 @@ MUST_PASS = (
     "test_partition_healed_after_the_deadline_lands_nothing_late",
     "test_frozen_owner_gets_pages_back_only_after_drain",
     "test_writer_fence_stops_frozen_writer",
+    "test_owner_fence_stops_frozen_writer",
 )
 
 

@@ -65,3 +65,19 @@ def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> Non
         "test_frozen_owner_killed_writer_gets_pages_back_only_after_drain",
     ):
         assert f"PASSED   {check}" in out, out
+
+
+def test_the_owner_fence_check_rejects_a_fence_that_only_swaps_metadata(liar_env: dict[str, str]) -> None:
+    """The honest liar's owner fence (the contents moved to new memory, the
+    old unlinked) passes; the lie (new metadata, same memory) fails: the
+    resumed writer's bytes land after the fence. Paced, so that the copy is
+    still running when the suite freezes the writer."""
+    paced = ("-o", "pace_s=0.0002")
+    code, out = conformance("liar-honest", "-k", "owner_fence", *paced, env=liar_env)
+    assert code == 0, out
+    assert "PASSED   test_owner_fence_stops_frozen_writer  (fence " in out, out
+    assert " 0 bytes after it in " in out, out
+    code, out = conformance("liar-owner-fence", "-k", "owner_fence", *paced, env=liar_env)
+    assert code != 0, out
+    assert "FAILED   test_owner_fence_stops_frozen_writer" in out, out
+    assert "the fence does not stop a resumed writer" in out, out

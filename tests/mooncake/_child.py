@@ -167,6 +167,23 @@ class _Endpoint:
             time.sleep(0.001)
         return time.monotonic() - t0
 
+    def owner_fence(self) -> tuple[bytes, float]:
+        """The region's owner fence: its new metadata and how long it took."""
+        from kvconn.transport import owner_fence
+
+        t = time.monotonic()
+        metadata = owner_fence(self.region)
+        return metadata, time.monotonic() - t
+
+    def second_region(self, nbytes: int) -> bytes:
+        self.other_region = self.backend.open_region(nbytes, {})
+        return bytes(self.other_region.metadata)
+
+    def region_digest(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.region.array().tobytes()).hexdigest()
+
     def fence(self) -> tuple[bool, float, float]:
         t = time.monotonic()
         res = self.pm.hook.on_fence()

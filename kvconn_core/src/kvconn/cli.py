@@ -109,7 +109,8 @@ def _detail(info: BackendInfo, probe: dict[str, Any] | None) -> str:
         memory += f" (vram not here: {probe['vram']})"
     text = escape(
         f"writer_fence={caps.writer_fence} memory={memory} "
-        f"cross_host={caps.cross_host} max_write_timeout_s={caps.max_write_timeout_s}"
+        f"cross_host={caps.cross_host} owner_fence={caps.owner_fence} "
+        f"max_write_timeout_s={caps.max_write_timeout_s}"
     )
     if probe is not None and not probe["ok"]:
         text += f"\n[red]does not open here: {escape(probe['error'])}[/red]"

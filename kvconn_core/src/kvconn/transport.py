@@ -32,6 +32,7 @@ from typing import Protocol, cast, runtime_checkable
 import attrs
 
 from kvconn.buffers import Buffer, buffers_of
+from kvconn.errors import KvconnError
 
 
 class Settlement(enum.Enum):
@@ -64,12 +65,19 @@ class Capabilities:
     ``max_write_timeout_s``: the transport's own longest wait for a write
     (e.g. Mooncake's engine timeout); ``None`` if it imposes none. kvconn
     refuses a decode deadline that is not longer.
+    ``owner_fence``: the page owner can stop every late byte from every
+    writer, including one frozen or partitioned on another host, by tearing
+    down its whole endpoint (:meth:`PageRegion.owner_fence`). It is the one
+    proof decode can make without any writer's help; it costs every peer of
+    that region a re-bootstrap (each writer must ``connect`` again with the
+    new metadata) and fails the region's other in-flight writes.
     """
 
     writer_fence: bool = False
     memory: frozenset[str] = frozenset({"dram"})
     cross_host: bool = False
     max_write_timeout_s: float | None = None
+    owner_fence: bool = False
     notes: str = ""
 
 
@@ -88,6 +96,43 @@ class PageRegion(Protocol):
 
     def close(self) -> None:
         """Unregister the region; free it only if the backend allocated it."""
+
+    # Optional, present when the backend claims ``Capabilities.owner_fence``:
+    #
+    # def owner_fence(self) -> bytes:
+    #     """Tear down the region's whole endpoint and open a new one; return the NEW metadata.
+    #
+    #     After it returns, no write posted against the old metadata can land,
+    #     from any writer on any host, frozen, partitioned or resumed. The
+    #     region's memory and contents stay (same offsets, same bytes);
+    #     ``metadata`` is the new value. Writers must ``connect`` again with the
+    #     new metadata; every write in flight to this region fails.
+    #     """
+
+
+class OwnerFenceUnsupported(TypeError):
+    """The region's backend cannot fence as the page owner."""
+
+
+class OwnerFenceFailed(KvconnError, RuntimeError):
+    """The owner fence did not happen (the old endpoint could not be
+    destroyed): nothing is proven; the region's pages stay held."""
+
+
+def owner_fence(region: PageRegion) -> bytes:
+    """``region.owner_fence()``: stop every late byte to ``region``; the region's new metadata.
+
+    Only for a region whose backend claims ``Capabilities.owner_fence``; the
+    caller checks the claim (``capabilities_of``) and hands the returned
+    metadata to every writer that is to reach the region again.
+    """
+    fence = getattr(region, "owner_fence", None)
+    if fence is None:
+        raise OwnerFenceUnsupported(f"{type(region).__name__} cannot fence as the page owner")
+    metadata = fence()
+    if not isinstance(metadata, bytes):
+        raise TypeError(f"{type(region).__name__}.owner_fence returned {type(metadata).__name__}, not bytes")
+    return metadata
 
 
 @runtime_checkable

@@ -121,6 +121,23 @@ def shared_engine(host: str, protocol: str, device: str) -> Any:
         return engine
 
 
+def detach_engine(engine: Any) -> list[tuple[str, str, str]]:
+    """Stop handing ``engine`` to new regions (an owner fence destroys it);
+    the settings it was shared under."""
+    with _shared_lock:
+        keys = [key for key, shared in _shared.items() if shared is engine]
+        for key in keys:
+            del _shared[key]
+        return keys
+
+
+def share_again(keys: Sequence[tuple[str, str, str]], engine: Any) -> None:
+    """Undo :func:`detach_engine` (a fence that could not destroy it)."""
+    with _shared_lock:
+        for key in keys:
+            _shared.setdefault(key, engine)
+
+
 def pack_metadata(
     session: str, base: int, nbytes: int, protocol: str, buffers: Sequence[tuple[int, int]] = ()
 ) -> bytes:

@@ -71,15 +71,17 @@ import numpy.typing as npt
 from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
-from kvconn.transport import Capabilities, Settlement
+from kvconn.transport import Capabilities, OwnerFenceFailed, OwnerFenceUnsupported, Settlement
 from kvconn_mooncake._batch_status import DONE, PENDING, BatchPoller, bind
 from kvconn_mooncake._engine import (
     configure_env,
+    detach_engine,
     engine_settings,
     engine_timeout_s,
     new_engine,
     pack_metadata,
     session_id,
+    share_again,
     shared_engine,
     unpack_buffers,
     unpack_metadata,
@@ -161,12 +163,56 @@ class MooncakeRegion:
         self._mem = open_space(source, self.memory)
         self.nbytes = self._mem.nbytes
         self.base: int = self._mem.addr
-        self._engine = shared_engine(host, protocol, device)
+        self._settings = (host, protocol, device)
+        self._engine: Any = shared_engine(host, protocol, device)
         register_space(self._engine, self._mem)
+        self.metadata: bytes = self._describe()
+        self._closed = False
+        #: Seconds the last owner_fence took (teardown + new engine).
+        self.last_owner_fence_s = 0.0
+
+    def _describe(self) -> bytes:
+        host, protocol, _ = self._settings
         self.session = session_id(self._engine, host)
         ranges = () if self._mem.single else self._mem.ranges()
-        self.metadata: bytes = pack_metadata(self.session, self.base, self.nbytes, protocol, ranges)
-        self._closed = False
+        return pack_metadata(self.session, self.base, self.nbytes, protocol, ranges)
+
+    def owner_fence(self) -> bytes:
+        """Destroy the region's engine (every connection a writer reached it
+        through; its RPC port closes) and register the same memory with an
+        engine of the region's own; the new metadata (a new session).
+        Measured over tcp: no byte posted to the old engine lands after it.
+
+        Refused (:class:`OwnerFenceFailed`, nothing changed) while another
+        region of this process still uses the same engine: destroying it
+        would fence that region too, behind its back."""
+        host, protocol, device = self._settings
+        if protocol != "tcp":
+            raise OwnerFenceUnsupported(f"mooncake owner fence: not proven for protocol={protocol}")
+        if self._closed:
+            raise OwnerFenceFailed("mooncake owner fence: the region is closed")
+        t0 = time.monotonic()
+        if self._engine is not None:
+            old, self._engine = self._engine, None
+            keys = detach_engine(old)  # no new region may pick it up
+            gc.collect()
+            # Only ``old`` and getrefcount's argument may hold it.
+            if sys.getrefcount(old) > 2:
+                self._engine = old
+                share_again(keys, old)
+                raise OwnerFenceFailed(
+                    "mooncake owner fence: another region of this process shares the engine "
+                    "(open regions that may need an owner fence in a process of their own)"
+                )
+            unregister_space(old, self._mem)
+            del old  # joins the engine's transport threads, closes its sockets
+            gc.collect()
+        # Its own engine, not the shared one: the next fence must be able to destroy it.
+        self._engine = new_engine(host, protocol, device)
+        register_space(self._engine, self._mem)
+        self.metadata = self._describe()
+        self.last_owner_fence_s = time.monotonic() - t0
+        return self.metadata
 
     def array(self) -> npt.NDArray[np.uint8]:
         """The region's DRAM buffer, without a copy (DRAM only). A method, not
@@ -182,7 +228,9 @@ class MooncakeRegion:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            unregister_space(self._engine, self._mem)
+            engine, self._engine = self._engine, None  # a closed region keeps no engine alive
+            if engine is not None:
+                unregister_space(engine, self._mem)
 
 
 class Pieces:
@@ -757,6 +805,7 @@ class MooncakeBackend:
     capabilities: Capabilities = attrs.field(
         factory=lambda: Capabilities(
             writer_fence=True,
+            owner_fence=True,
             memory=frozenset(MEMORY_KINDS if cuda_engine_installed() else ("dram",)),
             cross_host=True,
             max_write_timeout_s=engine_timeout_s(),
@@ -765,7 +814,8 @@ class MooncakeBackend:
                 "Failed writes count as UNSETTLED (a failed call may still write). Fence = destroy "
                 "and re-create the engine of each decode with writes in flight (~1 s each); proven for a stalled writer; for a stalled "
                 "page owner the core waits for decode's ends of the closed connections to drain (8 MiB "
-                "measured in its socket buffers). Engine timeout from MC_TRANSFER_TIMEOUT / MC_TCP_STATUS_TIMEOUT_SEC (min 5 s). "
+                "measured in its socket buffers). Owner fence (tcp): the region destroys its engine and "
+                "registers its memory with a new one of its own (refused while another region shares the engine). Engine timeout from MC_TRANSFER_TIMEOUT / MC_TCP_STATUS_TIMEOUT_SEC (min 5 s). "
                 "vram (memory=vram, gpu_device=N; cupy/torch allocation): declared only with the CUDA "
                 "wheel, whose tcp transport stages device memory through host buffers; conformance passed "
                 "on VRAM on an H200 host."
@@ -783,7 +833,7 @@ class MooncakeBackend:
         if protocol != "tcp":
             # Untested: writes already handed to an RDMA NIC, and its own
             # retries, are not shown to stop with the engine.
-            return attrs.evolve(self.capabilities, writer_fence=False, cross_host=False)
+            return attrs.evolve(self.capabilities, writer_fence=False, owner_fence=False, cross_host=False)
         if _loopback(host):
             # Peers on other hosts cannot reach an engine bound to loopback.
             return attrs.evolve(self.capabilities, cross_host=False)

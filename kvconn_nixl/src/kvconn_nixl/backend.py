@@ -22,7 +22,7 @@ import numpy.typing as npt
 from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
-from kvconn.transport import Capabilities, Settlement
+from kvconn.transport import Capabilities, OwnerFenceFailed, OwnerFenceUnsupported, Settlement
 from kvconn_nixl._nixl import (
     LIST_MAX_ROWS,
     Options,
@@ -61,15 +61,55 @@ class NixlRegion:
         self.nbytes = self._mem.nbytes
         # Always: nothing lands in pages whose agent nobody progresses
         # (``progress_thread`` is the writers' choice).
-        self._agent: Any = make_agent("region", self.options, progress_thread=True)
+        self._agent: Any = None
+        self._reg: Any = None
+        self._closed = False
+        self.metadata = self._new_agent()
+        #: Seconds the last owner_fence took (teardown + new agent).
+        self.last_owner_fence_s = 0.0
+
+    def _new_agent(self) -> bytes:
+        self._agent = make_agent("region", self.options, progress_thread=True)
         self._reg = register(self._agent, self._mem, self.options)
-        self.metadata = RegionInfo(
+        return RegionInfo(
             agent_name=self._agent.name,
             agent_md=self._agent.get_agent_metadata(),
             buffers=self._mem.ranges(),
             mem=self._mem.mem_type,
             dev_id=self._mem.dev_id,
         ).encode()
+
+    def owner_fence(self) -> bytes:
+        """Destroy the region's whole agent (every UCX endpoint and socket a
+        writer reached it through) and register the same memory with a new
+        one; the new metadata. Measured over tcp: no byte posted to the old
+        agent lands after it, from a frozen writer resumed or a partition
+        healed. Writers must connect again with the new metadata."""
+        if not self.options.fence_proven:
+            raise OwnerFenceUnsupported(
+                f"nixl owner fence: not proven for ucx_tls={self.options.ucx_tls} / {self.options.memory}"
+            )
+        t0 = time.monotonic()
+        if self._agent is not None:
+            wrapper, reg = self._agent, self._reg
+            self._agent = self._reg = None
+            binding = wrapper.agent
+            with contextlib.suppress(Exception):  # the agent's destruction deregisters it anyway
+                wrapper.deregister_memory(reg)
+            gc.collect()
+            agent_left = weakref.ref(binding)
+            del wrapper, reg, binding  # UCX closes every endpoint and socket of it
+            gc.collect()
+            if agent_left() is not None:
+                # Held elsewhere (a traceback's frame): not destroyed, so no
+                # fence; the region keeps no agent and the next call retries.
+                raise OwnerFenceFailed("nixl owner fence: the region's agent outlived its last reference")
+        # Only once the old agent is gone. If the new one cannot be made (UCX
+        # refuses while the pinned interface has no carrier), the fence holds
+        # all the same: no agent, nothing can land; a later call makes it.
+        self.metadata = self._new_agent()
+        self.last_owner_fence_s = time.monotonic() - t0
+        return self.metadata
 
     def array(self) -> np.ndarray:
         """The region's DRAM buffer, without a copy (tests, verification)."""
@@ -82,10 +122,12 @@ class NixlRegion:
         self._mem.write(offset, data)
 
     def close(self) -> None:
-        if self._agent is None:
+        if self._closed:
             return
+        self._closed = True
         try:
-            self._agent.deregister_memory(self._reg)
+            if self._agent is not None:  # None: an owner fence destroyed it and made none
+                self._agent.deregister_memory(self._reg)
         finally:
             self._reg = None
             self._agent = None
@@ -412,12 +454,14 @@ class NixlBackend:
         opts = Options.parse(options)
         return Capabilities(
             writer_fence=opts.fence_proven,
+            owner_fence=opts.fence_proven,
             memory=frozenset({"dram", "vram"}),
             cross_host=opts.cross_host,
             max_write_timeout_s=None,
             notes=(
                 f"NIXL 1.5.1 / UCX, UCX_TLS={opts.ucx_tls}. writer_fence: destroy the "
-                "agent after dropping every handle (proven for tcp and DRAM only: over "
+                "agent after dropping every handle; owner_fence: the region destroys its whole "
+                "agent and registers its memory with a new one (both proven for tcp and DRAM only: over "
                 "tcp UCX emulates a PUT to or from VRAM, the owner acks each fragment, "
                 "and UCX 1.23 aborts an owner whose writer vanished). vram: "
                 "implemented (cupy/torch allocation), untested here. cross_host: with "

@@ -188,6 +188,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             break
         if rep.skipped:
             outcome, why = "skipped", _skip_reason(rep)
+    if outcome == "passed":
+        # What a check measured (``record_property("figures", ...)``), on its summary line.
+        figures = [v for rep in reports for k, v in rep.user_properties if k == "figures"]
+        why = "; ".join(dict.fromkeys(str(v) for v in figures))  # every phase's report carries them
     item.config.stash[_results_key].append((_backend_of(item), item.name, outcome, why))
     return result
 

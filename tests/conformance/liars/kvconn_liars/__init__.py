@@ -49,6 +49,7 @@ LIES = {
     "any_decode": "ignores which decode a chunk is for: writes to the last peer connected",
     "cancel": "answers FAILED_SETTLED for a cancel it only requested; the copy goes on",
     "late_landed": "answers LANDED at the deadline, whatever is still in flight",
+    "owner_fence": "its owner fence only swaps the metadata: the old shared memory stays the region's",
 }
 WIDE_AT = 24
 
@@ -80,12 +81,34 @@ class Options:
 
 
 class Region:
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, lie: str = "honest") -> None:
         self.nbytes = nbytes
+        self.lie = lie
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
         self._buf = self._shm.buf
         self.address, self._anchor = _address(self._buf)  # where a memory=vram region "is"
         self.metadata = json.dumps({"shm": self._shm.name, "nbytes": nbytes}).encode()
+
+    def owner_fence(self) -> bytes:
+        """Honest: the contents move to a new shared memory segment and the
+        old one is unlinked, so a writer still mapping it writes into memory
+        that is no longer the region's. The lie keeps the old segment."""
+        if self.lie == "owner_fence":
+            self.metadata = json.dumps(
+                {"shm": self._shm.name, "nbytes": self.nbytes, "epoch": uuid.uuid4().hex}
+            ).encode()
+            return self.metadata
+        new = shared_memory.SharedMemory(create=True, size=max(self.nbytes, 1))
+        new.buf[: self.nbytes] = self._buf[: self.nbytes]
+        old = self._shm
+        del self._anchor
+        del self._buf
+        old.close()
+        old.unlink()
+        self._shm, self._buf = new, new.buf
+        self.address, self._anchor = _address(self._buf)
+        self.metadata = json.dumps({"shm": self._shm.name, "nbytes": self.nbytes}).encode()
+        return self.metadata
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return bytes(self._buf[offset : offset + nbytes])
@@ -325,6 +348,7 @@ class Backend:
             writer_fence=not lie.startswith("outlive"),
             memory=frozenset({"dram", "vram"} if lie == "vram" else {"dram"}),
             cross_host=lie == "cross_host",
+            owner_fence=True,
             notes=LIES[lie],
         )
 
@@ -334,7 +358,7 @@ class Backend:
 
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> Region:
         Options(options, self.capabilities.memory)
-        return Region(nbytes)
+        return Region(nbytes, self.lie)
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> Writer:
         return Writer(self.lie, nbytes, Options(options, self.capabilities.memory))
