@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
-import json
 import random
 import sys
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 import attrs
 
+from kvconn.bench.output import write_json
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
 from kvconn.protocol.ledger import NotifyDecode, RoomKey, RoomLedger, SendAck
@@ -305,12 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [simulate(base.scaled(float(s))) for s in args.scales.split(",")]
     print(report(rows, base))
     if args.json:
-        text = json.dumps(rows, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+        write_json(args.json, rows)
     return 0
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 import tracemalloc
 from typing import Any
 
+from kvconn.bench.output import write_json
 from kvconn.protocol.ledger import RoomKey, RoomLedger
 from kvconn.protocol.messages import Abort
 
@@ -247,12 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     r = measure(args.rooms, args.decodes, args.rate, args.ttl)
     print(report(r))
     if args.json:
-        text = json.dumps(r, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(args.json, r)
     return 0
 
 
