@@ -364,6 +364,11 @@ class Cluster:
         with self.endpoint._lock:
             return self.endpoint.tracker.state(room)
 
+    def quarantined_or_released(self, room: int) -> bool:
+        """Whether decode's deadline has done its part for ``room``: moved it
+        to quarantine, unless a proof released it first."""
+        return self.release_of(room) is not None or self.state(room) is HoldState.QUARANTINED
+
     def close(self) -> None:
         if self._own_ranks:
             for rank in self.ranks:

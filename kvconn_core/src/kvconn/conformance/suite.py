@@ -524,10 +524,7 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
             rx.abort()
             deadline = cluster.settings.effective_abort_timeout()
             wait_for(
-                lambda: (
-                    cluster.state(FROZEN_ROOM) is HoldState.QUARANTINED
-                    or cluster.release_of(FROZEN_ROOM) is not None
-                ),
+                lambda: cluster.quarantined_or_released(FROZEN_ROOM),
                 deadline + 1.0,
                 "L2: held room quarantined at the deadline",
             )
@@ -629,10 +626,7 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
                 rx.abort()
                 deadline = cluster.settings.effective_abort_timeout()
                 wait_for(
-                    lambda: (
-                        cluster.state(PARTITION_ROOM) is HoldState.QUARANTINED
-                        or cluster.release_of(PARTITION_ROOM) is not None
-                    ),
+                    lambda: cluster.quarantined_or_released(PARTITION_ROOM),
                     deadline + 1.0,
                     "partition: quarantined at the deadline",
                 )
@@ -775,10 +769,7 @@ class ConformanceSuite(TransportChecks, EngineMemoryChecks):
                     writer.expect(10, f"raising {point}: hook reached", event="raising", room=room)
                     rx.abort()
             wait_for(
-                lambda: all(
-                    cluster.release_of(r) is not None or cluster.state(r) is HoldState.QUARANTINED
-                    for r in RAISE_ROOMS.values()
-                ),
+                lambda: all(cluster.quarantined_or_released(r) for r in RAISE_ROOMS.values()),
                 deadline + 1.5,
                 "L2: rooms with a raising hook are released or quarantined by the deadline",
             )
