@@ -9,12 +9,22 @@ import pytest
 from ops_support import EndpointChild
 
 
+def installed(command: str, what: str) -> str:
+    """The path of ``command``, or skip: Debian's ``prometheus`` package brings it."""
+    path = shutil.which(command)
+    if path is None:
+        pytest.skip(f"{what} is not installed (Debian/Ubuntu: apt-get install prometheus)")
+    return path
+
+
 @pytest.fixture
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool is not installed (Debian/Ubuntu: apt-get install prometheus)")
-    return path
+    return installed("promtool", "promtool")
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    return installed("prometheus", "the prometheus server")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ queries for kvconn's series through its HTTP API."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -102,14 +101,6 @@ class Prometheus:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-@pytest.fixture
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.skip("the prometheus server is not installed (Debian/Ubuntu: apt-get install prometheus)")
-    return path
 
 
 @pytest.fixture
