@@ -22,6 +22,7 @@ from kvconn.protocol.messages import (
     HelloAck,
     Message,
     RoomOutcome,
+    RankDraining,
     RoomStatus,
     TcpConnection,
     TransferRequest,
@@ -113,6 +114,19 @@ EXAMPLES: list[tuple[Message, bytes]] = [
         RoomStatus(9, 1, RoomOutcome.SUCCESS, "", "", 0),
         header(6) + u64(9) + u64(1) + b"\x01" + text("") + text("") + u64(0),
     ),
+    (
+        RankDraining(1, 7, "dec", True, (TcpConnection("::1", 40000, "127.0.0.1", 5000),)),
+        header(7)
+        + u64(1)
+        + u64(7)
+        + text("dec")
+        + b"\x01"
+        + u32(1)
+        + text("::1")
+        + u32(40000)
+        + text("127.0.0.1")
+        + u32(5000),
+    ),
 ]
 
 
@@ -133,7 +147,7 @@ def test_each_malformed_frame_is_refused_with_its_reason() -> None:
     bad_version = refusal(b"KV\x03" + abort[3:])
     assert (bad_version.reason, str(bad_version)) == ("bad_version", "bad_version: 3")
     assert refusal(header(0) + abort[4:]).reason == "unknown_tag"
-    assert str(refusal(header(7) + abort[4:])) == "unknown_tag: 7"
+    assert str(refusal(header(8) + abort[4:])) == "unknown_tag: 8"
     assert str(refusal(abort[:-1])) == "bad_body: Abort: truncated"  # inside a string
     assert str(refusal(header(4))) == "bad_body: Abort: truncated"  # a header and no body
     trailing = refusal(abort + b"\x00")

@@ -31,6 +31,7 @@ from typing import TypeVar
 import attrs
 
 from kvconn.errors import BootstrapError, FinishRefusedError, PageError, RequestError, RoomInUseError
+from kvconn.protocol import drain
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
     AckCounted,
@@ -58,6 +59,7 @@ from kvconn.protocol.messages import (
     AbortAck,
     Hello,
     HelloAck,
+    RankDraining,
     RoomOutcome,
     RoomStatus,
     TransferRequest,
@@ -125,6 +127,11 @@ class EndpointState:
         #: Fenced acks held back until decode's ends of the connections the
         #: fence closed have drained.
         self.draining: dict[tuple[int, int, int], AbortAck] = {}
+        #: Ranks whose process announced a drain (rank id -> its session):
+        #: refused while that process is the rank's (protocol/drain.py).
+        self.leaving: dict[int, int] = {}
+        #: This endpoint drains: it takes no new request.
+        self.closing = False
 
     # -- queries -----------------------------------------------------------
     def instance(self, addresses: Sequence[str] | None) -> Instance | None:
@@ -248,6 +255,7 @@ class EndpointState:
             raise RequestError(f"unknown ranks {sorted(local - known)}", room)
         if not local:
             raise RequestError("a room needs at least one writing rank", room)
+        drain.refuse_if_draining(self, instance.ids, room)
         if extras_slot is not None and not 0 <= extras_slot < self.num_slots:
             raise RequestError(f"extras slot {extras_slot} outside the layout's {self.num_slots} slots", room)
         pages = tuple(pages)
@@ -357,6 +365,10 @@ class EndpointState:
         else:
             request.fail(status.reason)
         return []
+
+    @handle.register
+    def _(self, msg: RankDraining, now: float) -> list[Action]:
+        return drain.rank_draining(self, msg, now)
 
     @handle.register
     def _(self, msg: HelloAck, now: float) -> list[Action]:
@@ -520,6 +532,17 @@ class EndpointState:
                 actions.append(RoomFailed(request.room, "rank"))
                 actions += self._fail_and_abort(request, reason, now)
         return actions
+
+    def id_of_session(self, rank: int, session: int) -> int | None:
+        """The endpoint-wide id of the rank its instance numbers ``rank``,
+        while the process of ``session`` is that rank's current one."""
+        rank_id = self._id_of_session.get((rank, session))
+        if rank_id is None or self.writers[rank_id].session != session:
+            return None
+        return rank_id
+
+    def fail_and_abort(self, request: Request, reason: str, now: float) -> list[Action]:
+        return self._fail_and_abort(request, reason, now)
 
     def _fail_and_abort(self, request: Request, reason: str, now: float) -> list[Action]:
         """FAILED to the engine, then the abort path: the pages are held

@@ -31,6 +31,8 @@ class Proof(enum.Enum):
     LATE_ACKS = "late_acks"  #: the last ack came while quarantined
     WRITER_FENCE = "writer_fence"  #: a rank's ack followed its own fence
     WRITER_EXIT = "writer_exit"  #: the last unproven rank's process is gone
+    #: the last unproven rank drained: nothing of its process can land (protocol/drain.py)
+    WRITER_DRAINED = "writer_drained"
     COMPLETED = "completed"  #: every rank reported every chunk landed
     NOTHING_SENT = "nothing_sent"  #: no writer was ever told the pages
     UNSAFE_TIMEOUT = "unsafe_timeout"  #: legacy mode: the deadline alone
@@ -90,6 +92,8 @@ class _Room:
     resend_every: float = 0.0
     #: Some rank was proven by its process's exit rather than an ack.
     exited: bool = False
+    #: ... or by its drain.
+    drained: bool = False
 
 
 def _about(room: int, error: KvconnError) -> KvconnError:
@@ -210,10 +214,13 @@ class HoldTracker:
             return []
         return [self._release(msg.room, entry, self._proof(entry), now)]
 
-    def writer_exited(self, rank: int, now: float, rooms: Collection[int] | None = None) -> list[HoldAction]:
-        """``rank``'s process is proven gone: it can write nothing more (into
-        ``rooms`` only, if given: those the gone process was asked to write;
-        a process restarted at the rank's address owes the others)."""
+    def writer_exited(
+        self, rank: int, now: float, rooms: Collection[int] | None = None, drained: bool = False
+    ) -> list[HoldAction]:
+        """``rank``'s process is proven gone (``drained``: it drained): it
+        can write nothing more (into ``rooms`` only, if given: those the gone
+        process was asked to write; a process restarted at the rank's
+        address owes the others)."""
         actions: list[HoldAction] = []
         for room, entry in list(self._holds.items()):
             if rank not in entry.ranks or (rooms is not None and room not in rooms):
@@ -221,7 +228,10 @@ class HoldTracker:
             if rank in entry.proven:
                 continue
             entry.proven.add(rank)
-            entry.exited = True
+            if drained:
+                entry.drained = True
+            else:
+                entry.exited = True
             if entry.proven >= entry.ranks:
                 actions.append(self._release(room, entry, self._proof(entry), now))
         return actions
@@ -264,6 +274,8 @@ class HoldTracker:
         then a writer's fence, then acks (late ones if quarantined)."""
         if entry.exited:
             return Proof.WRITER_EXIT
+        if entry.drained:
+            return Proof.WRITER_DRAINED
         if entry.fenced:
             return Proof.WRITER_FENCE
         return Proof.LATE_ACKS if entry.state is HoldState.QUARANTINED else Proof.ACKS

@@ -197,6 +197,15 @@ class RoomLedger:
         entry = self._rooms.get(key)
         return entry.outstanding - entry.stuck if entry is not None else 0
 
+    def unsettled_keys(self) -> list[RoomKey]:
+        """Rooms that may still be written: live, or with counted chunks not
+        settled (a compact tombstone is neither)."""
+        return [
+            key
+            for key, entry in self._rooms.items()
+            if (entry.status in LIVE and not entry.cleared) or entry.outstanding
+        ]
+
     def poisoned(self) -> frozenset[RoomKey]:
         return frozenset(self._poisoned)
 

@@ -17,6 +17,7 @@ class Tag(enum.IntEnum):
     ABORT = 4
     ABORT_ACK = 5
     ROOM_STATUS = 6
+    RANK_DRAINING = 7
 
 
 class RoomOutcome(enum.IntEnum):
@@ -150,7 +151,28 @@ class RoomStatus:
     session: int = 0
 
 
-Message = Hello | HelloAck | TransferRequest | Abort | AbortAck | RoomStatus
+@attrs.frozen(slots=True)
+class RankDraining:
+    """Prefill rank -> decode: the rank is draining (``done`` False): it
+    takes no new rooms, and refuses each request with a FAILED
+    :class:`RoomStatus` whose reason is one of ``protocol.drain.DRAIN_REASONS``;
+    or it drained (``done`` True): every room it held for ``decode``
+    concluded and nothing it posted is in flight, and it writes nothing more
+    in this session, so no write of it can land in decode's pages any more.
+    ``closed``: the TCP connections its fences closed (as in
+    :class:`AbortAck`): decode counts the proof only with none.
+
+    A tag added within wire version 5: a decode of an earlier build drops it
+    as ``unknown_tag`` and still sees every refused room FAILED."""
+
+    rank: int
+    session: int
+    decode: str
+    done: bool
+    closed: tuple[TcpConnection, ...] = ()
+
+
+Message = Hello | HelloAck | TransferRequest | Abort | AbortAck | RoomStatus | RankDraining
 
 TAGS: dict[type[Message], Tag] = {
     Hello: Tag.HELLO,
@@ -159,4 +181,5 @@ TAGS: dict[type[Message], Tag] = {
     Abort: Tag.ABORT,
     AbortAck: Tag.ABORT_ACK,
     RoomStatus: Tag.ROOM_STATUS,
+    RankDraining: Tag.RANK_DRAINING,
 }

@@ -36,6 +36,8 @@ from typing import Generic, TypeVar
 import attrs
 
 from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
+from kvconn.protocol import drain as _drain
+from kvconn.protocol.drain import Announce, RankDrain
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import (
     LIVE,
@@ -101,7 +103,7 @@ class GaveUp:
     room: int
 
 
-Action = LedgerAction | Drop | Requested | Bootstrap | AbortHook | Fence | GaveUp
+Action = LedgerAction | Drop | Requested | Bootstrap | AbortHook | Fence | GaveUp | Announce
 
 
 class HelloPlan(enum.Enum):
@@ -216,6 +218,8 @@ class RankState(Generic[L]):
         #: Requests (incarnations) a live sender took. A sender dropped
         #: unused frees them: the engine's handle is the sender, and only it.
         self._taken: weakref.WeakValueDictionary[int, SenderState] = weakref.WeakValueDictionary()
+        #: The rank's drain, once told to (protocol/drain.py).
+        self.drain: RankDrain | None = None
 
     # -- messages --------------------------------------------------------------
     @functools.singledispatchmethod
@@ -235,6 +239,8 @@ class RankState(Generic[L]):
         # another room (its own pages, counts and acks).
         key = RoomKey(msg.decode, msg.room)
         ledger = self.ledger
+        if self.drain is not None:
+            return _drain.refuse_request(self, key, msg.seq, msg.dst_pages, msg.extras)
         if ledger.entry(key) is None and self.given_up(msg.room, now):
             ledger.give_up(key, now)  # its sender gave up: write nothing
         ledger.request(key, msg.seq, msg.dst_pages, msg.extras)
@@ -295,6 +301,16 @@ class RankState(Generic[L]):
             del self._given_up[room]
         return []
 
+    def begin_drain(self, now: float, grace_s: float) -> list[Action]:
+        """Drain: refuse new requests, give held rooms ``grace_s`` to finish
+        (see protocol/drain.py); then :meth:`drain_tick` until drained."""
+        return _drain.begin_rank_drain(self, now, grace_s)
+
+    def drain_tick(self, now: float) -> tuple[bool, list[Action]]:
+        """(drained, actions): fails live rooms once the grace ran out, and
+        announces ``done`` once nothing of this rank can be written."""
+        return _drain.rank_drain_tick(self, now)
+
     def given_up(self, room: int, now: float) -> bool:
         until = self._given_up.get(room)
         return until is not None and until > now
@@ -325,7 +341,9 @@ class RankState(Generic[L]):
             s.verdict = KVPoll.FAILED
             return s.verdict, []
         if len(s.legs) < s.decodes:
-            if s.deadline is not None and now >= s.deadline:
+            if (s.deadline is not None and now >= s.deadline) or self.drain is not None:
+                if self.drain is not None:
+                    s.reason = s.reason or _drain.REFUSED  # it refuses the requests still to come
                 return KVPoll.FAILED, self._give_up(s, now)
             return KVPoll.BOOTSTRAPPING, []
         if all(status is KVPoll.SUCCESS for status in statuses):

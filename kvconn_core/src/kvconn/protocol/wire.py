@@ -26,6 +26,7 @@ from kvconn.protocol.messages import (
     Hello,
     HelloAck,
     Message,
+    RankDraining,
     RoomOutcome,
     RoomStatus,
     Tag,
@@ -53,6 +54,7 @@ _SCHEMA: dict[type[Message], str] = {
     Abort: "uuss",
     AbortAck: "uuu?suc",
     RoomStatus: "uuossu",
+    RankDraining: "uus?c",
 }
 _BY_TAG: dict[int, type[Message]] = {int(tag): cls for cls, tag in TAGS.items()}
 

@@ -22,6 +22,8 @@ from kvconn.config import Config
 from kvconn.errors import BootstrapError, RequestError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
+from kvconn.protocol import drain
+from kvconn.protocol.drain import DrainReport
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
@@ -244,6 +246,43 @@ class DecodeEndpoint:
         self._notify(releases)
         return Receiver(self, request)
 
+    #: How often drain() looks whether every page came back.
+    DRAIN_POLL_S = 0.005
+
+    def drain(self, grace_s: float, timeout_s: float | None = None) -> DrainReport:
+        """Take this endpoint out of service before :meth:`close`.
+
+        From now on ``receiver()`` raises
+        :class:`~kvconn.protocol.drain.DrainingError`. The engine gets
+        ``grace_s`` to finish (or abort) its rooms; those still tracked then
+        are aborted (reason ``kvconn.protocol.drain.DECODE_DRAINING``), and
+        their pages come back through ``on_release`` with proof, within
+        ``timeout_s`` more (default: ``Config.abort_timeout_s``). A report
+        with ``drained`` False says what is left: those pages stay held (and
+        the region registered, see :meth:`close`), never freed on a timeout."""
+        start = time.monotonic()
+        with self._lock:
+            drain.begin_decode_drain(self._state)
+        if not self._wait_empty(start + grace_s):
+            now = self.clock()
+            with self._lock:
+                releases = self._run(drain.abort_unfinished(self._state, now), now)
+            self._notify(releases)
+            extra = self.config.abort_timeout_s if timeout_s is None else timeout_s
+            self._wait_empty(time.monotonic() + extra)
+        with self._lock:
+            rooms, pages = drain.decode_left(self._state)
+        return DrainReport(rooms == 0, time.monotonic() - start, rooms, pages)
+
+    def _wait_empty(self, until: float) -> bool:
+        while True:
+            with self._lock:
+                if drain.decode_left(self._state) == (0, 0):
+                    return True
+            if time.monotonic() >= until:
+                return False
+            time.sleep(self.DRAIN_POLL_S)
+
     def close(self) -> None:
         """Stop listening. The page region is freed only if no page is held
         or quarantined: a writer may still reach those, and memory freed
@@ -439,6 +478,14 @@ class Receiver:
         completed, was aborted, or was finished already."""
         with self._endpoint._lock:
             return self._endpoint._state.finish(self._request)
+
+    @property
+    def draining(self) -> bool:
+        """The room failed because an instance drains (its prefill rank, or
+        this endpoint): route the request elsewhere or recompute it, it is
+        no fault (reasons: ``kvconn.protocol.drain.DRAIN_REASONS``)."""
+        with self._endpoint._lock:
+            return self._request.failure in drain.DRAIN_REASONS
 
     def state(self) -> HoldState | None:
         """Where the room's pages are (None: back with the engine)."""

@@ -24,6 +24,7 @@ from kvconn.buffers import Buffer
 from kvconn.config import Config, check_deadlines
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
+from kvconn.protocol.drain import DrainReport
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import KVPoll, RoomLedger
 from kvconn.protocol.messages import Hello, HelloAck, Message, TcpConnection
@@ -209,6 +210,44 @@ class PrefillRank(TransferPath):
     def carry_out(self, actions: Sequence[Action]) -> None:
         """Carry out ``actions`` (with the rank's lock held, as :meth:`step` does)."""
         self._after(self._execute(actions))
+
+    #: How often drain() looks whether the rank drained.
+    DRAIN_POLL_S = 0.005
+
+    def drain(self, grace_s: float, timeout_s: float | None = None) -> DrainReport:
+        """Take this rank out of service (scale-down, rolling upgrade).
+
+        From now on every new request is refused at once (decode's receiver
+        fails with a reason in ``kvconn.protocol.drain.DRAIN_REASONS``: route
+        it elsewhere or recompute) and every decode is told. Rooms held here
+        get ``grace_s`` to complete; those still live then are failed (decode
+        is told). Returns once nothing of this rank can land any more (every
+        posted write landed, failed settled, or was fenced), having told
+        every decode so: their pages come back by proof, with no timeout.
+        Waits at most ``timeout_s`` (default: ``grace_s`` plus the write
+        deadline plus 1 s, time for writes in flight to fail and be fenced);
+        a report with ``drained`` False says what was left.
+
+        The rank keeps answering (aborts are acked, requests refused) until
+        :meth:`close`. A signal path: ``kvconn.runtime.drain_signal``."""
+        start = time.monotonic()
+        limit = grace_s + self.config.write_timeout_s + 1.0 if timeout_s is None else timeout_s
+        self.step(lambda state, now: (None, state.begin_drain(now, grace_s)))
+        drained = False
+        while True:
+            drained = self.step(lambda state, now: state.drain_tick(now))
+            if drained or time.monotonic() - start >= limit:
+                break
+            time.sleep(self.DRAIN_POLL_S)
+        with self._lock:
+            left = len(self.state.ledger.unsettled_keys())
+        return DrainReport(drained, time.monotonic() - start, left)
+
+    @property
+    def draining(self) -> bool:
+        """drain() was called."""
+        with self._lock:
+            return self.state.drain is not None
 
     def close(self) -> None:
         if self.metrics_server is not None:

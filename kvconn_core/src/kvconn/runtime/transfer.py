@@ -24,8 +24,9 @@ import attrs
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.config import Config
 from kvconn.metrics import Metrics
+from kvconn.protocol.drain import Announce
 from kvconn.protocol.ledger import NotifyDecode, RoomKey, SendAck
-from kvconn.protocol.messages import TcpConnection
+from kvconn.protocol.messages import RankDraining, TcpConnection
 from kvconn.protocol.rank import Action, Drop, GaveUp, RankState
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
@@ -277,6 +278,13 @@ class TransferPath:
                 peer = self.state.peers.get(action.decode)
                 if peer is not None:
                     self._outbox.send(peer.reply_to, action.status)
+            elif isinstance(action, Announce):
+                peer = self.state.peers.get(action.decode)
+                if peer is not None:
+                    ledger = self.state.ledger
+                    closed = self._closed_by_fences
+                    notice = RankDraining(ledger.rank, ledger.session, action.decode, action.done, closed)
+                    self._outbox.send(peer.reply_to, notice)
             elif isinstance(action, Drop):
                 self.metrics.dropped.labels(action.reason).inc()
             elif isinstance(action, GaveUp):
