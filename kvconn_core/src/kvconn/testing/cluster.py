@@ -17,7 +17,7 @@ import zmq
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
-from kvconn.protocol.hold import Release
+from kvconn.protocol.hold import Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.procs import wait_until_stopped
 from kvconn.testing.child import Child
@@ -111,9 +111,12 @@ class Cluster:
         bootstrap_timeout_s: float = 20.0,
         start_decode: bool = True,
         legacy: bool = False,
+        rank_args: dict[str, Any] | None = None,
     ) -> None:
         """``legacy``: the timeout-only mode kvconn is compared with (ranks
-        send no acks, decode frees pages at its deadline without proof)."""
+        send no acks, decode frees pages at its deadline without proof).
+        ``rank_args``: more arguments for every rank process (faults.py's
+        and prefill_proc.py's, e.g. ``drain_on_sigterm``)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -141,6 +144,9 @@ class Cluster:
         self._pages: CanaryPages | None = None
         self.proxy: AckProxy | None = None
         self.decode: DecodeEndpoint | None = None
+        self._rank_args: list[dict[str, Any]] = []
+        self.extra_ranks: list[Rank] = []
+        self._netns, self._wrap = netns, wrap
         try:
             for r in range(num_ranks):
                 args = {
@@ -156,10 +162,12 @@ class Cluster:
                     "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
                     "acks_enabled": not legacy,
+                    **(rank_args or {}),
                 }
                 if rk:
                     assert isinstance(rk, bytes)
                     args["auth_key"] = rk.hex()
+                self._rank_args.append(args)
                 self.ranks.append(Rank(args, netns, wrap))
             for rank in self.ranks:
                 rank.ready()
@@ -168,6 +176,16 @@ class Cluster:
         except BaseException:
             self.close()
             raise
+
+    def another_instance(self) -> list[Rank]:
+        """Start a second prefill instance like the first (its ranks' processes,
+        ready; decode names their addresses as ``prefill=``): closed with the
+        cluster."""
+        ranks = [Rank(args, self._netns, self._wrap) for args in self._rank_args]
+        self.extra_ranks += ranks
+        for rank in ranks:
+            rank.ready()
+        return ranks
 
     def start_decode(self, proxy: bool = False) -> DecodeEndpoint:
         with self.lock:
@@ -250,7 +268,7 @@ class Cluster:
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
-        for rank in self.ranks:
+        for rank in self.ranks + self.extra_ranks:
             rank.close()
         if self.decode is not None:
             self.decode.close()
@@ -260,4 +278,4 @@ def total(metric: Callable[..., float], name: str, labels: str, values: Sequence
     return sum(metric(name, **{labels: v}) for v in values)
 
 
-PROOFS = ("acks", "late_acks", "writer_fence", "writer_exit", "completed", "nothing_sent", "unsafe_timeout")
+PROOFS = tuple(p.value for p in Proof)

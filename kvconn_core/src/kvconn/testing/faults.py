@@ -18,6 +18,7 @@ import heapq
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -233,7 +234,7 @@ def metric_samples(registry: Any) -> list[tuple[str, dict[str, str], float]]:
 def main() -> None:
     import kvconn.testing.prefill_proc as prefill_proc
     from kvconn.runtime.prefill import PrefillRank
-    from kvconn.testing.child import load_args
+    from kvconn.testing.child import emit, load_args
 
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
     args = load_args(sys.argv[1])
@@ -253,12 +254,30 @@ def main() -> None:
 
     setattr(prefill_proc, "PrefillRank", _Rank)  # noqa: B010
     driver = prefill_proc.Driver(args)
+    if args.get("drain_on_sigterm") is not None:
+        _drain_on_sigterm(driver.rank, float(args["drain_on_sigterm"]))
     print(json.dumps({"address": driver.rank.address}), flush=True)
     for line in sys.stdin:
         if line.strip() == "metrics":
             out = {"samples": metric_samples(driver.rank.metrics.registry)}
             print(json.dumps(out), flush=True)
+        elif line.startswith("drain "):  # the API path: "drain GRACE_S"
+            report = driver.rank.drain(float(line.split()[1]))
+            emit({"drain": attrs.asdict(report)})
     driver.rank.close()
+
+
+def _drain_on_sigterm(rank: Any, grace_s: float) -> None:
+    """SIGTERM drains the rank (the engine's signal path), reports, exits."""
+    from kvconn.runtime.drain_signal import drain_on_signal
+    from kvconn.testing.child import emit
+
+    def then(reports: list[Any]) -> None:
+        emit({"drain": attrs.asdict(reports[0])})
+        rank.close()
+        os._exit(0)
+
+    drain_on_signal([rank], grace_s, then)
 
 
 if __name__ == "__main__":
