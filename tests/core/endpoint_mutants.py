@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import Action, Undrained, WriterIdentity
-from kvconn.protocol.messages import AbortAck, RoomStatus
+from kvconn.protocol.messages import AbortAck, RankDraining, RoomStatus
 
 
 class AckOfAnySession(EndpointState):
@@ -55,3 +55,13 @@ class RestartKeepsOldRooms(EndpointState):
 
 
 __all__ = ["AckOfAnySession", "ExitWithoutDrain", "FencedAckAtOnce", "RestartKeepsOldRooms"]
+
+
+class DrainedProvesFencedRooms(EndpointState):
+    """A rank's "drained" proves its rooms although its fences closed
+    connections whose bytes may still be in our socket buffers."""
+
+    def handle(self, stimulus, now):  # type: ignore[no-untyped-def,override]
+        if isinstance(stimulus, RankDraining):
+            stimulus = RankDraining(stimulus.rank, stimulus.session, stimulus.decode, stimulus.done)
+        return super().handle(stimulus, now)

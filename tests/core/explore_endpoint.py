@@ -9,8 +9,11 @@ interleaved in every way), the rank
 processes and the runtime's ``/proc`` probes. A rank process takes a request
 naming its session, completes it, or is aborted and acks (plainly, or after
 a fence whose closed connections have yet to drain); it may exit (what it
-sent may still arrive until our ends drain), and a new process may take its
-address (a restart) while the earlier one still writes.
+sent may still arrive until our ends drain), a new process may take its
+address (a restart) while the earlier one still writes, and a process may
+drain (protocol/drain.py): announce it, refuse requests from then on, fail
+what it still writes and announce it drained, naming the connections its
+fences closed.
 
 Checked in every reachable state:
 
@@ -32,6 +35,7 @@ import attrs
 from endpoint_world import HERE, NAME, writer
 from explore import _clone_tracker, _tracker_key
 
+from kvconn.protocol.drain import GRACE_OVER, REFUSED, DrainingError
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
     Action,
@@ -51,6 +55,7 @@ from kvconn.protocol.messages import (
     Hello,
     HelloAck,
     Message,
+    RankDraining,
     RoomOutcome,
     RoomStatus,
     TcpConnection,
@@ -83,6 +88,8 @@ class Proc:
     #: keeps a late request of that room from writing; a Failed room is taken
     #: anew only by a newer request once its abort was acked.
     rooms: dict[int, tuple[str, int, bool, bool]] = field(default_factory=dict)  #: + fenced
+    #: "" | "draining" (announced: refuses requests) | "drained" (announced done)
+    drain: str = ""
 
 
 @dataclass
@@ -97,6 +104,7 @@ class World:
     restarts: int = 0
     exits: int = 0
     aborts: int = 0
+    drains: int = 0
     #: Requests by index, each room's current one, and TransferRequest seq -> request.
     requests: list[object] = field(default_factory=list)
     current: dict[int, int] = field(default_factory=dict)
@@ -115,6 +123,7 @@ class Limits:
     exits: int = 0
     fenced: bool = False
     transfer_timeout_s: float | None = None
+    drains: int = 0  #: rank processes that drain
 
 
 @dataclass
@@ -216,6 +225,12 @@ def _deliver(world: World, address: str, msg: Message, fenced: bool = False) -> 
         if msg.session != proc.session:
             return  # for another process of this rank: dropped
         entry = proc.rooms.get(msg.room)
+        if proc.drain:
+            # Refused: recorded Failed (nothing written), decode told.
+            proc.rooms[msg.room] = ("failed", msg.seq, False, entry[3] if entry else False)
+            status = RoomStatus(msg.room, proc.rank, RoomOutcome.FAILED, REFUSED, NAME, proc.session)
+            world.net.append((_from(proc), "decode", status))
+            return
         if (
             entry is None
             or entry[0] == "success"
@@ -249,7 +264,11 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
 
             def open_(w: World, room: int = room, inst: int = inst) -> None:
                 instance = list(w.state.instances.values())[inst]
-                request, sends = w.state.open(room, (room,), instance, None, None, w.now)
+                try:
+                    request, sends = w.state.open(room, (room,), instance, None, None, w.now)
+                except DrainingError:
+                    w.opened[room] = w.opened.get(room, 0) + 1  # refused: route elsewhere
+                    return
                 w.requests.append(request)
                 q = w.current[room] = len(w.requests) - 1
                 w.opened[room] = w.opened.get(room, 0) + 1
@@ -339,6 +358,34 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     p.taken = {q: "stopped" if how == "draining" else how for q, how in p.taken.items()}
 
                 yield f"{address}/{proc.session}:drain", drain
+            if proc.alive and proc.drain == "" and world.drains < limits.drains:
+
+                def drain_begin(w: World, address: str = address, j: int = j) -> None:
+                    p = w.procs[address][j]
+                    p.drain = "draining"
+                    w.drains += 1
+                    w.net.append((_from(p), "decode", RankDraining(p.rank, p.session, NAME, False)))
+
+                yield f"{address}/{proc.session}:drain-begin", drain_begin
+            if proc.alive and proc.drain == "draining":
+
+                def drained(w: World, address: str = address, j: int = j) -> None:
+                    # The grace ran out: what it still writes fails (its
+                    # writes settle first), then it says it drained.
+                    p = w.procs[address][j]
+                    for q, how in list(p.taken.items()):
+                        room = w.requests[q].room  # type: ignore[attr-defined]
+                        if how == "writing":
+                            p.taken[q] = "stopped"
+                        if p.rooms.get(room, ("",))[0] == "live":
+                            p.rooms[room] = ("failed", p.rooms[room][1], False, p.rooms[room][3])
+                            status = RoomStatus(room, p.rank, RoomOutcome.FAILED, GRACE_OVER, NAME, p.session)
+                            w.net.append((_from(p), "decode", status))
+                    p.drain = "drained"
+                    closed = CLOSED if any(entry[3] for entry in p.rooms.values()) else ()
+                    w.net.append((_from(p), "decode", RankDraining(p.rank, p.session, NAME, True, closed)))
+
+                yield f"{address}/{proc.session}:drained", drained
         if world.restarts < limits.restarts:
 
             def restart(w: World, address: str = address) -> None:
@@ -364,6 +411,7 @@ def _clone(world: World) -> World:
     new._in_use = set(s._in_use)
     new._deadlines = [(t, n, requests[id(r)]) for t, n, r in s._deadlines]
     new.draining = dict(s.draining)
+    new.leaving = dict(s.leaving)
     procs = {a: [_copy_proc(p) for p in ps] for a, ps in world.procs.items()}
     return World(
         new,
@@ -374,6 +422,7 @@ def _clone(world: World) -> World:
         world.restarts,
         world.exits,
         world.aborts,
+        world.drains,
         [requests[id(r)] for r in world.requests],
         dict(world.current),
         dict(world.by_seq),
@@ -383,7 +432,7 @@ def _clone(world: World) -> World:
 
 
 def _copy_proc(p: Proc) -> Proc:
-    return Proc(p.address, p.rank, p.session, p.alive, p.undrained, dict(p.taken), dict(p.rooms))
+    return Proc(p.address, p.rank, p.session, p.alive, p.undrained, dict(p.taken), dict(p.rooms), p.drain)
 
 
 # -- state keys --------------------------------------------------------------------
@@ -403,6 +452,7 @@ def _machine_key(world: World) -> tuple[object, ...]:
         s._next_exit_check,
         tuple((t, index[id(r)]) for t, _, r in s._deadlines),
         tuple(sorted(s.draining)),
+        tuple(sorted(s.leaving.items())),
         tuple(sorted((room, req(r)) for room, r in s.requests.items())),
         tuple(sorted(s._in_use)),
         tuple(sorted(s._id_of_session.items())),
@@ -422,6 +472,7 @@ def _key(world: World) -> tuple[object, ...]:
                     p.undrained,
                     tuple(sorted(p.taken.items())),
                     tuple(sorted(p.rooms.items())),
+                    p.drain,
                 )
                 for p in ps
             ),
@@ -441,6 +492,7 @@ def _key(world: World) -> tuple[object, ...]:
         world.restarts,
         world.exits,
         world.aborts,
+        world.drains,
         tuple(sorted(world.current.items())),
         tuple(sorted(world.opened.items())),
     )

@@ -21,6 +21,9 @@ It checks, in every reachable state:
   SUCCESS only with every page of its current request written by it;
 * R3: a sender says ``settled()`` only once no chunk it queued can still be
   written or is being written (the engine then reuses its source pages).
+* R4 (``drain``): a draining rank announces ``done`` (decode then takes back
+  every page it holds for the rank) only once no write of it can land: none
+  is being written, and none is written after (R2 then covers the pages).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 import attrs
 
 from kvconn.errors import KvconnError
+from kvconn.protocol.drain import Announce
 from kvconn.protocol.ledger import NotifyDecode, RoomKey, RoomLedger, SendAck
 from kvconn.protocol.messages import Abort, RoomOutcome, TransferRequest
 from kvconn.protocol.rank import AbortHook, Action, RankState, SenderState
@@ -86,6 +90,8 @@ class World:
     failed: set[int] = field(default_factory=set)
     cleared: set[int] = field(default_factory=set)
     npages: int = 1  #: pages of every request, one chunk each
+    draining: bool = False  #: the engine told the rank to drain
+    done: bool = False  #: the rank announced it drained
 
     def clone(self) -> World:
         # pickle keeps shared references (a leg's entry is the ledger's) and is
@@ -163,6 +169,9 @@ def key_of(w: World) -> tuple[object, ...]:
         w.failed_room,
         tuple(sorted(w.failed)),
         tuple(sorted(w.cleared)),
+        w.draining,
+        w.done,
+        None if w.state.drain is None else (w.state.drain.grace_over, w.state.drain.done),
     )
 
 
@@ -195,6 +204,17 @@ def _carry_out(w: World, actions: list[Action]) -> None:
             decode.landed = set()
         elif isinstance(action, AbortHook):
             _carry_out(w, w.state.abort_hooked(action.abort, raised=False))
+        elif isinstance(action, Announce) and action.done:
+            if w.writing is not None:
+                raise Violation("R4: drained announced while a write can land")
+            w.done = True
+            decode = w.decode(action.decode)
+            if decode.phase in ("asked", "aborting"):
+                # The drain is decode's proof: it takes the pages back.
+                decode.released.add(decode.use)
+                decode.use += 1
+                decode.phase = "idle"
+                decode.landed = set()
 
 
 def _check_settled(w: World, i: int) -> None:
@@ -217,6 +237,8 @@ def _dequeue(w: World) -> None:
         )
     if chunk.sender in w.settled:
         raise Violation(f"R3: sender {chunk.sender}'s chunk written after it said settled")
+    if w.done:
+        raise Violation(f"R4: chunk of sender {chunk.sender} written after the rank announced it drained")
     w.writing = chunk
 
 
@@ -318,6 +340,20 @@ def steps(w: World, cfg: Config) -> Iterator[tuple[str, Callable[[World], None]]
             _carry_out(w, w.state.fail_room(ROOM, "engine", TIMES[w.time]))
 
         yield "engine:fail_room", fail_room
+    if cfg.drain and not w.draining:
+
+        def drain(w: World) -> None:
+            w.draining = True
+            # The grace runs out at the next tick.
+            _carry_out(w, w.state.begin_drain(TIMES[w.time], 1.0))
+
+        yield "engine:drain", drain
+    if w.draining and not w.done:
+
+        def drain_tick(w: World) -> None:
+            _carry_out(w, w.state.drain_tick(TIMES[w.time])[1])
+
+        yield "engine:drain_tick", drain_tick
     if w.time + 1 < len(TIMES):
 
         def tick(w: World) -> None:
@@ -362,6 +398,7 @@ class Config:
     errors: int = 1
     fail: bool = True
     fail_room: bool = True
+    drain: bool = False
 
 
 @attrs.frozen

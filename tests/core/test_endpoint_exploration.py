@@ -25,6 +25,8 @@ WORLDS = {
     "reuse": (ONE, L(ticks=2, fenced=True, requests_per_room=2)),
     # a transfer deadline passes at any point
     "deadline": (ONE, L(ticks=3, transfer_timeout_s=1.5, requests_per_room=1)),
+    # the rank's process drains at any point (refuses, fails what is left, says done)
+    "drain": (ONE, L(ticks=1, fenced=True, drains=1, requests_per_room=2, aborts=1)),
 }
 
 
@@ -56,6 +58,12 @@ CAUGHT: dict[str, tuple[type[EndpointState], str, L, str]] = {
         mutants.FencedAckAtOnce,
         "p0",
         L(ticks=1, fenced=True, requests_per_room=1),
+        "S",
+    ),
+    "drained_proves_fenced_rooms": (
+        mutants.DrainedProvesFencedRooms,
+        "p0",
+        L(ticks=1, fenced=True, drains=1, requests_per_room=1, aborts=1),
         "S",
     ),
     "restart_leaves_old_rooms_open": (

@@ -3,14 +3,15 @@ mutants of it the explorer must catch."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
 import explore_rank as er
 import pytest
 
-from kvconn.protocol.ledger import KVPoll, RoomLedger
-from kvconn.protocol.rank import CONCLUDED, RankState, SenderState, SendPlan
+from kvconn.protocol.ledger import LIVE, KVPoll, RoomLedger
+from kvconn.protocol.rank import CONCLUDED, Action, RankState, SenderState, SendPlan
 
 #: name -> the world (each under ~30 s on a loaded 2-core machine)
 CONFIGS = {
@@ -24,6 +25,8 @@ CONFIGS = {
     "faults": er.Config(uses=1, senders=1, replays=0, errors=1, fail=True, fail_room=True),
     # two chunks per request, the engine trying a last chunk after the first
     "chunks": er.Config(uses=1, npages=2, senders=1, replays=0, errors=0, fail=False, fail_room=False),
+    # the engine drains the rank at any point: requests refused, the grace, done
+    "drain": er.Config(uses=1, senders=1, replays=0, errors=1, fail=False, fail_room=False, drain=True),
 }
 
 
@@ -76,6 +79,33 @@ class _ShortLast(RankState[str]):
         return attrs.evolve(super().plan_send(s, npages, False, polled), last=last)
 
 
+class _DrainIgnoresInFlight(RankState[str]):
+    """Drained once no room is live, with a chunk still being written."""
+
+    def drain_tick(self, now: float) -> tuple[bool, list[Action]]:
+        cls = type(self.ledger)
+        real = cls.unsettled_keys
+        try:
+            cls.unsettled_keys = lambda ledger: [  # type: ignore[method-assign]
+                k for k in real(ledger) if ledger.status(k) in LIVE
+            ]
+            return super().drain_tick(now)
+        finally:
+            cls.unsettled_keys = real  # type: ignore[method-assign]
+
+
+class _AcceptsWhileDraining(RankState[str]):
+    """A draining rank that takes new requests."""
+
+    @functools.singledispatchmethod
+    def handle(self, msg: object, now: float) -> list[Action]:
+        drain, self.drain = self.drain, None
+        try:
+            return super().handle(msg, now)
+        finally:
+            self.drain = drain
+
+
 def _factory(cls: type[RankState[str]]) -> Any:
     def make() -> RankState[str]:
         return cls(RoomLedger(0, er.TTL_S, er.SESSION), er.BOOTSTRAP_S, er.reachable)
@@ -88,6 +118,8 @@ MUTANTS = {
     "settled-by-any": (_SettledByAny, "fan-out", "R3"),
     "settled-unbound": (_SettledUnbound, "faults", "R3"),
     "short-last": (_ShortLast, "chunks", "R2"),
+    "drain-ignores-in-flight": (_DrainIgnoresInFlight, "drain", "R4"),
+    "accepts-while-draining": (_AcceptsWhileDraining, "drain", "R4"),
 }
 
 
