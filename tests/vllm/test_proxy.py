@@ -198,3 +198,63 @@ def test_a_client_that_leaves_mid_stream_closes_decodes_connection() -> None:
             assert response.readline().startswith(b"data: ")
         # the client is gone; decode's next writes must fail
         assert closed.wait(8), "the proxy kept decode's stream open after its client left"
+
+
+# -- draining an engine ----------------------------------------------------------
+@contextmanager
+def _two_prefills(cooldown_s: float = 60.0) -> Iterator[tuple[str, Engine, Engine, Engine]]:
+    a, b = kvconn_prefill(), kvconn_prefill()
+    decode = Engine(lambda body: (200, {"choices": [{"text": "ok"}]}))
+    proxy = serve(Proxy([a.url, b.url], [decode.url], timeout_s=10, unreachable_cooldown_s=cooldown_s), port=0)
+    with running(proxy, a.server, b.server, decode.server):
+        yield f"http://127.0.0.1:{proxy.server_port}", a, b, decode
+
+
+def test_a_prefill_told_to_drain_gets_no_new_request_and_comes_back_when_undrained() -> None:
+    with _two_prefills() as (url, a, b, decode):
+        status, raw = _post(url + "/kvconn/drain", {"prefill": a.url})
+        assert status == 200 and json.loads(raw)["prefill"][0] == {
+            "url": a.url,
+            "draining": True,
+            "unreachable_for_s": 0.0,
+        }
+        for _ in range(4):
+            assert _post(url + "/v1/completions", {"prompt": "a"})[0] == 200
+        assert (len(a.bodies), len(b.bodies), len(decode.bodies)) == (0, 4, 4)
+        assert _post(url + "/kvconn/undrain", {"prefill": a.url})[0] == 200
+        for _ in range(4):
+            _post(url + "/v1/completions", {"prompt": "a"})
+        assert (len(a.bodies), len(b.bodies)) == (2, 6)
+
+
+def test_every_engine_draining_is_a_503_and_bad_drain_requests_are_refused() -> None:
+    with _two_prefills() as (url, a, b, _):
+        assert _post(url + "/kvconn/drain", {"prefill": a.url})[0] == 200
+        assert _post(url + "/kvconn/drain", {"prefill": b.url})[0] == 200
+        status, raw = _post(url + "/v1/completions", {"prompt": "a"})
+        assert status == 503 and "draining" in json.loads(raw)["error"]["message"]
+        assert _post(url + "/kvconn/drain", {"prefill": "http://elsewhere:1"})[0] == 404
+        assert _post(url + "/kvconn/drain", {"engine": a.url})[0] == 400
+        assert _post(url + "/kvconn/drain", [a.url])[0] == 400
+
+
+def test_a_prefill_going_away_never_fails_a_request_that_had_not_started() -> None:
+    """An engine shutting down refuses connections or answers 503: the leg
+    goes to the next engine, and the gone one is skipped for the cooldown."""
+    with _two_prefills() as (url, a, b, decode):
+        a.server.shutdown()
+        a.server.server_close()  # refuses connections from now on
+        for _ in range(6):
+            assert _post(url + "/v1/completions", {"prompt": "a"})[0] == 200
+        assert (len(b.bodies), len(decode.bodies)) == (6, 6)
+        with urllib.request.urlopen(url + "/kvconn/engines", timeout=10) as response:
+            engines = json.loads(response.read())
+        assert engines["prefill"][0]["unreachable_for_s"] > 0
+    shutting = Engine(lambda body: (503, {"error": "shutting down"}))
+    fine = kvconn_prefill()
+    decode = Engine(lambda body: (200, {"choices": [{"text": "ok"}]}))
+    proxy = serve(Proxy([shutting.url, fine.url], [decode.url], timeout_s=10), port=0)
+    with running(proxy, shutting.server, fine.server, decode.server):
+        for _ in range(3):
+            assert _post(f"http://127.0.0.1:{proxy.server_port}/v1/completions", {"prompt": "a"})[0] == 200
+    assert (len(shutting.bodies), len(fine.bodies)) == (1, 3)  # tried once, then skipped

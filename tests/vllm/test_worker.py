@@ -229,3 +229,24 @@ def test_a_request_whose_prefill_never_bootstraps_is_recomputed(clock: Clock) ->
         assert not decode.has_pending()
     finally:
         decode.close()
+
+
+def test_a_draining_prefill_refuses_new_rooms_and_decode_recomputes_at_once(pair: tuple) -> None:  # type: ignore[type-arg]
+    prefill, decode, src, dst = pair
+    prefill.start(KvconnMetadata(sends=[Send("p-1", 90, (1,))]))
+    decode.start(KvconnMetadata(recvs=[Recv("d-1", 90, (prefill.address,), (2,))]))
+    until(decode, lambda r: "d-1" in r.finished_recving)
+    # a finished prefill request whose decode has not asked yet
+    prefill.start(KvconnMetadata(sends=[Send("p-2", 91, (3,))]))
+    [report] = prefill.drain(5.0)
+    assert report.drained and report.rooms_left == 0
+    # its blocks are vLLM's again at once (nothing was written from them)
+    until(prefill, lambda r: "p-2" in r.finished_sending, {"p-2"})
+    # decode heard the drain: a new request is recomputed, no timeout waited for
+    started = time.monotonic()
+    decode.start(KvconnMetadata(recvs=[Recv("d-2", 91, (prefill.address,), (4,))]))
+    got = until(decode, lambda r: "d-2" in r.finished_recving)
+    assert "d-2" in got.failed_recving and time.monotonic() - started < 5
+    for name in dst:
+        assert torch.equal(dst[name][4], torch.full_like(dst[name][4], -1.0 + 100 * int(name[13]) + 4))
+    assert decode.drain(1.0)[0].drained

@@ -10,6 +10,14 @@ each request names its prefill instance. The standard library only, so it
 runs wherever the connector does::
 
     kvconn-vllm-proxy --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+
+Draining an engine (scale-down, rolling upgrade): ``POST /kvconn/drain`` with
+``{"prefill": URL}`` or ``{"decode": URL}`` takes it out of the rotation (the
+requests it is serving finish), ``POST /kvconn/undrain`` puts it back, and
+``GET /kvconn/engines`` lists them. An engine that refuses connections or
+answers 503 (shutting down) before a leg started is skipped for
+``--unreachable-cooldown`` seconds and the leg goes to the next one: a
+request that had not started never fails because one engine is going away.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import itertools
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Generator, Sequence
@@ -38,14 +47,19 @@ Relayed = tuple[int, str, Generator[bytes, None, None]]
 class UpstreamError(Exception):
     """An engine answered with an error, or could not be reached."""
 
-    def __init__(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def __init__(
+        self, status: int, body: bytes, content_type: str = "application/json", elsewhere: bool = False
+    ) -> None:
         super().__init__(f"HTTP {status}")
         self.status, self.body, self.content_type = status, body, content_type
+        #: Nothing of the leg started there (unreachable, or 503: shutting
+        #: down): it may go to another engine.
+        self.elsewhere = elsewhere
 
 
-def _error(status: int, message: str) -> UpstreamError:
+def _error(status: int, message: str, elsewhere: bool = False) -> UpstreamError:
     body = json.dumps({"error": {"message": message, "type": "kvconn_proxy", "code": status}})
-    return UpstreamError(status, body.encode())
+    return UpstreamError(status, body.encode(), elsewhere=elsewhere)
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -60,25 +74,98 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Engines:
-    """Round-robin over base URLs, safe across handler threads."""
+    """Round-robin over base URLs, safe across handler threads, skipping the
+    engines told to drain and, for a while, those found unreachable."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    def __init__(
+        self, role: str, urls: Sequence[str], cooldown_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not urls:
             raise ValueError("at least one engine URL is needed")
-        self._cycle = itertools.cycle([u.rstrip("/") for u in urls])
+        self.role = role
+        self.urls = [u.rstrip("/") for u in urls]
+        self._turn = itertools.count()
         self._lock = threading.Lock()
+        self.cooldown_s, self.clock = cooldown_s, clock
+        self.draining: set[str] = set()
+        self._out_until: dict[str, float] = {}
+
+    def candidates(self) -> list[str]:
+        """The engines to try for one leg, in order: the next in turn first."""
+        with self._lock:
+            start = next(self._turn)
+            now = self.clock()
+            ring = [self.urls[(start + i) % len(self.urls)] for i in range(len(self.urls))]
+            usable = [u for u in ring if u not in self.draining and self._out_until.get(u, 0.0) <= now]
+        if not usable:
+            raise _error(503, f"every {self.role} engine is draining or unreachable: {self.urls}")
+        return usable
 
     def next(self) -> str:
+        return self.candidates()[0]
+
+    def unreachable(self, url: str) -> None:
         with self._lock:
-            return next(self._cycle)
+            self._out_until[url] = self.clock() + self.cooldown_s
+
+    def set_draining(self, url: str, draining: bool) -> None:
+        url = url.rstrip("/")
+        if url not in self.urls:
+            raise _error(404, f"{url} is not a {self.role} engine of this proxy ({self.urls})")
+        with self._lock:
+            (self.draining.add if draining else self.draining.discard)(url)
+
+    def describe(self) -> list[dict[str, Any]]:
+        with self._lock:
+            now = self.clock()
+            return [
+                {
+                    "url": u,
+                    "draining": u in self.draining,
+                    "unreachable_for_s": max(0.0, self._out_until.get(u, 0.0) - now),
+                }
+                for u in self.urls
+            ]
 
 
 class Proxy:
     """The request flow, apart from HTTP serving (see :func:`serve`)."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout_s: float = 600.0) -> None:
-        self.prefill, self.decode = _Engines(prefill), _Engines(decode)
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        timeout_s: float = 600.0,
+        unreachable_cooldown_s: float = 10.0,
+    ) -> None:
+        self.prefill = _Engines("prefill", prefill, unreachable_cooldown_s)
+        self.decode = _Engines("decode", decode, unreachable_cooldown_s)
         self.timeout_s = timeout_s
+
+    def set_draining(self, role: str, url: str, draining: bool) -> None:
+        """Take an engine out of the rotation (``draining``) or put it back."""
+        engines = {"prefill": self.prefill, "decode": self.decode}.get(role)
+        if engines is None:
+            raise _error(400, f"name the engine as prefill or decode, got {role!r}")
+        engines.set_draining(url, draining)
+
+    def engines(self) -> dict[str, list[dict[str, Any]]]:
+        return {"prefill": self.prefill.describe(), "decode": self.decode.describe()}
+
+    def _first(self, engines: _Engines, path: str, body: dict[str, Any] | None) -> tuple[str, Any]:
+        """The first engine that takes the leg, and its response; one found
+        unreachable or shutting down before the leg started is skipped."""
+        error: UpstreamError | None = None
+        for base in engines.candidates():
+            try:
+                return base, self._open(base + path, body)
+            except UpstreamError as exc:
+                if not exc.elsewhere:
+                    raise
+                engines.unreachable(base)
+                error = exc
+        assert error is not None  # candidates() is never empty
+        raise error
 
     def _open(self, url: str, body: dict[str, Any] | None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -87,15 +174,20 @@ class Proxy:
             return urllib.request.urlopen(request, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
             raise UpstreamError(
-                exc.code, exc.read(), exc.headers.get("Content-Type", "application/json")
+                exc.code, exc.read(), exc.headers.get("Content-Type", "application/json"), exc.code == 503
             ) from exc
+        except (ConnectionRefusedError, urllib.error.URLError) as exc:
+            if isinstance(exc, urllib.error.URLError) and not isinstance(exc.reason, ConnectionRefusedError):
+                raise _error(502, f"{url}: {exc}") from exc
+            raise _error(502, f"{url}: {exc}", elsewhere=True) from exc
         except OSError as exc:
             raise _error(502, f"{url}: {exc}") from exc
 
     def kv_params(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run the prefill leg; return the ``kv_transfer_params`` for decode."""
-        url = self.prefill.next() + path
-        with self._open(url, prefill_request(body)) as response:
+        base, opened = self._first(self.prefill, path, prefill_request(body))
+        url = base + path
+        with opened as response:
             try:
                 answer = json.loads(response.read())
             except ValueError as exc:
@@ -112,10 +204,10 @@ class Proxy:
     def generate(self, path: str, body: dict[str, Any]) -> Relayed:
         """Both legs: status, content type and the decode engine's body."""
         params = self.kv_params(path, body)
-        return _relayed(self._open(self.decode.next() + path, {**body, "kv_transfer_params": params}))
+        return _relayed(self._first(self.decode, path, {**body, "kv_transfer_params": params})[1])
 
     def get(self, path: str) -> Relayed:
-        return _relayed(self._open(self.decode.next() + path, None))
+        return _relayed(self._first(self.decode, path, None)[1])
 
 
 def _relayed(response: Any) -> Relayed:
@@ -137,6 +229,8 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.0"
 
         def do_POST(self) -> None:
+            if self.path in ("/kvconn/drain", "/kvconn/undrain"):
+                return self._drain(self.path == "/kvconn/drain")
             if self.path not in GENERATE:
                 return self._send_error(_error(404, f"{self.path}: not a generation endpoint"))
             try:
@@ -147,7 +241,30 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 return self._send_error(_error(400, f"bad request body: {exc}"))
             self._answer(lambda: proxy.generate(self.path, body))
 
+        def _drain(self, draining: bool) -> None:
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if not isinstance(body, dict) or len(body) != 1:
+                    raise ValueError('send {"prefill": URL} or {"decode": URL}')
+                [(role, url)] = body.items()
+                proxy.set_draining(str(role), str(url), draining)
+            except ValueError as exc:
+                return self._send_error(_error(400, f"bad drain request: {exc}"))
+            except UpstreamError as exc:
+                return self._send_error(exc)
+            self._send_json(proxy.engines())
+
+        def _send_json(self, value: object) -> None:
+            data = json.dumps(value).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_GET(self) -> None:
+            if self.path == "/kvconn/engines":
+                return self._send_json(proxy.engines())
             if self.path not in PASS_THROUGH:
                 return self._send_error(_error(404, f"{self.path}: unknown"))
             self._answer(lambda: proxy.get(self.path))
@@ -198,8 +315,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prefill", nargs="+", required=True, help="base URLs of the prefill engines")
     parser.add_argument("--decode", nargs="+", required=True, help="base URLs of the decode engines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
+    parser.add_argument(
+        "--unreachable-cooldown",
+        type=float,
+        default=10.0,
+        help="seconds an engine that refused a connection (or answered 503) is skipped",
+    )
     args = parser.parse_args(argv)
-    server = serve(Proxy(args.prefill, args.decode, args.timeout), args.host, args.port)
+    proxy = Proxy(args.prefill, args.decode, args.timeout, args.unreachable_cooldown)
+    server = serve(proxy, args.host, args.port)
     print(f"kvconn-vllm-proxy on http://{args.host}:{server.server_port}", flush=True)
     try:
         server.serve_forever()

@@ -27,6 +27,7 @@ _KEYS = frozenset(
         "unrequested_timeout_s",
         "transfer_timeout_s",
         "conformance",
+        "drain_grace_s",
         *_CONFIG_NUMBERS,
     }
 )
@@ -46,7 +47,10 @@ class Settings:
     ``config.transfer_timeout_s`` (kvconn's per-room deadline at decode):
     a room not received that long after decode asked for it fails and is
     aborted, its blocks come back with proof only, and the request is
-    recomputed (vLLM's load-failure path)."""
+    recomputed (vLLM's load-failure path). ``drain_grace_s``: at shutdown
+    the worker drains (docs/engine-integration.md, "Draining"): a prefill
+    rank refuses new rooms and gives those it holds this long to complete;
+    a decode endpoint aborts what is left and waits this long for the proofs."""
 
     backend: str = "loopback"
     config: Config = attrs.field(factory=lambda: Config(transfer_timeout_s=_DEADLINE_DEFAULT_S))
@@ -54,6 +58,7 @@ class Settings:
     #: Run kvconn's conformance suite on the transport at start-up (see
     #: :mod:`kvconn_vllm.conformance`).
     conformance: bool = False
+    drain_grace_s: float = 10.0
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -92,7 +97,10 @@ class Settings:
         conformance = extra.get("conformance", False)
         if not isinstance(conformance, bool):
             raise SettingsError(f"conformance must be true or false, got {conformance!r}")
-        return cls(backend, config, timeouts["unrequested_timeout_s"], conformance)
+        grace = _number("drain_grace_s", extra.get("drain_grace_s", 10.0))
+        if grace < 0:
+            raise SettingsError(f"drain_grace_s must be >= 0, got {grace}")
+        return cls(backend, config, timeouts["unrequested_timeout_s"], conformance, grace)
 
 
 def _number(key: str, value: object) -> float:

@@ -26,6 +26,7 @@ import attrs
 from kvconn.errors import KvconnError
 from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
+from kvconn.protocol.drain import DrainReport
 from kvconn.runtime.decode import DecodeEndpoint, Receiver, Release
 from kvconn.runtime.prefill import KVPoll, PrefillRank, Sender
 from kvconn.transport import Backend
@@ -166,11 +167,30 @@ class WorkerSide:
     def has_pending(self) -> bool:
         return bool(self._outgoing or self._incoming)
 
-    def close(self) -> None:
-        if self.decode is not None:
-            self.decode.close()
+    def drain(self, grace_s: float) -> list[DrainReport]:
+        """Take this worker out of service (kvconn's drain): its prefill rank
+        refuses new rooms and gives those it holds ``grace_s`` to complete;
+        its decode endpoint takes no new room, aborts the rooms left (at
+        shutdown the engine finishes no more) and waits up to ``grace_s``
+        for their proofs. Pages without proof stay held."""
+        reports = []
         if self.rank is not None:
-            self.rank.close()
+            reports.append(self.rank.drain(grace_s))
+        if self.decode is not None:
+            reports.append(self.decode.drain(0.0, timeout_s=grace_s))
+        for report in reports:
+            (log.info if report.drained else log.warning)("kvconn drain at shutdown: %s", report)
+        return reports
+
+    def close(self) -> None:
+        """Drain (``drain_grace_s``), then close."""
+        try:
+            self.drain(self.settings.drain_grace_s)
+        finally:
+            if self.decode is not None:
+                self.decode.close()
+            if self.rank is not None:
+                self.rank.close()
 
     # -- prefill -----------------------------------------------------------
     def _start_send(self, send: Send) -> None:
@@ -228,6 +248,9 @@ class WorkerSide:
                     # from now on is told the room failed.
                     outgoing.given_up = True
                     outgoing.sender.fail("decode did not ask within unrequested_timeout_s")
+                elif not outgoing.sent and outgoing.sender.poll() is KVPoll.FAILED:
+                    # kvconn gave it up (a draining rank takes no request now).
+                    outgoing.given_up = True
                 req_id = outgoing.send.req_id
                 # vLLM takes a send as finished only for a request it reported finished.
                 over = outgoing.sent or outgoing.given_up
