@@ -40,7 +40,9 @@ def _request(state: RankState[str], decode: str, room: int, seq: int, now: float
 
 def _statuses(actions: list[Action]) -> list[tuple[str, int, RoomOutcome, str]]:
     return [
-        (a.decode, a.status.room, a.status.outcome, a.status.reason) for a in actions if isinstance(a, NotifyDecode)
+        (a.decode, a.status.room, a.status.outcome, a.status.reason)
+        for a in actions
+        if isinstance(a, NotifyDecode)
     ]
 
 
@@ -126,7 +128,7 @@ def test_a_drain_notice_makes_decode_refuse_that_instance_and_the_refusal_is_typ
     with pytest.raises(DrainingError, match="draining"):
         state.open(1, (0,), p, None, None, 0.1)
     assert state.tracker.state(1) is None  # a refused open changes nothing
-    request, sent = state.open(1, (0,), q, None, None, 0.2)  # the other instance takes it
+    _, sent = state.open(1, (0,), q, None, None, 0.2)  # the other instance takes it
     assert requests(sent)
     # a restarted process at that address is not draining
     announce(state, 0, "p0", 2, 0.3)
@@ -185,7 +187,7 @@ def test_a_draining_decode_refuses_new_rooms_then_aborts_what_the_engine_left() 
     state = endpoint()
     inst = state.default
     assert inst is not None
-    done, _ = state.open(1, (0,), inst, None, None, 0.0)
+    _done, _ = state.open(1, (0,), inst, None, None, 0.0)
     left, _ = state.open(2, (1,), inst, None, None, 0.0)
     drain.begin_decode_drain(state)
     with pytest.raises(DrainingError, match="decode endpoint is draining"):

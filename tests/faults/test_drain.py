@@ -124,7 +124,7 @@ def test_a_draining_decode_finishes_what_it_can_aborts_the_rest_and_holds_what_i
             wait_for(lambda rx=rx: rx.poll() is KVPoll.SUCCESS, 20, f"room {rx.room}")
         c.finish(done[0][0])  # the engine took one; the others it never will
         c.ranks[0].signal(signal.SIGSTOP)
-        frozen, frozen_pages = c.open(20, ROOM_PAGES)  # its rank cannot answer
+        frozen, _frozen_pages = c.open(20, ROOM_PAGES)  # its rank cannot answer
         report = c.dec.drain(grace_s=0.2, timeout_s=0.3)
         print(f"\ndecode drain with a frozen rank: {report}")
         # the completed rooms came back at once; the frozen one is held, not freed

@@ -205,7 +205,9 @@ def test_a_client_that_leaves_mid_stream_closes_decodes_connection() -> None:
 def _two_prefills(cooldown_s: float = 60.0) -> Iterator[tuple[str, Engine, Engine, Engine]]:
     a, b = kvconn_prefill(), kvconn_prefill()
     decode = Engine(lambda body: (200, {"choices": [{"text": "ok"}]}))
-    proxy = serve(Proxy([a.url, b.url], [decode.url], timeout_s=10, unreachable_cooldown_s=cooldown_s), port=0)
+    proxy = serve(
+        Proxy([a.url, b.url], [decode.url], timeout_s=10, unreachable_cooldown_s=cooldown_s), port=0
+    )
     with running(proxy, a.server, b.server, decode.server):
         yield f"http://127.0.0.1:{proxy.server_port}", a, b, decode
 

@@ -232,7 +232,7 @@ def test_a_request_whose_prefill_never_bootstraps_is_recomputed(clock: Clock) ->
 
 
 def test_a_draining_prefill_refuses_new_rooms_and_decode_recomputes_at_once(pair: tuple) -> None:  # type: ignore[type-arg]
-    prefill, decode, src, dst = pair
+    prefill, decode, _src, dst = pair
     prefill.start(KvconnMetadata(sends=[Send("p-1", 90, (1,))]))
     decode.start(KvconnMetadata(recvs=[Recv("d-1", 90, (prefill.address,), (2,))]))
     until(decode, lambda r: "d-1" in r.finished_recving)

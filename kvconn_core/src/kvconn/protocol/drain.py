@@ -228,6 +228,7 @@ def decode_left(state: EndpointState) -> tuple[int, int]:
     pages = sum(tracker.pages_in(s) for s in HoldState)
     return rooms, pages
 
+
 __all__ = [
     "Announce",
     "DECODE_DRAINING",
