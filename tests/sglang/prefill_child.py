@@ -193,6 +193,10 @@ def serve(cmd: dict[str, Any], ranks: dict[int, Rank]) -> None:
         reply({"sent": len(cmd["pages"])})
     elif op == "inflight":
         reply({"ranks": {r: rank.inflight(room) for r, rank in ranks.items()}})
+    elif op == "drain":
+        # SGLang's shutdown path (teardown drains before it closes), the drain alone.
+        reports = {r: rank.manager.drain(cmd["grace_s"]) for r, rank in ranks.items()}
+        reply({"drained": {r: [rep.drained, rep.seconds, rep.rooms_left] for r, rep in reports.items()}})
     elif op == "abort":
         # SGLang's AbortReq for a request the prefill is sending.
         for rank in ranks.values():

@@ -30,8 +30,10 @@ from sglang.srt.disaggregation.base.conn import (
 
 from kvconn.errors import BootstrapError, KvconnError
 from kvconn.plugins import get_backend
+from kvconn.protocol.drain import DrainReport
 from kvconn.runtime.decode import DecodeEndpoint, Release
 from kvconn.runtime.decode import Receiver as KvconnReceiver
+from kvconn.runtime.drain_signal import drain_on_signal
 from kvconn.runtime.prefill import KVPoll as KvconnPoll
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.prefill import Sender as KvconnSender
@@ -125,6 +127,9 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
                 buffers=self.engine_kv.buffers,
                 layout=self.engine_kv.layout,
             )
+        if self.settings.drain_on_sigterm and threading.current_thread() is threading.main_thread():
+            # The operator asked: SIGTERM drains first, then ends the process as before.
+            drain_on_signal([self], self.settings.drain_grace_s)
 
     # -- SGLang's manager API -------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -222,8 +227,27 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         with self._lock:
             self._held.discard(bootstrap_room)
 
+    def drain(self, grace_s: float | None = None, timeout_s: float | None = None) -> DrainReport:
+        """Take this scheduler rank out of service (kvconn's drain): a
+        prefill rank refuses new rooms and gives those it holds ``grace_s``
+        (default ``drain_grace_s``) to complete, and returns once no write
+        of it can land; a decode endpoint takes no new room, aborts the rooms
+        left and waits up to ``grace_s`` for their proofs."""
+        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        if self.rank is not None:
+            report = self.rank.drain(grace, timeout_s)
+        else:
+            assert self.endpoint is not None
+            report = self.endpoint.drain(0.0, grace if timeout_s is None else timeout_s)
+        (log.info if report.drained else log.warning)("kvconn drain: %s", report)
+        return report
+
     def teardown(self) -> None:
-        self.close()
+        """SGLang's role switch: drain, then close."""
+        try:
+            self.drain()
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -350,6 +374,11 @@ class KVConnKVSender(BaseKVSender):  # type: ignore[misc]
             return self._concluded
         sender = self._bound()
         if sender is None:
+            if self._rank.draining:
+                # A draining rank takes no decode's request now: nothing will be written.
+                self._failure = "the prefill rank is draining"
+                self._concluded = int(KVPoll.Failed)
+                return self._concluded
             return int(KVPoll.Bootstrapping)
         status = sender.poll()
         if status is KvconnPoll.FAILED and sender.decodes > 1 and not self._failed_everywhere:
@@ -494,6 +523,10 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         if self._failure is None:
             self._failure = self._receiver.failure()
         self._receiver.abort()
+        if self._receiver.state() is None:
+            # Released already: kvconn had the proof before SGLang gave the
+            # room up (its rank drained, or exited), and no later release comes.
+            self.kv_mgr.clear_deferred_abort_state(self.bootstrap_room)
 
     def clear(self) -> None:
         if self._receiver is not None and not self._finished and not self.abort_notified:

@@ -34,13 +34,20 @@ class Settings:
     """``transport``: the kvconn backend (``kvconn backends`` lists them).
     ``port_base``: prefill rank r listens at ``port_base + r`` (0: any free
     port, logged). ``KVCONN_SGLANG_BACKEND_OPTIONS`` (``k=v,k=v``) go to
-    the transport. ``memory``: "dram" or "vram", the kind of SGLang's KV pool."""
+    the transport. ``memory``: "dram" or "vram", the kind of SGLang's KV pool.
+    ``drain_grace_s`` (``KVCONN_SGLANG_DRAIN_GRACE_S``): how long a drain at
+    teardown or SIGTERM gives held rooms to complete (a decode endpoint:
+    how long it waits for the proofs of what it aborts). ``drain_on_sigterm``
+    (``KVCONN_SGLANG_DRAIN_ON_SIGTERM=1``): the scheduler process drains on
+    SIGTERM before it exits (SGLang's shutdown terminates it)."""
 
     transport: str
     host: str
     port_base: int
     memory: str
     config: Config
+    drain_grace_s: float = 10.0
+    drain_on_sigterm: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
@@ -61,7 +68,23 @@ class Settings:
             port_base=int(_number(environ, "PORT_BASE", 0)),
             memory=memory or _default_memory(),
             config=config,
+            drain_grace_s=_grace(environ),
+            drain_on_sigterm=_flag(environ, "DRAIN_ON_SIGTERM"),
         )
+
+
+def _grace(environ: Mapping[str, str]) -> float:
+    grace = _number(environ, "DRAIN_GRACE_S", 10.0)
+    if grace < 0:
+        raise SettingsError(f"{PREFIX}DRAIN_GRACE_S must be >= 0, got {grace}")
+    return grace
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    raw = environ.get(PREFIX + name, "")
+    if raw not in ("", "0", "1"):
+        raise SettingsError(f"{PREFIX}{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def _options(text: str) -> dict[str, str]:

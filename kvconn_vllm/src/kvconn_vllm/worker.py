@@ -380,7 +380,9 @@ class WorkerSide:
             incoming = self._incoming[released_req]
             self._forget(released_req)
             self._done_recving.add(released_req)
-            if incoming.failed:
+            # A release not asked for (kvconn failed the room and had the
+            # proof at once: its rank drained) is a failure too.
+            if incoming.failed or not incoming.giving_up:
                 self._failed_recving.add(released_req)
 
     def _forget(self, req_id: str) -> None:
