@@ -10,12 +10,14 @@ import signal
 import time
 
 import attrs
+import pytest
 
 from kvconn.protocol.drain import DRAIN_REASONS, GRACE_OVER, DrainingError
 from kvconn.protocol.hold import Proof
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import Receiver
 from kvconn.testing.cluster import Cluster
+from kvconn.testing.libraries import require_library
 from kvconn.testing.waiting import wait_for
 
 ROOM_PAGES = 8
@@ -77,8 +79,17 @@ class _Stream:
                 rx.abort()  # its pages come back by proof (on_release)
 
 
-def test_draining_one_of_two_prefill_instances_under_load_loses_no_request_and_no_page() -> None:
-    c = Cluster(num_ranks=1, num_pages=128, rank_args={"drain_on_sigterm": 10.0})
+@pytest.mark.parametrize("backend", ["loopback", "nixl"])
+def test_draining_one_of_two_prefill_instances_under_load_loses_no_request_and_no_page(backend: str) -> None:
+    if backend != "loopback":
+        require_library(backend)
+    c = Cluster(
+        backend=backend,
+        num_ranks=1,
+        num_pages=128,
+        abort_timeout_s=2.0,
+        rank_args={"drain_on_sigterm": 10.0},
+    )
     try:
         [other] = c.another_instance()
         a, b = (c.ranks[0].address,), (other.address,)
@@ -99,7 +110,7 @@ def test_draining_one_of_two_prefill_instances_under_load_loses_no_request_and_n
         report = c.ranks[0].next_with("drain", 30, "the drain report")["drain"]
         assert c.ranks[0].proc.wait(10) == 0  # exited once nothing of it could land
         print(
-            f"\ndrain of 1 of 2 prefill instances under load: drained={report['drained']} "
+            f"\n{backend}: drain of 1 of 2 prefill instances under load: drained={report['drained']} "
             f"in {report['seconds']:.3f} s (grace 10 s); {s.completed} rooms completed, "
             f"{s.rerouted} refused by the draining rank and routed elsewhere, "
             f"{s.refused_at_open} refused at receiver() (instance known draining)"
