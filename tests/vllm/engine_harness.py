@@ -326,6 +326,13 @@ class _Child:
         """The blocks of request ``req_id`` (the caller's id), while it has any."""
         return list(self.core.scheduler.kv_cache_manager.get_block_ids(self.internal[req_id])[0])
 
+    def do_drain(self, grace_s: float) -> list[dict[str, Any]]:
+        """The worker's drain, as its shutdown runs it (reports as dicts)."""
+        import attrs
+
+        assert self.worker is not None
+        return [attrs.asdict(report) for report in self.worker.drain(grace_s)]
+
     def do_digests(self, blocks: list[int]) -> list[str]:
         return self.digests(blocks)
 
