@@ -15,11 +15,14 @@ import signal
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvconn.protocol.drain import DrainReport
 
 log = logging.getLogger(__name__)
+
+#: What ``signal.getsignal`` returns (None: a handler not installed from Python).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class Drainable(Protocol):
@@ -29,10 +32,11 @@ class Drainable(Protocol):
     def drain(self, grace_s: float, timeout_s: float | None = None) -> DrainReport: ...
 
 
-def _redeliver(signum: int, previous: object) -> Callable[[list[DrainReport]], None]:
+def _redeliver(signum: int) -> Callable[[list[DrainReport]], None]:
     def then(reports: list[DrainReport]) -> None:
-        # The process ends as it would have without us, once nothing of it can land.
-        signal.signal(signum, previous if callable(previous) or previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        # The previous handler is back (the handler put it back: only the
+        # main thread may): the process ends as it would have without us,
+        # once nothing of it can land.
         os.kill(os.getpid(), signum)
 
     return then
@@ -45,13 +49,16 @@ def drain_on_signal(
     signum: int = signal.SIGTERM,
 ) -> Callable[[], None]:
     """On ``signum``, drain every endpoint (in parallel, on a thread), then
-    call ``then(reports)``; by default the previous handler is put back and
-    the signal delivered again, so the process exits as it would have, only
-    once no write of it can land. A second signal while draining is ignored.
+    call ``then(reports)``; by default the signal is delivered again, to the
+    handler that was there before, so the process exits as it would have,
+    only once no write of it can land. The previous handler is put back as
+    the drain starts: a second signal while draining (an operator who
+    insists) does at once what the first would have done without kvconn.
     Returns a function that puts the previous handler back. Call it from the
     main thread (Python's rule for signal handlers)."""
     previous = signal.getsignal(signum)
-    after = then or _redeliver(signum, previous)
+    restore: Handler = signal.SIG_DFL if previous is None else previous
+    after = then or _redeliver(signum)
     started = threading.Event()
 
     def run() -> None:
@@ -77,12 +84,13 @@ def drain_on_signal(
         if started.is_set():
             return
         started.set()
+        signal.signal(signum, restore)
         threading.Thread(target=run, name="kvconn-drain", daemon=True).start()
 
     signal.signal(signum, handler)
 
     def uninstall() -> None:
-        signal.signal(signum, previous)
+        signal.signal(signum, restore)
 
     return uninstall
 
