@@ -60,6 +60,8 @@ def test_owner_fence_recovers_a_frozen_writers_pages_and_every_rank_re_bootstrap
         assert total(c.metric, "kvconn_releases_total", "proof", PROOFS) == 1
         assert c.metric("kvconn_pages_held") == 0 and rx.state() is None
         assert c.dec._state.name == f"{first_name}.f1"
+        fence_s = getattr(c.dec.region, "last_owner_fence_s", 0.0)
+        print(f"\nheld {rel.held_for:.2f} s, quarantined {rel.quarantined_for:.2f} s, fence {fence_s:.2f} s")
         # the other rank takes the new name and metadata, and its next room completes
         wait_for(lambda: _up(c, 1), 10, "rank 1 re-bootstrapped")
         rx1, pages1 = c.open(22000, ROOM_PAGES, frozenset({1}))
