@@ -141,7 +141,7 @@ class Cluster:
             unsafe_release_at_deadline=legacy,
             acks_enabled=not legacy,
         )
-        self.decode_config = attrs.evolve(self.config, **(decode_config or {}))
+        self.decode_options = dict(decode_config or {})
         rk = key if rank_key == "same" else rank_key
         self.ranks: list[Rank] = []
         self.lock = threading.Lock()
@@ -186,7 +186,7 @@ class Cluster:
             self.num_pages,
             self.page_bytes,
             [r.address for r in self.ranks],
-            self.decode_config,
+            attrs.evolve(self.config, **self.decode_options),  # self.config as it is now
             on_release=self._on_release,
         )
         self._pages = CanaryPages(self.decode.region, self.num_pages, self.page_bytes, self.num_ranks)
