@@ -21,6 +21,8 @@ from kvconn.transport import Settlement
 #: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
 FENCE_RESULTS = ("ok", "failed")
 RANK_DOWN_CAUSES = ("exited", "silent")
+#: ``kvconn_owner_fences_total{outcome}``.
+OWNER_FENCE_OUTCOMES = ("ok", "failed")
 
 #: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
 LATENCY_BUCKETS = (
@@ -90,6 +92,12 @@ class Metrics:
             "Open rooms failed because a rank died, went silent or restarted",
             registry=r,
         )
+        self.owner_fences = Counter(
+            "kvconn_owner_fences", "Owner fences decode carried out, by outcome", ["outcome"], registry=r
+        )
+        self.owner_fence_pages = Counter(
+            "kvconn_owner_fence_pages_recovered", "Held pages released by an owner fence", registry=r
+        )
         self.rooms_held = Gauge("kvconn_rooms_held", "Rooms held after abort", registry=r)
         self.acks_draining = Gauge(
             "kvconn_acks_awaiting_drain",
@@ -128,6 +136,8 @@ class Metrics:
             self.fences.labels(result)
         for cause in RANK_DOWN_CAUSES:
             self.ranks_down.labels(cause)
+        for outcome in OWNER_FENCE_OUTCOMES:
+            self.owner_fences.labels(outcome)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""

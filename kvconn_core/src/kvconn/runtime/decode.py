@@ -35,11 +35,12 @@ from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
 from kvconn.protocol.hold import HoldState, HoldTracker, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import AbortAck, Hello, Message
+from kvconn.protocol.owner_fence import OwnerFencePolicy
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.decode_actions import Carrier
 from kvconn.runtime.procs import WriterIdentity, pid_namespace, proven_gone
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends
-from kvconn.transport import Backend, PageRegion, capabilities_of, register_region
+from kvconn.transport import Backend, PageRegion, capabilities_of, owner_fence, register_region
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class DecodeEndpoint:
         self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
-        limit = capabilities_of(backend, self.config.backend_options).max_write_timeout_s
+        caps = capabilities_of(backend, self.config.backend_options)
+        limit = caps.max_write_timeout_s
         if limit is not None and limit >= self.config.abort_timeout_s:
             raise ValueError(
                 f"{backend.name} may take {limit} s to fail a write; abort_timeout_s "
@@ -147,9 +149,21 @@ class DecodeEndpoint:
             peer_timeout_s=self.config.peer_timeout_s,
             transfer_timeout_s=self.config.transfer_timeout_s,
             check_pages=self.config.check_pages,
+            owner_fence=OwnerFencePolicy(
+                self.config.owner_fence_after_s, self.config.owner_fence_min_interval_s, caps.owner_fence
+            ),
         )
+        if self.config.owner_fence_after_s is not None and not caps.owner_fence:
+            log.warning("%s cannot fence as the page owner: quarantined pages wait for proof", backend.name)
         self._state.EXIT_CHECK_S, self._state.MAX_DRAINING = self.EXIT_CHECK_S, self.MAX_DRAINING
-        self._carrier = Carrier(self._state, self._outbox, self.metrics, self._bootstrapped, self._count_drop)
+        self._carrier = Carrier(
+            self._state,
+            self._outbox,
+            self.metrics,
+            self._bootstrapped,
+            self._count_drop,
+            owner_fence=lambda: owner_fence(self.region),
+        )
         self._gauge_hold_state()
         self.metrics_server: Exported | None = None
         if self.config.metrics_port is not None:
@@ -279,7 +293,7 @@ class DecodeEndpoint:
                 if known is not None:
                     return known
                 hello = Hello(
-                    self.name,
+                    self._state.name,  # its own since the last owner fence
                     self.address,
                     self.backend.name,
                     self.page_bytes,

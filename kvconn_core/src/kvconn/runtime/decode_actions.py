@@ -28,9 +28,11 @@ from kvconn.protocol.endpoint_events import (
 )
 from kvconn.protocol.hold import Quarantine, Release
 from kvconn.protocol.messages import Abort
+from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenced, OwnerFenceDone, OwnerFenceError
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.procs import WriterIdentity
 from kvconn.runtime.sockets import undrained
+from kvconn.transport import OwnerFenceUnsupported
 
 log = logging.getLogger("kvconn.runtime.decode")
 
@@ -45,12 +47,16 @@ class Carrier:
         metrics: Metrics,
         bootstrapped: threading.Condition,
         on_drop: Callable[[DropReason], None],
+        owner_fence: Callable[[], bytes] | None = None,
     ) -> None:
+        """``owner_fence``: the region's (``kvconn.transport.owner_fence``):
+        fences it and returns its new metadata."""
         self._state = state
         self._outbox = outbox
         self.metrics = metrics
         self._bootstrapped = bootstrapped
         self._on_drop = on_drop
+        self._owner_fence = owner_fence
 
     def run(self, actions: Sequence[Action], now: float) -> list[Release]:
         """Carry out ``actions``; the releases are returned, for the engine's
@@ -115,10 +121,40 @@ class Carrier:
 
     @_do.register
     def _(self, action: RoomFailed, now: float, releases: list[Release]) -> None:
-        counter = (
-            self.metrics.room_deadlines if action.cause == "deadline" else self.metrics.rooms_failed_by_rank
+        if action.cause == "deadline":
+            self.metrics.room_deadlines.inc()
+        elif action.cause == "rank":
+            self.metrics.rooms_failed_by_rank.inc()  # an owner fence's are in its log line
+
+    @_do.register
+    def _(self, action: FenceAsOwner, now: float, releases: list[Release]) -> None:
+        # Under the endpoint's lock, on purpose: no request, bootstrap or
+        # Hello may go out with the old name while the old endpoint goes.
+        event: OwnerFenceDone | OwnerFenceError
+        try:
+            if self._owner_fence is None:
+                raise OwnerFenceUnsupported("this endpoint has no owner fence")
+            event = OwnerFenceDone(self._owner_fence())
+        except Exception as exc:  # OwnerFenceFailed or anything else: nothing proven
+            log.debug("owner fence raised", exc_info=True)
+            event = OwnerFenceError(f"{type(exc).__name__}: {exc}")
+        releases += self.run(self._state.handle(event, now), now)
+
+    @_do.register
+    def _(self, action: OwnerFenced, now: float, releases: list[Release]) -> None:
+        self.metrics.owner_fences.labels("ok" if action.ok else "failed").inc()
+        if not action.ok:
+            log.warning("owner fence failed, every held page stays held: %s", action.reason)
+            return
+        self.metrics.owner_fence_pages.inc(action.pages)
+        log.warning(
+            "owner fence: %d rooms (%d pages) recovered, %d rooms in flight failed; "
+            "prefill ranks re-bootstrap with decode %s",
+            action.rooms,
+            action.pages,
+            action.failed,
+            action.name,
         )
-        counter.inc()
 
     @_do.register
     def _(self, action: Answered, now: float, releases: list[Release]) -> None:

@@ -10,9 +10,10 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import attrs
 import zmq
 
 from kvconn.config import Config
@@ -111,9 +112,15 @@ class Cluster:
         bootstrap_timeout_s: float = 20.0,
         start_decode: bool = True,
         legacy: bool = False,
+        chunk_gap_s: float = 0.0,
+        decode_config: Mapping[str, Any] | None = None,
     ) -> None:
         """``legacy``: the timeout-only mode kvconn is compared with (ranks
-        send no acks, decode frees pages at its deadline without proof)."""
+        send no acks, decode frees pages at its deadline without proof).
+        ``chunk_gap_s``: each rank waits this long between two chunks (a room
+        stays in flight long enough to freeze its writer in it).
+        ``decode_config``: more :class:`~kvconn.config.Config` fields, for
+        decode only (e.g. ``owner_fence_after_s``)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -134,6 +141,7 @@ class Cluster:
             unsafe_release_at_deadline=legacy,
             acks_enabled=not legacy,
         )
+        self.decode_options = dict(decode_config or {})
         rk = key if rank_key == "same" else rank_key
         self.ranks: list[Rank] = []
         self.lock = threading.Lock()
@@ -156,6 +164,7 @@ class Cluster:
                     "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
                     "acks_enabled": not legacy,
+                    "chunk_gap_s": chunk_gap_s,
                 }
                 if rk:
                     assert isinstance(rk, bytes)
@@ -177,7 +186,7 @@ class Cluster:
             self.num_pages,
             self.page_bytes,
             [r.address for r in self.ranks],
-            self.config,
+            attrs.evolve(self.config, **self.decode_options),  # self.config as it is now
             on_release=self._on_release,
         )
         self._pages = CanaryPages(self.decode.region, self.num_pages, self.page_bytes, self.num_ranks)
@@ -260,4 +269,13 @@ def total(metric: Callable[..., float], name: str, labels: str, values: Sequence
     return sum(metric(name, **{labels: v}) for v in values)
 
 
-PROOFS = ("acks", "late_acks", "writer_fence", "writer_exit", "completed", "nothing_sent", "unsafe_timeout")
+PROOFS = (
+    "acks",
+    "late_acks",
+    "writer_fence",
+    "writer_exit",
+    "completed",
+    "nothing_sent",
+    "owner_fence",
+    "unsafe_timeout",
+)
