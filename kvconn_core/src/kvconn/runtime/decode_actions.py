@@ -31,6 +31,7 @@ from kvconn.protocol.messages import Abort
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.procs import WriterIdentity
 from kvconn.runtime.sockets import undrained
+from kvconn.runtime.tracing import NO_TRACER, NoTracer
 
 log = logging.getLogger("kvconn.runtime.decode")
 
@@ -45,12 +46,14 @@ class Carrier:
         metrics: Metrics,
         bootstrapped: threading.Condition,
         on_drop: Callable[[DropReason], None],
+        tracer: NoTracer = NO_TRACER,
     ) -> None:
         self._state = state
         self._outbox = outbox
         self.metrics = metrics
         self._bootstrapped = bootstrapped
         self._on_drop = on_drop
+        self._tracer = tracer
 
     def run(self, actions: Sequence[Action], now: float) -> list[Release]:
         """Carry out ``actions``; the releases are returned, for the engine's
@@ -66,8 +69,11 @@ class Carrier:
 
     @_do.register
     def _(self, action: Send, now: float, releases: list[Release]) -> None:
-        if self._outbox.send(action.address, action.message) and isinstance(action.message, Abort):
+        if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
+            action.message, Abort
+        ):
             self.metrics.aborts_sent.inc()
+            self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Release, now: float, releases: list[Release]) -> None:
@@ -77,10 +83,12 @@ class Carrier:
         self.metrics.released_pages.labels(proof).inc(len(action.pages))
         self.metrics.release_latency.labels(proof).observe(action.held_for)
         self.metrics.quarantine_seconds.inc(action.quarantined_for)
+        self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Quarantine, now: float, releases: list[Release]) -> None:
         self.metrics.quarantines.inc()
+        self._tracer.carried(action)
         log.warning("room %d quarantined: %d pages held, no proof yet", action.room, len(action.pages))
 
     @_do.register
@@ -119,6 +127,7 @@ class Carrier:
             self.metrics.room_deadlines if action.cause == "deadline" else self.metrics.rooms_failed_by_rank
         )
         counter.inc()
+        self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Answered, now: float, releases: list[Release]) -> None:

@@ -77,6 +77,13 @@ class Rank(Child):
     def value(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, frozenset(labels.items())), 0.0)
 
+    def spans(self, timeout: float = 10) -> list[dict[str, Any]]:
+        """The spans the rank process finished so far (a ``Cluster`` with
+        ``tracing``), as :func:`kvconn.runtime.trace_export.span_record` makes them."""
+        self.send_line("spans")
+        spans: list[dict[str, Any]] = self.next_with("spans", timeout, "rank spans")["spans"]
+        return spans
+
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
@@ -111,9 +118,12 @@ class Cluster:
         bootstrap_timeout_s: float = 20.0,
         start_decode: bool = True,
         legacy: bool = False,
+        tracing: bool = False,
     ) -> None:
         """``legacy``: the timeout-only mode kvconn is compared with (ranks
-        send no acks, decode frees pages at its deadline without proof)."""
+        send no acks, decode frees pages at its deadline without proof).
+        ``tracing``: every endpoint traces (``Config.tracing``), each rank
+        process into an in-memory exporter (:meth:`Rank.spans`)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -133,6 +143,7 @@ class Cluster:
             backend_options=self.options,
             unsafe_release_at_deadline=legacy,
             acks_enabled=not legacy,
+            tracing=tracing,
         )
         rk = key if rank_key == "same" else rank_key
         self.ranks: list[Rank] = []
@@ -156,6 +167,7 @@ class Cluster:
                     "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
                     "acks_enabled": not legacy,
+                    "tracing": tracing,
                 }
                 if rk:
                     assert isinstance(rk, bytes)
