@@ -144,8 +144,14 @@ class NoTracer:
     def notified(self, decode: str, status: RoomStatus) -> None:
         pass
 
+    def contexts(self, rooms: frozenset[RoomKey]) -> list[tuple[RoomKey, Context]]:
+        """(Under the rank's lock.) The trace contexts of those of ``rooms`` that have one."""
+        return []
+
     @contextmanager
-    def fence(self, rooms: frozenset[RoomKey], rank: int) -> Iterator[dict[str, Any]]:
+    def fence(
+        self, contexts: list[tuple[RoomKey, Context]], rooms: int, rank: int
+    ) -> Iterator[dict[str, Any]]:
         yield {}
 
     def close(self) -> None:
@@ -352,20 +358,24 @@ class RankTracer(NoTracer):
             span.set_attribute("kvconn.reason", reason)
         span.end()
 
+    def contexts(self, rooms: frozenset[RoomKey]) -> list[tuple[RoomKey, Context]]:
+        return [(key, ctx) for key in sorted(rooms) if (ctx := self._contexts.get(key)) is not None]
+
     @contextmanager
-    def fence(self, rooms: frozenset[RoomKey], rank: int) -> Iterator[dict[str, Any]]:
-        """Around a fence of ``rooms``: one ``kvconn.rank.fence`` span in each
-        room's trace; the caller fills in what it found (``result``,
-        ``closed``)."""
+    def fence(
+        self, contexts: list[tuple[RoomKey, Context]], rooms: int, rank: int
+    ) -> Iterator[dict[str, Any]]:
+        """Around a fence of ``rooms`` rooms (outside the rank's lock): one
+        ``kvconn.rank.fence`` span in the trace of each of ``contexts``; the
+        caller fills in what it found (``result``, ``closed``)."""
         found: dict[str, Any] = {}
-        traced = [(key, ctx) for key in sorted(rooms) if (ctx := self._contexts.get(key)) is not None]
         spans = [
             self._tracer.start_span(
                 "kvconn.rank.fence",
                 context=ctx,
-                attributes={"kvconn.room": key.room, "kvconn.rank": rank, "kvconn.rooms": len(rooms)},
+                attributes={"kvconn.room": key.room, "kvconn.rank": rank, "kvconn.rooms": rooms},
             )
-            for key, ctx in traced
+            for key, ctx in contexts
         ]
         try:
             yield found

@@ -250,7 +250,8 @@ class TransferPath:
                 rooms = self.state.ledger.poisoned()
                 if not rooms:
                     return
-            with self._tracer.fence(rooms, self.rank) as traced:
+                contexts = self._tracer.contexts(rooms)
+            with self._tracer.fence(contexts, len(rooms), self.rank) as traced:
                 self._fence_rooms(traced)
 
     def _fence_rooms(self, traced: dict[str, object]) -> None:
