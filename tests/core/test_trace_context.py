@@ -95,10 +95,43 @@ print("ok")
     assert "opentelemetry-api is not installed" in out.stderr
 
 
-otel = pytest.importorskip("opentelemetry.sdk.trace")
+def test_a_traced_decode_and_an_untraced_rank_work_together() -> None:
+    pytest.importorskip("opentelemetry.sdk.trace")
+    from kvconn.config import Config
+    from kvconn.plugins import get_backend
+    from kvconn.protocol.ledger import KVPoll
+    from kvconn.runtime.decode import DecodeEndpoint
+    from kvconn.runtime.prefill import PrefillRank
+    from kvconn.testing.tracing import finished_spans, memory_exporter
+    from kvconn.testing.waiting import wait_for
+
+    memory_exporter().clear()
+    rank = PrefillRank(get_backend("loopback"), 0, 4 * 4096, Config(), on_request=lambda room, n: None)
+    released: list[object] = []
+    dec = DecodeEndpoint(
+        get_backend("loopback"), 4, 4096, [rank.address], Config(tracing=True), on_release=released.append
+    )
+    try:
+        rx = dec.receiver(1, [0, 1])
+        wait_for(lambda: rank.requesting_tp(1) is not None, 10, "request")
+        rank.sender(1).send([0, 1], last=True)
+        wait_for(lambda: rx.poll() is KVPoll.SUCCESS, 10, "room written")
+        rx.finish()
+        aborted = dec.receiver(2, [2, 3])
+        wait_for(lambda: rank.requesting_tp(2) is not None, 10, "request")
+        aborted.abort()
+        wait_for(lambda: bool(released), 10, "release")
+    finally:
+        dec.close()
+        rank.close()
+    spans = finished_spans()
+    assert sorted(s["attributes"]["kvconn.room"] for s in spans) == [1, 2]  # decode's only
+    assert {s["name"] for s in spans} == {"kvconn.room"}
+    assert rank.metrics.value("kvconn_dropped_messages_total", reason="trailing_bytes") == 0
 
 
 def test_a_context_that_does_not_parse_is_dropped_counted_and_the_message_still_handled() -> None:
+    pytest.importorskip("opentelemetry.sdk.trace")
     from kvconn.protocol.drops import DropReason
     from kvconn.protocol.rank import Drop, Requested
 
@@ -123,6 +156,7 @@ def test_a_context_that_does_not_parse_is_dropped_counted_and_the_message_still_
 
 
 def test_a_tracer_keeps_at_most_max_rooms(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("opentelemetry.sdk.trace")
     monkeypatch.setattr(tracing, "MAX_ROOMS", 3)
     tracer = tracing.decode_tracer(True)
     assert isinstance(tracer, tracing.DecodeTracer)
