@@ -164,3 +164,10 @@ def test_a_tracer_keeps_at_most_max_rooms(monkeypatch: pytest.MonkeyPatch) -> No
         tracer.opened(room, 1, [0], "dec")
     assert list(tracer._spans) == [2, 3, 4]  # the oldest ended (marked evicted), not kept
     tracer.close()
+
+
+def test_room_ids_past_int64_are_strings_in_attributes() -> None:
+    # OpenTelemetry's integers are signed 64-bit; room ids are u64
+    assert tracing.room_id((1 << 63) - 1) == (1 << 63) - 1
+    assert tracing.room_id(1 << 63) == str(1 << 63)
+    assert tracing.room_id((1 << 64) - 1) == str((1 << 64) - 1)

@@ -60,6 +60,12 @@ def _tracer() -> Tracer | None:
     return trace.get_tracer(TRACER_NAME)
 
 
+def room_id(room: int) -> int | str:
+    """A room id as a span attribute: OpenTelemetry's integers are signed 64-bit
+    (an exporter refuses a larger one, and the batch with it), room ids u64."""
+    return room if room < 1 << 63 else str(room)
+
+
 def _traceparent(span: Span) -> bytes:
     """``span``'s W3C traceparent; b"" for a span that records nothing."""
     sc = span.get_span_context()
@@ -175,7 +181,7 @@ class DecodeTracer(NoTracer):
         span = self._tracer.start_span(
             "kvconn.room",
             attributes={
-                "kvconn.room": room,
+                "kvconn.room": room_id(room),
                 "kvconn.pages": pages,
                 "kvconn.ranks": list(ranks),
                 "kvconn.decode": decode,
@@ -300,7 +306,7 @@ class RankTracer(NoTracer):
         key = RoomKey(msg.decode, msg.room)
         self._contexts.put(key, ctx)
         attributes: dict[str, str | int] = {
-            "kvconn.room": msg.room,
+            "kvconn.room": room_id(msg.room),
             "kvconn.rank": rank,
             "kvconn.decode": msg.decode,
         }
@@ -331,7 +337,7 @@ class RankTracer(NoTracer):
             return
         self._conclude(key, "acked")
         attributes = {
-            "kvconn.room": ack.room,
+            "kvconn.room": room_id(ack.room),
             "kvconn.rank": rank,
             "kvconn.generation": ack.generation,
             "kvconn.fenced": ack.fenced,
@@ -373,7 +379,7 @@ class RankTracer(NoTracer):
             self._tracer.start_span(
                 "kvconn.rank.fence",
                 context=ctx,
-                attributes={"kvconn.room": key.room, "kvconn.rank": rank, "kvconn.rooms": rooms},
+                attributes={"kvconn.room": room_id(key.room), "kvconn.rank": rank, "kvconn.rooms": rooms},
             )
             for key, ctx in contexts
         ]
