@@ -41,6 +41,8 @@ def test_trace_context_is_an_optional_trailing_field(message: TransferRequest | 
         with pytest.raises(wire.FrameError) as info:
             wire.decode(bad)
         assert info.value.reason == "trailing_bytes"
+    longest = attrs.evolve(message, trace=b"x" * wire.MAX_OPTIONAL)
+    assert wire.decode(wire.encode(longest)) == longest
     too_long = plain + u32(wire.MAX_OPTIONAL + 1) + b"x" * (wire.MAX_OPTIONAL + 1)
     with pytest.raises(wire.FrameError):
         wire.decode(too_long)
