@@ -71,7 +71,7 @@ class Config:
     #: Trace each room with OpenTelemetry (the ``kvconn-core[trace]`` extra):
     #: spans go to the process's tracer provider, one trace per room across
     #: decode and its prefill ranks (``kvconn.runtime.tracing``). Off, or
-    #: without ``opentelemetry-api``: nothing is traced, at no cost.
+    #: without ``opentelemetry-api``: nothing is traced (no-op calls).
     tracing: bool = False
 
     def __attrs_post_init__(self) -> None:
