@@ -77,6 +77,11 @@ class Config:
     #: port, each sample labelled ``kvconn_endpoint``). 0: a free port (read
     #: it from the endpoint's ``metrics_server``). None: not served.
     metrics_port: int | None = None
+    #: Trace each room with OpenTelemetry (the ``kvconn-core[trace]`` extra):
+    #: spans go to the process's tracer provider, one trace per room across
+    #: decode and its prefill ranks (``kvconn.runtime.tracing``). Off, or
+    #: without ``opentelemetry-api``: nothing is traced (no-op calls).
+    tracing: bool = False
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)

@@ -60,6 +60,11 @@ class Metrics:
         self.role = role
         self.dropped = Counter("kvconn_dropped_messages", "Control frames dropped", ["reason"], registry=r)
         self.messages = Counter("kvconn_messages", "Control messages handled", ["type"], registry=r)
+        self.trace_contexts_dropped = Counter(
+            "kvconn_trace_contexts_dropped",
+            "Trace contexts that did not parse (message still handled)",
+            registry=r,
+        )
         # prefill side
         outcomes = [s.value for s in Settlement] + ["skipped", "plugin_error"]
         self.chunks = Tally("kvconn_chunks", "Chunks by outcome", "outcome", outcomes, registry=r)

@@ -170,6 +170,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="after the modes, on loopback: a rank frozen mid-write, a late transport queue and a "
         "partitioned rank (needs root), in both modes; short: one room each, long: four",
     )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="trace every room of the modes' runs with OpenTelemetry: decode's and every rank's spans, "
+        "one trace per room, as JSON lines in FILE (needs pip install 'kvconn-core[trace]')",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
         "-v",
@@ -299,6 +305,27 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     _check_args(args)
+    provider = _start_trace(args.trace) if args.trace else None
+    try:
+        return _run_traced(args, console, err)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
+def _start_trace(path: str) -> Any:
+    """This process's spans go to ``path`` (emptied first); the ranks' too, by their arguments."""
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        raise ImportError("--trace needs opentelemetry-sdk: pip install 'kvconn-core[trace]'") from None
+    from kvconn.runtime.trace_export import write_spans_to
+
+    open(path, "w").close()
+    return write_spans_to(path)
+
+
+def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int:
     # A room's only chunk holds all its pages: the chunk the report (and the
     # drain estimate) speaks of is that one.
     args.chunk_pages = min(args.chunk_pages, args.pages)
@@ -368,6 +395,7 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
                 drain_s=(legacy_timeout + 1.0) if legacy else args.drain_s,
                 settle_s=args.settle_s,
                 gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
+                trace_file=args.trace,
             )
             try:
                 # decode 0 starts the prefill ranks; every other decode shares them

@@ -322,9 +322,12 @@ class ModeRun:
         settle_s: float,
         gil_switch_interval_s: float | None = None,
         procs: PrefillProcs | None = None,
+        trace_file: str | None = None,
     ) -> None:
         """``procs``: prefill ranks another ModeRun started (several decode
-        endpoints, one per ModeRun, served by the same ranks); that one closes them."""
+        endpoints, one per ModeRun, served by the same ranks); that one closes them.
+        ``trace_file``: every endpoint traces, each rank process's spans
+        appended to it (this process's provider is the caller's to set)."""
         self.mode = mode
         self.wl = wl
         self.legacy = legacy
@@ -356,6 +359,8 @@ class ModeRun:
                 "acks_enabled": not legacy,
                 "backend_options": dict(options),
                 "gil_switch_interval_s": gil_switch_interval_s,
+                "tracing": trace_file is not None,
+                "trace_file": trace_file,
             }
             for r in range(wl.ranks)
         ]
@@ -369,6 +374,7 @@ class ModeRun:
                 acks_enabled=not legacy,
                 backend_options=dict(options),
                 gil_switch_interval_s=gil_switch_interval_s,
+                tracing=trace_file is not None,
             )
             self.decode = DecodeEndpoint(
                 backend,

@@ -40,6 +40,7 @@ from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.decode_actions import Carrier
 from kvconn.runtime.procs import WriterIdentity, pid_namespace, proven_gone
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends
+from kvconn.runtime.tracing import decode_tracer
 from kvconn.transport import Backend, PageRegion, capabilities_of, owner_fence, register_region
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class DecodeEndpoint:
         if self.config.owner_fence_after_s is not None and not caps.owner_fence:
             log.warning("%s cannot fence as the page owner: quarantined pages wait for proof", backend.name)
         self._state.EXIT_CHECK_S, self._state.MAX_DRAINING = self.EXIT_CHECK_S, self.MAX_DRAINING
+        self._tracer = decode_tracer(self.config.tracing)
         self._carrier = Carrier(
             self._state,
             self._outbox,
@@ -163,6 +165,7 @@ class DecodeEndpoint:
             self._bootstrapped,
             self._count_drop,
             owner_fence=lambda: owner_fence(self.region),
+            tracer=self._tracer,
         )
         self._gauge_hold_state()
         self.metrics_server: Exported | None = None
@@ -253,7 +256,9 @@ class DecodeEndpoint:
         with self._request_lock, self._lock:
             now = self.clock()
             request, sends = self._state.open(room, pages, instance, ranks, extras_slot, now)
-            unsent = [s.rank for s in sends if not self._outbox.send(s.address, s.message)]
+            self._tracer.opened(room, len(request.pages), sorted(request.writers), self.name)
+            outgoing = self._tracer.outgoing
+            unsent = [s.rank for s in sends if not self._outbox.send(s.address, outgoing(s.message))]
             releases = self._run(self._state.sent(request, [r for r in unsent if r is not None], now), now)
         self._notify(releases)
         return Receiver(self, request)
@@ -266,6 +271,8 @@ class DecodeEndpoint:
             self.metrics_server.close()
         self._listener.close()
         self._outbox.close()
+        with self._lock:
+            self._tracer.close()
         held = self.held_pages()
         if held:
             log.warning("decode closed with %d pages held or quarantined: their region stays allocated", held)
@@ -332,7 +339,9 @@ class DecodeEndpoint:
         self.metrics.messages.labels(type(msg).__name__).inc()
         now = self.clock()
         with self._lock:
-            releases = self._run(self._state.handle(msg, now), now)
+            actions = self._state.handle(msg, now)
+            self._tracer.received(msg, actions)
+            releases = self._run(actions, now)
         self._notify(releases)
 
     def _on_idle(self) -> float | None:
@@ -443,7 +452,10 @@ class Receiver:
         ep = self._endpoint
         with ep._lock:
             now = ep.clock()
-            releases = ep._run(ep._state.abort(self._request, now), now)
+            actions = ep._state.abort(self._request, now)
+            if actions:  # this request's own: a handle on an earlier one changes nothing
+                ep._tracer.aborted(self.room)
+            releases = ep._run(actions, now)
         ep._notify(releases)
 
     def finish(self) -> tuple[int, ...]:
@@ -452,7 +464,9 @@ class Receiver:
         :class:`~kvconn.errors.RoomStateError` and a ValueError) if it is not
         completed, was aborted, or was finished already."""
         with self._endpoint._lock:
-            return self._endpoint._state.finish(self._request)
+            pages = self._endpoint._state.finish(self._request)
+            self._endpoint._tracer.finished(self.room)
+            return pages
 
     def state(self) -> HoldState | None:
         """Where the room's pages are (None: back with the engine)."""

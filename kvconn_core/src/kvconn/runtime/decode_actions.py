@@ -32,6 +32,7 @@ from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenced, OwnerFenceDon
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.procs import WriterIdentity
 from kvconn.runtime.sockets import undrained
+from kvconn.runtime.tracing import NO_TRACER, NoTracer
 from kvconn.transport import OwnerFenceUnsupported
 
 log = logging.getLogger("kvconn.runtime.decode")
@@ -48,6 +49,7 @@ class Carrier:
         bootstrapped: threading.Condition,
         on_drop: Callable[[DropReason], None],
         owner_fence: Callable[[], bytes] | None = None,
+        tracer: NoTracer = NO_TRACER,
     ) -> None:
         """``owner_fence``: the region's (``kvconn.transport.owner_fence``):
         fences it and returns its new metadata."""
@@ -57,6 +59,7 @@ class Carrier:
         self._bootstrapped = bootstrapped
         self._on_drop = on_drop
         self._owner_fence = owner_fence
+        self._tracer = tracer
 
     def run(self, actions: Sequence[Action], now: float) -> list[Release]:
         """Carry out ``actions``; the releases are returned, for the engine's
@@ -72,8 +75,11 @@ class Carrier:
 
     @_do.register
     def _(self, action: Send, now: float, releases: list[Release]) -> None:
-        if self._outbox.send(action.address, action.message) and isinstance(action.message, Abort):
+        if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
+            action.message, Abort
+        ):
             self.metrics.aborts_sent.inc()
+            self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Release, now: float, releases: list[Release]) -> None:
@@ -83,10 +89,12 @@ class Carrier:
         self.metrics.released_pages.labels(proof).inc(len(action.pages))
         self.metrics.release_latency.labels(proof).observe(action.held_for)
         self.metrics.quarantine_seconds.inc(action.quarantined_for)
+        self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Quarantine, now: float, releases: list[Release]) -> None:
         self.metrics.quarantines.inc()
+        self._tracer.carried(action)
         log.warning("room %d quarantined: %d pages held, no proof yet", action.room, len(action.pages))
 
     @_do.register
@@ -125,6 +133,7 @@ class Carrier:
             self.metrics.room_deadlines.inc()
         elif action.cause == "rank":
             self.metrics.rooms_failed_by_rank.inc()  # an owner fence's are in its log line
+        self._tracer.carried(action)
 
     @_do.register
     def _(self, action: FenceAsOwner, now: float, releases: list[Release]) -> None:

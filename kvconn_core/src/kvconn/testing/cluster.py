@@ -78,6 +78,13 @@ class Rank(Child):
     def value(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, frozenset(labels.items())), 0.0)
 
+    def spans(self, timeout: float = 10) -> list[dict[str, Any]]:
+        """The spans the rank process finished so far (a ``Cluster`` with
+        ``tracing``), as :func:`kvconn.runtime.trace_export.span_record` makes them."""
+        self.send_line("spans")
+        spans: list[dict[str, Any]] = self.next_with("spans", timeout, "rank spans")["spans"]
+        return spans
+
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
@@ -114,13 +121,16 @@ class Cluster:
         legacy: bool = False,
         chunk_gap_s: float = 0.0,
         decode_config: Mapping[str, Any] | None = None,
+        tracing: bool = False,
     ) -> None:
         """``legacy``: the timeout-only mode kvconn is compared with (ranks
         send no acks, decode frees pages at its deadline without proof).
         ``chunk_gap_s``: each rank waits this long between two chunks (a room
         stays in flight long enough to freeze its writer in it).
         ``decode_config``: more :class:`~kvconn.config.Config` fields, for
-        decode only (e.g. ``owner_fence_after_s``)."""
+        decode only (e.g. ``owner_fence_after_s``).
+        ``tracing``: every endpoint traces (``Config.tracing``), each rank
+        process into an in-memory exporter (:meth:`Rank.spans`)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -140,6 +150,7 @@ class Cluster:
             backend_options=self.options,
             unsafe_release_at_deadline=legacy,
             acks_enabled=not legacy,
+            tracing=tracing,
         )
         self.decode_options = dict(decode_config or {})
         rk = key if rank_key == "same" else rank_key
@@ -165,6 +176,7 @@ class Cluster:
                     "observers": list(observers[r]) if r < len(observers) else [],
                     "acks_enabled": not legacy,
                     "chunk_gap_s": chunk_gap_s,
+                    "tracing": tracing,
                 }
                 if rk:
                     assert isinstance(rk, bytes)

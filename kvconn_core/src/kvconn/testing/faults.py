@@ -237,6 +237,10 @@ def main() -> None:
 
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
     args = load_args(sys.argv[1])
+    if args.get("tracing"):
+        from kvconn.testing.tracing import finished_spans, memory_exporter
+
+        memory_exporter()
     host = str(args.get("host", "127.0.0.1"))
     port = int(args.get("port", 0))  # fixed: a restarted rank comes back at its address
     observers = [
@@ -258,6 +262,8 @@ def main() -> None:
         if line.strip() == "metrics":
             out = {"samples": metric_samples(driver.rank.metrics.registry)}
             print(json.dumps(out), flush=True)
+        elif line.strip() == "spans":
+            print(json.dumps({"spans": finished_spans() if args.get("tracing") else []}), flush=True)
     driver.rank.close()
 
 
