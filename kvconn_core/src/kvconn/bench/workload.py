@@ -322,9 +322,12 @@ class ModeRun:
         settle_s: float,
         gil_switch_interval_s: float | None = None,
         procs: PrefillProcs | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         """``procs``: prefill ranks another ModeRun started (several decode
-        endpoints, one per ModeRun, served by the same ranks); that one closes them."""
+        endpoints, one per ModeRun, served by the same ranks); that one closes them.
+        ``metrics_port`` P: decode serves its metrics on P (every decode of
+        this process shares it), prefill rank r on P+1+r."""
         self.mode = mode
         self.wl = wl
         self.legacy = legacy
@@ -356,6 +359,7 @@ class ModeRun:
                 "acks_enabled": not legacy,
                 "backend_options": dict(options),
                 "gil_switch_interval_s": gil_switch_interval_s,
+                "metrics_port": None if metrics_port is None else metrics_port + 1 + r,
             }
             for r in range(wl.ranks)
         ]
@@ -369,6 +373,7 @@ class ModeRun:
                 acks_enabled=not legacy,
                 backend_options=dict(options),
                 gil_switch_interval_s=gil_switch_interval_s,
+                metrics_port=metrics_port,
             )
             self.decode = DecodeEndpoint(
                 backend,
