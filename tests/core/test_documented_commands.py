@@ -4,6 +4,7 @@ changes none of them except to make it shorter."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -46,3 +47,28 @@ def test_changes_only_shorten_and_unknown_lines_run_as_written(tmp_path: Path) -
     assert plan("kvconn something-new --flag") == ("kvconn something-new --flag", "")
     run, why = plan("sudo apt-get install -y libibverbs1")
     assert run is None and "system package" in why
+
+
+def test_python_snippets_are_found_and_every_skip_says_why() -> None:
+    m = script()
+    snippets = list(m.documented_snippets())
+    by_file = {s.source.split(":")[0] for s in snippets if s.not_run is None}
+    # the README's loopback program and the operator guide's exporter run; so does the plugin guide
+    assert {"README.md", "docs/operations.md", "docs/writing-a-transport-plugin.md"} <= by_file
+    assert all(s.not_run is None or len(s.not_run) > 10 for s in snippets)
+    assert any("CUDA" in (s.not_run or "") for s in snippets if s.source.startswith("README.md"))
+
+
+def test_the_readme_loopback_program_runs_top_to_bottom_without_a_traceback() -> None:
+    """Prefill and decode in one process, as the README's program has them:
+    it completes one room, aborts another and exits with no traceback (the
+    loopback writer attaching to decode's segment in the same process used
+    to leave the resource tracker a KeyError at exit)."""
+    m = script()
+    (program,) = [
+        s
+        for s in m.documented_snippets()
+        if s.source.startswith("README.md") and s.not_run is None and 'get_backend("loopback")' in s.code
+    ]
+    code, output = m.run_snippet(program, sys.executable, SCRIPT.parents[1], dict(os.environ))
+    assert code == 0, output
