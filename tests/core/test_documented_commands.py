@@ -3,11 +3,16 @@ changes none of them except to make it shorter."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from kvconn.bench.cli import add_arguments
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_documented_commands.py"
 
@@ -72,3 +77,28 @@ def test_the_readme_loopback_program_runs_top_to_bottom_without_a_traceback() ->
     ]
     code, output = m.run_snippet(program, sys.executable, SCRIPT.parents[1], dict(os.environ))
     assert code == 0, output
+
+
+def test_every_bench_command_the_docs_quote_parses() -> None:
+    """``kvconn bench ...`` quoted inline in a doc (`--bytes-per-run 128 MiB`
+    was one) takes options the bench accepts, as written."""
+    root = SCRIPT.parents[1]
+    docs = [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        *sorted(root.glob("kvconn_*/README.md")),
+    ]
+    quoted = {
+        (doc.name, cmd)
+        for doc in docs
+        for cmd in re.findall(r"`(kvconn bench(?: [^`]*)?)`", doc.read_text())
+        if "--help" not in cmd
+    }
+    assert len(quoted) >= 3, quoted
+    for doc, cmd in sorted(quoted):
+        parser = argparse.ArgumentParser(prog="kvconn bench", exit_on_error=False)
+        add_arguments(parser)
+        try:
+            parser.parse_args(shlex.split(cmd)[2:])
+        except (argparse.ArgumentError, SystemExit) as exc:
+            raise AssertionError(f"{doc}: `{cmd}` does not parse: {exc}") from exc
