@@ -44,5 +44,6 @@ if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
     .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10 "$@"
 fi
 
-# The READMEs' command lines, as written, in a fresh venv (3-6 min on 2 cores, mostly pip).
+# The READMEs' command lines and the docs' python snippets, as written, in a fresh venv
+# (3-6 min on 2 cores, mostly pip; the snippets add seconds).
 python3 scripts/check_documented_commands.py

@@ -176,6 +176,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trace every room of the modes' runs with OpenTelemetry: decode's and every rank's spans, "
         "one trace per room, as JSON lines in FILE (needs pip install 'kvconn-core[trace]')",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="while the modes run, serve the decode endpoints' metrics on http://127.0.0.1:P/metrics "
+        "and prefill rank r's on port P+1+r (Config.metrics_port; the fault phase is not served)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
         "-v",
@@ -264,6 +272,10 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in at_least.items():
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535 - args.ranks:
+        raise ValueError(
+            f"--metrics-port must be 1-{65535 - args.ranks} (P+1+rank is a port too), got {args.metrics_port}"
+        )
     if not 0 <= args.abort_fraction <= 1:
         raise ValueError(f"--abort-fraction must be within [0, 1], got {args.abort_fraction}")
     if not 0 <= args.prefill_fail_fraction < 1:
@@ -396,6 +408,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
                 settle_s=args.settle_s,
                 gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
                 trace_file=args.trace,
+                metrics_port=args.metrics_port,
             )
             try:
                 # decode 0 starts the prefill ranks; every other decode shares them

@@ -323,11 +323,14 @@ class ModeRun:
         gil_switch_interval_s: float | None = None,
         procs: PrefillProcs | None = None,
         trace_file: str | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         """``procs``: prefill ranks another ModeRun started (several decode
         endpoints, one per ModeRun, served by the same ranks); that one closes them.
         ``trace_file``: every endpoint traces, each rank process's spans
-        appended to it (this process's provider is the caller's to set)."""
+        appended to it (this process's provider is the caller's to set).
+        ``metrics_port`` P: decode serves its metrics on P (every decode of
+        this process shares it), prefill rank r on P+1+r."""
         self.mode = mode
         self.wl = wl
         self.legacy = legacy
@@ -361,6 +364,7 @@ class ModeRun:
                 "gil_switch_interval_s": gil_switch_interval_s,
                 "tracing": trace_file is not None,
                 "trace_file": trace_file,
+                "metrics_port": None if metrics_port is None else metrics_port + 1 + r,
             }
             for r in range(wl.ranks)
         ]
@@ -375,6 +379,7 @@ class ModeRun:
                 backend_options=dict(options),
                 gil_switch_interval_s=gil_switch_interval_s,
                 tracing=trace_file is not None,
+                metrics_port=metrics_port,
             )
             self.decode = DecodeEndpoint(
                 backend,

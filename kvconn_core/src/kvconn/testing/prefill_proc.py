@@ -57,6 +57,7 @@ class Driver:
             backend_options=dict(args.get("backend_options", {})),
             gil_switch_interval_s=args.get("gil_switch_interval_s"),
             tracing=bool(args.get("tracing", False)),
+            metrics_port=args.get("metrics_port"),
         )
         self._jobs: list[tuple[int, int]] = []
         self._cond = threading.Condition()
