@@ -40,6 +40,7 @@ from kvconn.runtime.procs import wait_until_stopped
 from kvconn.testing.child import Child
 from kvconn.testing.hosts import Fabric, Host, processes_in
 from kvconn.testing.waiting import wait_for
+from kvconn.transport import capabilities_of
 
 FAULTS = ("partition", "lost", "frozen", "decode_restart", "lost_one_of_two")
 PAGES, PAGE_BYTES, STREAM_PAGES = 16, 16 << 10, 2
@@ -75,13 +76,14 @@ def owner_fence_config(seconds: float, config: type[Any] = Config) -> dict[str, 
 
 @attrs.frozen
 class Deadlines:
+    """The writers' deadline, and decode's: longer than the transport's own
+    longest wait for a write (Mooncake's engine timeout), which kvconn requires."""
+
     write_s: float
     decode_s: float
 
     @classmethod
     def of(cls, backend: str, options: Mapping[str, str]) -> Deadlines:
-        from kvconn.transport import capabilities_of
-
         limit = capabilities_of(get_backend(backend), options).max_write_timeout_s
         decode = 1.5 if limit is None else limit + 1.0
         return cls(write_s=0.5, decode_s=decode)
@@ -101,12 +103,17 @@ class _Run:
         self.ranks: list[Child] = []
         self.decode: Child | None = None
         self.addresses: list[str] = []
-        for r, name in enumerate(("prefill0", "prefill1")):
-            self.ranks.append(self._rank(r, fabric[name]))
-        self.addresses = [
-            str(c.next_with("address", 60, f"rank {r} start")["address"]) for r, c in enumerate(self.ranks)
-        ]
-        self.start_decode()
+        try:
+            for r, name in enumerate(("prefill0", "prefill1")):
+                self.ranks.append(self._rank(r, fabric[name]))
+            self.addresses = [
+                str(c.next_with("address", 60, f"rank {r} start")["address"])
+                for r, c in enumerate(self.ranks)
+            ]
+            self.start_decode()
+        except BaseException:
+            self.close()
+            raise
 
     def _options_on(self, host: Host) -> dict[str, str]:
         templates: Mapping[str, str] = getattr(get_backend(self.backend), "host_options", None) or {}
