@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -96,8 +96,9 @@ class _Run:
         self, fabric: Fabric, backend: str, options: Mapping[str, str], legacy: bool, quiet: bool = True
     ) -> None:
         self.fabric, self.backend, self.legacy = fabric, backend, legacy
-        #: the children's stderr (a transport library's log lines): dropped unless not quiet
-        self.stderr = subprocess.DEVNULL if quiet else None
+        #: the children's stderr (a transport library's log lines): one file
+        #: for all, read back when a wait fails; ours unless quiet
+        self.stderr: Any = tempfile.TemporaryFile("w+", errors="replace") if quiet else None  # noqa: SIM115 (closed in close)
         self.options = dict(options)
         self.dl = Deadlines.of(backend, self._options_on(fabric["decode"]))
         self.ranks: list[Child] = []
@@ -175,9 +176,18 @@ class _Run:
             (e for e in self.dec.history() if e.get("event") == "released" and e["room"] == room), None
         )
 
+    def stderr_tail(self, lines: int = 3) -> str:
+        """The children's last lines on stderr ("" when they went to ours)."""
+        if self.stderr is None:
+            return ""
+        self.stderr.seek(0)
+        return " | ".join(line.strip() for line in self.stderr.read().splitlines()[-lines:])
+
     def close(self) -> None:
         for c in [*self.ranks, *([self.decode] if self.decode else [])]:
             c.close()
+        if self.stderr is not None:
+            self.stderr.close()
 
 
 _ENV = {"NIXL_LOG_LEVEL": "WARN", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "ERROR"}
@@ -290,7 +300,13 @@ def run_all(
         for legacy in [m == "legacy" for m in modes]:
             on_step(f"{backend}: {fault} ({'timeout-only' if legacy else 'kvconn'})")
             with _fresh(fabric, backend, options, legacy, quiet) as run:
-                out.append(measure(run, fault))
+                try:
+                    out.append(measure(run, fault))
+                except AssertionError as exc:  # a bounded wait ran out: say what the children said
+                    tail = run.stderr_tail()
+                    raise AssertionError(
+                        f"{fault}: {exc}" + (f"; children's stderr: {tail}" if tail else "")
+                    ) from None
     return out
 
 
