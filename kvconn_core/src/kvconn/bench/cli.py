@@ -31,28 +31,22 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvconn.bench import child as child_mod
+from kvconn.bench import hosts_run
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
 from kvconn.bench import transport as transport_mod
+from kvconn.bench.mode_result import ModeResult, merge
 from kvconn.bench.output import check_output_paths, write_json
 from kvconn.bench.output import console as make_console
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.report import KVCONN, LEGACY
 from kvconn.bench.sizes import size_arg
-from kvconn.bench.workload import (
-    ModeResult,
-    ModeRun,
-    Planned,
-    Workload,
-    merge,
-    plan,
-    plan_for_decode,
-)
+from kvconn.bench.workload import ModeRun, Planned, Workload, plan, plan_for_decode
 from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
-from kvconn.testing import scenarios
+from kvconn.testing import host_faults, scenarios
 from kvconn.transport import capabilities_of
 
 
@@ -183,6 +177,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="P",
         help="while the modes run, serve the decode endpoints' metrics on http://127.0.0.1:P/metrics "
         "and prefill rank r's on port P+1+r (Config.metrics_port; the fault phase is not served)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decode on one host, the ranks on N-1 others (network namespaces; needs root; nixl or "
+        "mooncake): release latency and throughput against the same run on one host, and the faults "
+        "between hosts (docs/multi-host.md)",
+    )
+    p.add_argument(
+        "--host-faults",
+        default=parser_default_host_faults(),
+        metavar="LIST",
+        help="with --hosts: the faults between hosts to run (comma-separated)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
@@ -372,6 +381,10 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         stream_requests=stream_n,
         decodes=args.decodes,
     )
+    if args.hosts is not None:
+        return hosts_run.run(args, wl, options, console, err)
+    if args.host_faults != parser_default_host_faults():
+        raise ValueError("--host-faults needs --hosts")
     work, stream_rooms = plan(wl)
     results: dict[str, ModeResult] = {}
     stream_info: dict[str, float] = {}
@@ -510,6 +523,10 @@ def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> l
         )
     finally:
         runtime.setLevel(level)
+
+
+def parser_default_host_faults() -> str:
+    return ",".join(host_faults.FAULTS)
 
 
 def _adv(progress: Progress, task: Any) -> Callable[[int], None]:
