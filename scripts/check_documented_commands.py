@@ -11,6 +11,13 @@ small sizes, a plugin's conformance run one quick check: the full runs are
 the test suite's), never make it pass. A line no rule knows is run as
 written, so a new documented command is checked by default.
 
+Then every fenced ``python`` block of SNIPPET_DOCUMENTS (README.md and the
+docs) runs as a script of its own, top to bottom, with the venv's python
+from the copy's root, after the command lines (which install kvconn).
+It must exit 0 and print no traceback. A block that cannot run here says
+why on the line just above its fence, ``<!-- not run: REASON -->`` (a GPU
+it needs, an API summary with ``...`` in it); the listing shows each one.
+
 Usage: python3 scripts/check_documented_commands.py [--keep DIR] [--list]
 Exit 1 if any line failed; prints each line's time and the total.
 Stdlib only: it runs before (and without) any venv.
@@ -39,6 +46,21 @@ DOCUMENTS = (
     "kvconn_mooncake/README.md",
     "examples/kvconn-tcpdemo/README.md",
 )
+#: The documents whose ``python`` blocks run (each file once).
+SNIPPET_DOCUMENTS = tuple(
+    dict.fromkeys(
+        [
+            *DOCUMENTS,
+            *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+            "kvconn_vllm/README.md",
+            "kvconn_sglang/README.md",
+        ]
+    )
+)
+_NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.+?)\s*-->$")
+#: A snippet runs endpoints on loopback: seconds.
+PER_SNIPPET_TIMEOUT_S = 120
+
 #: Commands every newcomer runs, checked even if no README spells them out.
 ALWAYS = ("kvconn backends", "kvconn conformance loopback -q")
 
@@ -77,6 +99,61 @@ class Plan:
     line: Line
     run: str | None  # None: skipped
     why: str  # why it is skipped or changed ("" if run as written)
+
+
+@dataclass(frozen=True)
+class Snippet:
+    source: str  # file:line of the opening fence
+    code: str
+    not_run: str | None  # the reason its document gives, or None: it runs
+
+
+def documented_snippets() -> Iterator[Snippet]:
+    for name in SNIPPET_DOCUMENTS:
+        path = ROOT / name
+        if not path.exists():
+            raise SystemExit(f"{name}: listed in SNIPPET_DOCUMENTS but missing")
+        lines = path.read_text().splitlines()
+        number = 0
+        while number < len(lines):
+            fence = lines[number].strip()
+            if not fence.startswith("```"):
+                number += 1
+                continue
+            end = number + 1
+            while end < len(lines) and lines[end].strip() != "```":
+                end += 1
+            if fence[3:].strip() == "python":
+                above = _NOT_RUN.match(lines[number - 1].strip()) if number else None
+                yield Snippet(
+                    f"{name}:{number + 1}",
+                    "\n".join(lines[number + 1 : end]) + "\n",
+                    above.group(1) if above else None,
+                )
+            number = end + 1
+
+
+def run_snippet(
+    snippet: Snippet, python: str, cwd: Path, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Run one snippet as a script: its exit code, and its output when it
+    failed or printed a traceback (a thread's, or one at exit, that leaves
+    the exit code 0)."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", snippet.code],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PER_SNIPPET_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as exc:
+        return 124, f"timed out after {exc.timeout} s"
+    output = proc.stdout + proc.stderr
+    if proc.returncode == 0 and "Traceback" in output:
+        return 1, output
+    return proc.returncode, output
 
 
 def documented_lines() -> Iterator[Line]:
@@ -164,6 +241,10 @@ def main() -> int:
     for p in plans:
         what = p.run if p.run is not None else "skipped"
         print(f"{p.line.source:<40} {p.line.text}\n{'':<40} -> {what}{f'  ({p.why})' if p.why else ''}")
+    snippets = list(documented_snippets())
+    for snippet in snippets:
+        what = "python snippet" if snippet.not_run is None else f"python snippet: not run ({snippet.not_run})"
+        print(f"{snippet.source:<40} {what}")
     if args.list:
         return 0
     started = time.monotonic()
@@ -202,10 +283,23 @@ def main() -> int:
             if code != 0:
                 failed.append(p)
                 print(f"  from {p.line.source}, exit {code}:\n" + _indent(output[-4000:]), flush=True)
+        failed_snippets = []
+        for snippet in snippets:
+            if snippet.not_run is not None:
+                continue
+            t0 = time.monotonic()
+            code, output = run_snippet(snippet, str(venv / "bin" / "python"), checkout, env)
+            print(
+                f"[{'ok' if code == 0 else 'FAILED'} {time.monotonic() - t0:6.1f} s] snippet {snippet.source}"
+            )
+            if code != 0:
+                failed_snippets.append(snippet)
+                print(f"  exit {code}:\n" + _indent(output[-4000:]), flush=True)
         print(
-            f"documented commands: {len(plans)} lines, {len(failed)} failed, {time.monotonic() - started:.0f} s"
+            f"documented commands: {len(plans)} lines, {len(failed)} failed; python snippets: "
+            f"{len(snippets)}, {len(failed_snippets)} failed; {time.monotonic() - started:.0f} s"
         )
-        return 1 if failed else 0
+        return 1 if failed or failed_snippets else 0
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)

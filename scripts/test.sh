@@ -21,7 +21,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip
-"${PIP[@]}" -e './kvconn_core[test,plot]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./kvconn_vllm -e ./examples/kvconn-tcpdemo \
+"${PIP[@]}" -e './kvconn_core[test,plot,trace]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./kvconn_vllm -e ./examples/kvconn-tcpdemo \
     pytest-timeout numpy ruff mypy
 # nixl 1.5.1 declares torch and CUDA wheels it does not need at run time on
 # DRAM: install its two wheels alone (kvconn_nixl's README explains).
@@ -44,5 +44,6 @@ if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
     .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10 "$@"
 fi
 
-# The READMEs' command lines, as written, in a fresh venv (3-6 min on 2 cores, mostly pip).
+# The READMEs' command lines and the docs' python snippets, as written, in a fresh venv
+# (3-6 min on 2 cores, mostly pip; the snippets add seconds).
 python3 scripts/check_documented_commands.py

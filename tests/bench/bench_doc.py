@@ -39,7 +39,7 @@ def undocumented(doc: Any) -> list[str]:
 def row_labels() -> list[str]:
     """The first column of every table row the bench prints by label."""
     labels = []
-    for name in ("report.py", "transport_report.py"):
+    for name in ("report.py", "transport_report.py", "hosts_run.py"):
         text = (BENCH / name).read_text()
         labels += re.findall(r'\b(?:row|prow)\(\s*"([^"]+)"', text)
     return [label.strip() for label in labels]

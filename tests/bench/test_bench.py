@@ -218,3 +218,47 @@ def test_production_faults_corrupt_the_timeout_only_mode_and_not_kvconn(tmp_path
         assert set(kvconn["proofs"]) <= {"writer_fence", "late_acks", "acks"}
         assert all(s > 0 for s in kvconn["recovery_s"])
     assert "production faults" in proc.stdout
+
+
+def test_trace_writes_one_trace_per_room_from_decode_and_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("opentelemetry.sdk.trace")
+    from kvconn.runtime.trace_export import read_spans
+
+    path = tmp_path / "trace.jsonl"
+    code, rep, out = bench(tmp_path, "--modes", "kvconn", "--abort-fraction", "0.6", "--trace", str(path))
+    assert code == 0, out
+    spans = read_spans(str(path))
+    roots = {s["trace_id"]: s for s in spans if s["name"] == "kvconn.room"}
+    assert len(s_pids(spans, "kvconn.room")) == 1  # decode: the bench's own process
+    assert len(s_pids(spans, "kvconn.rank.room")) == 2  # each rank process
+    assert s_pids(spans, "kvconn.room").isdisjoint(s_pids(spans, "kvconn.rank.room"))
+    # the stream's rooms and the workload's: one trace each, with both ranks in it
+    assert len(roots) >= rep["modes"]["kvconn"]["requests"]
+    for s in spans:
+        if s["name"] != "kvconn.room":
+            assert s["trace_id"] in roots and s["parent_id"] == roots[s["trace_id"]]["span_id"], s
+    for trace_id, root in roots.items():
+        ranks = {
+            s["attributes"]["kvconn.rank"]
+            for s in spans
+            if s["trace_id"] == trace_id and s["name"] == "kvconn.rank.room"
+        }
+        assert ranks == {0, 1}, root
+    proofs = {r["attributes"].get("kvconn.proof") for r in roots.values()} - {None}
+    assert "acks" in proofs, proofs  # aborted rooms, released by both ranks' acks
+
+
+def s_pids(spans: list[dict[str, Any]], name: str) -> set[int]:
+    return {s["pid"] for s in spans if s["name"] == name}
+
+
+def test_trace_without_the_sdk_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['opentelemetry'] = None; from kvconn.cli import main; "
+        f"sys.exit(main(['bench', '--faults', 'off', '--trace', {str(tmp_path / 't.jsonl')!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "kvconn bench: --trace needs opentelemetry-sdk: pip install 'kvconn-core[trace]'"
+    ]

@@ -23,7 +23,7 @@ from kvconn.bench import child as child_mod
 from kvconn.bench import cli as bench_cli
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
-from kvconn.bench.workload import ModeResult
+from kvconn.bench.mode_result import ModeResult
 
 BENCH = Path(bench_cli.__file__).parent
 

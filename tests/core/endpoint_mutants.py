@@ -5,8 +5,9 @@ one; if it ever stops catching one, it has gone blind to that bug."""
 from __future__ import annotations
 
 from kvconn.protocol.endpoint import EndpointState
-from kvconn.protocol.endpoint_events import Action, Undrained, WriterIdentity
+from kvconn.protocol.endpoint_events import Action, Request, Undrained, WriterIdentity
 from kvconn.protocol.messages import AbortAck, RankDraining, RoomStatus
+from kvconn.protocol.owner_fence import OwnerFenceDone, OwnerFenceError
 
 
 class AckOfAnySession(EndpointState):
@@ -54,9 +55,6 @@ class RestartKeepsOldRooms(EndpointState):
         return super()._fail_rooms_of(rank, writer, reason, now)
 
 
-__all__ = ["AckOfAnySession", "ExitWithoutDrain", "FencedAckAtOnce", "RestartKeepsOldRooms"]
-
-
 class DrainedProvesFencedRooms(EndpointState):
     """A rank's "drained" proves its rooms although its fences closed
     connections whose bytes may still be in our socket buffers."""
@@ -65,3 +63,35 @@ class DrainedProvesFencedRooms(EndpointState):
         if isinstance(stimulus, RankDraining):
             stimulus = RankDraining(stimulus.rank, stimulus.session, stimulus.decode, stimulus.done)
         return super().handle(stimulus, now)
+
+
+class FailedOwnerFenceReleases(EndpointState):
+    """An owner fence that failed is taken for one that happened: the held
+    pages come back while a frozen writer can still land in them."""
+
+    def handle(self, stimulus: object, now: float) -> list[Action]:  # type: ignore[override]
+        if isinstance(stimulus, OwnerFenceError):
+            stimulus = OwnerFenceDone(b"")
+        return super().handle(stimulus, now)
+
+
+class OwnerFenceLeavesRoomsInFlight(EndpointState):
+    """The owner fence releases the held rooms but leaves those in flight
+    open: nothing their writers send can land any more, and they wait
+    TRANSFERRING for good."""
+
+    def _fail_and_abort(self, request: Request, reason: str, now: float) -> list[Action]:
+        if "owner" in reason:
+            return []
+        return super()._fail_and_abort(request, reason, now)
+
+
+__all__ = [
+    "AckOfAnySession",
+    "DrainedProvesFencedRooms",
+    "ExitWithoutDrain",
+    "FailedOwnerFenceReleases",
+    "FencedAckAtOnce",
+    "OwnerFenceLeavesRoomsInFlight",
+    "RestartKeepsOldRooms",
+]

@@ -9,11 +9,16 @@ interleaved in every way), the rank
 processes and the runtime's ``/proc`` probes. A rank process takes a request
 naming its session, completes it, or is aborted and acks (plainly, or after
 a fence whose closed connections have yet to drain); it may exit (what it
-sent may still arrive until our ends drain), a new process may take its
-address (a restart) while the earlier one still writes, and a process may
-drain (protocol/drain.py): announce it, refuse requests from then on, fail
-what it still writes and announce it drained, naming the connections its
-fences closed.
+sent may still arrive until our ends drain), be frozen (it reads nothing,
+writes on, and resumes, if at all, before the clock's last step), a new
+process may take its address (a restart) while the earlier one still writes,
+and a process may drain (protocol/drain.py): announce it to every decode name
+whose Hello it took, refuse requests from then on, fail what it still writes
+and announce it drained, naming the connections its fences closed.
+With the owner fence on, the runtime's fence succeeds (nothing a process was
+asked under the old name can land any more) or fails, before anything else
+happens; a rank process knows decode by the names whose Hello it took, and
+drops a request under any other.
 
 Checked in every reachable state:
 
@@ -23,6 +28,9 @@ Checked in every reachable state:
   connection drains, every aborted room whose writers all stopped is
   released (no page pinned forever once its proof exists), and no open
   request is left TRANSFERRING whose writer process is gone or replaced.
+  With the owner fence on (and succeeding), no room stays held at all, even
+  with its writer frozen for good, and no request is left TRANSFERRING that
+  no rank process took (a rank asked before it took the new name).
 """
 
 from __future__ import annotations
@@ -40,8 +48,11 @@ from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
     Action,
     CheckDrain,
+    FenceAsOwner,
     Identified,
     Identify,
+    OwnerFenceDone,
+    OwnerFenceError,
     Release,
     Send,
     Tick,
@@ -61,6 +72,7 @@ from kvconn.protocol.messages import (
     TcpConnection,
     TransferRequest,
 )
+from kvconn.protocol.owner_fence import OwnerFencePolicy
 
 DT = 1.0  #: one tick of the clock: a heartbeat; two unanswered ones make a rank silent
 CLOSED = (TcpConnection("127.0.0.1", 1, "127.0.0.1", 2),)
@@ -81,13 +93,16 @@ class Proc:
     session: int
     alive: bool = True
     undrained: bool = False  #: a fence or its exit left bytes on their way
+    frozen: bool = False  #: SIGSTOPped: reads nothing, sends nothing, its writes go on
+    #: The decode names whose Hello it took (connected with their metadata).
+    peers: frozenset[str] = frozenset({NAME})
     taken: dict[int, str] = field(default_factory=dict)
     #: Its ledger, as far as decode's safety depends on it: per room (status,
     #: seq, tombstone, fenced: every ack of a fenced room names the closed
     #: connections). A tombstone (an ABORT of a room never asked for here)
     #: keeps a late request of that room from writing; a Failed room is taken
     #: anew only by a newer request once its abort was acked.
-    rooms: dict[int, tuple[str, int, bool, bool]] = field(default_factory=dict)  #: + fenced
+    rooms: dict[tuple[str, int], tuple[str, int, bool, bool]] = field(default_factory=dict)
     #: "" | "draining" (announced: refuses requests) | "drained" (announced done)
     drain: str = ""
 
@@ -110,6 +125,11 @@ class World:
     current: dict[int, int] = field(default_factory=dict)
     by_seq: dict[int, int] = field(default_factory=dict)
     opened: dict[int, int] = field(default_factory=dict)  #: requests made per room
+    names: dict[int, str] = field(default_factory=dict)  #: the decode name each request was asked under
+    freezes: int = 0
+    fence_due: bool = False  #: the machine asked for an owner fence: its outcome is next
+    fenced: frozenset[str] = frozenset()  #: decode names whose metadata an owner fence cut off
+    fence_fails: int = 0
     trace: tuple[str, ...] = ()  #: the steps that led here (not part of the state)
 
 
@@ -124,6 +144,11 @@ class Limits:
     fenced: bool = False
     transfer_timeout_s: float | None = None
     drains: int = 0  #: rank processes that drain
+    freezes: int = 0
+    owner_fence_after_s: float | None = None  #: None: no owner fence
+    fence_fails: int = 0  #: how many owner fences may fail
+    peer_timeout_s: float = 1.5  #: longer: no rank goes down on silence within the world's ticks
+    heartbeat_interval_s: float = DT  #: longer: no heartbeat within the world's ticks
 
 
 @dataclass
@@ -138,13 +163,17 @@ Factory = Callable[..., EndpointState]
 
 def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory) -> World:
     tracker = HoldTracker(NAME, "tcp://decode", abort_timeout=1.5, resend_interval=1.0)
+    options: dict[str, object] = {}
+    if limits.owner_fence_after_s is not None:
+        options["owner_fence"] = OwnerFencePolicy(limits.owner_fence_after_s, DT, capable=True)
     state = factory(
         NAME,
         tracker,
         num_pages=4,
-        heartbeat_interval_s=DT,
-        peer_timeout_s=1.5,
+        heartbeat_interval_s=limits.heartbeat_interval_s,
+        peer_timeout_s=limits.peer_timeout_s,
         transfer_timeout_s=limits.transfer_timeout_s,
+        **options,
     )
     world = World(state, {})
     for addresses in instances:
@@ -174,6 +203,38 @@ def _carry(world: World, actions: Sequence[Action]) -> None:
             _carry(world, world.state.handle(Undrained(action.ack, drained), world.now))
         elif isinstance(action, Release):
             _check_release(world, action.room, "released")
+        elif isinstance(action, FenceAsOwner):
+            world.fence_due = True
+
+
+def _owner_fence(world: World, ok: bool) -> None:
+    """The runtime's owner fence ends: done (the old endpoint is gone, so
+    nothing any process was asked so far can land, nor any byte on its way)
+    or failed (nothing changed)."""
+    world.fence_due = False
+    if not ok:
+        world.fence_fails += 1
+        _carry(world, world.state.handle(OwnerFenceError("refused"), world.now))
+        return
+    world.fenced |= {world.state.name}
+    for procs in world.procs.values():
+        for p in procs:
+            for q, how in p.taken.items():
+                if how == "writing" and p.alive and not p.frozen:
+                    _write_fails(world, p, q)
+            p.taken = dict.fromkeys(p.taken, "stopped")
+            p.undrained = False
+    _carry(world, world.state.handle(OwnerFenceDone(b"fenced"), world.now))
+
+
+def _write_fails(world: World, proc: Proc, q: int) -> None:
+    """``proc``'s writes of request ``q`` go to metadata an owner fence cut
+    off: they fail, and it says so (under the name it was asked by)."""
+    key = (world.names[q], world.requests[q].room)  # type: ignore[attr-defined]
+    proc.taken[q] = "stopped"
+    proc.rooms[key] = ("failed", proc.rooms[key][1], False, False)
+    status = RoomStatus(key[1], proc.rank, RoomOutcome.FAILED, "transport error", key[0], proc.session)
+    world.net.append((_from(proc), "decode", status))
 
 
 def _proc_of(world: World, session: int, rank_id: int) -> Proc:
@@ -217,18 +278,20 @@ def _deliver(world: World, address: str, msg: Message, fenced: bool = False) -> 
     if not proc.alive:
         return  # lost with the process
     if isinstance(msg, Hello):
+        proc.peers |= {msg.decode}
         reply: Message = HelloAck(
             proc.rank, address, HERE, writer(address, proc.session).pid, 1, "", proc.session
         )
         world.net.append((_from(proc), "decode", reply))
     elif isinstance(msg, TransferRequest):
-        if msg.session != proc.session:
-            return  # for another process of this rank: dropped
-        entry = proc.rooms.get(msg.room)
+        if msg.session != proc.session or msg.decode not in proc.peers:
+            return  # for another process of this rank, or a decode it does not know: dropped
+        key = (msg.decode, msg.room)
+        entry = proc.rooms.get(key)
         if proc.drain:
             # Refused: recorded Failed (nothing written), decode told.
-            proc.rooms[msg.room] = ("failed", msg.seq, False, entry[3] if entry else False)
-            status = RoomStatus(msg.room, proc.rank, RoomOutcome.FAILED, REFUSED, NAME, proc.session)
+            proc.rooms[key] = ("failed", msg.seq, False, entry[3] if entry else False)
+            status = RoomStatus(msg.room, proc.rank, RoomOutcome.FAILED, REFUSED, msg.decode, proc.session)
             world.net.append((_from(proc), "decode", status))
             return
         if (
@@ -236,21 +299,26 @@ def _deliver(world: World, address: str, msg: Message, fenced: bool = False) -> 
             or entry[0] == "success"
             or (entry[0] == "failed" and not entry[2] and entry[1] < msg.seq)
         ):
-            proc.rooms[msg.room] = ("live", msg.seq, False, False)
-            proc.taken.setdefault(world.by_seq[msg.seq], "writing")
+            proc.rooms[key] = ("live", msg.seq, False, False)
+            q = world.by_seq[msg.seq]
+            proc.taken.setdefault(q, "writing")
+            if msg.decode in world.fenced and proc.taken[q] == "writing":
+                _write_fails(world, proc, q)
         else:
-            proc.rooms[msg.room] = (entry[0], max(entry[1], msg.seq), entry[2], entry[3])
+            proc.rooms[key] = (entry[0], max(entry[1], msg.seq), entry[2], entry[3])
     elif isinstance(msg, Abort):
+        key = (msg.decode, msg.room)
         for q, how in proc.taken.items():
-            if how == "writing" and world.requests[q].room == msg.room:  # type: ignore[attr-defined]
+            mine = world.requests[q].room == msg.room and world.names[q] == msg.decode  # type: ignore[attr-defined]
+            if how == "writing" and mine:
                 proc.taken[q] = "draining" if fenced else "stopped"
                 proc.undrained = proc.undrained or fenced
-        entry = proc.rooms.get(msg.room)
+        entry = proc.rooms.get(key)
         if entry is None:
             entry = ("failed", 0, True, False)  # a tombstone
         elif entry[0] == "live":
             entry = ("failed", entry[1], False, fenced)
-        proc.rooms[msg.room] = entry
+        proc.rooms[key] = entry
         # nothing of the room can land any more (a fence's bytes once drained): ack
         closed = CLOSED if entry[3] else ()
         ack = AbortAck(msg.room, proc.rank, msg.generation, entry[3], msg.decode, proc.session, closed)
@@ -259,6 +327,11 @@ def _deliver(world: World, address: str, msg: Message, fenced: bool = False) -> 
 
 def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, Callable[[World], None]]]:
     state = world.state
+    if world.fence_due:  # carried out before anything else (under the endpoint's lock)
+        yield "fence:ok", lambda w: _owner_fence(w, True)
+        if world.fence_fails < limits.fence_fails:
+            yield "fence:fail", lambda w: _owner_fence(w, False)
+        return
     for room, inst in limits.rooms:
         if state.tracker.state(room) is None and world.opened.get(room, 0) < limits.requests_per_room:
 
@@ -272,6 +345,7 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                 w.requests.append(request)
                 q = w.current[room] = len(w.requests) - 1
                 w.opened[room] = w.opened.get(room, 0) + 1
+                w.names[q] = w.state.name
                 for send in sends:
                     w.by_seq[send.message.seq] = q  # type: ignore[union-attr]
                 _carry(w, sends)
@@ -308,6 +382,8 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
         if channel in heads:
             continue  # behind an earlier message of its channel
         heads.add(channel)
+        if dest_frozen(world, world.net[i][1]):
+            continue  # waits in its socket until the process resumes
 
         def deliver(w: World, i: int = i, fenced: bool = False) -> None:
             _, dest, msg = w.net.pop(i)
@@ -322,22 +398,16 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
     for address, procs in world.procs.items():
         for j, proc in enumerate(procs):
             for q, how in proc.taken.items():
-                entry = proc.rooms.get(world.requests[q].room)  # type: ignore[attr-defined]
-                if how == "writing" and proc.alive and entry is not None and entry[0] == "live":
+                entry = proc.rooms.get((world.names[q], world.requests[q].room))  # type: ignore[attr-defined]
+                live = proc.alive and not proc.frozen
+                if how == "writing" and live and entry is not None and entry[0] == "live":
 
                     def complete(w: World, address: str = address, j: int = j, q: int = q) -> None:
                         p = w.procs[address][j]
                         p.taken[q] = "stopped"
-                        room = w.requests[q].room  # type: ignore[attr-defined]
-                        p.rooms[room] = ("success", p.rooms[room][1], False, False)
-                        status = RoomStatus(
-                            w.requests[q].room,  # type: ignore[attr-defined]
-                            p.rank,
-                            RoomOutcome.SUCCESS,
-                            "",
-                            NAME,
-                            p.session,
-                        )
+                        key = (w.names[q], w.requests[q].room)  # type: ignore[attr-defined]
+                        p.rooms[key] = ("success", p.rooms[key][1], False, False)
+                        status = RoomStatus(key[1], p.rank, RoomOutcome.SUCCESS, "", key[0], p.session)
                         w.net.append((_from(p), "decode", status))
 
                     yield f"{address}/{proc.session}:complete{q}", complete
@@ -350,6 +420,19 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     w.exits += 1
 
                 yield f"{address}/{proc.session}:exit", exit_
+            if proc.alive and not proc.frozen and world.freezes < limits.freezes:
+
+                def freeze(w: World, address: str = address, j: int = j) -> None:
+                    w.procs[address][j].frozen = True
+                    w.freezes += 1
+
+                yield f"{address}/{proc.session}:freeze", freeze
+            if proc.frozen and world.ticks < limits.ticks:  # else frozen for good
+
+                def resume(w: World, address: str = address, j: int = j) -> None:
+                    w.procs[address][j].frozen = False
+
+                yield f"{address}/{proc.session}:resume", resume
             if proc.undrained:
 
                 def drain(w: World, address: str = address, j: int = j) -> None:
@@ -358,32 +441,41 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     p.taken = {q: "stopped" if how == "draining" else how for q, how in p.taken.items()}
 
                 yield f"{address}/{proc.session}:drain", drain
-            if proc.alive and proc.drain == "" and world.drains < limits.drains:
+            awake = proc.alive and not proc.frozen  # a frozen process sends nothing
+            if awake and proc.drain == "" and world.drains < limits.drains:
 
                 def drain_begin(w: World, address: str = address, j: int = j) -> None:
+                    # Told to every decode name whose Hello it took (the runtime's peers).
                     p = w.procs[address][j]
                     p.drain = "draining"
                     w.drains += 1
-                    w.net.append((_from(p), "decode", RankDraining(p.rank, p.session, NAME, False)))
+                    for name in sorted(p.peers):
+                        w.net.append((_from(p), "decode", RankDraining(p.rank, p.session, name, False)))
 
                 yield f"{address}/{proc.session}:drain-begin", drain_begin
-            if proc.alive and proc.drain == "draining":
+            if awake and proc.drain == "draining":
 
                 def drained(w: World, address: str = address, j: int = j) -> None:
                     # The grace ran out: what it still writes fails (its
                     # writes settle first), then it says it drained.
                     p = w.procs[address][j]
                     for q, how in list(p.taken.items()):
-                        room = w.requests[q].room  # type: ignore[attr-defined]
+                        key = (w.names[q], w.requests[q].room)  # type: ignore[attr-defined]
                         if how == "writing":
                             p.taken[q] = "stopped"
-                        if p.rooms.get(room, ("",))[0] == "live":
-                            p.rooms[room] = ("failed", p.rooms[room][1], False, p.rooms[room][3])
-                            status = RoomStatus(room, p.rank, RoomOutcome.FAILED, GRACE_OVER, NAME, p.session)
+                        entry = p.rooms.get(key)
+                        if entry is not None and entry[0] == "live":
+                            p.rooms[key] = ("failed", entry[1], False, entry[3])
+                            status = RoomStatus(
+                                key[1], p.rank, RoomOutcome.FAILED, GRACE_OVER, key[0], p.session
+                            )
                             w.net.append((_from(p), "decode", status))
                     p.drain = "drained"
                     closed = CLOSED if any(entry[3] for entry in p.rooms.values()) else ()
-                    w.net.append((_from(p), "decode", RankDraining(p.rank, p.session, NAME, True, closed)))
+                    for name in sorted(p.peers):
+                        w.net.append(
+                            (_from(p), "decode", RankDraining(p.rank, p.session, name, True, closed))
+                        )
 
                 yield f"{address}/{proc.session}:drained", drained
         if world.restarts < limits.restarts:
@@ -394,6 +486,10 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                 w.restarts += 1
 
             yield f"{address}:restart", restart
+
+
+def dest_frozen(world: World, dest: str) -> bool:
+    return dest != "decode" and world.procs[dest][-1].frozen
 
 
 # -- cloning (deepcopy was most of the time) ----------------------------------------
@@ -412,6 +508,7 @@ def _clone(world: World) -> World:
     new._deadlines = [(t, n, requests[id(r)]) for t, n, r in s._deadlines]
     new.draining = dict(s.draining)
     new.leaving = dict(s.leaving)
+    new.owner_fence = attrs.evolve(s.owner_fence)
     procs = {a: [_copy_proc(p) for p in ps] for a, ps in world.procs.items()}
     return World(
         new,
@@ -427,12 +524,28 @@ def _clone(world: World) -> World:
         dict(world.current),
         dict(world.by_seq),
         dict(world.opened),
+        dict(world.names),
+        world.freezes,
+        world.fence_due,
+        world.fenced,
+        world.fence_fails,
         world.trace,
     )
 
 
 def _copy_proc(p: Proc) -> Proc:
-    return Proc(p.address, p.rank, p.session, p.alive, p.undrained, dict(p.taken), dict(p.rooms), p.drain)
+    return Proc(
+        p.address,
+        p.rank,
+        p.session,
+        p.alive,
+        p.undrained,
+        p.frozen,
+        p.peers,
+        dict(p.taken),
+        dict(p.rooms),
+        p.drain,
+    )
 
 
 # -- state keys --------------------------------------------------------------------
@@ -457,7 +570,16 @@ def _machine_key(world: World) -> tuple[object, ...]:
         tuple(sorted(s._in_use)),
         tuple(sorted(s._id_of_session.items())),
         _tracker_key(s.tracker),
+        # when each hold began, quarantines, re-sends: two holds alike but for
+        # these reach different states (one quarantines a tick sooner)
+        tuple(
+            (k, e.held_at, e.deadline, e.quarantined_at, e.resend_at, e.resend_every, e.exited)
+            for k, e in sorted(s.tracker._rooms.items())
+        ),
         tuple(sorted((t, req(r)) for t, r in enumerate(world.requests))),
+        s.name,
+        s.metadata,
+        attrs.astuple(s.owner_fence),
     )
 
 
@@ -470,6 +592,8 @@ def _key(world: World) -> tuple[object, ...]:
                     p.session,
                     p.alive,
                     p.undrained,
+                    p.frozen,
+                    tuple(sorted(p.peers)),
                     tuple(sorted(p.taken.items())),
                     tuple(sorted(p.rooms.items())),
                     p.drain,
@@ -495,12 +619,18 @@ def _key(world: World) -> tuple[object, ...]:
         world.drains,
         tuple(sorted(world.current.items())),
         tuple(sorted(world.opened.items())),
+        tuple(sorted(world.names.items())),
+        world.freezes,
+        world.fence_due,
+        tuple(sorted(world.fenced)),
+        world.fence_fails,
     )
 
 
 # -- liveness ----------------------------------------------------------------------
-def _check_terminal(world: World) -> None:
-    """Let time pass and everything drain and arrive, then look at what is left."""
+def _check_terminal(world: World, limits: Limits) -> None:
+    """Let time pass and everything drain and arrive (but to a process frozen
+    for good), then look at what is left."""
     w = _clone(world)
     for procs in w.procs.values():
         for p in procs:
@@ -509,8 +639,13 @@ def _check_terminal(world: World) -> None:
     for _ in range(6):
         w.now += 10 * DT
         _tick(w)
-        while w.net:
-            _, dest, msg = w.net.pop(0)
+        while True:
+            if w.fence_due:
+                _owner_fence(w, True)
+            ready = [i for i, (_, dest, _) in enumerate(w.net) if not dest_frozen(w, dest)]
+            if not ready:
+                break
+            _, dest, msg = w.net.pop(ready[0])
             if dest == "decode":
                 _carry(w, w.state.handle(msg, w.now))
             else:
@@ -534,6 +669,11 @@ def _check_terminal(world: World) -> None:
             raise Violation(
                 f"L: room {room} stays {w.state.tracker.state(room)} although its writers stopped"
             )
+        owner_fence = limits.owner_fence_after_s is not None
+        if held and owner_fence:
+            raise Violation(f"L: room {room} stays {w.state.tracker.state(room)} past the owner fence")
+        if owner_fence and request.verdict is None and not request.aborted and not writing:  # type: ignore[attr-defined]
+            raise Violation(f"L: room {room} left TRANSFERRING, no rank process took its request")
         if request.verdict is None and not request.aborted:  # type: ignore[attr-defined]
             for rank, wr in request.writers.items():  # type: ignore[attr-defined]
                 now_there = w.procs[wr.address][-1]
@@ -558,7 +698,7 @@ def explore(
         if not enabled:
             report.terminals += 1
             try:
-                _check_terminal(world)
+                _check_terminal(world, limits)
             except Violation as exc:
                 raise Violation(f"{exc} (after {' '.join(world.trace)})") from None
         for label, step in enabled:

@@ -3,10 +3,16 @@ changes none of them except to make it shorter."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import os
+import re
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from kvconn.bench.cli import add_arguments
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_documented_commands.py"
 
@@ -46,3 +52,53 @@ def test_changes_only_shorten_and_unknown_lines_run_as_written(tmp_path: Path) -
     assert plan("kvconn something-new --flag") == ("kvconn something-new --flag", "")
     run, why = plan("sudo apt-get install -y libibverbs1")
     assert run is None and "system package" in why
+
+
+def test_python_snippets_are_found_and_every_skip_says_why() -> None:
+    m = script()
+    snippets = list(m.documented_snippets())
+    by_file = {s.source.split(":")[0] for s in snippets if s.not_run is None}
+    # the README's loopback program and the operator guide's exporter run; so does the plugin guide
+    assert {"README.md", "docs/operations.md", "docs/writing-a-transport-plugin.md"} <= by_file
+    assert all(s.not_run is None or len(s.not_run) > 10 for s in snippets)
+    assert any("CUDA" in (s.not_run or "") for s in snippets if s.source.startswith("README.md"))
+
+
+def test_the_readme_loopback_program_runs_top_to_bottom_without_a_traceback() -> None:
+    """Prefill and decode in one process, as the README's program has them:
+    it completes one room, aborts another and exits with no traceback (the
+    loopback writer attaching to decode's segment in the same process used
+    to leave the resource tracker a KeyError at exit)."""
+    m = script()
+    (program,) = [
+        s
+        for s in m.documented_snippets()
+        if s.source.startswith("README.md") and s.not_run is None and 'get_backend("loopback")' in s.code
+    ]
+    code, output = m.run_snippet(program, sys.executable, SCRIPT.parents[1], dict(os.environ))
+    assert code == 0, output
+
+
+def test_every_bench_command_the_docs_quote_parses() -> None:
+    """``kvconn bench ...`` quoted inline in a doc (`--bytes-per-run 128 MiB`
+    was one) takes options the bench accepts, as written."""
+    root = SCRIPT.parents[1]
+    docs = [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        *sorted(root.glob("kvconn_*/README.md")),
+    ]
+    quoted = {
+        (doc.name, cmd)
+        for doc in docs
+        for cmd in re.findall(r"`(kvconn bench(?: [^`]*)?)`", doc.read_text())
+        if "--help" not in cmd
+    }
+    assert len(quoted) >= 3, quoted
+    for doc, cmd in sorted(quoted):
+        parser = argparse.ArgumentParser(prog="kvconn bench", exit_on_error=False)
+        add_arguments(parser)
+        try:
+            parser.parse_args(shlex.split(cmd)[2:])
+        except (argparse.ArgumentError, SystemExit) as exc:
+            raise AssertionError(f"{doc}: `{cmd}` does not parse: {exc}") from exc

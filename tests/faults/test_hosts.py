@@ -127,6 +127,17 @@ def test_host_loss_kills_every_process_in_it(fabric: Fabric) -> None:
         server.kill()
 
 
+def test_round_trip_crosses_the_link(fabric: Fabric) -> None:
+    rtt = hosts.round_trip_s(fabric["decode"], fabric["prefill0"], rounds=50)
+    assert 0 < rtt < 0.5
+    fabric["prefill0"].cut()  # no route across a cut link: the connect gives up
+    try:
+        with pytest.raises(OSError):
+            hosts.round_trip_s(fabric["decode"], fabric["prefill0"], rounds=1, timeout_s=1.0)
+    finally:
+        fabric["prefill0"].heal()
+
+
 def test_two_fabrics_at_once_never_clash() -> None:
     with hosts.hosts(("a", "b")) as one, hosts.hosts(("a", "b")) as two:
         assert not set(one.namespaces()) & set(two.namespaces())

@@ -59,8 +59,9 @@ messages: st.SearchStrategy[Message] = st.one_of(
         u64,
         u64,
         u64,
+        trace=st.binary(max_size=80),  # the optional trailing field, absent when empty
     ),
-    st.builds(Abort, u64, u64, text, text),
+    st.builds(Abort, u64, u64, text, text, trace=st.binary(max_size=80)),
     st.builds(
         AbortAck,
         u64,

@@ -18,8 +18,9 @@ from kvconn.testing.libraries import require_library
 from kvconn.transport import Settlement
 from kvconn_mooncake import _batch_status as bs
 from kvconn_mooncake import backend as be
+from kvconn_mooncake._channel import Posted
 from kvconn_mooncake._engine import new_engine
-from kvconn_mooncake.backend import DEFAULT_HOT_POLL_S, Posted
+from kvconn_mooncake._options import DEFAULT_HOT_POLL_S
 
 require_library("mooncake", module_level=True)  # by the library: the plugin installs without it
 

@@ -5,8 +5,10 @@ queries for kvconn's series through its HTTP API."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -19,6 +21,7 @@ import pytest
 from ops_support import RULES, EndpointChild
 
 from kvconn.metrics import ENDPOINT_LABEL
+from kvconn.protocol.hold import Proof
 
 
 def free_port() -> int:
@@ -34,19 +37,20 @@ def get(url: str) -> Any:
 
 
 class Prometheus:
-    def __init__(self, binary: str, target_port: int, workdir: Path) -> None:
+    def __init__(
+        self, binary: str, target_ports: list[int], workdir: Path, scrape_interval: str = "1s"
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
         # JSON is YAML; a 1 s scrape and rule interval keep the test short
+        targets = [f"127.0.0.1:{port}" for port in target_ports]
         config.write_text(
             json.dumps(
                 {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "global": {"scrape_interval": scrape_interval, "evaluation_interval": "1s"},
                     "rule_files": [str(RULES)],
-                    "scrape_configs": [
-                        {"job_name": "kvconn", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}
-                    ],
+                    "scrape_configs": [{"job_name": "kvconn", "static_configs": [{"targets": targets}]}],
                 }
             )
         )
@@ -105,7 +109,7 @@ class Prometheus:
 
 @pytest.fixture
 def prometheus(prometheus_binary: str, endpoint_child: EndpointChild, tmp_path: Path) -> Iterator[Prometheus]:
-    server = Prometheus(prometheus_binary, endpoint_child.port, tmp_path)
+    server = Prometheus(prometheus_binary, [endpoint_child.port], tmp_path)
     try:
         server.wait_ready(60)
         yield server
@@ -137,3 +141,63 @@ def test_prometheus_scrapes_a_running_endpoint_and_evaluates_the_rules(prometheu
     # a healthy endpoint fires nothing
     alerts = get(prometheus.base + "/api/v1/alerts")["data"]["alerts"]
     assert alerts == [], alerts
+
+
+def free_ports(n: int) -> int:
+    """A port P with P..P+n-1 free now (the bench serves decode on P and rank r on P+1+r)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def test_prometheus_scrapes_a_running_kvconn_bench(prometheus_binary: str, tmp_path: Path) -> None:
+    """``kvconn bench --metrics-port P`` serves its decode endpoint on P and
+    each prefill rank on P+1+r while its modes run; Prometheus scrapes them
+    (every 500 ms; its workload phase lasts seconds) and keeps what it saw after the run."""
+    ranks = 2
+    base = free_ports(1 + ranks)
+    server = Prometheus(prometheus_binary, list(range(base, base + 1 + ranks)), tmp_path, "500ms")
+    try:
+        server.wait_ready(60)
+        bench = subprocess.run(
+            [sys.executable, "-m", "kvconn.cli", "bench", "--modes", "kvconn", "--faults", "off",
+             "--requests", "600", "--stream-requests", "20", "--ranks", str(ranks),
+             "--metrics-port", str(base), "--no-progress", "--json", str(tmp_path / "bench.json")],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        assert bench.returncode in (0, 1), bench.stderr[-3000:]
+        report = json.loads((tmp_path / "bench.json").read_text())
+        # the scrapes are gone with the bench; their samples stay in the TSDB
+        span = "[10m]"
+        released = server.wait_query(
+            f'max_over_time(kvconn_releases_total{{job="kvconn",{ENDPOINT_LABEL}="decode"}}{span}) > 0', 30
+        )
+        proofs = {r["metric"]["proof"] for r in released}
+        assert proofs and proofs <= {p.value for p in Proof} - {Proof.UNSAFE_TIMEOUT.value}, proofs
+        # a scrape saw at most what the bench counted in the end
+        counted = report["modes"]["kvconn"]["releases_by_proof"]
+        for r in released:
+            assert float(r["value"][1]) <= counted[r["metric"]["proof"]], (r, counted)
+        for rank in range(ranks):
+            (landed,) = server.wait_query(
+                f'max_over_time(kvconn_chunks_total{{{ENDPOINT_LABEL}="prefill-{rank}",outcome="landed"}}'
+                f"{span}) > 0",
+                30,
+            )
+            assert landed["metric"]["instance"] == f"127.0.0.1:{base + 1 + rank}"
+    finally:
+        server.stop()

@@ -154,3 +154,34 @@ def test_completions_through_the_proxy_equal_one_engines_and_decode_computed_no_
     assert decode.metric(source, source="external_kv_transfer") == 2 * sum(PROMPTS)
     assert decode.metric(source, source="local_compute") == 0
     assert decode.metric("vllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS)
+
+
+def _samples(server: Server, name: str, **labels: str) -> list[float]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return [
+        float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+
+
+def test_kvconn_figures_on_each_servers_own_metrics(servers: tuple[Server, Server, str]) -> None:
+    """kvconn's counters and gauges reach vLLM's /metrics of both servers
+    through vLLM's KV connector stats (kvconn_vllm.stats), under kvconn's own
+    names and labels plus vLLM's, so monitoring/'s rules apply unchanged."""
+    prefill, decode, proxy = servers
+    landed = {"kvconn_endpoint": "prefill-0", "outcome": "landed"}
+    before = sum(_samples(prefill, "kvconn_chunks_total", **landed))
+    _complete(proxy, PROMPTS[45])
+    deadline = time.monotonic() + 30
+    while sum(_samples(prefill, "kvconn_chunks_total", **landed)) <= before:
+        assert time.monotonic() < deadline, "prefill's landed chunks never rose on its /metrics"
+        time.sleep(0.2)
+    (held,) = _samples(decode, "kvconn_pages_held", kvconn_endpoint="decode-0", model_name="tiny")
+    assert held == 0.0
+    # counters the alerts watch exist at 0 from the start, one series per proof
+    proofs = _samples(decode, "kvconn_releases_total", kvconn_endpoint="decode-0")
+    assert len(proofs) >= 7 and sum(proofs) == 0.0, proofs
+    assert sum(_samples(decode, "kvconn_messages_total", kvconn_endpoint="decode-0")) > 0

@@ -48,6 +48,15 @@ class Config:
     #: A rank not heard from this long is down: its open rooms fail (and
     #: are aborted), new rooms on it fail at once, until it answers again.
     peer_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: Decode fences as the page owner (``kvconn.transport.owner_fence``:
+    #: its region's whole transport endpoint destroyed, so that no writer on
+    #: any host can land a byte) once a room has been quarantined this long
+    #: with no proof. It releases every held room and fails every room in
+    #: flight (recomputed), and every prefill rank re-bootstraps. Only where
+    #: the backend claims ``Capabilities.owner_fence``. None: never.
+    owner_fence_after_s: float | None = None
+    #: At most one owner fence (tried, ok or not) per this many seconds.
+    owner_fence_min_interval_s: float = attrs.field(default=60.0, validator=_positive)
     workers: int = 1
     #: Decode refuses a request whose pages belong to another room not yet
     #: finished or released (one byte per page, one pass over the pages).
@@ -68,10 +77,15 @@ class Config:
     #: port, each sample labelled ``kvconn_endpoint``). 0: a free port (read
     #: it from the endpoint's ``metrics_server``). None: not served.
     metrics_port: int | None = None
+    #: Trace each room with OpenTelemetry (the ``kvconn-core[trace]`` extra):
+    #: spans go to the process's tracer provider, one trace per room across
+    #: decode and its prefill ranks (``kvconn.runtime.tracing``). Off, or
+    #: without ``opentelemetry-api``: nothing is traced (no-op calls).
+    tracing: bool = False
 
     def __attrs_post_init__(self) -> None:
         check_deadlines(self.write_timeout_s, self.abort_timeout_s)
-        for name in ("transfer_timeout_s", "room_bootstrap_timeout_s"):
+        for name in ("transfer_timeout_s", "room_bootstrap_timeout_s", "owner_fence_after_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")

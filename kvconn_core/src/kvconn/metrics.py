@@ -10,10 +10,10 @@ one or more registries over HTTP for an engine that has no metrics endpoint.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvconn.protocol.hold import Proof
 from kvconn.transport import Settlement
@@ -21,6 +21,23 @@ from kvconn.transport import Settlement
 #: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
 FENCE_RESULTS = ("ok", "failed")
 RANK_DOWN_CAUSES = ("exited", "silent")
+#: ``kvconn_owner_fences_total{outcome}``.
+OWNER_FENCE_OUTCOMES = ("ok", "failed")
+
+#: Families whose values exist only when a registry is scraped (the chunk
+#: tally's plain ints, decode's hold gauges computed from its tracker):
+#: prometheus_client's multiprocess files, which SGLang's /metrics reads,
+#: never see them (kvconn_sglang.metrics relays them).
+SCRAPE_TIME_FAMILIES = frozenset(
+    {
+        "kvconn_chunks",
+        "kvconn_rooms_held",
+        "kvconn_pages_held",
+        "kvconn_pages_quarantined",
+        "kvconn_quarantine_oldest_seconds",
+        "kvconn_acks_awaiting_drain",
+    }
+)
 
 #: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
 LATENCY_BUCKETS = (
@@ -51,6 +68,27 @@ class Tally:
         yield family
 
 
+class ScrapeGauge:
+    """A gauge computed when scraped (:meth:`set_function`), a collector of
+    its own rather than a prometheus_client ``Gauge``: it keeps no value, so
+    in prometheus_client's multiprocess mode (SGLang's ``/metrics``) it
+    leaves no stale series behind in the files; kvconn_sglang relays it."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self._read: Callable[[], float] = lambda: 0.0
+        registry.register(self)
+
+    def set_function(self, read: Callable[[], float]) -> None:
+        self._read = read
+
+    def set(self, value: float) -> None:
+        self._read = lambda: value
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation, value=float(self._read()))
+
+
 class Metrics:
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -58,6 +96,11 @@ class Metrics:
         self.role = role
         self.dropped = Counter("kvconn_dropped_messages", "Control frames dropped", ["reason"], registry=r)
         self.messages = Counter("kvconn_messages", "Control messages handled", ["type"], registry=r)
+        self.trace_contexts_dropped = Counter(
+            "kvconn_trace_contexts_dropped",
+            "Trace contexts that did not parse (message still handled)",
+            registry=r,
+        )
         # prefill side
         outcomes = [s.value for s in Settlement] + ["skipped", "plugin_error"]
         self.chunks = Tally("kvconn_chunks", "Chunks by outcome", "outcome", outcomes, registry=r)
@@ -90,16 +133,22 @@ class Metrics:
             "Open rooms failed because a rank died, went silent or restarted",
             registry=r,
         )
-        self.rooms_held = Gauge("kvconn_rooms_held", "Rooms held after abort", registry=r)
-        self.acks_draining = Gauge(
+        self.owner_fences = Counter(
+            "kvconn_owner_fences", "Owner fences decode carried out, by outcome", ["outcome"], registry=r
+        )
+        self.owner_fence_pages = Counter(
+            "kvconn_owner_fence_pages_recovered", "Held pages released by an owner fence", registry=r
+        )
+        self.rooms_held = ScrapeGauge("kvconn_rooms_held", "Rooms held after abort", r)
+        self.acks_draining = ScrapeGauge(
             "kvconn_acks_awaiting_drain",
             "Fenced acks waiting for decode's ends of the connections the fence closed to drain",
-            registry=r,
+            r,
         )
-        self.pages_held = Gauge("kvconn_pages_held", "Pages held after abort (incl. quarantine)", registry=r)
-        self.pages_quarantined = Gauge("kvconn_pages_quarantined", "Pages in quarantine", registry=r)
-        self.quarantine_age = Gauge(
-            "kvconn_quarantine_oldest_seconds", "Time the oldest quarantined room has waited", registry=r
+        self.pages_held = ScrapeGauge("kvconn_pages_held", "Pages held after abort (incl. quarantine)", r)
+        self.pages_quarantined = ScrapeGauge("kvconn_pages_quarantined", "Pages in quarantine", r)
+        self.quarantine_age = ScrapeGauge(
+            "kvconn_quarantine_oldest_seconds", "Time the oldest quarantined room has waited", r
         )
         self.release_latency = Histogram(
             "kvconn_abort_to_release_seconds",
@@ -128,6 +177,8 @@ class Metrics:
             self.fences.labels(result)
         for cause in RANK_DOWN_CAUSES:
             self.ranks_down.labels(cause)
+        for outcome in OWNER_FENCE_OUTCOMES:
+            self.owner_fences.labels(outcome)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""

@@ -156,8 +156,10 @@ class Writer(Protocol):
         """Make ``peer`` (a page owner's id) reachable, given its region metadata.
 
         Called once per peer, when that decode's first Hello reaches the rank.
-        A restarted decode has a new id and gets a call of its own; nothing
-        says when an old one is gone. Never called again after a fence: the
+        A restarted decode has a new id and gets a call of its own; so does
+        a decode after it fenced as the page owner (a new id, with its
+        region's new metadata: the old id's metadata then reaches nothing,
+        and writes through it fail). Nothing says when an old one is gone. Never called again after a fence: the
         fence must leave the writer able to write to every peer it knew.
         """
 

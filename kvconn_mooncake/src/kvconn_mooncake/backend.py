@@ -52,7 +52,6 @@ Design (measured on 0.3.13.post1, tcp over loopback):
 
 from __future__ import annotations
 
-import collections
 import gc
 import ipaddress
 import logging
@@ -68,23 +67,17 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvconn.buffers import Buffer, FlatSpace
+from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
-from kvconn.transport import Capabilities, OwnerFenceFailed, OwnerFenceUnsupported, Settlement
+from kvconn.transport import Capabilities, Settlement
 from kvconn_mooncake._batch_status import DONE, PENDING, BatchPoller, bind
+from kvconn_mooncake._channel import Channel, Pieces, Posted
 from kvconn_mooncake._engine import (
     configure_env,
-    detach_engine,
     engine_settings,
     engine_timeout_s,
     new_engine,
-    pack_metadata,
-    session_id,
-    share_again,
-    shared_engine,
-    unpack_buffers,
-    unpack_metadata,
 )
 from kvconn_mooncake._memory import (
     MEMORY_KINDS,
@@ -92,272 +85,14 @@ from kvconn_mooncake._memory import (
     cuda_engine_installed,
     open_space,
     register_space,
-    unregister_space,
 )
-from kvconn_mooncake._options import read as read_options
+from kvconn_mooncake._options import WriterOptions
+from kvconn_mooncake._region import MooncakeRegion
 
 configure_env()
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_INFLIGHT = 512
-BATCH_STATUS_MODES = ("auto", "on", "off")
-DEFAULT_POLL_INTERVAL_S = 0.0001  # a longer cap noticed completion late: 78% of raw at 1 MiB
-#: How long a DONE barrier polls hot (None: until the chunk settles or its
-#: deadline passes), then it sleeps between polls. None, as the raw API's
-#: blocking status call spins: side by side with it (`kvconn bench
-#: --transport`, 2-core VM, 15 pairs, two rounds each) spinning gave 95.0 and
-#: 95.6% of raw for 1024 scattered 4 KiB pages against 76.7 and 94.8% with
-#: 2 ms, 97.7 and 94.6% at 1 MiB against 92.8 and 92.2%, 104.1 and 104.4% at
-#: 64 MiB against 108.3 and 106.6% (all met there); release p99 at 3,000
-#: requests 8.64 and 5.51 ms against 8.87 and 8.38. (Interleaved chunk by
-#: chunk in one process, 64 MiB chunks had taken 62.6 ms spinning against
-#: 52.2 with 2 ms: there the spinner took a core from the engine's copies.)
-DEFAULT_HOT_POLL_S: float | None = None
-#: Engines a writer keeps before a channel that needs one takes an idle
-#: channel's instead: a decode that left (a restart has a new name) would
-#: otherwise keep its engine (~3 threads, a port) for the writer's lifetime.
-DEFAULT_MAX_ENGINES = 64
 _BAD_IDS = (0, 2**64 - 1, -1)
-
-
-@attrs.frozen
-class WriterOptions:
-    """A writer's own options (see the README for each)."""
-
-    #: At most 1000: the engine rejects ~1024 pieces in flight per peer.
-    max_inflight: int
-    max_batch: int
-    poll_interval_s: float
-    #: How long a DONE barrier polls without sleeping (None: until the chunk
-    #: settles or its deadline passes), then every poll_interval_s.
-    hot_poll_s: float | None
-    batch_status: str
-    #: Above this many engines, a channel that needs one takes the least
-    #: recently used idle channel's (see DEFAULT_MAX_ENGINES).
-    max_engines: int
-
-    @classmethod
-    def parse(cls, options: Mapping[str, str]) -> WriterOptions:
-        opts = read_options(options)
-        max_inflight = opts.integer("max_inflight", DEFAULT_MAX_INFLIGHT, low=1, high=1000)
-        return cls(
-            max_inflight=max_inflight,
-            max_batch=opts.integer("max_batch", max_inflight, low=1),
-            poll_interval_s=opts.number("poll_interval_s", DEFAULT_POLL_INTERVAL_S, low=0.0),
-            hot_poll_s=opts.seconds_or_none("hot_poll_s", DEFAULT_HOT_POLL_S),
-            batch_status=opts.choice("batch_status", "auto", BATCH_STATUS_MODES),
-            max_engines=opts.integer("max_engines", DEFAULT_MAX_ENGINES, low=1),
-        )
-
-
-class MooncakeRegion:
-    """Decode's page memory (DRAM, or VRAM with ``memory=vram``), or the
-    engine's buffers, registered with the process's shared engine."""
-
-    def __init__(self, source: int | Sequence[Buffer], options: Mapping[str, str]) -> None:
-        """``source``: bytes to allocate, or the engine's buffers to register."""
-        if isinstance(source, int) and source <= 0:
-            raise ValueError("region size must be positive")
-        host, protocol, device = engine_settings(options)
-        self.memory = MemoryOptions.parse(options)
-        self._mem = open_space(source, self.memory)
-        self.nbytes = self._mem.nbytes
-        self.base: int = self._mem.addr
-        self._settings = (host, protocol, device)
-        self._engine: Any = shared_engine(host, protocol, device)
-        register_space(self._engine, self._mem)
-        self.metadata: bytes = self._describe()
-        self._closed = False
-        #: Seconds the last owner_fence took (teardown + new engine).
-        self.last_owner_fence_s = 0.0
-
-    def _describe(self) -> bytes:
-        host, protocol, _ = self._settings
-        self.session = session_id(self._engine, host)
-        ranges = () if self._mem.single else self._mem.ranges()
-        return pack_metadata(self.session, self.base, self.nbytes, protocol, ranges)
-
-    def owner_fence(self) -> bytes:
-        """Destroy the region's engine (every connection a writer reached it
-        through; its RPC port closes) and register the same memory with an
-        engine of the region's own; the new metadata (a new session).
-        Measured over tcp: no byte posted to the old engine lands after it.
-
-        Refused (:class:`OwnerFenceFailed`, nothing changed) while another
-        region of this process still uses the same engine: destroying it
-        would fence that region too, behind its back."""
-        host, protocol, device = self._settings
-        if protocol != "tcp":
-            raise OwnerFenceUnsupported(f"mooncake owner fence: not proven for protocol={protocol}")
-        if self._closed:
-            raise OwnerFenceFailed("mooncake owner fence: the region is closed")
-        t0 = time.monotonic()
-        if self._engine is not None:
-            old, self._engine = self._engine, None
-            keys = detach_engine(old)  # no new region may pick it up
-            gc.collect()
-            # Only ``old`` and getrefcount's argument may hold it.
-            if sys.getrefcount(old) > 2:
-                self._engine = old
-                share_again(keys, old)
-                raise OwnerFenceFailed(
-                    "mooncake owner fence: another region of this process shares the engine "
-                    "(open regions that may need an owner fence in a process of their own)"
-                )
-            unregister_space(old, self._mem)
-            del old  # joins the engine's transport threads, closes its sockets
-            gc.collect()
-        # Its own engine, not the shared one: the next fence must be able to destroy it.
-        self._engine = new_engine(host, protocol, device)
-        register_space(self._engine, self._mem)
-        self.metadata = self._describe()
-        self.last_owner_fence_s = time.monotonic() - t0
-        return self.metadata
-
-    def array(self) -> npt.NDArray[np.uint8]:
-        """The region's DRAM buffer, without a copy (DRAM only). A method, not
-        a property: pluggy reads every attribute of a registered plugin."""
-        return self._mem.array()
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return self._mem.read(offset, nbytes)
-
-    def write(self, offset: int, data: bytes) -> None:
-        self._mem.write(offset, data)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            engine, self._engine = self._engine, None  # a closed region keeps no engine alive
-            if engine is not None:
-                unregister_space(engine, self._mem)
-
-
-class Pieces:
-    """A chunk's transfers not yet handed to the engine: source addresses,
-    destination addresses and lengths as lists (the binding takes lists),
-    consumed from the front."""
-
-    __slots__ = ("_dsts", "_lens", "_next", "_srcs")
-
-    def __init__(self, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        self._srcs, self._dsts, self._lens = srcs, dsts, lens
-        self._next = 0
-
-    def __len__(self) -> int:
-        return len(self._lens) - self._next
-
-    def take(self, count: int) -> tuple[list[int], list[int], list[int]]:
-        """The next ``count`` transfers (fewer if fewer are left)."""
-        a, b = self._next, min(self._next + count, len(self._lens))
-        self._next = b
-        return self._srcs[a:b], self._dsts[a:b], self._lens[a:b]
-
-    def clear(self) -> None:
-        self._next = len(self._lens)
-
-
-@attrs.define(eq=False)
-class Channel:
-    """One decode region as a writer reaches it, through an engine of its own.
-
-    The engine's P2P handshake with a decode that is frozen (its kernel
-    accepts, nothing answers) takes ~61 s, hard-coded, and every call on that
-    engine waits behind it, writes to other peers included (measured). With
-    an engine per channel only that decode's writes wait. The handshake runs
-    on a thread of its own (:meth:`MooncakeWriter._open`), never in a hook;
-    a chunk posted meanwhile waits in ``queued`` until the channel is open.
-    """
-
-    session: str
-    base: int
-    nbytes: int
-    #: The region's buffers (address, bytes); one for memory kvconn allocated.
-    buffers: tuple[tuple[int, int], ...] = ()
-    #: Their offsets as addresses at decode.
-    space: FlatSpace | None = None
-    #: None until the opening thread made one (or after a fence destroyed it).
-    engine: Any = None
-    #: Non-blocking many-task batch status (None: one transfer per segment).
-    poller: BatchPoller | None = None
-    #: A handshake succeeded on ``engine``: only then is anything submitted.
-    opened: bool = False
-    opening: bool = False
-    #: A batch failed on this engine: its other tasks may still be queued in
-    #: it, so the next fence destroys it even with nothing in ``inflight``.
-    suspect: bool = False
-    #: (batch id, segments in it, token) in submission order. Pieces to one
-    #: peer complete in order, so a poll stops at the first one still pending.
-    inflight: collections.deque[tuple[int, int, Posted]] = attrs.field(factory=collections.deque)
-    #: Segments in flight (the engine's per-peer cap, ``max_inflight``).
-    inflight_n: int = 0
-    #: Posted chunks with pieces not yet submitted, in posting order.
-    queued: collections.deque[Posted] = attrs.field(factory=collections.deque)
-    #: The writer's post count at this channel's last post (least recently
-    #: used idle channels give their engine up first).
-    last_post: int = 0
-
-    @property
-    def idle(self) -> bool:
-        """Its engine carries no write and no handshake: every batch it was
-        given completed, so handing it to another channel moves nothing."""
-        return (
-            self.engine is not None
-            and not self.opening
-            and not self.inflight
-            and not self.queued
-            and not self.suspect
-        )
-
-    @classmethod
-    def of(cls, metadata: bytes) -> Channel:
-        buffers = unpack_buffers(metadata)
-        space = FlatSpace([Buffer(a, n) for a, n in buffers])
-        return cls(*unpack_metadata(metadata), buffers=buffers, space=space)
-
-    def same_region(self, other: Channel) -> bool:
-        return (self.session, self.buffers) == (other.session, other.buffers)
-
-    def fail_queued(self) -> None:
-        """Its queued chunks will never be submitted here: nothing of their
-        queued pieces reached an engine."""
-        for tok in self.queued:
-            tok.fail()
-        self.queued.clear()
-
-
-@attrs.define(eq=False)
-class Posted:
-    """The token ``on_post`` returns: one chunk's transfers."""
-
-    generation: int
-    channel: Channel
-    pending: Pieces
-    nbytes: int
-    inflight: int = 0
-    submitted: int = 0
-    failed: bool = False
-    abandoned: bool = False
-
-    @property
-    def done(self) -> bool:
-        return not self.pending and self.inflight == 0
-
-    def fail(self) -> None:
-        """Nothing more of it is submitted; its barrier answers."""
-        self.failed = True
-        self.pending.clear()
-
-    def abandon(self) -> None:
-        """Its barrier gave up on it (or a fence did): submit nothing more."""
-        self.abandoned = True
-        self.pending.clear()
-
-    def give_up(self) -> Settlement:
-        """The barrier abandons it: settled only if nothing of it ever
-        reached an engine (a failed Mooncake write may still land)."""
-        self.abandon()
-        return Settlement.FAILED_SETTLED if self.submitted == 0 else Settlement.UNSETTLED
 
 
 class MooncakeWriter:

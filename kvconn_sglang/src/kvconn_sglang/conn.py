@@ -38,6 +38,7 @@ from kvconn.runtime.prefill import KVPoll as KvconnPoll
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.prefill import Sender as KvconnSender
 from kvconn_sglang.memory import engine_kv
+from kvconn_sglang.metrics import Relay, multiprocess_mode
 from kvconn_sglang.poll import to_sglang
 from kvconn_sglang.routing import RoutingError, rank_addresses, register, server_info
 from kvconn_sglang.settings import Settings
@@ -84,6 +85,8 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
     ) -> None:
         if int(getattr(server_args, "pp_size", 1) or 1) > 1:
             raise NotImplementedError("kvconn_sglang: pipeline-parallel prefill/decode is not supported yet")
+        #: kvconn's scrape-time figures into SGLang's /metrics (kvconn_sglang.metrics).
+        self.metrics_relay: Relay | None = None
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
@@ -130,6 +133,15 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         if self.settings.drain_on_sigterm and threading.current_thread() is threading.main_thread():
             # The operator asked: SIGTERM drains first, then ends the process as before.
             drain_on_signal([self], self.settings.drain_grace_s)
+        if getattr(server_args, "enable_metrics", False) and multiprocess_mode():
+            self.metrics_relay = Relay(self.metrics_endpoints)
+
+    def metrics_endpoints(self) -> list[tuple[str, Any]]:
+        """This rank's endpoint's metrics, by its ``kvconn_endpoint`` name."""
+        if self.rank is not None:
+            return [(f"prefill-{self.tp_rank}", self.rank.metrics)]
+        assert self.endpoint is not None
+        return [(f"decode-{self.tp_rank}", self.endpoint.metrics)]
 
     # -- SGLang's manager API -------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -250,6 +262,8 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
             self.close()
 
     def close(self) -> None:
+        if self.metrics_relay is not None:
+            self.metrics_relay.close()
         if self.endpoint is not None:
             self.endpoint.close()
         if self.rank is not None:

@@ -23,10 +23,12 @@ from kvconn_vllm.layout import KVGeometry
 from kvconn_vllm.metadata import KvconnHandshake, KvconnMetadata
 from kvconn_vllm.scheduler import SchedulerSide
 from kvconn_vllm.settings import Settings
+from kvconn_vllm.stats import KvconnConnectorStats, KvconnPromMetrics
 from kvconn_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -111,6 +113,33 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    # -- metrics (kvconn_vllm.stats) ---------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is None:  # the scheduler's connector: no endpoint there
+            return None
+        data = self.worker_side.stats()
+        return None if data is None else KvconnConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        # A copy: vLLM's log accumulator extends the lists of the first it
+        # builds, and the same dict goes to the Prometheus observer.
+        copied = {
+            key: (dict(value) if isinstance(value, dict) else list(value))
+            for key, value in (data or {}).items()
+        }
+        return KvconnConnectorStats(data=copied)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvconnPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -25,6 +25,8 @@ import attrs
 
 from kvconn.errors import KvconnError
 from kvconn.layout import KVLayout
+from kvconn.metrics import Metrics
+from kvconn.metrics_relay import Reporter
 from kvconn.plugins import get_backend
 from kvconn.protocol.drain import DrainReport
 from kvconn.runtime.decode import DecodeEndpoint, Receiver, Release
@@ -114,6 +116,9 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         #: Decode blocks handed back to vLLM after an abort or failure, by proof.
         self.release_proofs: Counter[str] = Counter()
+        #: What :meth:`stats` reports to vLLM's metrics (KVConnectorStats).
+        self.reporter = Reporter(clock=clock)
+        self._was_idle = True
 
     # -- start-up ----------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -163,6 +168,25 @@ class WorkerSide:
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
         return TransferResults(frozenset(sending), frozenset(recving), frozenset(failed))
+
+    def endpoints(self) -> list[tuple[str, Metrics]]:
+        """This worker's endpoints' metrics, each by the name it has on
+        ``/metrics`` (``kvconn_endpoint``): ``prefill-<tp rank>``, ``decode-<tp rank>``."""
+        named = []
+        if self.rank is not None:
+            named.append((f"prefill-{self.tp_rank}", self.rank.metrics))
+        if self.decode is not None:
+            named.append((f"decode-{self.tp_rank}", self.decode.metrics))
+        return named
+
+    def stats(self) -> dict[str, Any] | None:
+        """The report due for vLLM's KV connector stats, or None. vLLM asks
+        after every step, and steps while a transfer is pending: the step that
+        ends the last one reports at once, since an idle engine steps no more."""
+        idle = not self.has_pending()
+        last_step = idle and not self._was_idle
+        self._was_idle = idle
+        return self.reporter.take(self.endpoints(), now_due=last_step)
 
     def has_pending(self) -> bool:
         return bool(self._outgoing or self._incoming)
@@ -330,6 +354,7 @@ class WorkerSide:
 
     def _on_release(self, release: Release) -> None:
         # kvconn's thread (or ours, inside abort()): hand it to the engine thread.
+        self.reporter.released(f"decode-{self.tp_rank}", release)
         with self._lock:
             self._released.append(release)
 

@@ -141,12 +141,18 @@ class LoopbackOptions:
         )
 
 
+#: Segments this process (or the one it forked from, which shares its
+#: resource tracker) created: attaching to one must leave its registration.
+_CREATED_HERE: set[str] = set()
+
+
 class LoopbackRegion:
     """Decode's pages in a fresh shared-memory segment."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        _CREATED_HERE.add(self._shm._name)  # type: ignore[attr-defined]
         self._buf = _buffer(self._shm)
         self.metadata = self._shm.name.encode()
 
@@ -162,6 +168,7 @@ class LoopbackRegion:
         del self._buf
         self._shm.close()
         self._shm.unlink()
+        _CREATED_HERE.discard(self._shm._name)  # type: ignore[attr-defined]
 
 
 class LoopbackEngineRegion:
@@ -227,8 +234,12 @@ class _ShmPeer:
     def __init__(self, name: str) -> None:
         self.shm = shared_memory.SharedMemory(name=name)
         # Attaching registers the segment with this process's resource
-        # tracker, which would unlink decode's memory when we exit.
-        resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        # tracker, which would unlink decode's memory when we exit. Not if
+        # decode is this process: the tracker keeps one entry a name, so
+        # unregistering here would make decode's unlink fail in the tracker
+        # (a KeyError traceback at exit).
+        if self.shm._name not in _CREATED_HERE:  # type: ignore[attr-defined]
+            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
         base, self.anchor = _address(_buffer(self.shm))
         self.nbytes = self.shm.size
         self.space = FlatSpace([Buffer(base, self.nbytes)])

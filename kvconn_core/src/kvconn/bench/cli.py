@@ -31,28 +31,22 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvconn.bench import child as child_mod
+from kvconn.bench import hosts_run
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
 from kvconn.bench import transport as transport_mod
+from kvconn.bench.mode_result import ModeResult, merge
 from kvconn.bench.output import check_output_paths, write_json
 from kvconn.bench.output import console as make_console
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.report import KVCONN, LEGACY
 from kvconn.bench.sizes import size_arg
-from kvconn.bench.workload import (
-    ModeResult,
-    ModeRun,
-    Planned,
-    Workload,
-    merge,
-    plan,
-    plan_for_decode,
-)
+from kvconn.bench.workload import ModeRun, Planned, Workload, plan, plan_for_decode
 from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
-from kvconn.testing import scenarios
+from kvconn.testing import host_faults, scenarios
 from kvconn.transport import capabilities_of
 
 
@@ -170,6 +164,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="after the modes, on loopback: a rank frozen mid-write, a late transport queue and a "
         "partitioned rank (needs root), in both modes; short: one room each, long: four",
     )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="trace every room of the modes' runs with OpenTelemetry: decode's and every rank's spans, "
+        "one trace per room, as JSON lines in FILE (needs pip install 'kvconn-core[trace]')",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="while the modes run, serve the decode endpoints' metrics on http://127.0.0.1:P/metrics "
+        "and prefill rank r's on port P+1+r (Config.metrics_port; the fault phase is not served)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decode on one host, the ranks on N-1 others (network namespaces; needs root; nixl or "
+        "mooncake): release latency and throughput against the same run on one host, and the faults "
+        "between hosts (docs/multi-host.md)",
+    )
+    p.add_argument(
+        "--host-faults",
+        default=parser_default_host_faults(),
+        metavar="LIST",
+        help="with --hosts: the faults between hosts to run (comma-separated)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
         "-v",
@@ -258,6 +281,10 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in at_least.items():
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535 - args.ranks:
+        raise ValueError(
+            f"--metrics-port must be 1-{65535 - args.ranks} (P+1+rank is a port too), got {args.metrics_port}"
+        )
     if not 0 <= args.abort_fraction <= 1:
         raise ValueError(f"--abort-fraction must be within [0, 1], got {args.abort_fraction}")
     if not 0 <= args.prefill_fail_fraction < 1:
@@ -299,6 +326,27 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     _check_args(args)
+    provider = _start_trace(args.trace) if args.trace else None
+    try:
+        return _run_traced(args, console, err)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
+def _start_trace(path: str) -> Any:
+    """This process's spans go to ``path`` (emptied first); the ranks' too, by their arguments."""
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        raise ImportError("--trace needs opentelemetry-sdk: pip install 'kvconn-core[trace]'") from None
+    from kvconn.runtime.trace_export import write_spans_to
+
+    open(path, "w").close()
+    return write_spans_to(path)
+
+
+def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int:
     # A room's only chunk holds all its pages: the chunk the report (and the
     # drain estimate) speaks of is that one.
     args.chunk_pages = min(args.chunk_pages, args.pages)
@@ -333,6 +381,10 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         stream_requests=stream_n,
         decodes=args.decodes,
     )
+    if args.hosts is not None:
+        return hosts_run.run(args, wl, options, console, err)
+    if args.host_faults != parser_default_host_faults():
+        raise ValueError("--host-faults needs --hosts")
     work, stream_rooms = plan(wl)
     results: dict[str, ModeResult] = {}
     stream_info: dict[str, float] = {}
@@ -368,6 +420,8 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
                 drain_s=(legacy_timeout + 1.0) if legacy else args.drain_s,
                 settle_s=args.settle_s,
                 gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
+                trace_file=args.trace,
+                metrics_port=args.metrics_port,
             )
             try:
                 # decode 0 starts the prefill ranks; every other decode shares them
@@ -469,6 +523,10 @@ def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> l
         )
     finally:
         runtime.setLevel(level)
+
+
+def parser_default_host_faults() -> str:
+    return ",".join(host_faults.FAULTS)
 
 
 def _adv(progress: Progress, task: Any) -> Callable[[int], None]:

@@ -14,6 +14,7 @@ import sys
 
 from kvconn.bench.child import quiet_interrupts
 from kvconn.metrics import Metrics
+from kvconn.runtime.trace_export import write_spans_to
 from kvconn.testing.prefill_proc import Driver
 
 
@@ -34,11 +35,15 @@ def snapshot(m: Metrics) -> dict[str, float]:
 def main() -> None:
     quiet_interrupts()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    driver = Driver(json.loads(sys.argv[1]))
+    args = json.loads(sys.argv[1])
+    provider = write_spans_to(args["trace_file"]) if args.get("trace_file") else None
+    driver = Driver(args)
     print(json.dumps({"address": driver.rank.address}), flush=True)
     sys.stdin.read()
     print(json.dumps({"metrics": snapshot(driver.rank.metrics)}), flush=True)
     driver.rank.close()
+    if provider is not None:
+        provider.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvconn.bench import overhead as overhead_mod
+from kvconn.bench.mode_result import ModeResult
 from kvconn.bench.raw import RawResult
-from kvconn.bench.workload import ModeResult, Workload, stats
+from kvconn.bench.stats import stats
+from kvconn.bench.workload import Workload
 from kvconn.testing import scenarios
 
 KVCONN, LEGACY = "kvconn", "legacy"

@@ -12,6 +12,7 @@ drift hits both sides of a pair alike).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import attrs
@@ -68,3 +69,25 @@ def bucket_bound(buckets: Sequence[tuple[float, float]], q: float) -> float | No
         return None
     wanted = q * buckets[-1][1]
     return next(upper for upper, count in buckets if count >= wanted)
+
+
+def stats(xs: Sequence[float]) -> dict[str, float]:
+    if not xs:
+        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+    s = sorted(xs)
+    return {
+        "n": len(s),
+        "p50": percentile(s, 50),
+        "p99": percentile(s, 99),
+        "max": s[-1],
+        "mean": statistics.fmean(s),
+    }
+
+
+def percentile(sorted_xs: Sequence[float], q: float) -> float:
+    if not sorted_xs:
+        return 0.0
+    k = (len(sorted_xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)

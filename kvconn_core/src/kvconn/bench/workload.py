@@ -31,6 +31,7 @@ import attrs
 
 from kvconn.bench import cpu
 from kvconn.bench.child import StderrLog, exited
+from kvconn.bench.mode_result import ModeResult, Violation
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Release
@@ -106,17 +107,6 @@ def plan_for_decode(work: Sequence[Planned], decode: int, wl: Workload) -> list[
 
 
 @attrs.define
-class Violation:
-    kind: str
-    room: int | None
-    detail: str
-    page: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-@attrs.define
 class _Active:
     planned: Planned | None
     rx: Receiver
@@ -133,114 +123,32 @@ class _Aborted:
     kind: str  #: "decode" (planned abort) or "prefill_fail"
 
 
-@attrs.define
-class ModeResult:
-    mode: str
-    requests: int = 0
-    completed: int = 0
-    aborted_mid_transfer: int = 0
-    completed_before_abort_point: int = 0
-    prefill_failed: int = 0
-    elapsed_s: float = 0.0
-    bytes_completed: int = 0
-    latencies_ms: list[float] = attrs.Factory(list)
-    prefill_fail_latencies_ms: list[float] = attrs.Factory(list)
-    releases_by_proof: dict[str, int] = attrs.Factory(dict)
-    acks_received: float = 0.0
-    aborts_sent: float = 0.0
-    quarantines: float = 0.0
-    quarantine_seconds: float = 0.0
-    rooms_unreleased_end: int = 0
-    pages_held_end: int = 0
-    pages_quarantined_end: int = 0
-    peak_pages_held: int = 0
-    peak_pages_aborted_unreleased: int = 0
-    prefill: dict[str, float] = attrs.Factory(dict)
-    violations: list[Violation] = attrs.Factory(list)
-    stream: dict[str, float] = attrs.Factory(dict)
-    #: This machine's CPU shares while the mode ran (kvconn.bench.cpu).
-    cpu: dict[str, float] = attrs.Factory(dict)
-    #: Abort to each rank's accepted ack: how many, and the bucket bounds (ms)
-    #: that half and 99% of them were under (decode's ``kvconn_abort_to_ack_seconds``
-    #: histogram): which rank the releases waited for.
-    ack_wait_ms_by_rank: dict[str, dict[str, float]] = attrs.Factory(dict)
-    #: Pages of completed rooms compared byte for byte with their pattern.
-    pages_verified: int = 0
-    #: Each decode endpoint's own counts (one entry per decode).
-    per_decode: list[dict[str, int]] = attrs.Factory(list)
-
-    def summary(self) -> dict[str, Any]:
-        d = attrs.asdict(
-            self, filter=lambda a, _: a.name not in ("latencies_ms", "prefill_fail_latencies_ms")
-        )
-        d["violations"] = [v.as_dict() for v in self.violations]
-        d["throughput_gbps"] = self.bytes_completed / self.elapsed_s / 1e9 if self.elapsed_s else 0.0
-        d["requests_per_s"] = self.requests / self.elapsed_s if self.elapsed_s else 0.0
-        d["release_latency_ms"] = stats(self.latencies_ms)
-        d["prefill_fail_release_latency_ms"] = stats(self.prefill_fail_latencies_ms)
-        return d
-
-
-def merge(results: Sequence[ModeResult]) -> ModeResult:
-    """One result for several decode endpoints that ran side by side: counts,
-    latencies and violations summed over decodes (a violation's detail names
-    its decode), peaks summed (each decode's own bound is checked in its run),
-    wall time the longest; prefill counters are the shared ranks' own."""
-    per_decode = [
-        {
-            "requests": r.requests,
-            "completed": r.completed,
-            "aborted_mid_transfer": r.aborted_mid_transfer,
-            "prefill_failed": r.prefill_failed,
-            "pages_verified": r.pages_verified,
-            "violations": len(r.violations),
-        }
-        for r in results
-    ]
-    if len(results) == 1:
-        results[0].per_decode = per_decode
-        return results[0]
-    out = ModeResult(results[0].mode, prefill=results[0].prefill, cpu=results[0].cpu)
-    for d, r in enumerate(results):
-        for name in (
-            "requests", "completed", "aborted_mid_transfer", "completed_before_abort_point",
-            "prefill_failed", "bytes_completed", "acks_received", "aborts_sent", "quarantines",
-            "quarantine_seconds", "rooms_unreleased_end", "pages_held_end", "pages_quarantined_end",
-            "peak_pages_held", "peak_pages_aborted_unreleased", "pages_verified",
-        ):  # fmt: skip
-            setattr(out, name, getattr(out, name) + getattr(r, name))
-        out.elapsed_s = max(out.elapsed_s, r.elapsed_s)
-        out.latencies_ms += r.latencies_ms
-        out.prefill_fail_latencies_ms += r.prefill_fail_latencies_ms
-        for proof, n in r.releases_by_proof.items():
-            out.releases_by_proof[proof] = out.releases_by_proof.get(proof, 0) + n
-        out.violations += [attrs.evolve(v, detail=f"decode {d}: {v.detail}") for v in r.violations]
-        for rank, wait in r.ack_wait_ms_by_rank.items():
-            out.ack_wait_ms_by_rank[f"{rank} (decode {d})"] = wait
-    out.per_decode = per_decode
-    return out
-
-
-def stats(xs: Sequence[float]) -> dict[str, float]:
-    if not xs:
-        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
-    s = sorted(xs)
+def rank_args(
+    backend_name: str,
+    wl: Workload,
+    rank: int,
+    write_timeout_s: float,
+    decode_timeout_s: float,
+    legacy: bool,
+    options: Mapping[str, str],
+    gil_switch_interval_s: float | None,
+) -> dict[str, Any]:
+    """The arguments of prefill rank ``rank``'s process (:mod:`kvconn.bench.prefill_worker`)."""
     return {
-        "n": len(s),
-        "p50": percentile(s, 50),
-        "p99": percentile(s, 99),
-        "max": s[-1],
-        "mean": statistics.fmean(s),
+        "backend": backend_name,
+        "rank": rank,
+        "page_bytes": wl.page_bytes,
+        "num_ranks": wl.ranks,
+        "chunk_pages": wl.chunk_pages,
+        "source_pages": max(256, 4 * wl.concurrency * wl.pages * wl.decodes, wl.pages),
+        "seed": wl.seed,
+        "prefill_fail_fraction": wl.prefill_fail_fraction,
+        "write_timeout_s": write_timeout_s,
+        "abort_timeout_s": decode_timeout_s,
+        "acks_enabled": not legacy,
+        "backend_options": dict(options),
+        "gil_switch_interval_s": gil_switch_interval_s,
     }
-
-
-def percentile(sorted_xs: Sequence[float], q: float) -> float:
-    if not sorted_xs:
-        return 0.0
-    k = (len(sorted_xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
 
 
 class PrefillProcs:
@@ -322,9 +230,18 @@ class ModeRun:
         settle_s: float,
         gil_switch_interval_s: float | None = None,
         procs: PrefillProcs | None = None,
+        trace_file: str | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         """``procs``: prefill ranks another ModeRun started (several decode
-        endpoints, one per ModeRun, served by the same ranks); that one closes them."""
+        endpoints, one per ModeRun, served by the same ranks), or that run on
+        other hosts; whoever started them closes them. ``host``: the address
+        decode's control plane binds.
+        ``trace_file``: every endpoint traces, each rank process's spans
+        appended to it (this process's provider is the caller's to set).
+        ``metrics_port`` P: decode serves its metrics on P (every decode of
+        this process shares it), prefill rank r on P+1+r."""
         self.mode = mode
         self.wl = wl
         self.legacy = legacy
@@ -340,35 +257,39 @@ class ModeRun:
         self._now = time.monotonic
         #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
         self.poll_s = 0.0005
-        source_pages = max(256, 4 * wl.concurrency * wl.pages * wl.decodes, wl.pages)
-        args = [
-            {
-                "backend": backend_name,
-                "rank": r,
-                "page_bytes": wl.page_bytes,
-                "num_ranks": wl.ranks,
-                "chunk_pages": wl.chunk_pages,
-                "source_pages": source_pages,
-                "seed": wl.seed,
-                "prefill_fail_fraction": wl.prefill_fail_fraction,
-                "write_timeout_s": write_timeout_s,
-                "abort_timeout_s": decode_timeout_s,
-                "acks_enabled": not legacy,
-                "backend_options": dict(options),
-                "gil_switch_interval_s": gil_switch_interval_s,
-            }
-            for r in range(wl.ranks)
-        ]
         self._owns_procs = procs is None
-        self.procs = PrefillProcs(args) if procs is None else procs
+        if procs is None:
+            args = [
+                rank_args(
+                    backend_name,
+                    wl,
+                    r,
+                    write_timeout_s,
+                    decode_timeout_s,
+                    legacy,
+                    options,
+                    gil_switch_interval_s,
+                )
+                | {
+                    "tracing": trace_file is not None,
+                    "trace_file": trace_file,
+                    "metrics_port": None if metrics_port is None else metrics_port + 1 + r,
+                }
+                for r in range(wl.ranks)
+            ]
+            procs = PrefillProcs(args)
+        self.procs = procs
         try:
             config = Config(
+                host=host,
                 write_timeout_s=write_timeout_s,
                 abort_timeout_s=decode_timeout_s,
                 unsafe_release_at_deadline=legacy,
                 acks_enabled=not legacy,
                 backend_options=dict(options),
                 gil_switch_interval_s=gil_switch_interval_s,
+                tracing=trace_file is not None,
+                metrics_port=metrics_port,
             )
             self.decode = DecodeEndpoint(
                 backend,

@@ -14,7 +14,9 @@ acks' connections drained) and carries out the returned actions. It decides:
   rooms of the process it concerns, onto the abort path;
 * transfer deadlines, fenced acks held back until their connections drained,
   and each request's verdict (SUCCESS once every rank reported every chunk
-  landed, FAILED otherwise; final).
+  landed, FAILED otherwise; final);
+* the owner fence (when: :class:`~kvconn.protocol.owner_fence.OwnerFencePolicy`;
+  what it proves and costs: the ``OwnerFenceDone`` handler).
 
 It never frees a page on its own account: pages leave only through the
 tracker's :class:`~kvconn.protocol.hold.Release`, which names its proof.
@@ -64,6 +66,7 @@ from kvconn.protocol.messages import (
     RoomStatus,
     TransferRequest,
 )
+from kvconn.protocol.owner_fence import OwnerFenced, OwnerFenceDone, OwnerFenceError, OwnerFencePolicy
 
 _R = TypeVar("_R", AbortAck, RoomStatus)
 
@@ -86,8 +89,9 @@ class EndpointState:
         peer_timeout_s: float = 10.0,
         transfer_timeout_s: float | None = None,
         check_pages: bool = True,
+        owner_fence: OwnerFencePolicy | None = None,
     ) -> None:
-        self.name = name
+        self.name = self._first_name = name
         self.tracker = tracker
         self.num_pages = num_pages
         self.num_slots = num_slots
@@ -132,6 +136,10 @@ class EndpointState:
         self.leaving: dict[int, int] = {}
         #: This endpoint drains: it takes no new request.
         self.closing = False
+        self.owner_fence = owner_fence or OwnerFencePolicy()
+        #: The region's metadata since the last owner fence (None: none yet,
+        #: each instance's Hello has it).
+        self.metadata: bytes | None = None
 
     # -- queries -----------------------------------------------------------
     def instance(self, addresses: Sequence[str] | None) -> Instance | None:
@@ -156,6 +164,9 @@ class EndpointState:
     def next_wakeup(self) -> float | None:
         """The earliest instant a :class:`Tick` has a deadline to act on."""
         times = [self.tracker.next_deadline(), self._deadlines[0][0] if self._deadlines else None]
+        if self.owner_fence.enabled:
+            since = min((at for _, at, _ in self.tracker.quarantined()), default=None)
+            times.append(self.owner_fence.next_due(since))
         return min((t for t in times if t is not None), default=None)
 
     def owed(self) -> frozenset[WriterIdentity]:
@@ -193,7 +204,7 @@ class EndpointState:
         """Hellos to the ranks of a bootstrap that have not answered yet (a
         Hello or its HelloAck can be lost; a rank answers a repeated Hello
         as the first)."""
-        return [Send(a, instance.hello) for a in self.unanswered(instance)]
+        return [Send(a, self._hello(instance)) for a in self.unanswered(instance)]
 
     def unanswered(self, instance: Instance) -> list[str]:
         answered = {w.address for w in instance.answers.values()} | set(instance.refusals)
@@ -439,13 +450,53 @@ class EndpointState:
         if self.ranks and now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_interval_s
             actions += self._heartbeat(event.gone, now)
-        return actions + self._expire(now)
+        actions += self._expire(now)
+        if self.owner_fence.enabled:
+            fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
+            actions += [fence] if fence is not None else []
+        return actions
 
     @handle.register
     def _(self, event: ExitsProbed, now: float) -> list[Action]:
         return self._exits(event.gone, event.peers_drained, now)
 
+    @handle.register
+    def _(self, event: OwnerFenceDone, now: float) -> list[Action]:
+        """Nothing sent to the old metadata can land: rooms in flight fail and,
+        with the held ones, are released. A new name makes every rank connect
+        anew with the new metadata (docs/multi-host.md); each is down until it
+        answers the new Hello, which its channel delivers before any request."""
+        actions: list[Action] = []
+        failed = 0
+        for request in list(self.requests.values()):
+            if request.verdict is not KVPoll.SUCCESS and not request.aborted:
+                failed += 1
+                actions.append(RoomFailed(request.room, "owner_fence"))
+                actions += self._fail_and_abort(request, "decode fenced as the page owner", now)
+        released = [a for a in self.carry(self.tracker.owner_fenced(now)) if isinstance(a, Release)]
+        self.draining.clear()
+        self.owner_fence.ended(ok=True)
+        self.name = self.tracker.decode = f"{self._first_name}.f{self.owner_fence.ok}"
+        self.metadata = event.metadata
+        for rank in sorted(self.ranks):
+            self.down.setdefault(rank, "re-bootstrapping after the owner fence")
+            actions.append(Send(self.writers[rank].address, self._hello(self._rank_of[rank][0]), rank))
+        pages = sum(len(r.pages) for r in released)
+        return [*actions, *released, OwnerFenced(True, len(released), pages, failed, self.name)]
+
+    @handle.register
+    def _(self, event: OwnerFenceError, now: float) -> list[Action]:
+        self.owner_fence.ended(ok=False)  # nothing proven: every page stays held
+        return [OwnerFenced(False, name=self.name, reason=event.reason)]
+
     # -- internals -----------------------------------------------------------
+    def _hello(self, instance: Instance) -> Hello:
+        """``instance``'s Hello, with this endpoint's name and region metadata
+        since its last owner fence."""
+        if self.metadata is None:
+            return instance.hello
+        return attrs.evolve(instance.hello, decode=self.name, metadata=self.metadata)
+
     def _for_us(self, msg: _R) -> _R | DropReason:
         """``msg`` with its rank as this endpoint's id, if it is for this
         endpoint from the rank process it asked (else why it is dropped). An ack names its rank as its own
@@ -509,7 +560,7 @@ class EndpointState:
         actions: list[Action] = []
         for rank in sorted(self.ranks):
             writer = self.writers[rank]
-            actions.append(Send(writer.address, self._rank_of[rank][0].hello, rank))
+            actions.append(Send(writer.address, self._hello(self._rank_of[rank][0]), rank))
             if rank in self.down:
                 continue
             if writer in gone:

@@ -11,6 +11,7 @@ from kvconn.protocol.drops import DropReason
 from kvconn.protocol.hold import Quarantine, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import AbortAck, Hello, HelloAck, Message
+from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenced, OwnerFenceDone, OwnerFenceError
 
 
 @attrs.frozen(slots=True)
@@ -110,7 +111,7 @@ class Undrained:
     drained: bool
 
 
-Stimulus = Message | Tick | ExitsProbed | Identified | Undrained
+Stimulus = Message | Tick | ExitsProbed | Identified | Undrained | OwnerFenceDone | OwnerFenceError
 
 
 # -- actions -----------------------------------------------------------------
@@ -171,7 +172,7 @@ class RoomFailed:
     """An open room failed by this endpoint (not by a rank's status)."""
 
     room: int
-    cause: str  #: "rank" (its writer down or restarted) | "deadline"
+    cause: str  #: "rank" (its writer down or restarted) | "deadline" | "owner_fence"
 
 
 @attrs.frozen(slots=True)
@@ -193,6 +194,8 @@ Action = (
     | Answered
     | Release
     | Quarantine
+    | FenceAsOwner
+    | OwnerFenced
 )
 
 
@@ -212,9 +215,13 @@ __all__ = [
     "CheckDrain",
     "Drop",
     "ExitsProbed",
+    "FenceAsOwner",
     "Identified",
     "Identify",
     "Instance",
+    "OwnerFenceDone",
+    "OwnerFenceError",
+    "OwnerFenced",
     "Probes",
     "Quarantine",
     "RankDown",

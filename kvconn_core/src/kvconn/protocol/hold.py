@@ -35,6 +35,7 @@ class Proof(enum.Enum):
     WRITER_DRAINED = "writer_drained"
     COMPLETED = "completed"  #: every rank reported every chunk landed
     NOTHING_SENT = "nothing_sent"  #: no writer was ever told the pages
+    OWNER_FENCE = "owner_fence"  #: decode destroyed the transport endpoint every writer reached it by
     UNSAFE_TIMEOUT = "unsafe_timeout"  #: legacy mode: the deadline alone
 
 
@@ -145,6 +146,14 @@ class HoldTracker:
         since = [e.quarantined_at for e in self._holds.values() if e.state is HoldState.QUARANTINED]
         return max(0.0, now - min(since)) if since else 0.0
 
+    def quarantined(self) -> list[tuple[int, float, int]]:
+        """(room, quarantined since, pages) of every quarantined room."""
+        return [
+            (r, e.quarantined_at, len(e.pages))
+            for r, e in self._holds.items()
+            if e.state is HoldState.QUARANTINED
+        ]
+
     def held_since(self, room: int) -> float | None:
         """When ``room`` was aborted, if its pages are held (or quarantined)."""
         entry = self._holds.get(room)
@@ -235,6 +244,14 @@ class HoldTracker:
             if entry.proven >= entry.ranks:
                 actions.append(self._release(room, entry, self._proof(entry), now))
         return actions
+
+    def owner_fenced(self, now: float) -> list[HoldAction]:
+        """The page owner fenced: nothing sent to the region's old metadata
+        can land, so every held or quarantined room (all were asked under
+        it) is free."""
+        return [
+            self._release(room, entry, Proof.OWNER_FENCE, now) for room, entry in list(self._holds.items())
+        ]
 
     def tick(self, now: float) -> list[HoldAction]:
         """Move held rooms past their deadline to quarantine (or, in the

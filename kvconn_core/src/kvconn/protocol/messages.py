@@ -82,6 +82,9 @@ class TransferRequest:
     #: 1 + decode's slot for the room's per-room extras (aux data), which
     #: travel with its last chunk; 0: the room has none.
     extras_slot: int = 0
+    #: The room's trace context (a W3C ``traceparent``, ASCII), b"": none.
+    #: Optional on the wire; what it means is the runtime's, never the protocol's.
+    trace: bytes = b""
 
     @property
     def extras(self) -> int | None:
@@ -98,6 +101,8 @@ class Abort:
     generation: int
     decode: str
     reply_to: str
+    #: As :attr:`TransferRequest.trace`.
+    trace: bytes = b""
 
 
 @attrs.frozen(slots=True, order=True)

@@ -6,6 +6,14 @@ message's fields in declaration order; integers are big-endian u64 (pages
 u32), strings and bytes carry a u32 length. Decoding never trusts a length: a
 frame that is short, long, oversized, of another version, of an unknown tag
 or with a bad MAC raises :class:`FrameError` with a reason the listener counts.
+
+Within a version, a message may end with one optional field (code ``t``):
+absent when empty, so a frame that does not use it is byte for byte the
+version's frame, and a peer that never sets it still works. When present it
+is a u32 length (1 to ``MAX_OPTIONAL``) and its bytes; anything else after
+the required fields is ``trailing_bytes``, as before. A peer that predates
+the field drops a frame carrying it (``trailing_bytes``): turn on what sets
+it only once both sides read it. Trace context travels this way.
 """
 
 from __future__ import annotations
@@ -40,18 +48,21 @@ MAX_FRAME = 4 << 20
 MAX_PAGES = 1 << 20
 MAX_CONNECTIONS = 1 << 16
 MAC_BYTES = 32
+#: The longest optional trailing field (a W3C traceparent is 55 bytes).
+MAX_OPTIONAL = 1024
 
 _HEADER = struct.Struct(">2sBB")
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 
 #: Field codes: u = u64 int, s = utf-8 str, b = bytes, p = tuple of u32 pages,
-#: ? = bool, o = RoomOutcome, c = tuple of TcpConnection.
+#: ? = bool, o = RoomOutcome, c = tuple of TcpConnection; t = optional
+#: trailing bytes (last only; see the module's docstring).
 _SCHEMA: dict[type[Message], str] = {
     Hello: "sssuuubb",
     HelloAck: "ussuusu",
-    TransferRequest: "uspuuu",
-    Abort: "uuss",
+    TransferRequest: "uspuuut",
+    Abort: "uusst",
     AbortAck: "uuu?suc",
     RoomStatus: "uuossu",
     RankDraining: "uus?c",
@@ -100,13 +111,38 @@ def decode(frame: bytes, key: bytes | None = None) -> Message:
     if cls is None:
         raise FrameError(DropReason.UNKNOWN_TAG, str(tag))
     reader = _Reader(memoryview(frame), _HEADER.size)
+    schema = _SCHEMA[cls]
+    optional = schema.endswith("t")
     try:
-        values = [_DECODERS[code](reader) for code in _SCHEMA[cls]]
+        values = [_DECODERS[code](reader) for code in (schema[:-1] if optional else schema)]
     except (struct.error, UnicodeDecodeError, ValueError) as exc:
         raise FrameError(DropReason.BAD_BODY, f"{cls.__name__}: {exc}") from None
+    if optional:
+        values.append(_optional(reader, cls.__name__))
     if reader.pos != len(frame):
         raise FrameError(DropReason.TRAILING_BYTES, cls.__name__)
     return cls(*values)
+
+
+def _optional(r: _Reader, name: str) -> bytes:
+    """The optional trailing field: b"" when the frame ends here. Bytes that
+    do not form one (a length of 0 is not canonical) are trailing bytes."""
+    left = len(r.buf) - r.pos
+    if left == 0:
+        return b""
+    if left >= 4:
+        n = r.u32()
+        if 0 < n <= MAX_OPTIONAL and n == left - 4:
+            return bytes(r.take(n))
+    raise FrameError(DropReason.TRAILING_BYTES, name)
+
+
+def _enc_optional(value: bytes) -> bytes:
+    if not value:
+        return b""
+    if len(value) > MAX_OPTIONAL:
+        raise ValueError(f"optional field of {len(value)} bytes exceeds {MAX_OPTIONAL}")
+    return _enc_bytes(value)
 
 
 class _Reader:
@@ -187,6 +223,7 @@ _ENCODERS: dict[str, Callable[[Any], bytes]] = {
     "?": lambda v: b"\x01" if v else b"\x00",
     "o": lambda v: bytes([int(v)]),
     "c": _enc_connections,
+    "t": _enc_optional,
 }
 _DECODERS: dict[str, Callable[[_Reader], Any]] = {
     "u": _Reader.u64,

@@ -37,11 +37,13 @@ from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
 from kvconn.protocol.hold import HoldState, HoldTracker, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import AbortAck, Hello, Message
+from kvconn.protocol.owner_fence import OwnerFencePolicy
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.decode_actions import Carrier
 from kvconn.runtime.procs import WriterIdentity, pid_namespace, proven_gone
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends
-from kvconn.transport import Backend, PageRegion, capabilities_of, register_region
+from kvconn.runtime.tracing import decode_tracer
+from kvconn.transport import Backend, PageRegion, capabilities_of, owner_fence, register_region
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,8 @@ class DecodeEndpoint:
         self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
-        limit = capabilities_of(backend, self.config.backend_options).max_write_timeout_s
+        caps = capabilities_of(backend, self.config.backend_options)
+        limit = caps.max_write_timeout_s
         if limit is not None and limit >= self.config.abort_timeout_s:
             raise ValueError(
                 f"{backend.name} may take {limit} s to fail a write; abort_timeout_s "
@@ -149,9 +152,23 @@ class DecodeEndpoint:
             peer_timeout_s=self.config.peer_timeout_s,
             transfer_timeout_s=self.config.transfer_timeout_s,
             check_pages=self.config.check_pages,
+            owner_fence=OwnerFencePolicy(
+                self.config.owner_fence_after_s, self.config.owner_fence_min_interval_s, caps.owner_fence
+            ),
         )
+        if self.config.owner_fence_after_s is not None and not caps.owner_fence:
+            log.warning("%s cannot fence as the page owner: quarantined pages wait for proof", backend.name)
         self._state.EXIT_CHECK_S, self._state.MAX_DRAINING = self.EXIT_CHECK_S, self.MAX_DRAINING
-        self._carrier = Carrier(self._state, self._outbox, self.metrics, self._bootstrapped, self._count_drop)
+        self._tracer = decode_tracer(self.config.tracing)
+        self._carrier = Carrier(
+            self._state,
+            self._outbox,
+            self.metrics,
+            self._bootstrapped,
+            self._count_drop,
+            owner_fence=lambda: owner_fence(self.region),
+            tracer=self._tracer,
+        )
         self._gauge_hold_state()
         self.metrics_server: Exported | None = None
         if self.config.metrics_port is not None:
@@ -241,7 +258,9 @@ class DecodeEndpoint:
         with self._request_lock, self._lock:
             now = self.clock()
             request, sends = self._state.open(room, pages, instance, ranks, extras_slot, now)
-            unsent = [s.rank for s in sends if not self._outbox.send(s.address, s.message)]
+            self._tracer.opened(room, len(request.pages), sorted(request.writers), self.name)
+            outgoing = self._tracer.outgoing
+            unsent = [s.rank for s in sends if not self._outbox.send(s.address, outgoing(s.message))]
             releases = self._run(self._state.sent(request, [r for r in unsent if r is not None], now), now)
         self._notify(releases)
         return Receiver(self, request)
@@ -291,6 +310,8 @@ class DecodeEndpoint:
             self.metrics_server.close()
         self._listener.close()
         self._outbox.close()
+        with self._lock:
+            self._tracer.close()
         held = self.held_pages()
         if held:
             log.warning("decode closed with %d pages held or quarantined: their region stays allocated", held)
@@ -318,7 +339,7 @@ class DecodeEndpoint:
                 if known is not None:
                     return known
                 hello = Hello(
-                    self.name,
+                    self._state.name,  # its own since the last owner fence
                     self.address,
                     self.backend.name,
                     self.page_bytes,
@@ -357,7 +378,9 @@ class DecodeEndpoint:
         self.metrics.messages.labels(type(msg).__name__).inc()
         now = self.clock()
         with self._lock:
-            releases = self._run(self._state.handle(msg, now), now)
+            actions = self._state.handle(msg, now)
+            self._tracer.received(msg, actions)
+            releases = self._run(actions, now)
         self._notify(releases)
 
     def _on_idle(self) -> float | None:
@@ -468,7 +491,10 @@ class Receiver:
         ep = self._endpoint
         with ep._lock:
             now = ep.clock()
-            releases = ep._run(ep._state.abort(self._request, now), now)
+            actions = ep._state.abort(self._request, now)
+            if actions:  # this request's own: a handle on an earlier one changes nothing
+                ep._tracer.aborted(self.room)
+            releases = ep._run(actions, now)
         ep._notify(releases)
 
     def finish(self) -> tuple[int, ...]:
@@ -477,7 +503,9 @@ class Receiver:
         :class:`~kvconn.errors.RoomStateError` and a ValueError) if it is not
         completed, was aborted, or was finished already."""
         with self._endpoint._lock:
-            return self._endpoint._state.finish(self._request)
+            pages = self._endpoint._state.finish(self._request)
+            self._endpoint._tracer.finished(self.room)
+            return pages
 
     @property
     def draining(self) -> bool:

@@ -28,9 +28,12 @@ from kvconn.protocol.endpoint_events import (
 )
 from kvconn.protocol.hold import Quarantine, Release
 from kvconn.protocol.messages import Abort
+from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenced, OwnerFenceDone, OwnerFenceError
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.procs import WriterIdentity
 from kvconn.runtime.sockets import undrained
+from kvconn.runtime.tracing import NO_TRACER, NoTracer
+from kvconn.transport import OwnerFenceUnsupported
 
 log = logging.getLogger("kvconn.runtime.decode")
 
@@ -45,12 +48,18 @@ class Carrier:
         metrics: Metrics,
         bootstrapped: threading.Condition,
         on_drop: Callable[[DropReason], None],
+        owner_fence: Callable[[], bytes] | None = None,
+        tracer: NoTracer = NO_TRACER,
     ) -> None:
+        """``owner_fence``: the region's (``kvconn.transport.owner_fence``):
+        fences it and returns its new metadata."""
         self._state = state
         self._outbox = outbox
         self.metrics = metrics
         self._bootstrapped = bootstrapped
         self._on_drop = on_drop
+        self._owner_fence = owner_fence
+        self._tracer = tracer
 
     def run(self, actions: Sequence[Action], now: float) -> list[Release]:
         """Carry out ``actions``; the releases are returned, for the engine's
@@ -66,8 +75,11 @@ class Carrier:
 
     @_do.register
     def _(self, action: Send, now: float, releases: list[Release]) -> None:
-        if self._outbox.send(action.address, action.message) and isinstance(action.message, Abort):
+        if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
+            action.message, Abort
+        ):
             self.metrics.aborts_sent.inc()
+            self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Release, now: float, releases: list[Release]) -> None:
@@ -77,10 +89,12 @@ class Carrier:
         self.metrics.released_pages.labels(proof).inc(len(action.pages))
         self.metrics.release_latency.labels(proof).observe(action.held_for)
         self.metrics.quarantine_seconds.inc(action.quarantined_for)
+        self._tracer.carried(action)
 
     @_do.register
     def _(self, action: Quarantine, now: float, releases: list[Release]) -> None:
         self.metrics.quarantines.inc()
+        self._tracer.carried(action)
         log.warning("room %d quarantined: %d pages held, no proof yet", action.room, len(action.pages))
 
     @_do.register
@@ -115,10 +129,41 @@ class Carrier:
 
     @_do.register
     def _(self, action: RoomFailed, now: float, releases: list[Release]) -> None:
-        counter = (
-            self.metrics.room_deadlines if action.cause == "deadline" else self.metrics.rooms_failed_by_rank
+        if action.cause == "deadline":
+            self.metrics.room_deadlines.inc()
+        elif action.cause == "rank":
+            self.metrics.rooms_failed_by_rank.inc()  # an owner fence's are in its log line
+        self._tracer.carried(action)
+
+    @_do.register
+    def _(self, action: FenceAsOwner, now: float, releases: list[Release]) -> None:
+        # Under the endpoint's lock, on purpose: no request, bootstrap or
+        # Hello may go out with the old name while the old endpoint goes.
+        event: OwnerFenceDone | OwnerFenceError
+        try:
+            if self._owner_fence is None:
+                raise OwnerFenceUnsupported("this endpoint has no owner fence")
+            event = OwnerFenceDone(self._owner_fence())
+        except Exception as exc:  # OwnerFenceFailed or anything else: nothing proven
+            log.debug("owner fence raised", exc_info=True)
+            event = OwnerFenceError(f"{type(exc).__name__}: {exc}")
+        releases += self.run(self._state.handle(event, now), now)
+
+    @_do.register
+    def _(self, action: OwnerFenced, now: float, releases: list[Release]) -> None:
+        self.metrics.owner_fences.labels("ok" if action.ok else "failed").inc()
+        if not action.ok:
+            log.warning("owner fence failed, every held page stays held: %s", action.reason)
+            return
+        self.metrics.owner_fence_pages.inc(action.pages)
+        log.warning(
+            "owner fence: %d rooms (%d pages) recovered, %d rooms in flight failed; "
+            "prefill ranks re-bootstrap with decode %s",
+            action.rooms,
+            action.pages,
+            action.failed,
+            action.name,
         )
-        counter.inc()
 
     @_do.register
     def _(self, action: Answered, now: float, releases: list[Release]) -> None:

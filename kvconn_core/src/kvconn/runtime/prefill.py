@@ -44,6 +44,7 @@ from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.layout import EngineLayout, PageLayout, peer_layout
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sender import Sender
+from kvconn.runtime.tracing import rank_tracer
 from kvconn.runtime.transfer import _STOP, FENCES_REMEMBERED, FenceGate, TransferPath
 from kvconn.transport import Backend, Writer, capabilities_of, register_writer
 
@@ -95,6 +96,7 @@ class PrefillRank(TransferPath):
         self.capabilities = capabilities_of(backend, self.config.backend_options)
         self.clock = clock
         self.metrics = Metrics("prefill")
+        self._tracer = rank_tracer(self.config.tracing, self.metrics.trace_contexts_dropped.inc)
         #: Named in every HelloAck; decode's requests carry it, so none recorded
         #: from another process at this address is taken, and every ack and
         #: status names it, so decode takes none from another process either.
@@ -258,12 +260,14 @@ class PrefillRank(TransferPath):
             w.join(timeout=10)
         self._listener.close()
         self._outbox.close()
+        with self._lock:
+            self._tracer.close()
         self.writer.close()
 
     # -- control plane -----------------------------------------------------
     def _on_message(self, msg: Message) -> None:
         self.metrics.messages.labels(type(msg).__name__).inc()
-        self.step(lambda state, now: (None, state.handle(msg, now)))
+        self.step(lambda state, now: (None, self._tracer.request(msg, self.rank, state.handle(msg, now))))
 
     def _on_hello(self, msg: Hello) -> None:
         error = ""

@@ -31,6 +31,7 @@ from kvconn.protocol.rank import Action, Drop, GaveUp, RankState
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.sockets import own_connections
+from kvconn.runtime.tracing import NoTracer
 from kvconn.transport import Capabilities, Settlement
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class TransferPath:
     _poisoned_shown: int
     _fence_closed: deque[frozenset[TcpConnection]]
     _closed_by_fences: tuple[TcpConnection, ...]
+    _tracer: NoTracer
 
     # -- transfer workers --------------------------------------------------
     def enqueue(
@@ -225,6 +227,8 @@ class TransferPath:
     def _account_landed(self, chunk: Chunk, key: RoomKey) -> None:
         with self._lock:
             self._chunk_outcomes["landed"] += 1
+            if self._tracer.enabled:  # per chunk: not even a call when off
+                self._tracer.landed(key)
             self._execute(self.state.ledger.landed(key, chunk.last))
 
     def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
@@ -244,23 +248,33 @@ class TransferPath:
             return
         with self._gate.exclusive():
             with self._lock:
-                if not self.state.ledger.poisoned():
+                rooms = self.state.ledger.poisoned()
+                if not rooms:
                     return
-            before = own_connections()
-            try:
-                fenced = self.pm.hook.on_fence()
-            except Exception as exc:
-                self._plugin_error("on_fence", exc)
-                fenced = None
-            if fenced is not True:
-                self.metrics.fences.labels("failed").inc()
-                self._update_poisoned()
-                return
-            self.metrics.fences.labels("ok").inc()
-            with self._lock:
-                self._fence_closed.append(before - own_connections())
-                self._closed_by_fences = tuple(sorted(frozenset().union(*self._fence_closed)))
-                self._execute(self.state.ledger.fenced())
+                contexts = self._tracer.contexts(rooms)
+            with self._tracer.fence(contexts, len(rooms), self.rank) as traced:
+                self._fence_rooms(traced)
+
+    def _fence_rooms(self, traced: dict[str, object]) -> None:
+        """(Holding the gate.) The fence itself; ``traced`` gets its result."""
+        before = own_connections()
+        try:
+            fenced = self.pm.hook.on_fence()
+        except Exception as exc:
+            self._plugin_error("on_fence", exc)
+            fenced = None
+        if fenced is not True:
+            self.metrics.fences.labels("failed").inc()
+            self._update_poisoned()
+            return
+        self.metrics.fences.labels("ok").inc()
+        traced["result"] = "ok"
+        with self._lock:
+            closed = before - own_connections()
+            traced["closed"] = len(closed)
+            self._fence_closed.append(closed)
+            self._closed_by_fences = tuple(sorted(frozenset().union(*self._fence_closed)))
+            self._execute(self.state.ledger.fenced())
 
     def _execute(self, actions: Sequence[Action]) -> list[Action]:
         """Carry out the actions that send or count (with the lock held);
@@ -274,10 +288,11 @@ class TransferPath:
                         ack = attrs.evolve(ack, closed=self._closed_by_fences)
                     if self._outbox.send(action.reply_to, ack):
                         self.metrics.acks_sent.inc()
+                        self._tracer.acked(ack, self.rank)
             elif isinstance(action, NotifyDecode):
                 peer = self.state.peers.get(action.decode)
-                if peer is not None:
-                    self._outbox.send(peer.reply_to, action.status)
+                if peer is not None and self._outbox.send(peer.reply_to, action.status):
+                    self._tracer.notified(action.decode, action.status)
             elif isinstance(action, Announce):
                 peer = self.state.peers.get(action.decode)
                 if peer is not None:

@@ -87,12 +87,14 @@ class Child:
         prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         host: Host | None = None,
+        stderr: Any = None,
     ) -> None:
         """Run ``python -m module ARGS_JSON`` under the command ``prefix``
         (``ip netns exec NS``, ``unshare ...``), with ``env`` added to this
         process's environment. ``host``: on that host
         (:mod:`kvconn.testing.hosts`), ``prefix`` inside it; the child's pid
-        is then the command's own, not its wrappers'."""
+        is then the command's own, not its wrappers'. ``stderr``: where its
+        stderr goes (``subprocess.Popen``'s; ours by default)."""
         payload = json.dumps(dict(args))
         self._args_file: str | None = None
         if len(payload) > self.INLINE_ARGS:
@@ -108,6 +110,7 @@ class Child:
             text=True,
             start_new_session=True,
             env=None if env is None else {**os.environ, **env},
+            stderr=stderr,
         )
         #: Signals, freezes and kills go here: on another host, the command
         #: itself (its wrappers, pid 1 of its PID namespace among them,

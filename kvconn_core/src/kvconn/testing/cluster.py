@@ -10,9 +10,10 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import attrs
 import zmq
 
 from kvconn.config import Config
@@ -77,6 +78,13 @@ class Rank(Child):
     def value(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, frozenset(labels.items())), 0.0)
 
+    def spans(self, timeout: float = 10) -> list[dict[str, Any]]:
+        """The spans the rank process finished so far (a ``Cluster`` with
+        ``tracing``), as :func:`kvconn.runtime.trace_export.span_record` makes them."""
+        self.send_line("spans")
+        spans: list[dict[str, Any]] = self.next_with("spans", timeout, "rank spans")["spans"]
+        return spans
+
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
@@ -112,11 +120,20 @@ class Cluster:
         start_decode: bool = True,
         legacy: bool = False,
         rank_args: dict[str, Any] | None = None,
+        chunk_gap_s: float = 0.0,
+        decode_config: Mapping[str, Any] | None = None,
+        tracing: bool = False,
     ) -> None:
         """``legacy``: the timeout-only mode kvconn is compared with (ranks
         send no acks, decode frees pages at its deadline without proof).
         ``rank_args``: more arguments for every rank process (faults.py's
-        and prefill_proc.py's, e.g. ``drain_on_sigterm``)."""
+        and prefill_proc.py's, e.g. ``drain_on_sigterm``).
+        ``chunk_gap_s``: each rank waits this long between two chunks (a room
+        stays in flight long enough to freeze its writer in it).
+        ``decode_config``: more :class:`~kvconn.config.Config` fields, for
+        decode only (e.g. ``owner_fence_after_s``).
+        ``tracing``: every endpoint traces (``Config.tracing``), each rank
+        process into an in-memory exporter (:meth:`Rank.spans`)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -136,7 +153,9 @@ class Cluster:
             backend_options=self.options,
             unsafe_release_at_deadline=legacy,
             acks_enabled=not legacy,
+            tracing=tracing,
         )
+        self.decode_options = dict(decode_config or {})
         rk = key if rank_key == "same" else rank_key
         self.ranks: list[Rank] = []
         self.lock = threading.Lock()
@@ -162,6 +181,8 @@ class Cluster:
                     "host": rank_host,
                     "observers": list(observers[r]) if r < len(observers) else [],
                     "acks_enabled": not legacy,
+                    "chunk_gap_s": chunk_gap_s,
+                    "tracing": tracing,
                     **(rank_args or {}),
                 }
                 if rk:
@@ -195,7 +216,7 @@ class Cluster:
             self.num_pages,
             self.page_bytes,
             [r.address for r in self.ranks],
-            self.config,
+            attrs.evolve(self.config, **self.decode_options),  # self.config as it is now
             on_release=self._on_release,
         )
         self._pages = CanaryPages(self.decode.region, self.num_pages, self.page_bytes, self.num_ranks)

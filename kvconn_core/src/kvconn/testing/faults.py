@@ -238,6 +238,10 @@ def main() -> None:
 
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
     args = load_args(sys.argv[1])
+    if args.get("tracing"):
+        from kvconn.testing.tracing import finished_spans, memory_exporter
+
+        memory_exporter()
     host = str(args.get("host", "127.0.0.1"))
     port = int(args.get("port", 0))  # fixed: a restarted rank comes back at its address
     observers = [
@@ -264,6 +268,8 @@ def main() -> None:
         elif line.startswith("drain "):  # the API path: "drain GRACE_S"
             report = driver.rank.drain(float(line.split()[1]))
             emit({"drain": attrs.asdict(report)})
+        elif line.strip() == "spans":
+            print(json.dumps({"spans": finished_spans() if args.get("tracing") else []}), flush=True)
     driver.rank.close()
 
 

@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import threading
@@ -499,3 +500,36 @@ def skip_unless_available(skip: Callable[[str], Any]) -> None:
     why = unavailable()
     if why:
         skip(why)
+
+
+def round_trip_s(a: Host, b: Host, rounds: int = 200, timeout_s: float = 10.0) -> float:
+    """The median TCP round trip of one byte from ``a`` to ``b`` over their
+    link (what a control message pays at least, crossing hosts), measured
+    with sockets made in each host's network from this process. OSError
+    when ``b`` cannot be reached within ``timeout_s``."""
+    with b.entered():
+        server = socket.create_server((b.ip, 0))
+    server.settimeout(timeout_s)
+
+    def echo() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                while data := conn.recv(1):
+                    conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True, name="kvh-echo")
+    times = []
+    with server:
+        thread.start()
+        with a.entered():
+            client = socket.create_connection((b.ip, server.getsockname()[1]), timeout=timeout_s)
+        with client:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                client.sendall(b"x")
+                client.recv(1)
+                times.append(time.perf_counter() - t0)
+    thread.join(timeout=timeout_s)
+    return sorted(times)[len(times) // 2]

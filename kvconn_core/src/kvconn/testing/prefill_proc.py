@@ -56,6 +56,8 @@ class Driver:
             auth_key=bytes.fromhex(args["auth_key"]) if args.get("auth_key") else None,
             backend_options=dict(args.get("backend_options", {})),
             gil_switch_interval_s=args.get("gil_switch_interval_s"),
+            tracing=bool(args.get("tracing", False)),
+            metrics_port=args.get("metrics_port"),
         )
         self._jobs: list[tuple[int, int]] = []
         self._cond = threading.Condition()

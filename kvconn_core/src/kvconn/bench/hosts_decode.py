@@ -1,0 +1,56 @@
+"""Decode of ``kvconn bench --hosts``, in a process on decode's host: one
+kvconn-mode run of the seeded workload (:class:`~kvconn.bench.workload.ModeRun`)
+against ranks whose addresses it is given, wherever they run.
+
+``python -m kvconn.bench.hosts_decode ARGS_JSON``; it reports one JSON line,
+``{"event": "result", "summary": ..., "stream": ..., "window_s": ...}``,
+and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from kvconn.bench.child import quiet_interrupts
+from kvconn.bench.workload import ModeRun, PrefillProcs, Workload, plan
+from kvconn.plugins import get_backend
+from kvconn.testing.child import emit, load_args
+
+
+def main() -> None:
+    quiet_interrupts()
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    args = load_args(sys.argv[1])
+    wl = Workload(**args["workload"])
+    ranks = PrefillProcs([])  # they run on other hosts, started by the bench
+    ranks.addresses = list(args["addresses"])
+    run = ModeRun(
+        "kvconn",
+        args["backend"],
+        get_backend(args["backend"]),
+        wl,
+        float(args["decode_timeout_s"]),
+        float(args["write_timeout_s"]),
+        False,
+        dict(args["backend_options"]),
+        drain_s=float(args["drain_s"]),
+        settle_s=float(args["settle_s"]),
+        gil_switch_interval_s=args["gil_switch_interval_s"],
+        procs=ranks,
+        host=str(args["host"]),
+    )
+    try:
+        work, stream_rooms = plan(wl)
+        stream = run.stream(stream_rooms, lambda n: None) if stream_rooms else {}
+        window = (
+            args["window_s"] if args["window_s"] is not None else stream.get("latency_p50_ms", 10.0) / 1e3
+        )
+        result = run.run(work, window or 0.01, lambda n: None)
+    finally:
+        run.close()
+    emit({"event": "result", "summary": result.summary(), "stream": stream, "window_s": window})
+
+
+if __name__ == "__main__":
+    main()

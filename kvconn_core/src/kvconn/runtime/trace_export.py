@@ -1,0 +1,103 @@
+"""Spans as JSON lines: what ``kvconn bench --trace FILE`` writes, and how a
+test's child process hands its spans back (needs ``opentelemetry-sdk``, in
+the ``kvconn-core[trace]`` extra).
+
+One line per finished span: ``name``, ``trace_id`` (32 hex digits),
+``span_id`` and ``parent_id`` (16; ``parent_id`` null for a root),
+``start_ns`` and ``end_ns`` (Unix epoch nanoseconds), ``attributes``,
+``events`` (``name``, ``time_ns``, ``attributes``), ``links`` (their
+``trace_id`` and ``span_id``) and ``pid``, the process that recorded it.
+Processes may share the file: each line is one ``write`` to a file opened
+for appending, so lines never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    """``span`` as the plain data of one JSON line (the module's docstring)."""
+    ctx = span.context
+    assert ctx is not None  # a finished SDK span has one
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": None if span.parent is None else f"{span.parent.span_id:016x}",
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": _plain(span.attributes),
+        "events": [
+            {"name": e.name, "time_ns": e.timestamp, "attributes": _plain(e.attributes)} for e in span.events
+        ],
+        "links": [
+            {"trace_id": f"{ln.context.trace_id:032x}", "span_id": f"{ln.context.span_id:016x}"}
+            for ln in span.links
+        ],
+        "pid": os.getpid(),
+    }
+
+
+def _plain(attributes: Any) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in (attributes or {}).items()}
+
+
+class JsonLinesExporter:
+    """An OpenTelemetry SDK span exporter appending :func:`span_record` lines to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        with self._lock:
+            if self._fd < 0:
+                return SpanExportResult.FAILURE
+            for span in spans:
+                os.write(self._fd, (json.dumps(span_record(span)) + "\n").encode())
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def write_spans_to(path: str) -> TracerProvider:
+    """Make this process's tracer provider an SDK one that appends every
+    finished span to ``path`` (at once: kvconn ends a few spans per room),
+    and return it (``shutdown()`` it before exit). For a process that sets
+    up no OpenTelemetry of its own, as the bench's."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    # An exporter by duck type: subclassing the SDK's would import it with kvconn.
+    provider.add_span_processor(SimpleSpanProcessor(cast(Any, JsonLinesExporter(path))))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def read_spans(path: str) -> list[dict[str, Any]]:
+    """The records of a file :class:`JsonLinesExporter` wrote."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+__all__ = ["JsonLinesExporter", "read_spans", "span_record", "write_spans_to"]
