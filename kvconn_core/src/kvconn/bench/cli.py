@@ -31,6 +31,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvconn.bench import child as child_mod
+from kvconn.bench import curve as curve_mod
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
@@ -53,7 +54,7 @@ from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
 from kvconn.testing import scenarios
-from kvconn.transport import capabilities_of
+from kvconn.transport import Backend, capabilities_of
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -169,6 +170,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="short",
         help="after the modes, on loopback: a rank frozen mid-write, a late transport queue and a "
         "partitioned rank (needs root), in both modes; short: one room each, long: four",
+    )
+    p.add_argument(
+        "--curve",
+        choices=sorted(curve_mod.AXES),
+        default=None,
+        help="instead of both modes: kvconn's mode at each point of one axis (rooms: --concurrency, "
+        "ranks: --ranks, storm: --abort-fraction), and each point's ratios to the first",
+    )
+    p.add_argument(
+        "--curve-points",
+        default=None,
+        metavar="A,B,...",
+        help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
@@ -333,6 +347,8 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         stream_requests=stream_n,
         decodes=args.decodes,
     )
+    if args.curve:
+        return _curve(args, console, backend, options, wl)
     work, stream_rooms = plan(wl)
     results: dict[str, ModeResult] = {}
     stream_info: dict[str, float] = {}
@@ -425,6 +441,34 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     if args.plot:
         plot_mod.plot(args.plot, results, legacy_timeout, report.get("faults", []), err)
     return 1 if report["violations"][KVCONN] else 0
+
+
+def _curve(
+    args: argparse.Namespace, console: Console, backend: Backend, options: dict[str, str], wl: Workload
+) -> int:
+    """``--curve``: kvconn's mode at each point of one axis (kvconn.bench.curve)."""
+
+    def new_run(point: Workload) -> ModeRun:
+        return ModeRun(
+            KVCONN,
+            args.backend,
+            backend,
+            point,
+            args.abort_timeout,
+            min(5.0, args.abort_timeout / 2),
+            False,
+            options,
+            drain_s=args.drain_s,
+            settle_s=args.settle_s,
+            gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
+        )
+
+    window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
+    report = curve_mod.run(args, wl, new_run, window)
+    curve_mod.print_report(console, report)
+    if args.json:
+        write_json(args.json, report)
+    return 1 if any(row["violations"] for row in report["points"]) else 0
 
 
 def _run_decodes(
