@@ -39,7 +39,6 @@ from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend
 
-
 #: The pause between two polls of the rooms in flight, per room: about what
 #: one ``Receiver.poll`` and its loop cost (2 µs), so polling takes at most
 #: about half of the bench process's GIL however many rooms are in flight.
