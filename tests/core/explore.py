@@ -245,6 +245,8 @@ def _clone_tracker(tracker: HoldTracker) -> HoldTracker:
         for k, v in tracker._rooms.items()
     }
     new._holds = {k: new._rooms[k] for k in tracker._holds}
+    new._wakeups = list(tracker._wakeups)
+    new._wakeup_seq = copy.copy(tracker._wakeup_seq)
     new._pages = dict(tracker._pages)
     return new
 
