@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvconn.conformance import harness
+from kvconn.conformance import guard, harness, region_host
 from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S, Settings
 from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
@@ -27,6 +27,8 @@ from kvconn.transport import capabilities_of
 
 DECLARED = "[capability] "
 _MARK = "kvconn_conformance"
+#: The suite's last check in each class: the run's guard (see guard.py).
+FINAL_CHECK = "test_nothing_landed_late_in_the_whole_run"
 _results_key = pytest.StashKey[list[tuple[str, str, str, str]]]()
 _times_key = pytest.StashKey[dict[str, list[float]]]()
 _reports_key = pytest.StashKey[list[pytest.TestReport]]()
@@ -84,6 +86,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MARK}: a kvconn transport conformance check")
     config.stash[_results_key] = []
     config.stash[_times_key] = {}
+    # What a rank leaves behind (a daemon in a session of its own) is
+    # re-parented here, where the suite can see it.
+    guard.become_subreaper()
     if config.getoption("--kvconn-cross-host", False):
         _make_hosts(config)
 
@@ -103,6 +108,29 @@ def _make_hosts(config: pytest.Config) -> None:
     config.stash[_fabric_key] = fabric
     fabric["decode"].enter_for_good()
     harness.place_on(fabric)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> Generator[None, None, None]:
+    """The guard's final check runs last in its class, and whenever any
+    other check of its class runs (``-k`` or not): it checks what they released."""
+    finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
+    yield
+    order = [item for item in items if item.name != FINAL_CHECK]
+    classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(_MARK)}
+    for cls, final in finals.items():
+        if cls not in classes:
+            continue
+        last = max(i for i, item in enumerate(order) if getattr(item, "cls", None) is cls)
+        order.insert(last + 1, final)
+    items[:] = order
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    guard.GUARD.close()  # what a final check that did not run (-x) still held
+    region_host.close_all()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -173,6 +201,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if item.get_closest_marker(_MARK) is None:
         return (yield)
     start = time.monotonic()
+    guard.GUARD.check = item.name
     item.stash[_reports_key] = []
     result = yield
     reports = item.stash[_reports_key]
