@@ -29,6 +29,10 @@ DECLARED = "[capability] "
 _MARK = "kvconn_conformance"
 #: The suite's last check in each class: the run's guard (see guard.py).
 FINAL_CHECK = "test_nothing_landed_late_in_the_whole_run"
+#: Checks that give pages back to the guard run first: the checks that
+#: release nothing then fill the guard's window, instead of the last check
+#: waiting it out.
+RELEASES = "kvconn_releases"
 _results_key = pytest.StashKey[list[tuple[str, str, str, str]]]()
 _times_key = pytest.StashKey[dict[str, list[float]]]()
 _reports_key = pytest.StashKey[list[pytest.TestReport]]()
@@ -84,6 +88,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MARK}: a kvconn transport conformance check")
+    config.addinivalue_line("markers", f"{RELEASES}: a conformance check whose releases the guard watches")
     config.stash[_results_key] = []
     config.stash[_times_key] = {}
     # What a rank leaves behind (a daemon in a session of its own) is
@@ -115,10 +120,16 @@ def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> Generator[None, None, None]:
     """The guard's final check runs last in its class, and whenever any
-    other check of its class runs (``-k`` or not): it checks what they released."""
+    other check of its class runs (``-k`` or not): it checks what they
+    released. Checks that release pages run before those that do not."""
     finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
     yield
-    order = [item for item in items if item.name != FINAL_CHECK]
+    # A stable sort within each class (classes stay where they are).
+    rank = {cls: i for i, cls in enumerate(dict.fromkeys(getattr(item, "cls", None) for item in items))}
+    order = sorted(
+        (item for item in items if item.name != FINAL_CHECK),
+        key=lambda item: (rank[getattr(item, "cls", None)], item.get_closest_marker(RELEASES) is None),
+    )
     classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(_MARK)}
     for cls, final in finals.items():
         if cls not in classes:

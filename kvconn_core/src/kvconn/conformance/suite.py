@@ -166,6 +166,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
                 )
 
     # -- aborts: S1 at every point of a chunk's life -------------------------
+    @pytest.mark.kvconn_releases
     @pytest.mark.parametrize("point", RACE_POINTS)
     def test_abort_races_chunk(self, racing: Cluster, kvconn_settings: Settings, point: str) -> None:
         """An ABORT arriving while the second chunk is at ``point``: the ack comes
@@ -185,6 +186,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
         settled_before(racing, room, released_at)
         no_late_bytes(racing, room, pages, 2 * kvconn_settings.write_timeout_s)
 
+    @pytest.mark.kvconn_releases
     def test_abort_before_request_arrives(self, racing: Cluster) -> None:
         """An ABORT right behind the transfer request: tombstone, nothing written."""
         for _ in range(5):
@@ -195,6 +197,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
             _, released_at = racing.wait_released(room, 3.0, "abort before request: acked")
             settled_before(racing, room, released_at)
 
+    @pytest.mark.kvconn_releases
     def test_random_aborts_leave_no_late_write(self, healthy: Cluster, kvconn_settings: Settings) -> None:
         """Many rooms aborted at random points: every one leaves hold by acks
         within the deadline, and no byte of its pages changes after release."""
@@ -228,6 +231,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
         for room, pages in watched:
             no_late_bytes(healthy, room, pages, 0)
 
+    @pytest.mark.kvconn_releases
     def test_fanout_needs_every_rank(self, wide: Cluster, kvconn_settings: Settings) -> None:
         """A room written by three ranks is released only after all three acked."""
         pages = wide.alloc(12)
@@ -252,6 +256,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
         no_late_bytes(wide, FANOUT_ROOM, pages, 2 * kvconn_settings.write_timeout_s)
 
     # -- acks that prove nothing ------------------------------------------------
+    @pytest.mark.kvconn_releases
     def test_forged_late_duplicate_acks_release_nothing(
         self, request: pytest.FixtureRequest, kvconn_settings: Settings
     ) -> None:

@@ -137,6 +137,7 @@ class TransportChecks:
         )
         self._frozen_past_deadline(kvconn_settings, fence=False)
 
+    @pytest.mark.kvconn_releases
     def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
         """Two fences, each with a write really in flight. First the writer
         is frozen right after posting 32 MiB: the bytes still pending then
@@ -257,6 +258,7 @@ class TransportChecks:
         record_property("figures", figures_line(figures))
 
     # -- a cancel ------------------------------------------------------------
+    @pytest.mark.kvconn_releases
     def test_failed_settled_means_nothing_lands(self, kvconn_settings: Settings) -> None:
         """An abort right after the post: whatever the barrier answers must be
         true. FAILED_SETTLED (or LANDED) means nothing more of the chunk lands,

@@ -207,6 +207,7 @@ def _guard_owner(owner: OwnerProc, pages: list[int], why: str) -> None:
 class WriterFaultChecks:
     """The unhealthy-writer checks (mixed into :class:`ConformanceSuite`)."""
 
+    @pytest.mark.kvconn_releases
     def test_killed_writer_proves_exit(
         self, request: pytest.FixtureRequest, kvconn_settings: Settings
     ) -> None:
@@ -235,6 +236,7 @@ class WriterFaultChecks:
                 )
             no_late_bytes(cluster, KILLED_ROOM, pages, kvconn_settings.late_write_watch_s)
 
+    @pytest.mark.kvconn_releases
     def test_frozen_writer_quarantine_then_proof(
         self, request: pytest.FixtureRequest, kvconn_settings: Settings
     ) -> None:
@@ -281,6 +283,7 @@ class WriterFaultChecks:
             watch = max(kvconn_settings.late_write_watch_s, 2 * kvconn_settings.write_timeout_s)
             no_late_bytes(cluster, FROZEN_ROOM, pages, watch)
 
+    @pytest.mark.kvconn_releases
     def test_frozen_owner_gets_pages_back_only_after_drain(self, kvconn_settings: Settings) -> None:
         """A frozen page owner: the writer misses its deadline, fences and acks,
         but bytes it had already sent wait in the owner's socket buffers. Once
@@ -310,6 +313,7 @@ class WriterFaultChecks:
             )
             _resume_and_check(kvconn_settings, owner, pages, proof)
 
+    @pytest.mark.kvconn_releases
     def test_frozen_owner_killed_writer_gets_pages_back_only_after_drain(
         self, kvconn_settings: Settings
     ) -> None:
@@ -325,6 +329,7 @@ class WriterFaultChecks:
                 return
             _resume_and_check(kvconn_settings, owner, pages, "the writer's exit")
 
+    @pytest.mark.kvconn_releases
     def test_partition_healed_after_the_deadline_lands_nothing_late(
         self, request: pytest.FixtureRequest, kvconn_settings: Settings
     ) -> None:
@@ -384,6 +389,7 @@ class WriterFaultChecks:
             )
 
     # -- plugins that raise -------------------------------------------------------
+    @pytest.mark.kvconn_releases
     def test_raising_hooks_fail_safe(self, request: pytest.FixtureRequest, kvconn_settings: Settings) -> None:
         """A hook that raises leaves the pages held: released only by the
         writer's fence or its exit, never by a plain ack."""
