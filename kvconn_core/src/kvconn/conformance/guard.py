@@ -103,11 +103,19 @@ class RunGuard:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
     def close(self) -> None:
+        """Free everything kept, all at once (each may wait on a process)."""
         with self._lock:
             kept, self._kept = self._kept, []
-        for item in reversed(kept):
+
+        def close(item: Guarded) -> None:
             with contextlib.suppress(Exception):
                 item.close()
+
+        threads = [threading.Thread(target=close, args=(item,), daemon=True) for item in kept]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
         reap_orphans(set())
 
 

@@ -56,7 +56,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="KEY=VALUE",
         help="backend option (repeatable)",
     )
-    group.addoption("--kvconn-strict", action="store_true", help="undeclared skips fail")
+    group.addoption(
+        "--kvconn-strict", action="store_true", help="undeclared skips fail; 10 s watches, a 30 s guard"
+    )
     group.addoption(
         "--kvconn-write-timeout",
         type=float,
@@ -73,11 +75,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvconn-watch",
         type=float,
         default=None,
-        help="how long released pages and fenced regions are watched for a late write, s "
-        "(3; 10 with --kvconn-strict or --kvconn-thorough)",
+        help="how long each check watches released pages and fenced regions for a late write, s "
+        "(2; 10 with --kvconn-strict or --kvconn-thorough); the last check guards them to the run's end",
     )
     group.addoption(
-        "--kvconn-thorough", action="store_true", help="wider chunks and a longer watch (a longer run)"
+        "--kvconn-thorough",
+        action="store_true",
+        help="wider chunks, 10 s watches and a 30 s guard (a longer run)",
     )
     group.addoption(
         "--kvconn-cross-host",
