@@ -6,30 +6,28 @@ naming the signal and the last operation, instead of the suite dying with
 no verdict.
 
 :class:`RemoteRegion` is a :class:`kvconn.transport.PageRegion` for decode's
-endpoint and the checks; its bytes travel through a scratch buffer in shared
-memory that the suite owns (the pipe carries only commands).
+endpoint and the checks; its bytes travel through a scratch buffer (a memfd the suite
+creates and the host inherits: no name in a /dev/shm the host may not
+share, across hosts), in pieces of at most its size; the pipe carries only
+commands.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from multiprocessing import shared_memory
 from typing import Any
 
 from kvconn.testing.hosts import Host
 
-#: The scratch buffer's first size; it grows to the largest transfer asked.
-SCRATCH_BYTES = 8 << 20
-
-
-def _buf(shm: shared_memory.SharedMemory) -> memoryview:
-    assert shm.buf is not None
-    return shm.buf
+#: The scratch buffer's size: a larger read or write goes in pieces.
+SCRATCH_BYTES = 64 << 20
 
 
 class RegionHost:
@@ -40,38 +38,33 @@ class RegionHost:
 
     def __init__(self, backend: str, host: Host | None) -> None:
         self.backend = backend
-        self.proc = subprocess.Popen(
-            [
-                *(host.prefix() if host is not None else ()),
-                sys.executable,
-                "-m",
-                "kvconn.conformance.region_host_proc",
-                json.dumps({"backend": backend}),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        fd = os.memfd_create("kvconn-conformance-scratch")
+        try:
+            os.ftruncate(fd, SCRATCH_BYTES)
+            self._scratch = mmap.mmap(fd, SCRATCH_BYTES)
+            self.proc = subprocess.Popen(
+                [
+                    *(host.prefix() if host is not None else ()),
+                    sys.executable,
+                    "-m",
+                    "kvconn.conformance.region_host_proc",
+                    json.dumps({"backend": backend, "scratch_fd": fd, "scratch_bytes": SCRATCH_BYTES}),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                pass_fds=(fd,),
+            )
+        finally:
+            os.close(fd)
         self._lock = threading.Lock()
         self._ids = 0
         self.last = "start"
-        self._scratch: shared_memory.SharedMemory | None = None
         self._answer()  # ready
-        self._grow(SCRATCH_BYTES)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def _grow(self, nbytes: int) -> None:
-        if self._scratch is not None and self._scratch.size >= nbytes:
-            return
-        old = self._scratch
-        self._scratch = shared_memory.SharedMemory(create=True, size=max(nbytes, SCRATCH_BYTES))
-        self._ask_locked({"op": "scratch", "name": self._scratch.name}, "a scratch buffer")
-        if old is not None:
-            old.close()
-            old.unlink()
 
     def _answer(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -119,24 +112,27 @@ class RegionHost:
         return RemoteRegion(self, rid, nbytes, bytes.fromhex(answer["metadata"]))
 
     def read(self, rid: int, offset: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
         with self._lock:
-            self._grow(nbytes)
-            assert self._scratch is not None
-            self._ask_locked(
-                {"op": "read", "id": rid, "offset": offset, "nbytes": nbytes},
-                f"region {rid}.read({offset}, {nbytes})",
-            )
-            return bytes(_buf(self._scratch)[:nbytes])
+            for at in range(0, nbytes, SCRATCH_BYTES):
+                n = min(SCRATCH_BYTES, nbytes - at)
+                self._ask_locked(
+                    {"op": "read", "id": rid, "offset": offset + at, "nbytes": n},
+                    f"region {rid}.read({offset + at}, {n})",
+                )
+                out[at : at + n] = self._scratch[:n]
+        return bytes(out)
 
     def write(self, rid: int, offset: int, data: bytes) -> None:
+        view = memoryview(data)
         with self._lock:
-            self._grow(len(data))
-            assert self._scratch is not None
-            _buf(self._scratch)[: len(data)] = data
-            self._ask_locked(
-                {"op": "write", "id": rid, "offset": offset, "nbytes": len(data)},
-                f"region {rid}.write({offset}, {len(data)} bytes)",
-            )
+            for at in range(0, len(view), SCRATCH_BYTES):
+                piece = view[at : at + SCRATCH_BYTES]
+                self._scratch[: len(piece)] = piece
+                self._ask_locked(
+                    {"op": "write", "id": rid, "offset": offset + at, "nbytes": len(piece)},
+                    f"region {rid}.write({offset + at}, {len(piece)} bytes)",
+                )
 
     def call(self, rid: int, op: str) -> dict[str, Any]:
         with self._lock:
@@ -152,10 +148,7 @@ class RegionHost:
                 self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        if self._scratch is not None:
-            self._scratch.close()
-            self._scratch.unlink()
-            self._scratch = None
+        self._scratch.close()
 
 
 class RemoteRegion:

@@ -3,8 +3,8 @@ a stray write of a transport (or its region code) crashing a process
 crashes this one, never the one that reports the verdict.
 
 Driven by JSON lines on stdin (``kvconn.conformance.region_host``), one
-answer line each on stdout; bytes go through a shared scratch buffer the
-parent created (``{"op": "scratch", "name": N}``), never through the pipe::
+answer line each on stdout; bytes go through the scratch buffer the parent
+created (a memfd it inherits: ``scratch_fd``), never through the pipe::
 
     {"op": "open", "id": I, "nbytes": n, "options": {...}}  -> {"metadata": hex}
     {"op": "read", "id": I, "offset": o, "nbytes": n}      -> {} (bytes in the scratch)
@@ -18,8 +18,8 @@ An answer with ``error`` carries the exception the region raised.
 from __future__ import annotations
 
 import json
+import mmap
 import sys
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from kvconn.plugins import get_backend
@@ -27,16 +27,11 @@ from kvconn.testing.child import load_args
 from kvconn.transport import owner_fence
 
 
-def _buf(shm: shared_memory.SharedMemory) -> memoryview:
-    assert shm.buf is not None
-    return shm.buf
-
-
 def main() -> None:
     args = load_args(sys.argv[1])
     backend = get_backend(args["backend"])
     regions: dict[int, Any] = {}
-    scratch: shared_memory.SharedMemory | None = None
+    scratch = mmap.mmap(int(args["scratch_fd"]), int(args["scratch_bytes"]))
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -45,23 +40,16 @@ def main() -> None:
         op = cmd["op"]
         answer: dict[str, Any] = {}
         try:
-            if op == "scratch":
-                if scratch is not None:
-                    scratch.close()
-                scratch = shared_memory.SharedMemory(name=cmd["name"])
-                resource_tracker.unregister(scratch._name, "shared_memory")  # type: ignore[attr-defined]
-            elif op == "open":
+            if op == "open":
                 region = backend.open_region(int(cmd["nbytes"]), dict(cmd["options"]))
                 regions[int(cmd["id"])] = region
                 answer["metadata"] = region.metadata.hex()
             elif op == "read":
-                assert scratch is not None
                 n = int(cmd["nbytes"])
-                _buf(scratch)[:n] = regions[int(cmd["id"])].read(int(cmd["offset"]), n)
+                scratch[:n] = regions[int(cmd["id"])].read(int(cmd["offset"]), n)
             elif op == "write":
-                assert scratch is not None
                 n = int(cmd["nbytes"])
-                regions[int(cmd["id"])].write(int(cmd["offset"]), bytes(_buf(scratch)[:n]))
+                regions[int(cmd["id"])].write(int(cmd["offset"]), scratch[:n])
             elif op == "owner_fence":
                 answer["metadata"] = owner_fence(regions[int(cmd["id"])]).hex()
             elif op == "close":
@@ -72,8 +60,7 @@ def main() -> None:
         out.flush()
     for region in regions.values():
         region.close()
-    if scratch is not None:
-        scratch.close()
+    scratch.close()
 
 
 if __name__ == "__main__":
