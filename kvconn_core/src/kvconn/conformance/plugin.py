@@ -123,8 +123,8 @@ def _make_hosts(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> Generator[None, None, None]:
-    """The guard's final check runs last in its class, and whenever any
-    other check of its class runs (``-k`` or not): it checks what they
+    """The guard's final check runs last in its class, whenever a check of
+    its class that releases pages runs (``-k`` or not): it checks what they
     released. Checks that release pages run before those that do not."""
     finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
     yield
@@ -134,7 +134,8 @@ def pytest_collection_modifyitems(
         (item for item in items if item.name != FINAL_CHECK),
         key=lambda item: (rank[getattr(item, "cls", None)], item.get_closest_marker(RELEASES) is None),
     )
-    classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(_MARK)}
+    # Only where a check that gives pages to the guard runs: else it would check nothing.
+    classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(RELEASES)}
     for cls, final in finals.items():
         if cls not in classes:
             continue

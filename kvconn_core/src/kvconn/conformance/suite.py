@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -327,15 +327,24 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
                 raw.close()
 
     # -- the run's guard ------------------------------------------------------------
-    def test_nothing_landed_late_in_the_whole_run(self, kvconn_settings: Settings) -> None:
+    def test_nothing_landed_late_in_the_whole_run(
+        self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
+    ) -> None:
         """The suite's last check (whatever ``-k`` selects, it runs after the
         others of its class): every page a check got back (released rooms,
         fenced regions, cancelled writes) still holds what it must, at least
         ``guard_s`` after the last one came back. A write deferred past every
         check's own watch window fails here, naming the check that released
         the pages it landed in."""
+        kept = guard.GUARD.kept()
+        # A shared cluster that released nothing yet has no "since" (0).
+        oldest = min((t for item in kept if (t := item.since()) > 0), default=time.monotonic())
         try:
             found = guard.GUARD.watch(kvconn_settings.guard_s)
+            record_property(
+                "figures",
+                f"{len(kept)} regions guarded, the longest {time.monotonic() - oldest:.0f} s",
+            )
         finally:
             guard.GUARD.close()  # frees the regions kept, ends the writers kept alive
         if found:
