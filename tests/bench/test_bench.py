@@ -262,3 +262,26 @@ def test_trace_without_the_sdk_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "kvconn bench: --trace needs opentelemetry-sdk: pip install 'kvconn-core[trace]'"
     ]
+
+
+@pytest.mark.parametrize("curve", ["rooms", "storm"])
+def test_a_curve_runs_kvconns_mode_at_each_point_and_prints_the_ratios(tmp_path: Path, curve: str) -> None:
+    """``--curve``: one row per point, each point's figures and its ratios to
+    the first; no timing threshold (the machine decides those), only the
+    structure, the safety counts and values that make sense."""
+    points = {"rooms": "2,6", "storm": "0.2,0.8"}[curve]
+    code, rep, out = bench(tmp_path, "--curve", curve, "--curve-points", points)
+    assert code == 0, out
+    assert rep["curve"] == curve and rep["axis"] == {"rooms": "concurrency", "storm": "abort_fraction"}[curve]
+    rows = rep["points"]
+    assert [row[rep["axis"]] for row in rows] == [float(p) for p in points.split(",")]
+    assert rows[0]["p99_ratio"] in (1.0, None) and rows[0]["throughput_ratio"] == 1.0
+    for row in rows:
+        assert row["requests"] == 24 and row["violations"] == 0 and row["unreleased_end"] == 0
+        assert (
+            0 <= row["release_p50_ms"] <= row["release_p99_ms"] < 30e3
+        )  # released by proof, not the deadline
+        assert row["throughput_gbps"] > 0 and 0 <= row["p99_vs_timeout"] < 1
+        assert "unsafe_timeout" not in row["releases_by_proof"]
+    assert "ratios to the first point" in out
+    assert not undocumented(rep), "fields docs/bench.md does not explain"

@@ -16,6 +16,6 @@ def test_every_row_label_is_explained() -> None:
 
 
 def test_the_doc_is_a_guide_not_a_history() -> None:
-    assert len(DOC.splitlines()) < 450
+    assert len(DOC.splitlines()) < 500  # a section per option; measured history goes elsewhere
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", DOC), "dated measurements belong in git history"
     assert "--plot" in DOC and "[plot]" in DOC

@@ -26,8 +26,11 @@ from conformance_cli import conformance
         ("late_landed", "test_writer_fence_stops_frozen_writer", "LANDED past its deadline"),
         ("fence_resume", "test_writer_fence_stops_frozen_writer", "after on_fence returned True"),
         ("outlive", "test_killed_writer_proves_exit", "processes the rank started outlived it"),
-        ("outlive_detached", "test_killed_writer_proves_exit", "late write after release"),
+        # in a session of its own, re-parented to the suite (a child subreaper) when the rank died
+        ("outlive_detached", "test_killed_writer_proves_exit", "processes the rank started outlived it"),
+        ("fence_idle", "test_writer_fence_stops_frozen_writer", "after on_fence returned True"),
         ("vram", "test_vram_claim_is_device_memory", "on a host without a GPU"),
+        ("vram", "test_done_barrier_means_landed[vram]", "on a host without a GPU: its rounds"),
         ("cross_host", "test_cross_host_claim", "cannot write to the region"),
     ],
 )
@@ -39,6 +42,58 @@ def test_each_lie_fails_its_check(liar_env: dict[str, str], lie: str, check: str
     assert code != 0, out
     assert f"FAILED   {check}" in out, out
     assert any(m in out for m in message.split("|")), out
+
+
+FINAL = "test_nothing_landed_late_in_the_whole_run"
+
+
+@pytest.mark.parametrize("delay_s", [6, 12])
+def test_a_write_after_the_fence_past_every_watch_window_fails_the_run(
+    liar_env: dict[str, str], delay_s: int
+) -> None:
+    """A writer that writes again ``delay_s`` after its fence (past the fence
+    check's own watch, past --thorough's 10 s): the writer and its region stay
+    guarded to the end of the run, whose last check names the fence check."""
+    code, out = conformance(
+        "liar-fence-resume", "-k", "fence_stops", "-o", f"lie_delay_s={delay_s}", env=liar_env
+    )
+    assert code != 0, out
+    assert "PASSED   test_writer_fence_stops_frozen_writer" in out, out
+    assert f"FAILED   {FINAL}" in out, out
+    assert "released by test_writer_fence_stops_frozen_writer" in out, out
+
+
+@pytest.mark.parametrize("delay_s", [6, 12])
+def test_a_helper_writing_long_after_the_rank_died_fails_two_checks(
+    liar_env: dict[str, str], delay_s: int
+) -> None:
+    """A copy daemon (a session of its own) that replays ``delay_s`` after the
+    rank was killed: seen alive when the rank died (the suite is its
+    subreaper), and, independently, its bytes found by the run's guard."""
+    code, out = conformance(
+        "liar-outlive-detached", "-k", "killed_writer_proves", "-o", f"lie_delay_s={delay_s}", env=liar_env
+    )
+    assert code != 0, out
+    assert "FAILED   test_killed_writer_proves_exit" in out, out
+    assert "processes the rank started outlived it" in out, out
+    assert f"FAILED   {FINAL}" in out, out
+    assert "released by test_killed_writer_proves_exit" in out, out
+
+
+def test_a_stray_write_that_crashes_the_region_fails_a_check_naming_the_signal(
+    liar_env: dict[str, str],
+) -> None:
+    """A transport writing past its peer's region, over what the region's own
+    code reads through: the process holding the region dies of SIGSEGV. It is
+    the harness's region host, not the process that gives the verdict: the
+    checks fail, naming the signal and the last operation, and the run ends
+    with its summary."""
+    code, out = conformance("liar-stray", "-k", "integrity and one_page or done_barrier", env=liar_env)
+    assert code == 1, out  # failed checks, not a crashed suite
+    for check in ("test_integrity[one_page]", "test_done_barrier_means_landed[dram]"):
+        assert f"FAILED   {check}" in out, out
+    assert "was killed by SIGSEGV during region" in out, out
+    assert "liar-stray: " in out, out  # the summary was printed
 
 
 def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> None:

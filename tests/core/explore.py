@@ -62,6 +62,9 @@ class Rank:
     incarnation: int | None = None  # the ledger entry of the room's request, its chunks name it
     rerequested: bool = False  # decode reused the room id for a new request after the release
     decode: str = DECODE  # the decode this worker lane writes the room into
+    #: explore() fills it once the lane can no longer change (it is shared
+    #: by every world forked from the one that made it).
+    key_cache: tuple[object, ...] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -75,6 +78,9 @@ class Side:
     def key(self) -> tuple[object, ...]:
         return (_tracker_key(self.tracker), self.aborted, self.released)
 
+    def clone(self) -> Side:
+        return Side(_clone_tracker(self.tracker), self.aborted, self.released)
+
 
 @dataclass
 class World:
@@ -87,12 +93,16 @@ class World:
     unsettled_errors: int = 0
     second: Side | None = None
 
+    tracker_key: tuple[object, ...] | None = field(default=None, compare=False, repr=False)
+
     def key(self) -> tuple[object, ...]:
         """Everything that decides the future, as a hashable value; acks in
         flight are a multiset (delivery order is explored anyway)."""
+        if self.tracker_key is None:
+            self.tracker_key = _tracker_key(self.tracker)
         return (
-            tuple(_rank_key(r) for r in self.ranks),
-            _tracker_key(self.tracker),
+            tuple(_cached_rank_key(r) for r in self.ranks),
+            self.tracker_key,
             tuple(sorted(attrs.astuple(a) for a in self.acks)),
             self.aborted,
             self.ticked,
@@ -101,21 +111,39 @@ class World:
             None if self.second is None else self.second.key(),
         )
 
-    def clone(self) -> World:
+    def clone(self, lane: int | None = None) -> World:
+        """A copy for one step to change. ``lane``: the step changes only that
+        lane, the lanes sharing its ledger and the acks in flight (a step
+        labelled ``r<lane>:``); the copy shares everything else with this
+        world, which is never changed again. None: a copy of everything."""
         # deepcopy was most of the explorer's time; these objects are small
         # and flat, so a copy of their mutable parts is enough.
         ledgers: dict[int, RoomLedger] = {}  # the lanes of a rank keep sharing its ledger
-        second = self.second
+        if lane is None:
+            ranks = [_clone_rank(r, ledgers) for r in self.ranks]
+            tracker, tracker_key, second = _clone_tracker(self.tracker), None, self.second
+            second = None if second is None else second.clone()
+        else:
+            ledger = self.ranks[lane].ledger
+            ranks = [_clone_rank(r, ledgers) if r.ledger is ledger else r for r in self.ranks]
+            tracker, tracker_key, second = self.tracker, self.tracker_key, self.second
         return World(
-            [_clone_rank(r, ledgers) for r in self.ranks],
-            _clone_tracker(self.tracker),
+            ranks,
+            tracker,
             list(self.acks),
             self.aborted,
             self.ticked,
             self.released,
             self.unsettled_errors,
-            None if second is None else Side(_clone_tracker(second.tracker), second.aborted, second.released),
+            second,
+            tracker_key,
         )
+
+
+def _cached_rank_key(rank: Rank) -> tuple[object, ...]:
+    if rank.key_cache is None:
+        rank.key_cache = _rank_key(rank)
+    return rank.key_cache
 
 
 def _rank_key(rank: Rank) -> tuple[object, ...]:
@@ -217,6 +245,8 @@ def _clone_tracker(tracker: HoldTracker) -> HoldTracker:
         for k, v in tracker._rooms.items()
     }
     new._holds = {k: new._rooms[k] for k in tracker._holds}
+    new._wakeups = list(tracker._wakeups)
+    new._wakeup_seq = copy.copy(tracker._wakeup_seq)
     new._pages = dict(tracker._pages)
     return new
 
@@ -297,7 +327,10 @@ def _release(world: World, actions: list[object], decode: str = DECODE) -> None:
 def steps(
     world: World, chunks: int, errors: int, deadline: bool = True, reuse: bool = True
 ) -> Iterator[tuple[str, Callable[[World], None]]]:
-    """Every step enabled in ``world``, each as (label, mutate-a-copy)."""
+    """Every step enabled in ``world``, each as (label, mutate-a-copy). A
+    step labelled ``r<i>:`` changes nothing but lane ``i``, the lanes sharing
+    its ledger, the acks in flight and the world's counters (the explorer
+    copies only those for it); a ``decode`` step may change anything."""
     for r, rank in enumerate(world.ranks):
         if not rank.requested:
 
@@ -470,8 +503,8 @@ def explore(
         if not enabled:
             report.terminals += 1
             _check_terminal(world)
-        for _label, step in enabled:
-            nxt = world.clone()
+        for label, step in enabled:
+            nxt = world.clone(_lane_of(label))
             step(nxt)
             report.transitions += 1
             key = nxt.key()
@@ -483,6 +516,12 @@ def explore(
                     for rk in nxt.ranks
                 )
     return report
+
+
+def _lane_of(label: str) -> int | None:
+    """The lane a step labelled ``r<lane>:...`` changes (see :func:`steps`);
+    None for decode's steps, which may change any lane (an ABORT sent)."""
+    return int(label[1 : label.index(":")]) if label.startswith("r") else None
 
 
 def _check_terminal(world: World) -> None:

@@ -73,3 +73,32 @@ class IndexMatchesWalk(RuleBasedStateMachine):
 
 IndexMatchesWalk.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestIndexMatchesWalk = IndexMatchesWalk.TestCase
+
+
+class _NoWalk(dict[int, object]):
+    """A dict that refuses to be walked: only looked up by key."""
+
+    def _refuse(self, *args: object) -> None:
+        raise AssertionError("walked every hold")
+
+    items = values = keys = __iter__ = _refuse  # type: ignore[assignment]
+
+
+def test_tick_and_next_deadline_look_up_only_the_holds_that_are_due() -> None:
+    """They run after every control message: in an abort storm a walk of
+    every hold made each ack cost O(holds). A due hold still quarantines
+    and re-sends, the others are not looked at."""
+    tracker = HoldTracker("d", "tcp://d", abort_timeout=5.0, resend_interval=1.0)
+    for room in range(200):
+        tracker.open(room, (room,), RANKS)
+        tracker.abort(room, now=float(room))  # room r's deadline: r + 5
+    tracker._holds = _NoWalk(tracker._holds)  # type: ignore[assignment]
+    assert tracker.next_deadline() == 5.0
+    assert tracker.tick(4.0) == []
+    actions = tracker.tick(5.5)  # only room 0 is due
+    assert [a.room for a in actions if not isinstance(a, SendAbort)] == [0]
+    assert {a.abort.room for a in actions if isinstance(a, SendAbort)} == {0}
+    assert tracker.state(0) is HoldState.QUARANTINED and tracker.state(1) is HoldState.HELD
+    assert tracker.next_deadline() == 6.0  # room 1's deadline, then room 0's re-send at 6.5
+    tracker.tick(6.5)
+    assert tracker.next_deadline() == 7.0

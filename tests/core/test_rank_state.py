@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconn.errors import IncompleteRoomError, PageError
+from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import KVPoll, NotifyDecode, RoomKey, RoomLedger, SendAck
 from kvconn.protocol.messages import Abort, Hello, RoomOutcome, TransferRequest
@@ -257,3 +257,30 @@ def test_a_cleared_sender_binds_nothing_new() -> None:
     state.settled(s)
     assert [leg.key.decode for leg in s.legs] == [A]
     assert state.requesting_tp(1) == 2  # B's request is free for another sender
+
+
+def test_plan_next_tells_a_give_up_with_the_refused_send() -> None:
+    """The one-step send (poll, then plan): a sender past its bootstrap
+    deadline gives up, and the caller gets the give-up's actions along with
+    the refusal, as the two steps it replaced gave them."""
+    state = _state(timeout=5.0)
+    s = state.open_sender(1, 1, 0.0)
+    refused, actions = state.plan_next(s, 1, True, 5.0)
+    assert isinstance(refused, RoomStateError) and actions == [GaveUp(1)]
+    assert s.gave_up and s.sent == 0
+
+
+def test_plan_next_skips_the_poll_only_of_a_bound_sender_and_says_what_poll_says() -> None:
+    state, seq = _state(), _Seq()
+    s = state.open_sender(1, 1, 0.0)
+    _request(state, seq, A, 1, (0, 1))
+    assert state.poll(s, 0.0)[0] is KVPoll.WAITING_FOR_INPUT  # bound to A's request
+    plan, actions = state.plan_next(s, 1, False, 0.0)
+    assert not isinstance(plan, Exception) and actions == []
+    assert plan.legs[0].dst_pages == (0,)
+    state.commit_send(s, plan)
+    state.clear(s, 1.0)  # cleared: refused, with the status poll() gives
+    refused, _ = state.plan_next(s, 1, True, 1.0)
+    with pytest.raises(RoomStateError) as two_steps:
+        state.plan_send(s, 1, True, state.poll(s, 1.0)[0])
+    assert isinstance(refused, RoomStateError) and str(refused) == str(two_steps.value)

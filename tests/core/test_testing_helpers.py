@@ -5,6 +5,7 @@ suite are built on."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -152,5 +153,23 @@ def test_child_waits_fail_with_its_failure_class() -> None:
         with pytest.raises(Failure, match=r"exit code 0"):  # an exited child fails the wait at once
             child.next_with("address", 30, "gone")
         assert time.monotonic() - t0 < 5
+    finally:
+        child.close()
+
+
+def test_a_wait_on_a_child_a_signal_ended_names_the_signal() -> None:
+    """A crashed child (SIGSEGV, say) is named by its signal, not a negative exit code."""
+
+    class Quiet(Child):
+        failure = Failure
+
+    child = Quiet(
+        "child_echo", {"events": []}, env={"PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    )
+    try:
+        child.signal(signal.SIGSEGV)
+        child.proc.wait(10)
+        with pytest.raises(Failure, match=r"\(killed by SIGSEGV\)"):
+            child.next_with("address", 30, "crashed")
     finally:
         child.close()

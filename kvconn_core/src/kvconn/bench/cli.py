@@ -31,6 +31,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvconn.bench import child as child_mod
+from kvconn.bench import curve as curve_mod
 from kvconn.bench import hosts_run
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import plot as plot_mod
@@ -47,7 +48,7 @@ from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, scenarios
-from kvconn.transport import capabilities_of
+from kvconn.transport import Backend, capabilities_of
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -192,6 +193,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=parser_default_host_faults(),
         metavar="LIST",
         help="with --hosts: the faults between hosts to run (comma-separated)",
+    )
+    p.add_argument(
+        "--curve",
+        choices=sorted(curve_mod.AXES),
+        default=None,
+        help="instead of both modes: kvconn's mode at each point of one axis (rooms: --concurrency, "
+        "ranks: --ranks, storm: --abort-fraction), and each point's ratios to the first",
+    )
+    p.add_argument(
+        "--curve-points",
+        default=None,
+        metavar="A,B,...",
+        help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
@@ -385,6 +399,8 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         return hosts_run.run(args, wl, options, console, err)
     if args.host_faults != parser_default_host_faults():
         raise ValueError("--host-faults needs --hosts")
+    if args.curve:
+        return _curve(args, console, backend, options, wl)
     work, stream_rooms = plan(wl)
     results: dict[str, ModeResult] = {}
     stream_info: dict[str, float] = {}
@@ -479,6 +495,34 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
     if args.plot:
         plot_mod.plot(args.plot, results, legacy_timeout, report.get("faults", []), err)
     return 1 if report["violations"][KVCONN] else 0
+
+
+def _curve(
+    args: argparse.Namespace, console: Console, backend: Backend, options: dict[str, str], wl: Workload
+) -> int:
+    """``--curve``: kvconn's mode at each point of one axis (kvconn.bench.curve)."""
+
+    def new_run(point: Workload) -> ModeRun:
+        return ModeRun(
+            KVCONN,
+            args.backend,
+            backend,
+            point,
+            args.abort_timeout,
+            min(5.0, args.abort_timeout / 2),
+            False,
+            options,
+            drain_s=args.drain_s,
+            settle_s=args.settle_s,
+            gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
+        )
+
+    window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
+    report = curve_mod.run(args, wl, new_run, window)
+    curve_mod.print_report(console, report)
+    if args.json:
+        write_json(args.json, report)
+    return 1 if any(row["violations"] for row in report["points"]) else 0
 
 
 def _run_decodes(

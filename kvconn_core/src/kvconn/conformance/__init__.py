@@ -15,9 +15,13 @@ Checks that a write did *not* land after some answer (a fence, a
 FAILED_SETTLED, a release after the writer's exit) hold the transport two
 ways: a writer process freezes itself right after the answer, so nothing
 of it moves while the suite checks and lays fresh canaries; and the pages
-are then watched for ``--watch`` seconds (3; 10 with ``--strict`` or
-``--thorough``) for what runs outside it. A rank's exit counts as proof
-only if nothing it started outlives it.
+are then watched for ``--watch`` seconds (2; 10 with ``--strict`` or
+``--thorough``) for what runs outside it, and guarded on to the end of the
+run (the last check, ``test_nothing_landed_late_in_the_whole_run``). A
+rank's exit counts as proof only if nothing it started outlives it (its
+session, and the orphans re-parented to the suite, a child subreaper). The
+plugin's regions live in a harness process: a stray write that crashes it
+fails a check, naming the signal, instead of the suite.
 """
 
 from __future__ import annotations

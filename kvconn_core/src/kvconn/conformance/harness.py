@@ -17,6 +17,8 @@ import attrs
 import numpy as np
 
 from kvconn.config import Config
+from kvconn.conformance import region_host
+from kvconn.conformance.guard import GUARD
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
@@ -96,17 +98,26 @@ class Settings:
     strict: bool = False
     #: More and wider rounds (a longer run).
     thorough: bool = False
-    #: How long released pages, guard bytes and fenced regions are watched
-    #: for a late write; ``None``: 3 s, or 10 s with ``strict`` or ``thorough``.
+    #: How long each check watches released pages, guard bytes and fenced
+    #: regions for a late write; ``None``: 2 s, or 10 s with ``strict`` or
+    #: ``thorough``. The run's guard watches them on to the end of the suite.
     watch_s: float | None = None
 
     @property
     def late_write_watch_s(self) -> float:
         """A write deferred longer than this (a helper process, a resumed
-        fence) is missed: the bound every "nothing lands after" check uses."""
+        fence) is missed by the check that released the pages, and caught by
+        the run's guard (:attr:`guard_s`) instead."""
         if self.watch_s is not None:
             return self.watch_s
-        return 10.0 if self.strict or self.thorough else 3.0
+        return 10.0 if self.strict or self.thorough else 2.0
+
+    @property
+    def guard_s(self) -> float:
+        """How long, at least, the suite's last check keeps the youngest
+        released region guarded: 15 s, 30 s with ``strict`` or ``thorough``,
+        never less than the per-check watch."""
+        return max(30.0 if self.strict or self.thorough else 15.0, self.late_write_watch_s)
 
     @property
     def backend(self) -> Backend:
@@ -219,6 +230,8 @@ class OwnerProc(Child):
             },
             host=decode_host(),
         )
+        #: Handed to the run's guard: closed at the end of the suite.
+        self.guarded = False
 
     def command(self, timeout: float, what: str, op: str, **args: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (the event named ``op``'s past)."""
@@ -227,8 +240,58 @@ class OwnerProc(Child):
         return self.expect(timeout, what, event=answer)
 
 
+class _KeptRegion:
+    """A region whose ``close()`` waits for the run's guard too: decode's
+    endpoint closes with its cluster, its pages stay watched until the
+    suite's last check."""
+
+    def __init__(self, region: Any, closed: threading.Event) -> None:
+        self._region = region
+        self._guard_done = closed
+        self._close_asked = False
+        self._closed = False
+
+    def close(self) -> None:
+        self._close_asked = True
+        if self._guard_done.is_set():
+            self.really_close()
+
+    def really_close(self) -> None:
+        if self._close_asked and not self._closed:
+            self._closed = True
+            self._region.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._region, name)
+
+
+class _GuardedBackend:
+    """``backend``, its regions held by the run's region host
+    (:mod:`kvconn.conformance.region_host`) and kept open for the guard
+    (:class:`_KeptRegion`)."""
+
+    def __init__(self, settings: Settings, guard_done: threading.Event) -> None:
+        self._settings = settings
+        self._backend = settings.backend
+        self._guard_done = guard_done
+        self.regions: list[_KeptRegion] = []
+
+    def open_region(self, nbytes: int, options: Mapping[str, str]) -> _KeptRegion:
+        held = region_host.open_region(self._settings.backend_name, nbytes, options, decode_host())
+        region = _KeptRegion(held, self._guard_done)
+        self.regions.append(region)
+        return region
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
 class Cluster:
-    """Decode (in this process) and ``num_ranks`` prefill rank processes."""
+    """Decode (in this process) and ``num_ranks`` prefill rank processes.
+
+    Its region stays open after :meth:`close` until the run's guard
+    (:mod:`kvconn.conformance.guard`) checked the released pages one last
+    time, at the end of the suite."""
 
     def __init__(
         self,
@@ -259,6 +322,14 @@ class Cluster:
         self._lock = threading.Lock()
         self.releases: dict[int, tuple[Release, float]] = {}
         self.corrupted: list[str] = []
+        self._guard_done = threading.Event()
+        self._backend = _GuardedBackend(settings, self._guard_done)
+        self._guarded = GUARD.keep(
+            f"released pages of a decode region ({num_pages} pages of {page_bytes} bytes)",
+            self._late_writes,
+            self._end_guard,
+            self._last_release,
+        )
         try:
             if ranks_of is not None:
                 self.ranks = list(ranks_of.ranks)
@@ -271,7 +342,7 @@ class Cluster:
                     )
                 addresses = [rank.ready() for rank in self.ranks]
             self.decode = DecodeEndpoint(
-                settings.backend,
+                self._backend,
                 num_pages,
                 page_bytes,
                 addresses,
@@ -369,6 +440,25 @@ class Cluster:
         to quarantine, unless a proof released it first."""
         return self.release_of(room) is not None or self.state(room) is HoldState.QUARANTINED
 
+    # -- the run's guard --------------------------------------------------------
+    def _last_release(self) -> float:
+        with self._lock:
+            return max((at for _, at in self.releases.values()), default=0.0)
+
+    def _late_writes(self) -> str:
+        """ "" if every released page, not handed out since, holds its canary."""
+        bad = self.changed_after_release(range(self.num_pages))
+        if not bad:
+            return ""
+        with self._lock:
+            rooms = sorted({room for room, (r, _) in self.releases.items() if set(r.pages) & set(bad)})
+        return f"{len(bad)} pages changed after decode released them (pages {bad[:8]}, rooms {rooms[:4]})"
+
+    def _end_guard(self) -> None:
+        self._guard_done.set()
+        for region in self._backend.regions:
+            region.really_close()
+
     def close(self) -> None:
         if self._own_ranks:
             for rank in self.ranks:
@@ -376,6 +466,11 @@ class Cluster:
         if self.decode is not None:
             self.decode.close()
             self.decode = None
+        with self._lock:
+            released = bool(self.releases)
+        if not released:  # nothing came back through an abort: nothing to guard
+            GUARD.discard(self._guarded)
+            self._end_guard()
 
 
 class RegionImage:
@@ -404,6 +499,12 @@ class RegionImage:
         for dst, n in spans:
             self.region.write(dst, canary(n))
             self.want[dst : dst + n] = canary(1)[0]
+
+    def differing(self) -> int:
+        """How many bytes of the region differ from what it must hold (after
+        :meth:`land`: how many of the round's bytes have not landed yet)."""
+        got = np.frombuffer(self.region.read(0, self.nbytes), dtype=np.uint8)
+        return int(np.count_nonzero(got != self.want))
 
     def diff(self) -> str:
         """ "" if the region holds what it must, else what differs and where."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvconn.conformance import harness
+from kvconn.conformance import guard, harness, region_host
 from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S, Settings
 from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
@@ -27,6 +27,12 @@ from kvconn.transport import capabilities_of
 
 DECLARED = "[capability] "
 _MARK = "kvconn_conformance"
+#: The suite's last check in each class: the run's guard (see guard.py).
+FINAL_CHECK = "test_nothing_landed_late_in_the_whole_run"
+#: Checks that give pages back to the guard run first: the checks that
+#: release nothing then fill the guard's window, instead of the last check
+#: waiting it out.
+RELEASES = "kvconn_releases"
 _results_key = pytest.StashKey[list[tuple[str, str, str, str]]]()
 _times_key = pytest.StashKey[dict[str, list[float]]]()
 _reports_key = pytest.StashKey[list[pytest.TestReport]]()
@@ -50,7 +56,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="KEY=VALUE",
         help="backend option (repeatable)",
     )
-    group.addoption("--kvconn-strict", action="store_true", help="undeclared skips fail")
+    group.addoption(
+        "--kvconn-strict", action="store_true", help="undeclared skips fail; 10 s watches, a 30 s guard"
+    )
     group.addoption(
         "--kvconn-write-timeout",
         type=float,
@@ -67,11 +75,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvconn-watch",
         type=float,
         default=None,
-        help="how long released pages and fenced regions are watched for a late write, s "
-        "(3; 10 with --kvconn-strict or --kvconn-thorough)",
+        help="how long each check watches released pages and fenced regions for a late write, s "
+        "(2; 10 with --kvconn-strict or --kvconn-thorough); the last check guards them to the run's end",
     )
     group.addoption(
-        "--kvconn-thorough", action="store_true", help="wider chunks and a longer watch (a longer run)"
+        "--kvconn-thorough",
+        action="store_true",
+        help="wider chunks, 10 s watches and a 30 s guard (a longer run)",
     )
     group.addoption(
         "--kvconn-cross-host",
@@ -82,8 +92,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MARK}: a kvconn transport conformance check")
+    config.addinivalue_line("markers", f"{RELEASES}: a conformance check whose releases the guard watches")
     config.stash[_results_key] = []
     config.stash[_times_key] = {}
+    # What a rank leaves behind (a daemon in a session of its own) is
+    # re-parented here, where the suite can see it.
+    guard.become_subreaper()
     if config.getoption("--kvconn-cross-host", False):
         _make_hosts(config)
 
@@ -103,6 +117,36 @@ def _make_hosts(config: pytest.Config) -> None:
     config.stash[_fabric_key] = fabric
     fabric["decode"].enter_for_good()
     harness.place_on(fabric)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> Generator[None, None, None]:
+    """The guard's final check runs last in its class, whenever a check of
+    its class that releases pages runs (``-k`` or not): it checks what they
+    released. Checks that release pages run before those that do not."""
+    finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
+    yield
+    # A stable sort within each class (classes stay where they are).
+    rank = {cls: i for i, cls in enumerate(dict.fromkeys(getattr(item, "cls", None) for item in items))}
+    order = sorted(
+        (item for item in items if item.name != FINAL_CHECK),
+        key=lambda item: (rank[getattr(item, "cls", None)], item.get_closest_marker(RELEASES) is None),
+    )
+    # Only where a check that gives pages to the guard runs: else it would check nothing.
+    classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(RELEASES)}
+    for cls, final in finals.items():
+        if cls not in classes:
+            continue
+        last = max(i for i, item in enumerate(order) if getattr(item, "cls", None) is cls)
+        order.insert(last + 1, final)
+    items[:] = order
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    guard.GUARD.close()  # what a final check that did not run (-x) still held
+    region_host.close_all()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -173,6 +217,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if item.get_closest_marker(_MARK) is None:
         return (yield)
     start = time.monotonic()
+    guard.GUARD.check = item.name
     item.stash[_reports_key] = []
     result = yield
     reports = item.stash[_reports_key]

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import random
-import signal
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import pytest
 
+from kvconn.conformance import region_host
 from kvconn.conformance.harness import (
     Child,
     ConformanceFailure,
@@ -31,106 +30,35 @@ from kvconn.conformance.harness import (
     decode_host,
     fabric,
     gpu_on_host,
-    host_options,
-    prefill_host,
     scattered_rows,
 )
+from kvconn.conformance.owner_fence import figures_line, owner_fence_check
 from kvconn.conformance.plugin import require_capability
+from kvconn.conformance.writing import (
+    LANDED,
+    UNSETTLED,
+    BareWriter,
+    keep_for_the_run,
+    limit_of,
+    metadata_of,
+    open_regions,
+    round_of,
+    watch,
+)
 from kvconn.testing import hosts as hosts_harness
 from kvconn.testing.hosts import Host
-from kvconn.testing.waiting import wait_for
-from kvconn.transport import PageRegion, Settlement, capabilities_of
+from kvconn.transport import PageRegion, capabilities_of
 
+log = logging.getLogger(__name__)
 MiB = 1 << 20
-LANDED, FAILED_SETTLED, UNSETTLED = (s.value for s in Settlement)
 
 
-class BareWriter(Child):
-    """A writer process and the rounds it runs (see ``writer_proc``)."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        peers: Mapping[str, bytes],
-        rounds: Sequence[Mapping[str, Any]],
-        src_bytes: int,
-        options: Mapping[str, str] | None = None,
-        write_timeout_s: float | None = None,
-        prefix: Sequence[str] = (),
-        host: Host | None = None,
-    ) -> None:
-        """``host``: where the writer runs; in cross-host mode it defaults to
-        the first prefill host (with its address and interface options)."""
-        if host is None and not prefix:
-            host = prefill_host(0)
-        extra = host_options(settings.backend, host)
-        super().__init__(
-            "kvconn.conformance.writer_proc",
-            {
-                "backend": settings.backend_name,
-                "options": {**(settings.options if options is None else options), **extra},
-                "src_bytes": src_bytes,
-                "peers": {name: metadata.hex() for name, metadata in peers.items()},
-                "write_timeout_s": settings.write_timeout_s if write_timeout_s is None else write_timeout_s,
-                "rounds": [dict(r) for r in rounds],
-            },
-            prefix,
-            host=host,
+def _fenced(child: BareWriter, round_no: int) -> None:
+    fenced = child.answer("fence", round_no)["fenced"]
+    if fenced is not True:
+        raise ConformanceFailure(
+            f"writer fence: the backend declares writer_fence but on_fence answered {fenced!r}"
         )
-
-    def answer(self, step: str, round_no: int) -> dict[str, Any]:
-        """The report of ``step`` in round ``round_no`` (already received)."""
-        for event in reversed(self.history()):
-            if event.get("event") == step and event.get("round") == round_no:
-                return dict(event)
-        raise ConformanceFailure(f"suite bug: no {step!r} report for round {round_no}")
-
-    def resume(self) -> None:
-        self.signal(signal.SIGCONT)
-
-    def settlement(self, settings: Settings, what: str, round_no: int = 1) -> str:
-        """Wait until the writer froze after round ``round_no``'s barrier and
-        return the settlement that barrier answered."""
-        self.frozen(30 + _limit(settings), what, round=round_no)
-        return str(self.answer("barrier", round_no)["settlement"])
-
-
-def _round(rows: list[list[int]], steps: Sequence[str], peer: str = "a") -> dict[str, Any]:
-    return {"peer": peer, "segments": rows, "steps": list(steps)}
-
-
-@contextmanager
-def _regions(settings: Settings, sizes: Mapping[str, int], **extra: str) -> Iterator[dict[str, PageRegion]]:
-    options = {**settings.options_on(decode_host()), **extra}
-    opened: dict[str, PageRegion] = {}
-    try:
-        for name, size in sizes.items():
-            opened[name] = settings.backend.open_region(size, options)
-        yield opened
-    finally:
-        for region in opened.values():
-            region.close()
-
-
-def _metadata(regions: Mapping[str, PageRegion]) -> dict[str, bytes]:
-    return {name: region.metadata for name, region in regions.items()}
-
-
-def _limit(settings: Settings) -> float:
-    return settings.capabilities.max_write_timeout_s or 0.0
-
-
-def _watch(settings: Settings, images: Sequence[RegionImage], what: str) -> None:
-    """Watch ``images`` for the late-write window: any change is a late write."""
-    deadline = time.monotonic() + settings.late_write_watch_s
-    while True:
-        for image in images:
-            found = image.diff()
-            if found:
-                raise ConformanceFailure(f"{what}: {found}")
-        if time.monotonic() >= deadline:
-            return
-        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
 
 class TransportChecks:
@@ -160,14 +88,22 @@ class TransportChecks:
             [[0, 0, 32 * MiB]],
         ]
         try:
-            regions_cm = _regions(settings, {"a": size}, **extra)
+            regions_cm = open_regions(settings, {"a": size}, **extra)
             regions = regions_cm.__enter__()
         except Exception as exc:
             pytest.skip(f"cannot open a {memory} region on this host: {exc}")
         try:
+            if memory == "vram" and not gpu_on_host():
+                # The vram claim's second check (the first: test_vram_claim_is_device_memory).
+                raise ConformanceFailure(
+                    "vram declared, and a memory=vram region opened on a host without a GPU: its "
+                    "rounds would check host memory"
+                )
             image = RegionImage(regions["a"], size)
-            rounds = [_round(rows, ["wait", "post", "barrier", "freeze"]) for rows in rounds_rows]
-            child = BareWriter(settings, _metadata(regions), rounds, size, {**settings.options, **extra}, 5.0)
+            rounds = [round_of(rows, ["wait", "post", "barrier", "freeze"]) for rows in rounds_rows]
+            child = BareWriter(
+                settings, metadata_of(regions), rounds, size, {**settings.options, **extra}, 5.0
+            )
             try:
                 child.expect(60, "DONE barrier: writer start", event="ready")
                 for i, rows in enumerate(rounds_rows, start=1):
@@ -201,54 +137,110 @@ class TransportChecks:
         )
         self._frozen_past_deadline(kvconn_settings, fence=False)
 
+    @pytest.mark.kvconn_releases
     def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
-        """A writer frozen mid-write, resumed past its deadline: its barrier
-        answers LANDED only if every byte is there; then it fences, and from the
-        fence's answer on not one byte lands, for the whole watch window."""
+        """Two fences, each with a write really in flight. First the writer
+        is frozen right after posting 32 MiB: the bytes still pending then
+        (a quarter of them at least, else the run proves nothing and fails
+        saying so) are in flight when the resumed writer fences at once, and
+        not one of them lands after on_fence answered. Then a writer frozen
+        mid-write, resumed past its deadline: its barrier answers LANDED only
+        if every byte is there; it fences, and nothing lands after. Both
+        regions and the writer stay guarded until the end of the run."""
         require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
-        self._frozen_past_deadline(kvconn_settings, fence=True)
+        self._fences(kvconn_settings)
+
+    def _fences(self, settings: Settings) -> None:
+        size = 32 * MiB
+        rows = [[i * MiB, (i * 7 % 32) * MiB, MiB] for i in range(32)]
+        rounds = [
+            round_of(rows, ["post", "freeze", "fence", "freeze"], "a"),
+            round_of(rows, ["post", "freeze", "barrier", "freeze", "fence", "freeze"], "b"),
+        ]
+        late = "bytes landed after on_fence returned True (the fence does not stop a resumed writer)"
+        with open_regions(settings, {"a": size, "b": size}) as regions:
+            images = {name: RegionImage(region, size) for name, region in regions.items()}
+            child = BareWriter(settings, metadata_of(regions), rounds, size)
+            kept = False
+            try:
+                child.expect(60, "writer fence: writer start", event="ready")
+                child.frozen(30, "writer fence: the write is posted", round=1)
+                first = images["a"]
+                first.land(1, rows)
+                pending = first.differing()
+                if pending < size // 4:
+                    raise ConformanceFailure(
+                        f"writer fence: {size - pending} of {size} bytes had landed when the writer froze "
+                        "right after on_post returned: too little in flight to show that the fence stops "
+                        "a write, so this run proves nothing (a transport that lands every write inside "
+                        "on_post has nothing to fence: do not declare writer_fence)"
+                    )
+                child.resume()  # its next step is the fence, with those bytes in flight
+                child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=1)
+                _fenced(child, 1)
+                log.info("writer fence: %d of %d bytes in flight when the fence ran", pending, size)
+                first.recanary(rows)  # the writer is frozen: from here on, nothing may change
+                child.resume()
+                self._past_deadline(settings, child, images["b"], rows, 2, [first], late)
+                _fenced(child, 2)
+                images["b"].last = rows
+                images["b"].recanary()
+                child.resume()
+                watch(
+                    settings,
+                    list(images.values()),
+                    f"writer fence: within {settings.late_write_watch_s:.1f} s, {late}",
+                )
+                keep_for_the_run(regions, images, "regions a writer fenced", child)
+                kept = True
+            finally:
+                if not kept:
+                    child.close()
 
     def _frozen_past_deadline(self, settings: Settings, fence: bool) -> None:
         size = 32 * MiB
         rows = [[i * MiB, (i * 7 % 32) * MiB, MiB] for i in range(32)]
-        steps = ["post", "freeze", "barrier", "freeze"] + (["fence", "freeze"] if fence else [])
-        with _regions(settings, {"a": size}) as regions:
+        with open_regions(settings, {"a": size}) as regions:
             image = RegionImage(regions["a"], size)
-            child = BareWriter(settings, _metadata(regions), [_round(rows, steps)], size)
+            rounds = [round_of(rows, ["post", "freeze", "barrier", "freeze"])]
+            child = BareWriter(settings, metadata_of(regions), rounds, size)
             try:
                 child.expect(60, "past deadline: writer start", event="ready")
-                child.frozen(30, "past deadline: write posted")
-                time.sleep(settings.write_timeout_s + 0.1)
-                child.resume()
-                settlement = child.settlement(settings, "past deadline: the barrier answers")
-                if settlement == LANDED:
-                    image.land(1, rows)
-                    found = image.diff()
-                    if found:
-                        raise ConformanceFailure(
-                            f"DONE barrier answered LANDED past its deadline while bytes were still in "
-                            f"flight: {found}"
-                        )
-                if not fence:
-                    return
-                child.resume()
-                child.frozen(_limit(settings) + 30, "writer fence: the fence returns")
-                fenced = child.answer("fence", 1)["fenced"]
-                if fenced is not True:
-                    raise ConformanceFailure(
-                        f"writer fence: the backend declares writer_fence but on_fence answered {fenced!r}"
-                    )
-                image.last = rows
-                image.recanary()  # the writer is frozen: from here on, nothing may change
-                child.resume()
-                _watch(
-                    settings,
-                    [image],
-                    f"writer fence: bytes landed within {settings.late_write_watch_s:.1f} s after on_fence "
-                    "returned True (the fence does not stop a resumed writer)",
-                )
+                self._past_deadline(settings, child, image, rows, 1, [], "")
             finally:
                 child.close()
+
+    def _past_deadline(
+        self,
+        settings: Settings,
+        child: BareWriter,
+        image: RegionImage,
+        rows: list[list[int]],
+        round_no: int,
+        fenced: Sequence[RegionImage],
+        late: str,
+    ) -> None:
+        """Round ``round_no``: frozen right after its post, resumed past its
+        deadline, its barrier must tell the truth. ``fenced`` regions must not
+        change meanwhile."""
+        child.frozen(30, "past deadline: write posted", round=round_no)
+        time.sleep(settings.write_timeout_s + 0.1)
+        for done in fenced:
+            found = done.diff()
+            if found:
+                raise ConformanceFailure(f"writer fence: {late}: {found}")
+        child.resume()
+        settlement = child.settlement(settings, "past deadline: the barrier answers", round_no)
+        if settlement == LANDED:
+            image.land(round_no, rows)
+            found = image.diff()
+            if found:
+                raise ConformanceFailure(
+                    f"DONE barrier answered LANDED past its deadline while bytes were still in flight: {found}"
+                )
+        if fenced:
+            child.resume()
+            child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=round_no)
 
     # -- the owner fence ---------------------------------------------------------
     def test_owner_fence_stops_frozen_writer(
@@ -263,9 +255,10 @@ class TransportChecks:
         settings = kvconn_settings
         require_capability(settings.capabilities.owner_fence, "owner_fence not declared")
         figures = owner_fence_check(settings)
-        record_property("figures", _figures_line(figures))
+        record_property("figures", figures_line(figures))
 
     # -- a cancel ------------------------------------------------------------
+    @pytest.mark.kvconn_releases
     def test_failed_settled_means_nothing_lands(self, kvconn_settings: Settings) -> None:
         """An abort right after the post: whatever the barrier answers must be
         true. FAILED_SETTLED (or LANDED) means nothing more of the chunk lands,
@@ -273,11 +266,12 @@ class TransportChecks:
         settings = kvconn_settings
         size = 32 * MiB
         rows = [[i * 65536, (i * 263 % 512) * 65536, 65536] for i in range(512)]
-        with _regions(settings, {"a": size}) as regions:
+        with open_regions(settings, {"a": size}) as regions:
             image = RegionImage(regions["a"], size)
             child = BareWriter(
-                settings, _metadata(regions), [_round(rows, ["post", "abort", "barrier", "freeze"])], size
+                settings, metadata_of(regions), [round_of(rows, ["post", "abort", "barrier", "freeze"])], size
             )
+            kept = False
             try:
                 child.expect(60, "cancel: writer start", event="ready")
                 settlement = child.settlement(settings, "cancel: the barrier answers")
@@ -291,14 +285,17 @@ class TransportChecks:
                 image.last = rows
                 image.recanary(rows)
                 child.resume()
-                _watch(
+                watch(
                     settings,
                     [image],
                     f"cancel: the barrier answered {settlement!r} (nothing more can land) but bytes of "
                     "the chunk landed after the answer (a cancel requested is not a cancel settled)",
                 )
+                keep_for_the_run(regions, {"a": image}, f"a region whose write settled {settlement}", child)
+                kept = True
             finally:
-                child.close()
+                if not kept:
+                    child.close()
 
     # -- which decode ------------------------------------------------------------
     def test_each_chunk_lands_in_its_decode(self, kvconn_settings: Settings) -> None:
@@ -314,14 +311,20 @@ class TransportChecks:
         for peer in plan:
             rows = scattered_rows(rng, 40, 9999, size, size)
             restart = peer.startswith("restart-")
-            rounds.append(_round(rows, (["connect"] if restart else []) + go, peer.removeprefix("restart-")))
+            rounds.append(
+                round_of(rows, (["connect"] if restart else []) + go, peer.removeprefix("restart-"))
+            )
             rows_of.append(rows)
-        with _regions(settings, {"a": size, "b": size}) as regions:
+        with open_regions(settings, {"a": size, "b": size}) as regions:
             images = {name: RegionImage(region, size) for name, region in regions.items()}
             # A healthy-write check: a first write to a new peer may set up a
             # connection, so a deadline no transport needs to meet.
             child = BareWriter(
-                settings, _metadata(regions), rounds, size, write_timeout_s=max(settings.write_timeout_s, 5.0)
+                settings,
+                metadata_of(regions),
+                rounds,
+                size,
+                write_timeout_s=max(settings.write_timeout_s, 5.0),
             )
             old: list[PageRegion] = []
             try:
@@ -330,7 +333,9 @@ class TransportChecks:
                     name = peer.removeprefix("restart-")
                     if peer.startswith("restart-"):
                         old.append(regions[name])
-                        regions[name] = settings.backend.open_region(size, settings.options_on(decode_host()))
+                        regions[name] = region_host.open_region(
+                            settings.backend_name, size, settings.options_on(decode_host()), decode_host()
+                        )
                         images[name] = RegionImage(regions[name], size)
                         child.send_line(regions[name].metadata.hex())
                     child.send_line()
@@ -394,7 +399,7 @@ class TransportChecks:
         made = fabric()
         if made is not None:
             require_capability(settings.capabilities.cross_host, "cross_host not declared")
-            _cross_host_round(settings, made["decode"], made["prefill0"])
+            _cross_hostround_of(settings, made["decode"], made["prefill0"])
             return
         # Without the hosts made: what the backend claims once bound to a host.
         sample = hosts_harness.Host("decode", "", "10.64.0.1", hosts_harness.IFACE, "", None)  # type: ignore[arg-type]
@@ -404,7 +409,7 @@ class TransportChecks:
         if why:
             pytest.skip(f"cross_host: {why}")
         with hosts_harness.hosts(("decode", "prefill0")) as pair:
-            _cross_host_round(settings, pair["decode"], pair["prefill0"])
+            _cross_hostround_of(settings, pair["decode"], pair["prefill0"])
 
 
 def _region_address(region: PageRegion) -> int | None:
@@ -435,7 +440,7 @@ def _cuda_memory_type(address: int) -> str:
     return {1: "host", 2: "device", 3: "array", 4: "unified"}.get(value.value, f"type {value.value}")
 
 
-def _cross_host_round(settings: Settings, decode: Host, writer_host: Host) -> None:
+def _cross_hostround_of(settings: Settings, decode: Host, writer_host: Host) -> None:
     size = 4 * MiB
     rows = scattered_rows(random.Random(0xC405), 200, 9999, size, size)
     owner = Child(
@@ -448,13 +453,13 @@ def _cross_host_round(settings: Settings, decode: Host, writer_host: Host) -> No
         writer = BareWriter(
             settings,
             {"a": bytes.fromhex(ready["metadata"])},
-            [_round(rows, ["post", "barrier"])],
+            [round_of(rows, ["post", "barrier"])],
             size,
             write_timeout_s=max(settings.write_timeout_s, 5.0),
             host=writer_host,
         )
         try:
-            event = writer.expect(60 + _limit(settings), "cross_host: the barrier answers", event="barrier")
+            event = writer.expect(60 + limit_of(settings), "cross_host: the barrier answers", event="barrier")
         except ConformanceFailure as exc:
             failed = [e for e in writer.history() if e.get("event") == "connect_failed"]
             why = failed[0]["error"] if failed else str(exc)
@@ -474,139 +479,3 @@ def _cross_host_round(settings: Settings, decode: Host, writer_host: Host) -> No
             raise ConformanceFailure(f"cross_host: the round landed wrong: {checked['bad']}")
     finally:
         owner.close()
-
-
-def _figures_line(figures: Mapping[str, Any]) -> str:
-    """What the owner-fence check measured, in one line of the suite's summary."""
-    return (
-        f"fence {figures['fence_s'] * 1000:.0f} ms; {figures['landed_before_fence']} of {figures['posted']} "
-        f"bytes landed before it; {figures['late_bytes']} bytes after it in {figures['watch_s']:.1f} s; "
-        f"resumed writer's barrier: {figures['frozen_writer_settlement']}; "
-        + ("writers on other hosts" if figures["cross_host"] else "one host")
-    )
-
-
-#: How long after its post the owner-fence check freezes the writer: about
-#: a fifth of a 64 MiB write over tcp on a loaded 2-core machine (~1 GB/s).
-OWNER_FENCE_FREEZE_AFTER_S = 0.015
-
-
-def owner_fence_check(settings: Settings) -> dict[str, Any]:
-    """The owner-fence check (see ``test_owner_fence_stops_frozen_writer``);
-    what it measured."""
-    size = 64 * MiB
-    half = size // 2
-    rows = [[i * MiB, (i * 7 % 64) * MiB, MiB] for i in range(64)]  # every byte of the region
-    rng = random.Random(0x0F3C)
-    second = scattered_rows(rng, 300, 9999, half, half)
-    again = [[src, dst + half, n] for src, dst, n in scattered_rows(rng, 300, 9999, half, half)]
-    watch_s = settings.late_write_watch_s
-    # Long enough that the resumed writer's barrier drives the transfer for
-    # the whole watch window, never giving up on its own deadline first.
-    drive_s = watch_s + 5.0 + _limit(settings)
-    figures: dict[str, Any] = {"backend": settings.backend_name, "cross_host": decode_host() is not None}
-    owner = Child(
-        "kvconn.conformance.owner_fence_proc",
-        {"backend": settings.backend_name, "options": settings.options_on(decode_host()), "nbytes": size},
-        host=decode_host(),
-    )
-    writers: list[BareWriter] = []
-    try:
-        ready = owner.expect(60, "owner fence: the region opens", event="ready")
-        old = bytes.fromhex(ready["metadata"])
-        frozen = BareWriter(
-            settings,
-            {"a": old},
-            [
-                _round([[0, 0, 4096]], ["post", "barrier", "freeze"]),  # connected before the big write
-                _round(rows, ["post", "barrier", "freeze"]),
-                _round(again, ["connect", "post", "barrier"]),
-            ],
-            size,
-            write_timeout_s=drive_s,
-            host=prefill_host(0),
-        )
-        writers.append(frozen)
-        frozen.expect(60, "owner fence: writer start", event="ready")
-        if frozen.settlement(settings, "owner fence: the first, small write") != LANDED:
-            raise ConformanceFailure("owner fence: a healthy 4 KiB write did not land")
-        owner.send_line(json.dumps({"cmd": "canary"}))
-        owner.expect(30, "owner fence: the region lays its canary again", event="canaried")
-        frozen.resume()
-        frozen.expect(30, "owner fence: the writer posts", event="post", round=2)
-        # Frozen from outside, with its barrier driving the transfer: bytes
-        # are on the wire, in socket buffers and in the transport's queues.
-        time.sleep(OWNER_FENCE_FREEZE_AFTER_S)
-        frozen.signal(signal.SIGSTOP)
-        wait_for(frozen.stopped, 5, "owner fence: the writer froze", poll=0.002)
-        if any(e.get("event") == "barrier" and e.get("round") == 2 for e in frozen.history()):
-            raise ConformanceFailure(
-                f"owner fence: the 64 MiB write had settled {OWNER_FENCE_FREEZE_AFTER_S * 1000:.0f} ms after "
-                "its post (the writer was not caught mid-write, so this run proves nothing)"
-            )
-        owner.send_line(json.dumps({"cmd": "fence"}))
-        fenced = owner.expect(60 + _limit(settings), "owner fence: owner_fence() returns", event="fenced")
-        figures["fence_s"] = fenced["fence_s"]
-        figures["landed_before_fence"] = fenced["landed_before"]
-        figures["posted"] = size
-        new = bytes.fromhex(fenced["metadata"])
-        if new == old:
-            raise ConformanceFailure("owner fence: owner_fence() returned the old metadata")
-        if fenced["landed_before"] >= size:
-            raise ConformanceFailure(
-                "owner fence: the whole transfer had landed before the fence (the writer was not "
-                "caught mid-write, so this run proves nothing)"
-            )
-        frozen.resume()
-        owner.send_line(json.dumps({"cmd": "watch", "seconds": watch_s}))
-        watched = owner.expect(watch_s + 60, "owner fence: the region is watched", event="watched")
-        figures["late_bytes"] = watched["changed"]
-        figures["watch_s"] = watch_s
-        if watched["changed"]:
-            raise ConformanceFailure(
-                f"owner fence: {watched['changed']} bytes landed {watched['at_s']:.2f} s after owner_fence() "
-                f"returned (the first at offset {watched['first']}): the fence does not stop a resumed writer"
-            )
-        # The resumed writer's own barrier: it gave up (or, for a fence that
-        # lies, it landed, which the watch caught already).
-        frozen.frozen(drive_s + _limit(settings) + 30, "owner fence: the resumed writer's barrier answers")
-        figures["frozen_writer_settlement"] = frozen.answer("barrier", 2)["settlement"]
-        # Another peer, on another host, connects with the new metadata.
-        other = BareWriter(
-            settings,
-            {"a": new},
-            [_round(second, ["post", "barrier"])],
-            size,
-            write_timeout_s=max(settings.write_timeout_s, 10.0) + _limit(settings),
-            host=prefill_host(1),
-        )
-        writers.append(other)
-        landed = other.expect(
-            60 + _limit(settings), "owner fence: a new writer's barrier answers", event="barrier"
-        )
-        if landed["settlement"] != LANDED:
-            raise ConformanceFailure(
-                f"owner fence: a writer connecting with the new metadata settled {landed['settlement']!r}"
-            )
-        # The frozen writer re-bootstraps with the new metadata, as every peer must.
-        frozen.send_line(new.hex())
-        frozen.resume()
-        rebooted = frozen.expect(
-            60 + _limit(settings), "owner fence: the old writer reconnects", event="barrier", round=3
-        )
-        if rebooted["settlement"] != LANDED:
-            raise ConformanceFailure(
-                f"owner fence: the fenced writer, connected again with the new metadata, settled "
-                f"{rebooted['settlement']!r}"
-            )
-        owner.send_line(json.dumps({"cmd": "check", "rounds": [[1, second], [3, again]]}))
-        checked = owner.expect(60, "owner fence: the region checks both writes", event="checked")
-        if checked["bad"]:
-            raise ConformanceFailure(
-                f"owner fence: after the fence the writes landed wrong: {checked['bad']}"
-            )
-    finally:
-        for writer in writers:
-            writer.close()
-        owner.close()
-    return figures

@@ -14,6 +14,7 @@ get new generations so a writer never has to ack one generation twice.
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 from collections.abc import Collection
 
@@ -97,6 +98,11 @@ class _Room:
     drained: bool = False
 
 
+def _due(entry: _Room) -> float:
+    """When a hold next has something to do at a tick."""
+    return entry.deadline if entry.state is HoldState.HELD else entry.resend_at
+
+
 def _about(room: int, error: KvconnError) -> KvconnError:
     """``error`` naming ``room``, its message kept as this module always wrote it."""
     error.room = room
@@ -128,6 +134,14 @@ class HoldTracker:
         self._holds: dict[int, _Room] = {}
         self._pages = dict.fromkeys(HoldState, 0)
         self._generations = itertools.count(1)
+        #: When each hold has something to do next (its deadline while HELD,
+        #: its next re-send while QUARANTINED): (when, seq, room), a heap. An
+        #: item whose room is no longer held, or is due at another time now,
+        #: is stale and skipped. tick() and next_deadline() run after every
+        #: control message; a walk of every hold made each ack cost O(holds),
+        #: thousands in an abort storm.
+        self._wakeups: list[tuple[float, int, int]] = []
+        self._wakeup_seq = itertools.count()
 
     # -- queries -----------------------------------------------------------
     def state(self, room: int) -> HoldState | None:
@@ -205,6 +219,7 @@ class HoldTracker:
         self._holds[room] = entry
         entry.held_at = now
         entry.deadline = now + self.abort_timeout
+        self._schedule(room, entry)
         return self._send_aborts(room, entry)
 
     def ack(self, msg: AbortAck, now: float) -> list[HoldAction]:
@@ -257,28 +272,45 @@ class HoldTracker:
         """Move held rooms past their deadline to quarantine (or, in the
         legacy unsafe mode, free them), and re-send ABORTs while quarantined."""
         actions: list[HoldAction] = []
-        for room, entry in list(self._holds.items()):
-            if entry.state is HoldState.HELD and now >= entry.deadline:
+        wakeups = self._wakeups
+        while wakeups and wakeups[0][0] <= now:
+            when, _, room = heapq.heappop(wakeups)
+            entry = self._holds.get(room)
+            if entry is None or _due(entry) != when:
+                continue  # released, or rescheduled since
+            if entry.state is HoldState.HELD:
                 if self.unsafe_release_at_deadline:
                     actions.append(self._release(room, entry, Proof.UNSAFE_TIMEOUT, now))
                     continue
                 self._move(entry, HoldState.QUARANTINED)
                 entry.quarantined_at = now
                 entry.resend_every = self.resend_interval
-                entry.resend_at = now
                 actions.append(Quarantine(room, entry.pages))
-            if entry.state is HoldState.QUARANTINED and now >= entry.resend_at:
-                actions += self._send_aborts(room, entry)
-                entry.resend_at = now + entry.resend_every
-                entry.resend_every = min(entry.resend_every * 2, self.max_resend_interval)
+            actions += self._send_aborts(room, entry)
+            entry.resend_at = now + entry.resend_every
+            entry.resend_every = min(entry.resend_every * 2, self.max_resend_interval)
+            self._schedule(room, entry)
         return actions
 
     def next_deadline(self) -> float | None:
         """The earliest instant at which :meth:`tick` has something to do."""
-        times = [e.deadline if e.state is HoldState.HELD else e.resend_at for e in self._holds.values()]
-        return min(times, default=None)
+        wakeups = self._wakeups
+        while wakeups:
+            when, _, room = wakeups[0]
+            entry = self._holds.get(room)
+            if entry is not None and _due(entry) == when:
+                return when
+            heapq.heappop(wakeups)
+        return None
 
     # -- internals ---------------------------------------------------------
+    def _schedule(self, room: int, entry: _Room) -> None:
+        heapq.heappush(self._wakeups, (_due(entry), next(self._wakeup_seq), room))
+        if len(self._wakeups) > 2 * len(self._holds) + 64:
+            # Released holds leave their items behind until due: drop them.
+            self._wakeups = [w for w in self._wakeups if (e := self._holds.get(w[2])) and _due(e) == w[0]]
+            heapq.heapify(self._wakeups)
+
     def _send_aborts(self, room: int, entry: _Room) -> list[HoldAction]:
         generation = next(self._generations)
         entry.generations.add(generation)

@@ -35,7 +35,7 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
+from kvconn.errors import IncompleteRoomError, KvconnError, PageError, RoomStateError
 from kvconn.protocol import drain as _drain
 from kvconn.protocol.drain import Announce, RankDrain
 from kvconn.protocol.drops import DropReason
@@ -385,6 +385,30 @@ class RankState(Generic[L]):
                 reason = "cleared by the prefill engine"
         return Verdict(status, self.settled(s), reason), actions
 
+    def plan_next(
+        self, s: SenderState, npages: int, last: bool, now: float
+    ) -> tuple[SendPlan[L] | KvconnError, list[Action]]:
+        """:meth:`poll`, then :meth:`plan_send`, as one stimulus: the poll's
+        actions (a give-up) are the caller's to carry out even when the send
+        is refused (then returned in place of the plan). A sender bound to
+        every decode's request is polled only for a refusal's message: its
+        poll could only cache a verdict that the next poll finds the same,
+        and this is on every chunk."""
+        bound = len(s.legs) >= s.decodes and s.verdict is None
+        polled, actions = (KVPoll.TRANSFERRING, []) if bound else self.poll(s, now)
+        try:
+            return self.plan_send(s, npages, last, polled), actions
+        except KvconnError as exc:
+            if not bound:
+                return exc, actions
+        # Refused: polled after all, for the refusal to say what poll() says.
+        polled, actions = self.poll(s, now)
+        try:
+            self.plan_send(s, npages, last, polled)
+        except KvconnError as exc:
+            return exc, actions
+        raise AssertionError("plan_send refused a send, then took it")  # pragma: no cover
+
     def plan_send(self, s: SenderState, npages: int, last: bool, polled: KVPoll) -> SendPlan[L]:
         """Check the sender's next chunk of ``npages`` pages (``polled``: its
         status just now) and say where each leg's share goes. Raises, and
@@ -393,12 +417,16 @@ class RankState(Generic[L]):
         if s.last_sent:
             raise RoomStateError("its last chunk was sent, no chunk may follow it", room)
         ledger = self.ledger
+        unasked = succeeded = False
         for leg in s.legs:
-            if ledger.entry(leg.key) is not leg.entry:
+            entry = leg.entry
+            if ledger.entry(leg.key) is not entry:
                 raise RoomStateError(
                     "its request is over (the room was cleared, or requested again since this sender began)",
                     room,
                 )
+            unasked = unasked or entry.dst_pages is None
+            succeeded = succeeded or entry.status is KVPoll.SUCCESS
         if s.cleared:
             raise RoomStateError(f"this sender was cleared ({polled.name})", room)
         if s.gave_up:
@@ -408,13 +436,13 @@ class RankState(Generic[L]):
         ):
             # Complete here, and not this sender's: its pages are decode's again.
             raise RoomStateError("complete at this rank: no chunk may follow its last", room)
-        if len(s.legs) < s.decodes or any(leg.entry.dst_pages is None for leg in s.legs):
+        if len(s.legs) < s.decodes or unasked:
             raise RoomStateError(
                 f"not bootstrapped yet ({len(s.legs)} of {s.decodes} decodes requested it; "
                 f"poll() says {polled.name})",
                 room,
             )
-        if any(leg.entry.status is KVPoll.SUCCESS for leg in s.legs):
+        if succeeded:
             # Its last chunk landed and decode was told: the pages are decode's again.
             raise RoomStateError("complete at this rank: no chunk may follow its last", room)
         legs = []

@@ -209,6 +209,13 @@ class PrefillRank(TransferPath):
         self._after(deferred)
         return result
 
+    def commit(self, call: Callable[[RankState[PeerLayout]], list[Action]]) -> None:
+        """:meth:`step` for a stimulus that needs no clock (a send's commit,
+        on every chunk)."""
+        with self._lock:
+            deferred = self._execute(call(self.state))
+        self._after(deferred)
+
     def carry_out(self, actions: Sequence[Action]) -> None:
         """Carry out ``actions`` (with the rank's lock held, as :meth:`step` does)."""
         self._after(self._execute(actions))

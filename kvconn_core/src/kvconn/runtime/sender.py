@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.errors import IncompleteRoomError, PageError, RoomStateError
+from kvconn.errors import IncompleteRoomError, KvconnError, PageError, RoomStateError
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.rank import LegChunk, Verdict
 from kvconn.runtime.layout import EngineLayout, PageLayout
@@ -93,16 +93,16 @@ class Sender:
         """
         if self._state.last_sent:
             raise RoomStateError("its last chunk was sent, no chunk may follow it", self.room)
-        rank = self._rank
-        # Polled first, on its own: a give-up is told even if the send is refused.
-        polled = self.poll()
-        checked = rank.step(
-            lambda state, now: (state.plan_send(self._state, len(src_pages), last, polled), [])
-        )
+        rank, s, npages = self._rank, self._state, len(src_pages)
+        checked = rank.step(lambda state, now: state.plan_next(s, npages, last, now))
+        if isinstance(checked, KvconnError):
+            raise checked
         # Lowered here, on the engine's thread, while the worker writes the
         # previous chunk (1024 scattered pages: ~0.08 ms); a refusal queues nothing.
         work = [self._lowered(leg, checked.index, src_pages, last, extras_slot) for leg in checked.legs]
-        rank.step(lambda state, now: (None, state.commit_send(self._state, checked)))
+        # Committed without a clock reading: one planned-and-polled step, one
+        # commit, where a send took three steps.
+        rank.commit(lambda state: state.commit_send(s, checked))
         for (chunk, segments), leg in zip(work, checked.legs, strict=True):
             # The incarnation tag: a chunk of this request, dequeued after the
             # room id was taken by a newer request, is skipped, not written

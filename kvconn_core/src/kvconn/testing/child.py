@@ -154,8 +154,14 @@ class Child:
             left = deadline - time.monotonic()
             if left <= 0 or (self.proc.poll() is not None and self.events.empty()):
                 code = self.proc.poll()
+                # A child a signal ended says which (a crash: SIGSEGV, SIGBUS).
+                how = (
+                    f"killed by {signal.Signals(-code).name}"
+                    if code is not None and code < 0
+                    else f"exit code {code}"
+                )
                 raise self.failure(
-                    f"{what}: child {self.pid} did not report {describe} within {timeout:.1f} s (exit code {code})"
+                    f"{what}: child {self.pid} did not report {describe} within {timeout:.1f} s ({how})"
                 )
             try:
                 event = self.events.get(timeout=min(left, 0.05))

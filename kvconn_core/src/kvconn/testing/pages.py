@@ -75,10 +75,10 @@ class CanaryPages:
 
     def give_back(self, pages: Iterable[int]) -> None:
         """The engine is done with ``pages``: lay a fresh canary, then free them."""
-        pages = list(pages)
+        pages = sorted(pages)
         pb = self.page_bytes
-        for page in pages:
-            self.region.write(page * pb, canary(pb))
+        for first, count in _runs(pages):  # one write per run of adjacent pages
+            self.region.write(first * pb, canary(count * pb))
         with self._lock:
             self._free.update(pages)
             self._returned.update(pages)
@@ -99,20 +99,46 @@ class CanaryPages:
         data = self.region.read(page * self.page_bytes, self.page_bytes)
         return len(data) - data.count(CANARY)
 
+    def _span(self, pages: Sequence[int]) -> tuple[int, memoryview]:
+        """The bytes of the pages from the lowest to the highest of ``pages``,
+        read at once (a region in another process answers each read)."""
+        lo, hi = min(pages), max(pages)
+        pb = self.page_bytes
+        return lo, memoryview(self.region.read(lo * pb, (hi - lo + 1) * pb))
+
     def changed(self, pages: Iterable[int]) -> list[int]:
         """Those of ``pages`` whose canary changed."""
+        pages = list(pages)
+        if not pages:
+            return []
         want = canary(self.page_bytes)
         pb = self.page_bytes
-        return [p for p in pages if self.region.read(p * pb, pb) != want]
+        lo, data = self._span(pages)
+        return [p for p in pages if data[(p - lo) * pb : (p - lo + 1) * pb] != want]
 
     def wrong_pattern(self, room: int, pages: Sequence[int], ranks: Iterable[int] | None = None) -> list[int]:
         """Those of ``pages`` (the room's, in order) in which a shard of
         ``ranks`` (all) does not hold what that rank writes for ``room``."""
-        bad = []
+        bad: list[int] = []
+        if not pages:
+            return bad
+        lo, data = self._span(pages)
         for i, page in enumerate(pages):
             for rank in range(self.num_ranks) if ranks is None else ranks:
-                got = self.region.read(page * self.page_bytes + rank * self.shard, self.shard)
+                at = (page - lo) * self.page_bytes + rank * self.shard
+                got = data[at : at + self.shard]
                 if got != shard_bytes(room, rank, i, self.shard):
                     bad.append(page)
                     break
         return bad
+
+
+def _runs(pages: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted ``pages`` as (first, count) runs of adjacent pages."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs

@@ -12,7 +12,8 @@ lies to switch on by option.
 
 Options: ``piece_bytes`` (default 65536), ``pace_s`` (sleep per piece,
 default 0), ``memory`` (``dram``; ``vram`` only where declared),
-``lie_delay_s`` (how late a lying backend delivers, default 1.5).
+``lie_delay_s`` (how late a lying backend delivers, default 1.5: a
+resumed fence's rewrite, an outliving helper's replay).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ LIES = {
     "cross_host": "declares cross_host; reaches its peer through this host's /dev/shm only",
     "outlive": "a helper process does the copies and finishes queued ones after the rank died",
     "outlive_detached": "outlive, with a helper in a session of its own (a system daemon)",
+    "fence_idle": "its fence stops nothing; its barrier waits for the copy past the deadline, so a fence after a barrier finds nothing in flight",
     "fence_resume": "after a fence, every chunk posted before it is written again lie_delay_s later (a reconnect retransmitting)",
     "wide": "in a chunk of more than 24 segments, later destinations are off by one row",
     "overrun": "lengths rounded up to 4 KiB: bytes past a segment are overwritten",
@@ -50,6 +52,7 @@ LIES = {
     "cancel": "answers FAILED_SETTLED for a cancel it only requested; the copy goes on",
     "late_landed": "answers LANDED at the deadline, whatever is still in flight",
     "owner_fence": "its owner fence only swaps the metadata: the old shared memory stays the region's",
+    "stray": "after each chunk it writes 8 bytes just past the peer's region, where the region keeps the pointer it reads through: the next read crashes the region's process",
 }
 WIDE_AT = 24
 
@@ -84,9 +87,13 @@ class Region:
     def __init__(self, nbytes: int, lie: str = "honest") -> None:
         self.nbytes = nbytes
         self.lie = lie
-        self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        # stray: the segment's last 8 bytes, past the region, hold where it starts
+        tail = 8 if lie == "stray" else 0
+        self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1) + tail)
         self._buf = self._shm.buf
         self.address, self._anchor = _address(self._buf)  # where a memory=vram region "is"
+        if tail:
+            self._buf[nbytes : nbytes + 8] = self.address.to_bytes(8, "little")
         self.metadata = json.dumps({"shm": self._shm.name, "nbytes": nbytes}).encode()
 
     def owner_fence(self) -> bytes:
@@ -111,6 +118,9 @@ class Region:
         return self.metadata
 
     def read(self, offset: int, nbytes: int) -> bytes:
+        if self.lie == "stray":  # through the pointer it keeps past the region
+            start = int.from_bytes(self._buf[self.nbytes : self.nbytes + 8], "little")
+            return ctypes.string_at(start + offset, nbytes)
         return bytes(self._buf[offset : offset + nbytes])
 
     def write(self, offset: int, data: bytes) -> None:
@@ -127,6 +137,8 @@ class _Job:
     def __init__(self, room: int, pieces: list[tuple[int, int, int]]) -> None:
         self.room = room
         self.pieces = pieces
+        #: stray: (where, from where) 8 bytes are written once the pieces are
+        self.stray: tuple[int, int] | None = None
         self.cancel = threading.Event()
         self.done = threading.Event()
         self.cancelled = False
@@ -160,7 +172,7 @@ class Writer:
         if lie.startswith("outlive"):
             self._src_shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             self._src_buf: Any = self._src_shm.buf
-            self._helper = _Helper(self._src_shm.name, detached=lie == "outlive_detached")
+            self._helper = _Helper(self._src_shm.name, lie == "outlive_detached", options.lie_delay_s)
         else:
             self._src_buf = mmap.mmap(-1, max(nbytes, 1))
         self._src_base, self._src_anchor = _address(self._src_buf)
@@ -210,6 +222,8 @@ class Writer:
             for off in range(0, n, step):
                 pieces.append((self._src_base + src + off, peer.base + dst + off, min(step, n - off)))
         job = _Job(chunk.room, pieces)
+        if self.lie == "stray" and rows:
+            job.stray = (peer.base + peer.nbytes, self._src_base + rows[0][0])
         if aborted:  # settled before a byte was written: the truthful FAILED_SETTLED
             job.cancelled = True
             job.done.set()
@@ -228,6 +242,8 @@ class Writer:
     def on_done_barrier(self, chunk: Chunk, posted: _Job, deadline: float) -> Settlement:
         if self.lie == "cancel" and posted.cancel.is_set():
             return Settlement.FAILED_SETTLED
+        if self.lie == "fence_idle":
+            deadline = max(deadline, time.monotonic() + 10.0)  # drains: true, but no deadline
         if not posted.done.wait(max(0.0, deadline - time.monotonic())):
             return Settlement.LANDED if self.lie == "late_landed" else Settlement.UNSETTLED
         return Settlement.FAILED_SETTLED if posted.cancelled else Settlement.LANDED
@@ -244,6 +260,8 @@ class Writer:
     def on_fence(self) -> bool:
         if self.lie.startswith("outlive"):
             return False  # the helper cannot be fenced: only the rank's exit proves it
+        if self.lie == "fence_idle":
+            return True  # the copy thread runs on
         self._stop()
         if self.lie == "fence_resume" and self._parked:
             # Whether or not a piece had landed before the fence: at the speed
@@ -280,6 +298,8 @@ class Writer:
                 if self.opts.pace_s:
                     time.sleep(self.opts.pace_s)
                 ctypes.memmove(dst, src, n)
+            if job.stray is not None and not job.cancelled:
+                ctypes.memmove(job.stray[0], job.stray[1], 8)
             job.done.set()
         while True:  # posted, never started: settled without a byte written
             try:
@@ -302,9 +322,9 @@ class _Helper:
     rank lives it copies what it is told; once the rank is gone it waits, then
     replays the writes it was given last (a retry of unacknowledged work)."""
 
-    def __init__(self, src_name: str, detached: bool) -> None:
+    def __init__(self, src_name: str, detached: bool, delay_s: float) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconn_liars.helper", src_name],
+            [sys.executable, "-m", "kvconn_liars.helper", src_name, str(delay_s)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -336,6 +356,7 @@ class _Helper:
 
     def close(self) -> None:
         assert self.proc.stdin is not None
+        self.proc.stdin.write("bye\n")  # an orderly close: nothing replayed
         self.proc.stdin.close()
         self.proc.wait(10)
 

@@ -1,7 +1,8 @@
 """The ``outlive`` liar's copy engine: a process of its own that copies what
 the rank tells it (JSON lines on stdin) and answers each job's key when done.
-When its stdin closes (the rank is gone) it waits ``LIE_DELAY_S`` and then
-replays the last jobs it was given, into pages the rank no longer owns."""
+When its stdin closes without a ``bye`` (the rank died) it waits the delay
+it was started with (``lie_delay_s``) and then replays the last jobs it was
+given, into pages the rank no longer owns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import time
 
 from kvconn_liars import _attach
 
-LIE_DELAY_S = 1.5
 REPLAYED = 4
 
 
@@ -21,7 +21,10 @@ def main() -> None:
     recent: list[dict[str, object]] = []
     sys.stdout.write("ready\n")
     sys.stdout.flush()
+    delay_s = float(sys.argv[2])
     for line in sys.stdin:
+        if line.strip() == "bye":
+            return
         job = json.loads(line)
         name = str(job["peer"])
         dst = peers.get(name) or _attach(name)
@@ -31,7 +34,7 @@ def main() -> None:
         recent = [*recent[-(REPLAYED - 1) :], job]
         sys.stdout.write(str(job["key"]) + "\n")
         sys.stdout.flush()
-    time.sleep(LIE_DELAY_S)
+    time.sleep(delay_s)
     for job in recent:
         dst = peers[str(job["peer"])]
         for s, d, n in job["rows"]:  # type: ignore[attr-defined]

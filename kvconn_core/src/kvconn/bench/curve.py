@@ -1,0 +1,134 @@
+"""``kvconn bench --curve rooms|ranks|storm``: kvconn's mode at each point of
+one axis, back to back in one run, and each point's ratios to the first.
+
+* ``rooms``: requests in flight (``--concurrency``), default 8 and 512;
+* ``ranks``: prefill rank processes (``--ranks``), default 2 and 8;
+* ``storm``: the share of requests decode aborts mid-transfer
+  (``--abort-fraction``), default 0.1 and 0.9; the storm's release p99 is
+  also stated against the decode deadline (``--abort-timeout``).
+
+Every other option is the abort bench's, the same at every point: the
+figures differ by the axis alone. The machine's load differs too, which is
+why the points run in one process, one after the other, and the CPU share
+of each is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from rich.console import Console
+from rich.table import Table
+
+from kvconn.bench.mode_result import ModeResult
+from kvconn.bench.workload import ModeRun, Workload, plan
+
+#: Each axis: the Workload field it varies, and its default points.
+AXES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "rooms": ("concurrency", (8, 512)),
+    "ranks": ("ranks", (2, 8)),
+    "storm": ("abort_fraction", (0.1, 0.9)),
+}
+
+
+def points(axis: str, text: str | None) -> list[float]:
+    """The axis' points: ``text`` (comma-separated) or its defaults."""
+    field, default = AXES[axis]
+    if not text:
+        return list(default)
+    cast: Callable[[str], float] = float if field == "abort_fraction" else int
+    values = [cast(x) for x in text.split(",") if x.strip()]
+    if len(values) < 2:
+        raise ValueError(f"--curve-points needs at least two points, got {text!r}")
+    return values
+
+
+def run(
+    args: argparse.Namespace,
+    base: Workload,
+    new_run: Callable[[Workload], ModeRun],
+    window_s: float | None,
+) -> dict[str, Any]:
+    """Run kvconn's mode at every point of ``args.curve``; the report."""
+    field, _ = AXES[args.curve]
+    rows: list[dict[str, Any]] = []
+    for value in points(args.curve, args.curve_points):
+        changes: dict[str, Any] = {field: value if field == "abort_fraction" else int(value)}
+        wl = attrs.evolve(base, **changes)
+        if wl.page_bytes % (8 * wl.ranks):
+            raise ValueError(f"--page-bytes must split evenly over {wl.ranks} ranks (in 8-byte words)")
+        wl = attrs.evolve(wl, pool_pages=max(base.pool_pages, 8 * wl.concurrency * wl.pages))
+        work, stream_rooms = plan(wl)
+        mode = new_run(wl)
+        try:
+            if window_s is None:  # aborts fall within the first point's request latency, at every point
+                window_s = mode.stream(stream_rooms, lambda _: None)["latency_p50_ms"] / 1e3 or 0.01
+            result = mode.run(work, window_s, lambda _: None)
+        finally:
+            mode.close()
+        rows.append(_row(field, value, result))
+    first = rows[0]
+    for row in rows:
+        row["p99_ratio"] = _ratio(row["release_p99_ms"], first["release_p99_ms"])
+        row["throughput_ratio"] = _ratio(row["throughput_gbps"], first["throughput_gbps"])
+        row["p99_vs_timeout"] = row["release_p99_ms"] / (args.abort_timeout * 1e3)
+    return {"curve": args.curve, "axis": field, "window_ms": (window_s or 0.0) * 1e3, "points": rows}
+
+
+def _row(field: str, value: float, r: ModeResult) -> dict[str, Any]:
+    s = r.summary()
+    lat = s["release_latency_ms"]
+    return {
+        field: value,
+        "requests": r.requests,
+        "aborted": r.aborted_mid_transfer + r.prefill_failed,
+        "release_p50_ms": lat.get("p50", 0.0),
+        "release_p99_ms": lat.get("p99", 0.0),
+        "throughput_gbps": s["throughput_gbps"],
+        "violations": len(r.violations),
+        "unreleased_end": r.rooms_unreleased_end,
+        "releases_by_proof": dict(r.releases_by_proof),
+        "cpu": dict(r.cpu),
+    }
+
+
+def _ratio(x: float, base: float) -> float | None:
+    return x / base if base else None
+
+
+def print_report(console: Console, report: dict[str, Any]) -> None:
+    field = report["axis"]
+    table = Table(title=f"kvconn bench --curve {report['curve']} (kvconn's mode, ratios to the first point)")
+    for col in (field, "requests / aborted", "release p50 / p99 ms", "p99 x first", "GB/s", "GB/s x first"):
+        table.add_column(col, justify="right")
+    table.add_column("p99 / timeout", justify="right")
+    table.add_column("violations, unreleased", justify="right")
+    table.add_column("CPU busy / stolen", justify="right")
+    for row in report["points"]:
+        cpu = row["cpu"]
+        table.add_row(
+            f"{row[field]:g}",
+            f"{row['requests']} / {row['aborted']}",
+            f"{row['release_p50_ms']:.2f} / {row['release_p99_ms']:.2f}",
+            _x(row["p99_ratio"]),
+            f"{row['throughput_gbps']:.3f}",
+            _x(row["throughput_ratio"]),
+            f"{row['p99_vs_timeout']:.1e}",
+            f"{row['violations']}, {row['unreleased_end']}",
+            f"{cpu.get('busy', 0):.0f}% / {cpu.get('steal', 0):.0f}%" if cpu else "n/a",
+        )
+    console.print(table)
+    console.print(
+        "goals (issue 35): rooms and ranks, p99 within 2x and throughput within 10% of the first point; "
+        "storm, 0 violations and every room released by proof."
+    )
+
+
+def _x(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
+
+
+__all__ = ["AXES", "points", "print_report", "run"]

@@ -1,0 +1,193 @@
+"""The guard over the whole run: what a check released stays watched until
+the suite ends.
+
+A check that watches released pages for a fixed window can be outwaited by
+a write deferred past it (a helper process, a resumed fence). So every check
+that gets pages back (a room released, a region fenced) hands them to the
+:data:`GUARD` instead of freeing them: the region stays open, the writer of
+a fence stays alive, and the suite's last check
+(``test_nothing_landed_late_in_the_whole_run``) compares every guarded
+region with what it must hold, naming the check that released it.
+
+And where a late writer can be seen directly, it is: this process is made a
+child subreaper, so a process a rank started that outlives it (a daemon in
+a session of its own included) is re-parented here, not to init, and
+:func:`orphans_since` finds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen(eq=False)
+class Guarded:
+    """One region a check gave back, and how to tell whether it still holds
+    what it must."""
+
+    check: str
+    what: str
+    #: "" while it holds what it must, else what changed.
+    diff: Callable[[], str]
+    #: Frees it (and whatever was kept alive for it) at the end of the run.
+    close: Callable[[], None]
+    #: When it was last given back (its guard's age counts from then).
+    since: Callable[[], float]
+
+
+class RunGuard:
+    """The regions guarded until the end of the run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[Guarded] = []
+        #: The check running now (set by the pytest plugin).
+        self.check = "?"
+
+    def keep(
+        self,
+        what: str,
+        diff: Callable[[], str],
+        close: Callable[[], None],
+        since: Callable[[], float] | None = None,
+    ) -> Guarded:
+        if since is None:
+            now = time.monotonic()
+            since = lambda: now  # noqa: E731
+        item = Guarded(self.check, what, diff, close, since)
+        with self._lock:
+            self._kept.append(item)
+        return item
+
+    def discard(self, item: Guarded) -> None:
+        """``item`` needs no guard after all (nothing was released in it)."""
+        with self._lock:
+            if item in self._kept:
+                self._kept.remove(item)
+
+    def kept(self) -> list[Guarded]:
+        with self._lock:
+            return list(self._kept)
+
+    def changed(self) -> list[str]:
+        """What changed in the guarded regions, one line per region."""
+        found = []
+        for item in self.kept():
+            diff = item.diff()
+            if diff:
+                age = time.monotonic() - item.since()
+                found.append(
+                    f"{item.what}, released by {item.check} {age:.1f} s before the end of the run: {diff}"
+                )
+        return found
+
+    def watch(self, min_age_s: float, poll_s: float = 1.0) -> list[str]:
+        """Wait until every guarded region was guarded ``min_age_s``, at
+        least (``Settings.guard_s``; a full run's later checks usually cover
+        it already), checked along the way: the first change ends the wait.
+        What changed, one line per region."""
+        kept = self.kept()
+        deadline = max((item.since() for item in kept), default=0.0) + min_age_s
+        while True:
+            found = self.changed()
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    def close(self) -> None:
+        """Free everything kept, all at once (each may wait on a process)."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+
+        def close(item: Guarded) -> None:
+            with contextlib.suppress(Exception):
+                item.close()
+
+        threads = [threading.Thread(target=close, args=(item,), daemon=True) for item in kept]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        reap_orphans(set())
+
+
+GUARD = RunGuard()
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the one orphans of its descendants are re-parented
+    to (Linux): what a rank started and left behind stays visible here."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _children() -> dict[int, tuple[str, str]]:
+    """This process's children: pid -> (state, cmdline)."""
+    me = os.getpid()
+    found: dict[int, tuple[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        found[int(entry)] = (fields[0], cmdline)
+    return found
+
+
+def children() -> set[int]:
+    return set(_children())
+
+
+def orphans_since(before: set[int], known: set[int]) -> list[str]:
+    """Live children of this process that were not its children in
+    ``before`` and are not ``known`` (processes it started): orphans it
+    adopted ("pid cmdline"). Those that already exited are reaped."""
+    reap_orphans(before | known)
+    return [
+        f"{pid} {cmdline[:120]}"
+        for pid, (state, cmdline) in sorted(_children().items())
+        if pid not in before and pid not in known and state not in ("Z", "X")
+    ]
+
+
+def reap_orphans(keep: set[int]) -> None:
+    """Reap exited adopted orphans (never a pid in ``keep``: a child some
+    ``subprocess.Popen`` of this process waits for)."""
+    for pid, (state, _) in _children().items():
+        if state == "Z" and pid not in keep:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def kill_later(pids: list[int]) -> Callable[[], None]:
+    """A closer that kills ``pids`` (left alive so the guard can see what they write)."""
+
+    def close() -> None:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        reap_orphans(set())
+
+    return close
