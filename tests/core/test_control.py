@@ -150,4 +150,6 @@ def test_a_frame_of_another_wire_version_is_counted_and_logged_with_both_version
         listener.close()
     assert drops == ["bad_version"] * 3 and len(handled) == 1  # the listener goes on for other peers
     warned = [r.getMessage() for r in caplog.records]
-    assert warned == [f"kvconn dropping frames of wire version {ours - 1}: this side speaks wire version {ours}"]
+    assert warned == [
+        f"kvconn dropping frames of wire version {ours - 1}: this side speaks wire version {ours}"
+    ]
