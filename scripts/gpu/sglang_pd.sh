@@ -3,6 +3,7 @@
 # on one GPU host (two GPUs, or one shared with --mem-fraction-static).
 #
 # NOT RUN YET: written on a CPU-only machine; no GPU host with SGLang was lent.
+# docs/sglang.md: the same pair by hand, and what runs on a CPU-only host.
 # The host needs sglang (CUDA build, with sgl_kernel) installed; this script
 # installs only kvconn's packages (editable, no dependencies) next to it.
 #   bash scripts/gpu/sglang_pd.sh      # OUT=/tmp/out, REQUESTS=20, TRANSPORT=nixl

@@ -125,3 +125,31 @@ def test_decode_frees_its_region_at_close_only_with_no_page_held(held: bool) -> 
         assert decode.held_pages() == 2
     decode.close()
     assert region.closed is not held
+
+
+def test_a_frame_of_another_wire_version_is_counted_and_logged_with_both_versions(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older peer's frames are dropped unread: counted as bad_version, and
+    logged once per version with both versions, so the side that dropped
+    them says why its peer got no answer."""
+    ours = wire.VERSION
+    monkeypatch.setattr(wire, "VERSION", ours - 1)
+    older = wire.encode(Abort(1, 2, "tcp://127.0.0.1:1", "x"))
+    monkeypatch.setattr(wire, "VERSION", ours)
+    drops: list[str] = []
+    handled: list[object] = []
+    listener = Listener("v", "127.0.0.1", 0, handled.append, lambda r: drops.append(str(r)))
+    listener.start()
+    try:
+        with caplog.at_level("WARNING", logger="kvconn.runtime.control"):
+            for _ in range(3):
+                listener.deliver(older)
+            listener.deliver(wire.encode(Abort(1, 2, "tcp://127.0.0.1:1", "x")))
+    finally:
+        listener.close()
+    assert drops == ["bad_version"] * 3 and len(handled) == 1  # the listener goes on for other peers
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        f"kvconn dropping frames of wire version {ours - 1}: this side speaks wire version {ours}"
+    ]

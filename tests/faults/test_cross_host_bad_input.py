@@ -1,7 +1,8 @@
 """Bad input across hosts (kvconn.testing.hosts): decode on one host, prefill
 on another. An unreachable rank address, a partitioned rank and mismatched
-HMAC keys each fail the bootstrap with a clear BootstrapError, leave no
-endpoint thread running, and a later bootstrap with the fault gone works.
+HMAC keys and ranks of an older wire version each fail the bootstrap with a
+clear BootstrapError, leave no endpoint thread running, and a later
+bootstrap with the fault gone works.
 (A wrong interface or address for nixl / mooncake is refused by name before
 any engine exists: tests/nixl, tests/mooncake.)"""
 
@@ -17,6 +18,7 @@ import pytest
 from kvconn.config import Config
 from kvconn.errors import BootstrapError
 from kvconn.plugins import get_backend
+from kvconn.protocol import wire
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.testing import hosts
 from kvconn.testing.cluster import Cluster
@@ -105,5 +107,47 @@ def test_mismatched_keys_across_hosts_fail_the_bootstrap(fabric: Fabric) -> None
         for rank in c.ranks:
             assert rank.value("kvconn_dropped_messages_total", reason="bad_mac") >= 1
             assert rank.value("kvconn_messages_total", type="Hello") == 0  # none taken
+    finally:
+        c.close()
+
+
+def test_ranks_of_an_older_wire_version_fail_the_bootstrap_by_name(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks stamp and accept only version N-1: each drops decode's
+    version-N Hellos unread (counted bad_version, logged with both versions),
+    so decode's error names the unanswered ranks and its own version. Their
+    listeners go on: a decode of their version bootstraps and a room lands."""
+    decode, rank_host = fabric["decode"], fabric["prefill0"]
+    ours, older = wire.VERSION, wire.VERSION - 1
+    with decode.entered():
+        c = Cluster(
+            decode_host=decode.ip,
+            rank_host=rank_host.ip,
+            netns=rank_host.netns,
+            bootstrap_timeout_s=1.0,
+            start_decode=False,
+            rank_wire_version=older,
+        )
+    try:
+        before = _threads()
+        with (
+            decode.entered(),
+            pytest.raises(BootstrapError, match=rf"0 of 2 prefill ranks answered.*this side's {ours}") as err,
+        ):
+            c.start_decode()
+        assert _threads() <= before
+        for rank in c.ranks:
+            assert rank.address in str(err.value)
+            assert rank.value("kvconn_dropped_messages_total", reason="bad_version") >= 1
+            assert rank.value("kvconn_messages_total", type="Hello") == 0  # none taken
+        monkeypatch.setattr(wire, "VERSION", older)  # this process now speaks the ranks' version
+        with decode.entered():
+            c.start_decode()
+        rx = c.open(7002, 4)[0]
+        deadline = time.monotonic() + 10
+        while rx.poll().name != "SUCCESS" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx.poll().name == "SUCCESS"
     finally:
         c.close()

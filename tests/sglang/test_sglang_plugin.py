@@ -86,6 +86,38 @@ def test_sglangs_kv_pointers_become_registered_buffers_and_a_layout(sglang_with_
         engine_kv(odd, 2, 1, is_mla=False)
 
 
+def test_decode_kv_args_without_a_head_count_take_the_models(sglang_with_kvconn: Any, tmp_path: Any) -> None:
+    """SGLang 0.5.23's decode builds the manager before it sets
+    ``kv_head_num`` (and sets it only with heterogeneous-TP staging on): the
+    manager reads the model's KV heads, as a real decode server needs."""
+    from kvpool import TOTAL_HEADS
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.server_args import ServerArgs
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=TOTAL_HEADS,
+        num_key_value_heads=TOTAL_HEADS,
+        head_dim=16,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path)
+    server_args = ServerArgs(model_path=str(tmp_path), skip_tokenizer_init=True, device="cpu")
+    pool = Pool(tp_size=1, tp_rank=0, fill=False)
+    args = pool.kv_args(KVArgs)
+    del args.kv_head_num  # as SGLang's decode hands it
+    manager = sglang_with_kvconn.get_kv_class(
+        sglang_with_kvconn.TransferBackend("kvconn"), sglang_with_kvconn.KVClassType.MANAGER
+    )(args, sglang_with_kvconn.DisaggregationMode.DECODE, server_args)
+    try:
+        assert {p.heads for p in manager.engine_kv.layout.buffers} == {TOTAL_HEADS}
+    finally:
+        manager.close()
+
+
 def test_a_receiver_whose_bootstrap_server_does_not_answer_fails_with_the_reason(
     sglang_with_kvconn: Any,
 ) -> None:

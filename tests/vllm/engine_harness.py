@@ -41,14 +41,21 @@ class Engine:
         role: str | None,
         start_timeout_s: float = 240.0,
         builtin: dict[str, Any] | None = None,
+        tp: int = 1,
         **extra: Any,
     ) -> None:
         """``extra``: KvconnConnector's kv_connector_extra_config. ``builtin``:
         instead, the whole kv_transfer_config of one of vLLM's own connectors
-        (with ``env``: environment variables for that engine)."""
+        (with ``env``: environment variables for that engine). ``tp``: tensor
+        parallel size (above 1: one vLLM worker process per rank)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, str(model), role, extra, builtin), daemon=True)
+        self.process = ctx.Process(
+            target=_serve,
+            args=(child, str(model), role, extra, builtin, tp),
+            # A TP engine starts its worker processes: a daemon cannot.
+            daemon=tp == 1,
+        )
         self.process.start()
         child.close()
         self.role = role
@@ -126,15 +133,25 @@ def generate(
 
 # -- the child ------------------------------------------------------------------
 def _serve(
-    conn: Connection, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None
+    conn: Connection,
+    model: str,
+    role: str | None,
+    extra: dict[str, Any],
+    builtin: dict[str, Any] | None,
+    tp: int = 1,
 ) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if tp > 1:
+        # One OpenMP thread per rank: with more, ranks spinning in OpenMP
+        # barriers starve each other on a small machine (a TP-2 engine here
+        # gave no token in 50 s; with one thread, 8 tokens in under 30 s).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if builtin is not None:
         os.environ.update(builtin.pop("env", {}))
     try:
-        child = _Child(model, role, extra, builtin)
+        child = _Child(model, role, extra, builtin, tp)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -144,7 +161,7 @@ def _serve(
 
 class _Child:
     def __init__(
-        self, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None
+        self, model: str, role: str | None, extra: dict[str, Any], builtin: dict[str, Any] | None, tp: int
     ) -> None:
         from vllm import EngineArgs, LLMEngine
         from vllm.config import KVTransferConfig
@@ -159,6 +176,8 @@ class _Child:
             block_size=BLOCK_SIZE,
             enable_prefix_caching=False,
             disable_hybrid_kv_cache_manager=True,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
             kv_transfer_config=(
                 KVTransferConfig(**builtin)
                 if builtin is not None
@@ -176,8 +195,10 @@ class _Child:
         self.added: dict[str, float] = {}
         self.first_token: dict[str, float] = {}
         self.received: dict[str, list[str]] = {}
+        self.received_heads: dict[str, dict[str, str]] = {}
         self.worker = None
-        if role and builtin is None:
+        self.tp = tp
+        if role and builtin is None and tp == 1:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             self.worker = get_kv_transfer_group().worker_side
@@ -207,7 +228,9 @@ class _Child:
             out = results(finished)
             for req_id in out.finished_recving - out.failed_recving:
                 if req_id in recvs:
-                    self.received[req_id] = self.digests(recvs.pop(req_id))
+                    blocks = recvs.pop(req_id)
+                    self.received[req_id] = self.digests(blocks)
+                    self.received_heads[req_id] = head_digests(worker, blocks)
             return out
 
         worker.start, worker.results = watched_start, watched_results
@@ -263,17 +286,17 @@ class _Child:
             "first_token": self.first_token.pop(out.request_id, None),
             "time": time.monotonic(),
         }
-        if (
-            self.worker is not None
-            and out.kv_transfer_params
-            and out.kv_transfer_params.get("do_remote_prefill")
-        ):
+        if out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"):
             # Prefill: its blocks are still held for the send; snapshot them.
             blocks = self.core.scheduler.kv_cache_manager.get_block_ids(internal)[0]
             n = -(-out.kv_transfer_params["remote_num_tokens"] // BLOCK_SIZE)
-            event["blocks"] = self.digests(blocks[:n])
+            if self.worker is not None:
+                event["blocks"] = self.digests(blocks[:n])
+            if self.tp > 1:  # each rank holds its heads, in its own process
+                event["heads"] = self.do_rank_heads(list(blocks[:n]))
         if internal in self.received:
             event["received"] = self.received.pop(internal)
+            event["received_heads"] = self.received_heads.pop(internal)
         self.outputs[out.request_id] = event
 
     # -- commands ---------------------------------------------------------
@@ -338,6 +361,51 @@ class _Child:
 
     def do_fill(self, blocks: list[int], byte: int) -> None:
         self.fill(blocks, byte)
+
+    def do_rank_pids(self) -> list[int]:
+        """The pid of each TP rank's worker process, in rank order."""
+        return list(self.engine.collective_rpc(_rank_pid))
+
+    def do_rank_heads(self, blocks: list[int]) -> dict[str, str]:
+        """head_digests of ``blocks`` over every TP rank (each has its heads)."""
+        merged: dict[str, str] = {}
+        for digests in self.engine.collective_rpc(_rank_head_digests, args=(blocks,)):
+            merged.update(digests)
+        return merged
+
+
+def head_digests(worker: Any, blocks: Any) -> dict[str, str]:
+    """sha256 of each (layer part, block position, global KV head) of
+    ``blocks``: comparable across TP sizes, since rank r of n holds heads
+    r * heads ... of each block (HND: each head's rows contiguous)."""
+    assert worker.layout is not None
+    out = {}
+    for index, part in enumerate(worker.layout.buffers):
+        assert part.order == "HND" and part.heads > 0, part
+        per_head = part.page_bytes // part.heads
+        for position, block in enumerate(blocks):
+            address = worker.buffers[part.buffer].address + part.offset + block * part.stride
+            for head in range(part.heads):
+                data = ctypes.string_at(address + head * per_head, per_head)
+                key = f"{index}/{position}/{worker.tp_rank * part.heads + head}"
+                out[key] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _kvconn_worker_side() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker_side
+
+
+def _rank_pid(_worker: Any) -> int:
+    """Run in each vLLM worker process by collective_rpc."""
+    return os.getpid()
+
+
+def _rank_head_digests(_worker: Any, blocks: list[int]) -> dict[str, str]:
+    """Run in each vLLM worker process by collective_rpc."""
+    return head_digests(_kvconn_worker_side(), blocks)
 
 
 @contextlib.contextmanager

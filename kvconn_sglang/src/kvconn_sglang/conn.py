@@ -59,6 +59,20 @@ class KVConnTransferError(RuntimeError):
         self.is_from_another_rank = is_from_another_rank
 
 
+def _kv_heads_per_rank(args: Any, server_args: Any, tp_size: int) -> int:
+    """The KV heads this rank's pool holds. SGLang 0.5.23's prefill sets
+    ``kv_args.kv_head_num``; its decode sets it only with heterogeneous-TP
+    staging on, and after building the manager: read the model's then."""
+    heads = getattr(args, "kv_head_num", None)
+    if heads:
+        return int(heads)
+    from sglang.srt.configs.model_config import ModelConfig
+
+    total = int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+    # More ranks than heads: SGLang replicates a head on several ranks.
+    return max(1, total // tp_size)
+
+
 def _attention_tp(server_args: Any, engine_rank: int) -> tuple[int, int]:
     tp_size = int(getattr(server_args, "tp_size", 1) or 1)
     if getattr(server_args, "enable_dp_attention", False):
@@ -94,7 +108,8 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         self.backend = get_backend(self.settings.transport)
         tp_size, tp_rank = _attention_tp(server_args, int(args.engine_rank))
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.engine_kv = engine_kv(args, tp_size, tp_rank, bool(is_mla_backend), self.settings.memory)
+        heads = None if is_mla_backend else _kv_heads_per_rank(args, server_args, tp_size)
+        self.engine_kv = engine_kv(args, tp_size, tp_rank, bool(is_mla_backend), self.settings.memory, heads)
         self._lock = threading.Lock()
         #: Aborted rooms whose pages kvconn has not yet released (decode).
         self._held: set[int] = set()

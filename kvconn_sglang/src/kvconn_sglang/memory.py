@@ -36,12 +36,14 @@ class EngineKV:
     layout: KVLayout
 
 
-def engine_kv(kv_args: Any, tp_size: int, tp_rank: int, is_mla: bool, kind: str = "dram") -> EngineKV:
+def engine_kv(
+    kv_args: Any, tp_size: int, tp_rank: int, is_mla: bool, kind: str = "dram", heads: int | None = None
+) -> EngineKV:
     """Buffers and layout of the KV pool described by SGLang's ``kv_args``.
 
     ``tp_size`` / ``tp_rank``: this side's attention tensor parallelism (each
-    rank holds ``kv_args.kv_head_num`` of the heads; with MLA every rank
-    holds the whole latent and ``is_mla`` replicates it).
+    rank holds ``heads`` of the KV heads, by default ``kv_args.kv_head_num``;
+    with MLA every rank holds the whole latent and ``is_mla`` replicates it).
     """
     ptrs: Sequence[int] = list(kv_args.kv_data_ptrs)
     lens: Sequence[int] = list(kv_args.kv_data_lens)
@@ -52,7 +54,7 @@ def engine_kv(kv_args: Any, tp_size: int, tp_rank: int, is_mla: bool, kind: str 
             f"got {len(ptrs)}, {len(lens)}, {len(items)}"
         )
     page_tokens = int(kv_args.page_size)
-    heads = 0 if is_mla else int(kv_args.kv_head_num)
+    heads = 0 if is_mla else int(kv_args.kv_head_num if heads is None else heads)
     parts = []
     for i, (nbytes, item) in enumerate(zip(lens, items, strict=True)):
         if item <= 0 or nbytes < item:

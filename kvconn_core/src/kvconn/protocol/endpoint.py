@@ -33,7 +33,7 @@ from typing import TypeVar
 import attrs
 
 from kvconn.errors import BootstrapError, FinishRefusedError, PageError, RequestError, RoomInUseError
-from kvconn.protocol import drain
+from kvconn.protocol import drain, wire
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
     AckCounted,
@@ -216,8 +216,13 @@ class EndpointState:
         unanswered = self.unanswered(instance)
         if unanswered and timeout_s is not None:
             answered = len(instance.addresses) - len(unanswered)
+            # A rank of another wire version or key drops every Hello unread
+            # and cannot answer: only its own drop counter can tell which.
             raise BootstrapError(
                 f"{answered} of {len(instance.addresses)} prefill ranks answered within {timeout_s} s"
+                f" (unanswered: {', '.join(unanswered)}; a rank that counts Hellos as dropped, "
+                f"bad_version or bad_mac, speaks another wire version than this side's {wire.VERSION} "
+                "or holds another key)"
             )
         if instance.refusals:
             raise BootstrapError("; ".join(f"{a}: {e}" for a, e in instance.refusals.items()))

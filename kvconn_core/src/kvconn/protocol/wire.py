@@ -76,6 +76,7 @@ class FrameError(ValueError):
     def __init__(self, reason: DropReason, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else str(reason))
         self.reason = reason
+        self.detail = detail
 
 
 def encode(message: Message, key: bytes | None = None) -> bytes:

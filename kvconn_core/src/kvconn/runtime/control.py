@@ -52,6 +52,7 @@ class Listener:
         self._on_drop = on_drop
         self._key = key
         self._idle = idle
+        self._versions_seen: set[str] = set()  # wire versions of dropped frames, logged once each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvconn-listen-{name}", daemon=True)
 
@@ -94,6 +95,14 @@ class Listener:
             message = wire.decode(frame, self._key)
         except wire.FrameError as exc:
             self._on_drop(exc.reason)
+            if exc.reason is DropReason.BAD_VERSION and exc.detail not in self._versions_seen:
+                # once per version: a peer of another version sends nothing else
+                self._versions_seen.add(exc.detail)
+                log.warning(
+                    "kvconn dropping frames of wire version %s: this side speaks wire version %d",
+                    exc.detail,
+                    wire.VERSION,
+                )
             return
         try:
             self._handler(message)

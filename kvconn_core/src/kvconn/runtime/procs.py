@@ -17,13 +17,31 @@ def proc_stat(pid: int, task_of: int | None = None) -> tuple[str, int]:
 
     With the pid, the start time names one process for good, so a reused pid
     is not mistaken for it. Raises ``FileNotFoundError`` if no such pid runs.
+
+    The kernel shows the start time shifted by the reader's time namespace
+    boot-time offset: it is taken back off, so that two processes whose
+    clocks disagree (``unshare --time``) still name a process alike.
     """
     path = f"/proc/{pid}/stat" if task_of is None else f"/proc/{task_of}/task/{pid}/stat"
     with open(path, "rb") as f:
         stat = f.read()
     # comm (field 2) may hold spaces and parentheses: fields resume after the last ")"
     fields = stat[stat.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[19])
+    return fields[0].decode(), int(fields[19]) - _boottime_offset_ticks()
+
+
+def _boottime_offset_ticks() -> int:
+    """This process's time namespace boot-time offset, in clock ticks (0
+    where the kernel has no time namespaces)."""
+    try:
+        with open("/proc/self/timens_offsets") as f:
+            for line in f:
+                name, secs, nsecs = line.split()
+                if name == "boottime":
+                    return (int(secs) * 10**9 + int(nsecs)) * os.sysconf("SC_CLK_TCK") // 10**9
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def pid_namespace() -> str:

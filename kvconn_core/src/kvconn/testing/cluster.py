@@ -123,6 +123,7 @@ class Cluster:
         chunk_gap_s: float = 0.0,
         decode_config: Mapping[str, Any] | None = None,
         tracing: bool = False,
+        rank_wire_version: int | None = None,
     ) -> None:
         """``legacy``: the timeout-only mode kvconn is compared with (ranks
         send no acks, decode frees pages at its deadline without proof).
@@ -133,7 +134,9 @@ class Cluster:
         ``decode_config``: more :class:`~kvconn.config.Config` fields, for
         decode only (e.g. ``owner_fence_after_s``).
         ``tracing``: every endpoint traces (``Config.tracing``), each rank
-        process into an in-memory exporter (:meth:`Rank.spans`)."""
+        process into an in-memory exporter (:meth:`Rank.spans`).
+        ``rank_wire_version``: the ranks stamp and accept only this wire
+        version (a peer built before the current one)."""
         self.backend = get_backend(backend)
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -185,6 +188,8 @@ class Cluster:
                     "tracing": tracing,
                     **(rank_args or {}),
                 }
+                if rank_wire_version is not None:
+                    args["wire_version"] = rank_wire_version
                 if rk:
                     assert isinstance(rk, bytes)
                     args["auth_key"] = rk.hex()

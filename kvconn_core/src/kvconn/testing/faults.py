@@ -238,6 +238,11 @@ def main() -> None:
 
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
     args = load_args(sys.argv[1])
+    if "wire_version" in args:
+        from kvconn.protocol import wire
+
+        # An older peer: its frames carry that version, and it takes no other.
+        wire.VERSION = int(args["wire_version"])
     if args.get("tracing"):
         from kvconn.testing.tracing import finished_spans, memory_exporter
 
