@@ -16,7 +16,7 @@ acks' connections drained) and carries out the returned actions. It decides:
   and each request's verdict (SUCCESS once every rank reported every chunk
   landed, FAILED otherwise; final);
 * the owner fence (when: :class:`~kvconn.protocol.owner_fence.OwnerFencePolicy`;
-  what it proves and costs: the ``OwnerFenceDone`` handler).
+  what it proves and costs: :func:`~kvconn.protocol.owner_fence.owner_fenced`).
 
 It never frees a page on its own account: pages leave only through the
 tracker's :class:`~kvconn.protocol.hold.Release`, which names its proof.
@@ -33,7 +33,7 @@ from typing import TypeVar
 import attrs
 
 from kvconn.errors import BootstrapError, FinishRefusedError, PageError, RequestError, RoomInUseError
-from kvconn.protocol import drain, wire
+from kvconn.protocol import drain, liveness, wire
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
     AckCounted,
@@ -66,7 +66,13 @@ from kvconn.protocol.messages import (
     RoomStatus,
     TransferRequest,
 )
-from kvconn.protocol.owner_fence import OwnerFenced, OwnerFenceDone, OwnerFenceError, OwnerFencePolicy
+from kvconn.protocol.owner_fence import (
+    OwnerFenced,
+    OwnerFenceDone,
+    OwnerFenceError,
+    OwnerFencePolicy,
+    owner_fenced,
+)
 
 _R = TypeVar("_R", AbortAck, RoomStatus)
 
@@ -171,7 +177,7 @@ class EndpointState:
 
     def owed(self) -> frozenset[WriterIdentity]:
         """The writers held rooms wait for (an exit check looks these up)."""
-        return frozenset(w for _, w, _ in self._owed())
+        return frozenset(w for _, w, _ in liveness.owed(self))
 
     def probes(self, now: float) -> Probes:
         """What a :class:`Tick` at ``now`` needs looked up."""
@@ -454,7 +460,7 @@ class EndpointState:
             actions += self._exits(event.gone, event.peers_drained, now)
         if self.ranks and now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_interval_s
-            actions += self._heartbeat(event.gone, now)
+            actions += liveness.heartbeat(self, event.gone, now)
         actions += self._expire(now)
         if self.owner_fence.enabled:
             fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
@@ -467,27 +473,7 @@ class EndpointState:
 
     @handle.register
     def _(self, event: OwnerFenceDone, now: float) -> list[Action]:
-        """Nothing sent to the old metadata can land: rooms in flight fail and,
-        with the held ones, are released. A new name makes every rank connect
-        anew with the new metadata (docs/multi-host.md); each is down until it
-        answers the new Hello, which its channel delivers before any request."""
-        actions: list[Action] = []
-        failed = 0
-        for request in list(self.requests.values()):
-            if request.verdict is not KVPoll.SUCCESS and not request.aborted:
-                failed += 1
-                actions.append(RoomFailed(request.room, "owner_fence"))
-                actions += self._fail_and_abort(request, "decode fenced as the page owner", now)
-        released = [a for a in self.carry(self.tracker.owner_fenced(now)) if isinstance(a, Release)]
-        self.draining.clear()
-        self.owner_fence.ended(ok=True)
-        self.name = self.tracker.decode = f"{self._first_name}.f{self.owner_fence.ok}"
-        self.metadata = event.metadata
-        for rank in sorted(self.ranks):
-            self.down.setdefault(rank, "re-bootstrapping after the owner fence")
-            actions.append(Send(self.writers[rank].address, self._hello(self._rank_of[rank][0]), rank))
-        pages = sum(len(r.pages) for r in released)
-        return [*actions, *released, OwnerFenced(True, len(released), pages, failed, self.name)]
+        return owner_fenced(self, event.metadata, now)
 
     @handle.register
     def _(self, event: OwnerFenceError, now: float) -> list[Action]:
@@ -532,48 +518,8 @@ class EndpointState:
             counted.append(AckCounted(ack.rank, None if held_since is None else now - held_since))
         return counted + self.carry(actions)
 
-    def _owed(self) -> list[tuple[int, WriterIdentity, int]]:
-        """(rank, writer, room) for every held or quarantined room's unproven
-        writers: each room's own (a process restarted at a rank's address
-        proves nothing for the rooms the earlier one was asked to write)."""
-        owed = []
-        for room in self.tracker.rooms_in(HoldState.HELD) + self.tracker.rooms_in(HoldState.QUARANTINED):
-            request = self.requests.get(room)
-            for rank in self.tracker.ranks_of(room):
-                writer = request.writers[rank] if request is not None else self.writers[rank]
-                owed.append((rank, writer, room))
-        return owed
-
     def _exits(self, gone: frozenset[WriterIdentity], peers_drained: bool, now: float) -> list[Action]:
-        """Release held rooms whose writer processes are proven gone, once
-        nothing they sent can still arrive."""
-        if not gone or not peers_drained:
-            return []
-        rooms: dict[tuple[int, WriterIdentity], list[int]] = {}
-        for rank, writer, room in self._owed():
-            if writer in gone:
-                rooms.setdefault((rank, writer), []).append(room)
-        actions: list[Action] = []
-        for (rank, _), held in rooms.items():
-            actions += self.carry(self.tracker.writer_exited(rank, now, frozenset(held)))
-        return actions
-
-    def _heartbeat(self, gone: frozenset[WriterIdentity], now: float) -> list[Action]:
-        """Hello every rank again (its answer proves it alive and names its
-        session); a rank silent past peer_timeout_s, or whose process is
-        proven gone, is down."""
-        actions: list[Action] = []
-        for rank in sorted(self.ranks):
-            writer = self.writers[rank]
-            actions.append(Send(writer.address, self._hello(self._rank_of[rank][0]), rank))
-            if rank in self.down:
-                continue
-            if writer in gone:
-                actions += self._rank_down(rank, "exited", f"its process (pid {writer.pid}) exited", now)
-            elif now - self._heard[rank] > self.peer_timeout_s:
-                silent = f"no answer for {now - self._heard[rank]:.1f} s"
-                actions += self._rank_down(rank, "silent", silent, now)
-        return actions
+        return liveness.exits(self, gone, peers_drained, now)
 
     def _rank_down(self, rank: int, cause: str, reason: str, now: float) -> list[Action]:
         self.down[rank] = reason

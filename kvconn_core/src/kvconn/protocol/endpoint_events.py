@@ -11,7 +11,6 @@ from kvconn.protocol.drops import DropReason
 from kvconn.protocol.hold import Quarantine, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import AbortAck, Hello, HelloAck, Message
-from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenced, OwnerFenceDone, OwnerFenceError
 
 
 @attrs.frozen(slots=True)
@@ -69,6 +68,49 @@ class Instance:
     #: While bootstrapping: identities by the rank's own rank, refusals by address.
     answers: dict[int, WriterIdentity] = attrs.Factory(dict)
     refusals: dict[str, str] = attrs.Factory(dict)
+
+
+# -- the owner fence: its action, the runtime's answers and its report (policy: owner_fence.py)
+@attrs.frozen(slots=True)
+class FenceAsOwner:
+    """Fence the region as its owner (``kvconn.transport.owner_fence``) and
+    answer :class:`OwnerFenceDone` with its new metadata, or
+    :class:`OwnerFenceError`. ``rooms`` are the rooms quarantined past the
+    age (what the fence is for; it proves every room of the endpoint)."""
+
+    rooms: tuple[int, ...]
+    pages: int
+
+
+@attrs.frozen(slots=True)
+class OwnerFenceDone:
+    """The owner fence happened: nothing sent to the old metadata can land;
+    ``metadata`` is the region's new one."""
+
+    metadata: bytes
+
+
+@attrs.frozen(slots=True)
+class OwnerFenceError:
+    """The owner fence did not happen (``OwnerFenceFailed`` or anything else
+    raised): nothing is proven."""
+
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class OwnerFenced:
+    """How a fence ended, for the log and the metrics: ``rooms`` and ``pages``
+    released by it (none when it failed), ``failed`` in-flight rooms it
+    failed, ``name`` the endpoint's name from now on (its ranks re-bootstrap
+    under it)."""
+
+    ok: bool
+    rooms: int = 0
+    pages: int = 0
+    failed: int = 0
+    name: str = ""
+    reason: str = ""
 
 
 # -- stimuli that are not messages ---------------------------------------------

@@ -22,51 +22,24 @@ the fence done (:class:`OwnerFenceDone`); a failed one
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
+from kvconn.protocol.endpoint_events import (
+    Action,
+    FenceAsOwner,
+    OwnerFenced,
+    OwnerFenceDone,
+    OwnerFenceError,
+    RoomFailed,
+    Send,
+)
+from kvconn.protocol.hold import Release
+from kvconn.protocol.ledger import KVPoll
 
-# -- the action and its answers ---------------------------------------------------
-@attrs.frozen(slots=True)
-class FenceAsOwner:
-    """Fence the region as its owner (``kvconn.transport.owner_fence``) and
-    answer :class:`OwnerFenceDone` with its new metadata, or
-    :class:`OwnerFenceError`. ``rooms`` are the rooms quarantined past the
-    age (what the fence is for; it proves every room of the endpoint)."""
-
-    rooms: tuple[int, ...]
-    pages: int
-
-
-@attrs.frozen(slots=True)
-class OwnerFenceDone:
-    """The owner fence happened: nothing sent to the old metadata can land;
-    ``metadata`` is the region's new one."""
-
-    metadata: bytes
-
-
-@attrs.frozen(slots=True)
-class OwnerFenceError:
-    """The owner fence did not happen (``OwnerFenceFailed`` or anything else
-    raised): nothing is proven."""
-
-    reason: str
-
-
-@attrs.frozen(slots=True)
-class OwnerFenced:
-    """How a fence ended, for the log and the metrics: ``rooms`` and ``pages``
-    released by it (none when it failed), ``failed`` in-flight rooms it
-    failed, ``name`` the endpoint's name from now on (its ranks re-bootstrap
-    under it)."""
-
-    ok: bool
-    rooms: int = 0
-    pages: int = 0
-    failed: int = 0
-    name: str = ""
-    reason: str = ""
+if TYPE_CHECKING:
+    from kvconn.protocol.endpoint import EndpointState
 
 
 # -- the policy -----------------------------------------------------------------
@@ -122,4 +95,36 @@ class OwnerFencePolicy:
             self.failed += 1
 
 
-__all__ = ["FenceAsOwner", "OwnerFenceDone", "OwnerFenceError", "OwnerFencePolicy", "OwnerFenced"]
+__all__ = [
+    "FenceAsOwner",
+    "OwnerFenceDone",
+    "OwnerFenceError",
+    "OwnerFencePolicy",
+    "OwnerFenced",
+    "owner_fenced",
+]
+
+
+# -- what a fence that happened proves and costs ------------------------------------
+def owner_fenced(state: EndpointState, metadata: bytes, now: float) -> list[Action]:
+    """Nothing sent to the old metadata can land: rooms in flight fail and,
+    with the held ones, are released. A new name makes every rank connect
+    anew with the new metadata (docs/multi-host.md); each is down until it
+    answers the new Hello, which its channel delivers before any request."""
+    actions: list[Action] = []
+    failed = 0
+    for request in list(state.requests.values()):
+        if request.verdict is not KVPoll.SUCCESS and not request.aborted:
+            failed += 1
+            actions.append(RoomFailed(request.room, "owner_fence"))
+            actions += state._fail_and_abort(request, "decode fenced as the page owner", now)
+    released = [a for a in state.carry(state.tracker.owner_fenced(now)) if isinstance(a, Release)]
+    state.draining.clear()
+    state.owner_fence.ended(ok=True)
+    state.name = state.tracker.decode = f"{state._first_name}.f{state.owner_fence.ok}"
+    state.metadata = metadata
+    for rank in sorted(state.ranks):
+        state.down.setdefault(rank, "re-bootstrapping after the owner fence")
+        actions.append(Send(state.writers[rank].address, state._hello(state._rank_of[rank][0]), rank))
+    pages = sum(len(r.pages) for r in released)
+    return [*actions, *released, OwnerFenced(True, len(released), pages, failed, state.name)]
