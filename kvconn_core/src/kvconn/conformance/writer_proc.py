@@ -8,11 +8,17 @@ a round is ``{"peer": NAME, "segments": [[src, dst, nbytes], ...], "steps":
 
 ``wait``     read a line from stdin (the parent says go);
 ``connect``  read a line, the peer's new metadata (hex): a decode restart;
+``fill``     fill the source with the round's pattern (else ``post`` does);
 ``post``     fill the source with the round's pattern and ``on_post``;
 ``abort``    ``on_abort_notification`` for the round's room (a cancel);
 ``barrier``  ``on_done_barrier`` (deadline fixed before ``post``);
 ``fence``    ``on_fence``;
 ``freeze``   SIGSTOP this whole process, right after the step before.
+
+A ``post`` whose ``on_post`` raised reports the error, and the round's
+``barrier`` then answers :data:`POST_RAISED` without calling the hook (a
+writer whose peer was fenced as owner may raise: the runtime would poison
+the room, and nothing of it may land).
 
 ``freeze`` is the suite's gate on the transport's in-flight bytes: the
 process stops within microseconds of the hook's answer, every thread with
@@ -37,6 +43,9 @@ from kvconn.protocol.messages import Abort
 from kvconn.testing.child import emit, load_args, stop_self
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Settlement
+
+#: A barrier's answer after its round's ``on_post`` raised.
+POST_RAISED = "post_raised"
 
 DECODE = "conformance-decode"
 
@@ -67,18 +76,31 @@ def main() -> None:
             chunk = Chunk(i, 0, True, 0, spec.get("peer", "a"), (), ())
             posted: object = None
             deadline = 0.0
+            filled = False
+            post_failed = ""
             for step in spec["steps"]:
                 event: dict[str, Any] = {"event": step, "round": i}
                 if step == "wait" and not sys.stdin.readline():
                     return
                 if step == "connect":
                     writer.connect(chunk.peer, bytes.fromhex(sys.stdin.readline().strip()))
-                elif step == "post":
+                elif step == "fill":
                     fill(writer, i, rows)
+                    filled = True
+                elif step == "post":
+                    if not filled:
+                        fill(writer, i, rows)
                     deadline = time.monotonic() + timeout
-                    posted = pm.hook.on_post(chunk=chunk, segments=SegmentTable(rows))
+                    try:
+                        posted = pm.hook.on_post(chunk=chunk, segments=SegmentTable(rows))
+                    except Exception as exc:  # the runtime poisons the room; the suite reads the answer
+                        event["error"] = f"{type(exc).__name__}: {exc}"
+                        post_failed = event["error"]
                 elif step == "abort":
                     pm.hook.on_abort_notification(abort=Abort(i, 1, DECODE, "conformance"), known=True)
+                elif step == "barrier" and post_failed:
+                    event["settlement"] = POST_RAISED
+                    event["error"] = post_failed
                 elif step == "barrier":
                     settlement = pm.hook.on_done_barrier(chunk=chunk, posted=posted, deadline=deadline)
                     value = settlement.value if isinstance(settlement, Settlement) else repr(settlement)
