@@ -21,8 +21,8 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip
-"${PIP[@]}" -e './kvconn_core[test,plot,trace]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./kvconn_vllm -e ./examples/kvconn-tcpdemo \
-    pytest-timeout numpy ruff mypy
+"${PIP[@]}" -e './kvconn_core[test,plot,trace]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./kvconn_vllm -e ./kvconn_sglang \
+    -e ./examples/kvconn-tcpdemo pytest-timeout pytest-xdist numpy ruff mypy
 # nixl 1.5.1 declares torch and CUDA wheels it does not need at run time on
 # DRAM: install its two wheels alone (kvconn_nixl's README explains).
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
@@ -31,7 +31,11 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/ruff check .
 .venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src \
     kvconn_sglang/src kvconn_vllm/src
-.venv/bin/python -m pytest -m "not slow" --durations=15 --ignore=tests/sglang --ignore=tests/vllm "$@"
+# Two workers, a test file each at a time (-n 2 --dist loadfile): most of
+# the suite waits on processes, sockets and watch windows, so two share two
+# cores well (13 min against 30 serially on the 2-core VM).
+.venv/bin/python -m pytest -n "${KVCONN_TEST_WORKERS:-2}" --dist loadfile -m "not slow" --durations=15 \
+    --ignore=tests/sglang --ignore=tests/vllm "$@"
 
 # The SGLang adapter's tests run in their own venv (SGLang pins a CUDA torch).
 bash scripts/setup-sglang-venv.sh .venv-sglang

@@ -16,7 +16,8 @@ CORE = Path(__file__).resolve().parents[2] / "kvconn_core"
 SRC = CORE / "src" / "kvconn"
 
 #: Imported only behind a guard that names the extra to install (bench --plot).
-OPTIONAL = {"matplotlib": "plot"}
+#: Modules only an extra installs: module -> (extra, the distribution that brings it).
+OPTIONAL = {"matplotlib": ("plot", "matplotlib"), "opentelemetry": ("trace", "opentelemetry_api")}
 
 
 def run_cli_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -107,8 +108,8 @@ def test_every_module_kvconn_core_imports_is_installed_with_it() -> None:
             imported.setdefault(name, []).append(str(path.relative_to(SRC)))
     missing = {n: where for n, where in imported.items() if n not in required and n not in OPTIONAL}
     assert not missing, f"imported by kvconn-core but not in its dependencies: {missing}"
-    for module, extra in OPTIONAL.items():
-        assert module in declared(extras[extra]), (module, extra)
+    for module, (extra, distribution) in OPTIONAL.items():
+        assert distribution in declared(extras[extra]), (module, extra)
 
 
 def kvconn(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:

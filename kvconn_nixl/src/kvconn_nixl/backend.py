@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 POLL_SLEEP_S = 0.0001
 #: While polling hot, yield the GIL once in this many polls (see on_done_barrier).
 YIELD_EVERY = 64
+#: How long a barrier past its deadline polls a copy cma already made in
+#: transfer() for completion (not the transfer itself: without a fence it
+#: must not be driven any further).
+PAST_DEADLINE_POLL_S = 0.005
 
 
 class NixlRegion:
@@ -259,6 +263,16 @@ class NixlWriter:
             raise RuntimeError("nixl transfer() returned ERR")
         return Posted((key,), generation, nbytes)
 
+    def _done_soon(self, agent: Any, keys: Sequence[int]) -> bool:
+        """Whether every handle is DONE within a few polls: a copy cma made
+        inside transfer() completes only as UCX progresses, which a poll does
+        (one poll was not always enough: the request was still in progress)."""
+        give_up = time.monotonic() + PAST_DEADLINE_POLL_S
+        while not self._all_done(agent, keys):
+            if time.monotonic() >= give_up:
+                return False
+        return True
+
     def _all_done(self, agent: Any, keys: Sequence[int]) -> bool:
         for key in keys:
             handle = self._handles.get(key)
@@ -286,7 +300,7 @@ class NixlWriter:
             # up without progressing the transfer any further. Over cma,
             # transfer() copied in this thread before it returned: a handle
             # already DONE landed, and saying so spares a fence nobody has.
-            if not self.options.fence_proven and self._all_done(agent, posted.keys):
+            if not self.options.fence_proven and self._done_soon(agent, posted.keys):
                 for key in posted.keys:
                     self._release(key)
                 return Settlement.LANDED
