@@ -82,6 +82,16 @@ class Prometheus:
             )
             time.sleep(0.1)
 
+    def wait_scraping(self, targets: int, timeout: float) -> None:
+        """Until every target was scraped once (``up`` exists for it, 0 while
+        nothing listens there): Prometheus hands its scrape loops their
+        targets only some seconds after it is ready, and a short bench
+        started at once had ended before its first scrape."""
+        deadline = time.monotonic() + timeout
+        while len(self.query('up{job="kvconn"}')) < targets:
+            assert time.monotonic() < deadline, f"prometheus scraped no target in {timeout} s"
+            time.sleep(0.2)
+
     def query(self, expr: str) -> list[dict[str, Any]]:
         body = get(self.base + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
         assert body["status"] == "success", body
@@ -167,15 +177,17 @@ def free_ports(n: int) -> int:
 def test_prometheus_scrapes_a_running_kvconn_bench(prometheus_binary: str, tmp_path: Path) -> None:
     """``kvconn bench --metrics-port P`` serves its decode endpoint on P and
     each prefill rank on P+1+r while its modes run; Prometheus scrapes them
-    (every 500 ms; its workload phase lasts seconds) and keeps what it saw after the run."""
+    (every 200 ms, from before the bench starts) and keeps what it saw after
+    the run."""
     ranks = 2
     base = free_ports(1 + ranks)
-    server = Prometheus(prometheus_binary, list(range(base, base + 1 + ranks)), tmp_path, "500ms")
+    server = Prometheus(prometheus_binary, list(range(base, base + 1 + ranks)), tmp_path, "200ms")
     try:
         server.wait_ready(60)
+        server.wait_scraping(1 + ranks, 60)
         bench = subprocess.run(
             [sys.executable, "-m", "kvconn.cli", "bench", "--modes", "kvconn", "--faults", "off",
-             "--requests", "600", "--stream-requests", "20", "--ranks", str(ranks),
+             "--requests", "3000", "--stream-requests", "20", "--ranks", str(ranks),
              "--metrics-port", str(base), "--no-progress", "--json", str(tmp_path / "bench.json")],
             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
