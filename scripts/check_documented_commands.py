@@ -17,6 +17,9 @@ from the copy's root, after the command lines (which install kvconn).
 It must exit 0 and print no traceback. A block that cannot run here says
 why on the line just above its fence, ``<!-- not run: REASON -->`` (a GPU
 it needs, an API summary with ``...`` in it); the listing shows each one.
+A block that needs an extra of a distribution of this checkout says so the
+same way, ``<!-- needs: ./kvconn_core[trace] -->``: the check pip-installs
+that (as the document tells its reader to) before the block runs.
 
 Usage: python3 scripts/check_documented_commands.py [--keep DIR] [--list]
 Exit 1 if any line failed; prints each line's time and the total.
@@ -58,6 +61,7 @@ SNIPPET_DOCUMENTS = tuple(
     )
 )
 _NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.+?)\s*-->$")
+_NEEDS = re.compile(r"^<!--\s*needs:\s*(\./[\w./-]+\[[\w,]+\])\s*-->$")
 #: A snippet runs endpoints on loopback: seconds.
 PER_SNIPPET_TIMEOUT_S = 120
 
@@ -106,6 +110,7 @@ class Snippet:
     source: str  # file:line of the opening fence
     code: str
     not_run: str | None  # the reason its document gives, or None: it runs
+    needs: str | None = None  # an extra of this checkout's to install first (./dist[extra])
 
 
 def documented_snippets() -> Iterator[Snippet]:
@@ -125,10 +130,12 @@ def documented_snippets() -> Iterator[Snippet]:
                 end += 1
             if fence[3:].strip() == "python":
                 above = _NOT_RUN.match(lines[number - 1].strip()) if number else None
+                needs = _NEEDS.match(lines[number - 1].strip()) if number else None
                 yield Snippet(
                     f"{name}:{number + 1}",
                     "\n".join(lines[number + 1 : end]) + "\n",
                     above.group(1) if above else None,
+                    needs.group(1) if needs else None,
                 )
             number = end + 1
 
@@ -288,6 +295,14 @@ def main() -> int:
             if snippet.not_run is not None:
                 continue
             t0 = time.monotonic()
+            if snippet.needs is not None:
+                subprocess.run(
+                    [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", snippet.needs],
+                    cwd=checkout,
+                    env=env,
+                    check=True,
+                    timeout=PER_COMMAND_TIMEOUT_S,
+                )
             code, output = run_snippet(snippet, str(venv / "bin" / "python"), checkout, env)
             print(
                 f"[{'ok' if code == 0 else 'FAILED'} {time.monotonic() - t0:6.1f} s] snippet {snippet.source}"
