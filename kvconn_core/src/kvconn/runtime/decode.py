@@ -30,17 +30,16 @@ from kvconn.protocol.endpoint_events import (
     Action,
     ExitsProbed,
     Instance,
-    Request,
     Tick,
 )
 from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
 from kvconn.protocol.hold import HoldState, HoldTracker, Proof, Release
-from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import AbortAck, Hello, Message
 from kvconn.protocol.owner_fence import OwnerFencePolicy
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.decode_actions import Carrier
 from kvconn.runtime.procs import WriterIdentity, pid_namespace, proven_gone
+from kvconn.runtime.receiver import Receiver
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends
 from kvconn.runtime.tracing import decode_tracer
 from kvconn.transport import Backend, PageRegion, capabilities_of, owner_fence, register_region
@@ -454,71 +453,6 @@ class DecodeEndpoint:
 
     def _count_drop(self, reason: DropReason) -> None:
         self.metrics.dropped.labels(reason).inc()
-
-
-class Receiver:
-    """The engine's handle on one request for a room at decode (like
-    SGLang's KVReceiver).
-
-    It belongs to its own request: once the room id is reused by a newer
-    request, this handle's ``abort()`` does nothing, its ``poll()`` keeps its
-    own verdict and its ``finish()`` raises, never acting on the newer one.
-    """
-
-    def __init__(self, endpoint: DecodeEndpoint, request: Request) -> None:
-        self._endpoint = endpoint
-        self._request = request
-        self.room = request.room
-
-    def poll(self) -> KVPoll:
-        """TRANSFERRING until every rank reported every chunk landed
-        (SUCCESS) or the room failed (FAILED); then that, for good, except
-        that abort() makes it FAILED (for good)."""
-        with self._endpoint._lock:
-            return self._request.poll()
-
-    def failure(self) -> str | None:
-        """Why the room failed, as a rank or this endpoint said (None: no
-        reason given, or not failed)."""
-        with self._endpoint._lock:
-            return self._request.failure
-
-    def abort(self) -> None:
-        """Give the room up. Its pages come back through ``on_release`` once
-        proven free (at once if every rank already completed). Does nothing
-        once the pages are the engine's (after finish()) or already on their
-        way back."""
-        ep = self._endpoint
-        with ep._lock:
-            now = ep.clock()
-            actions = ep._state.abort(self._request, now)
-            if actions:  # this request's own: a handle on an earlier one changes nothing
-                ep._tracer.aborted(self.room)
-            releases = ep._run(actions, now)
-        ep._notify(releases)
-
-    def finish(self) -> tuple[int, ...]:
-        """Take a completed room's pages (poll() said SUCCESS). Raises
-        :class:`~kvconn.errors.FinishRefusedError` (a
-        :class:`~kvconn.errors.RoomStateError` and a ValueError) if it is not
-        completed, was aborted, or was finished already."""
-        with self._endpoint._lock:
-            pages = self._endpoint._state.finish(self._request)
-            self._endpoint._tracer.finished(self.room)
-            return pages
-
-    @property
-    def draining(self) -> bool:
-        """The room failed because an instance drains (its prefill rank, or
-        this endpoint): route the request elsewhere or recompute it, it is
-        no fault (reasons: ``kvconn.protocol.drain.DRAIN_REASONS``)."""
-        with self._endpoint._lock:
-            return self._request.failure in drain.DRAIN_REASONS
-
-    def state(self) -> HoldState | None:
-        """Where the room's pages are (None: back with the engine)."""
-        with self._endpoint._lock:
-            return self._endpoint._state.hold_state(self._request)
 
 
 __all__ = ["BootstrapError", "DecodeEndpoint", "Proof", "Receiver", "Release", "WriterIdentity"]
