@@ -23,6 +23,7 @@ from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.testing import hosts
 from kvconn.testing.cluster import Cluster
 from kvconn.testing.hosts import Fabric
+from kvconn.testing.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavailable() or "n/a")
 
@@ -78,10 +79,7 @@ def test_a_partitioned_rank_fails_the_bootstrap_and_a_healed_one_passes(fabric: 
         with decode.entered():
             c.start_decode()
         rx = c.open(7001, 4)[0]
-        deadline = time.monotonic() + 10
-        while rx.poll().name != "SUCCESS" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert rx.poll().name == "SUCCESS"
+        wait_for(lambda: rx.poll().name == "SUCCESS", 10, "a room lands after the bootstrap", poll=0.01)
     finally:
         c.close()
 
@@ -145,9 +143,6 @@ def test_ranks_of_an_older_wire_version_fail_the_bootstrap_by_name(
         with decode.entered():
             c.start_decode()
         rx = c.open(7002, 4)[0]
-        deadline = time.monotonic() + 10
-        while rx.poll().name != "SUCCESS" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert rx.poll().name == "SUCCESS"
+        wait_for(lambda: rx.poll().name == "SUCCESS", 10, "a room lands after the bootstrap", poll=0.01)
     finally:
         c.close()

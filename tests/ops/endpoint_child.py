@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 from kvconn.config import Config
 from kvconn.metrics import serve_metrics
@@ -18,16 +17,9 @@ from kvconn.plugins import get_backend
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.waiting import wait_for
 
 PAGE_BYTES = 4096
-
-
-def wait(cond: object, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise SystemExit(f"child: {what} did not happen within {timeout} s")
-        time.sleep(0.002)
 
 
 def main() -> None:
@@ -41,15 +33,22 @@ def main() -> None:
     try:
         rx = decode.receiver(1, tuple(range(pages)))
         sender = rank.sender(1)
-        wait(lambda: sender.poll() >= KVPoll.WAITING_FOR_INPUT, "the request reaching the rank")
+        wait_for(
+            lambda: sender.poll() >= KVPoll.WAITING_FOR_INPUT, 20, "the request reaching the rank", poll=0.002
+        )
         for page in range(pages):
             sender.send([page], last=page == pages - 1)
-        wait(lambda: rx.poll() is KVPoll.SUCCESS, "room 1 landing")
+        wait_for(lambda: rx.poll() is KVPoll.SUCCESS, 20, "room 1 landing", poll=0.002)
         rx.finish()
         aborted = decode.receiver(2, (pages, pages + 1))
-        wait(lambda: rank.sender(2).poll() >= KVPoll.WAITING_FOR_INPUT, "room 2 reaching the rank")
+        wait_for(
+            lambda: rank.sender(2).poll() >= KVPoll.WAITING_FOR_INPUT,
+            20,
+            "room 2 reaching the rank",
+            poll=0.002,
+        )
         aborted.abort()
-        wait(lambda: decode.held_pages() == 0, "room 2's release")
+        wait_for(lambda: decode.held_pages() == 0, 20, "room 2's release", poll=0.002)
         print(json.dumps({"port": server.port}), flush=True)
         sys.stdin.read()  # serve until the parent closes our stdin
     finally:

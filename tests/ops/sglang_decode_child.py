@@ -15,23 +15,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
+from kvconn.testing.waiting import wait_for
 from kvconn_sglang.metrics import MULTIPROC_ENV, Relay
 
 PAGE_BYTES = 4096
-
-
-def wait(cond: object, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise SystemExit(f"child: {what} did not happen within {timeout} s")
-        time.sleep(0.002)
 
 
 def main() -> None:
@@ -59,10 +51,10 @@ def main() -> None:
     relay = Relay(lambda: [("decode-0", decode.metrics)], interval_s=0.2)
     try:
         rx = decode.receiver(1, (0, 1, 2))
-        wait(lambda: rx.poll() is KVPoll.SUCCESS, "room 1 landing")
+        wait_for(lambda: rx.poll() is KVPoll.SUCCESS, 20, "room 1 landing", poll=0.002)
         rx.finish()
         decode.receiver(2, (3, 4)).abort()
-        wait(lambda: decode.held_pages() == 0, "room 2's release")
+        wait_for(lambda: decode.held_pages() == 0, 20, "room 2's release", poll=0.002)
         relay.relay_once()
         print(json.dumps({"ready": True}), flush=True)
         sys.stdin.read()

@@ -20,11 +20,11 @@ pytest.importorskip("kvconn_vllm", reason=NEEDS_VLLM)
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from engine_harness import Engine, generate
+from test_e2e_faults import DEADLINES, SLOW, wait_for
 from vllm_helpers import BLOCK_SIZE, TINY_LLAMA, make_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -33,21 +33,9 @@ MAX_TOKENS = 6
 PROMPTS = {f"p{n}": [(n * 29 + i * 11) % 500 + 1 for i in range(n)] for n in (7, BLOCK_SIZE, 70)}
 #: The abort's transfer: 100 tokens, 4 blocks; each rank writes its half
 #: (128 KiB) in 8 KiB pieces 0.05 s apart, so the write is in flight ~0.8 s.
+#: (SLOW, DEADLINES: test_e2e_faults's.)
 SLOW_PROMPT = [(i * 13) % 500 + 1 for i in range(100)]
-SLOW = {"piece_bytes": "8192", "piece_delay_s": "0.05"}
-DEADLINES = {"write_timeout_s": 2.5, "abort_timeout_s": 3.0, "resend_interval_s": 0.5}
 START_S = 600.0  # engine start-up under load on two shared cores
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

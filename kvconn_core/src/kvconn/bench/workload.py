@@ -137,8 +137,12 @@ def rank_args(
     legacy: bool,
     options: Mapping[str, str],
     gil_switch_interval_s: float | None,
+    trace_file: str | None = None,
+    metrics_port: int | None = None,
 ) -> dict[str, Any]:
-    """The arguments of prefill rank ``rank``'s process (:mod:`kvconn.bench.prefill_worker`)."""
+    """The arguments of prefill rank ``rank``'s process (:mod:`kvconn.bench.prefill_worker`).
+    ``trace_file``: its spans are appended there; ``metrics_port`` P: it serves
+    its metrics on P+1+rank (decode's is P)."""
     return {
         "backend": backend_name,
         "rank": rank,
@@ -153,6 +157,9 @@ def rank_args(
         "acks_enabled": not legacy,
         "backend_options": dict(options),
         "gil_switch_interval_s": gil_switch_interval_s,
+        "tracing": trace_file is not None,
+        "trace_file": trace_file,
+        "metrics_port": None if metrics_port is None else metrics_port + 1 + rank,
     }
 
 
@@ -274,12 +281,9 @@ class ModeRun:
                     legacy,
                     options,
                     gil_switch_interval_s,
+                    trace_file,
+                    metrics_port,
                 )
-                | {
-                    "tracing": trace_file is not None,
-                    "trace_file": trace_file,
-                    "metrics_port": None if metrics_port is None else metrics_port + 1 + r,
-                }
                 for r in range(wl.ranks)
             ]
             procs = PrefillProcs(args)
