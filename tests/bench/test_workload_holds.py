@@ -1,14 +1,18 @@
-"""The abort bench's check that kvconn holds no more pages than aborted rooms
-explain (``held_exceeds_aborted``), when decode fails rooms on its own."""
+"""The abort bench's accounting when decode fails rooms on its own (a rank
+found down or restarted): their held pages (``held_exceeds_aborted``) and
+their release (``unexpected_release``) are kvconn's, not violations."""
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from types import SimpleNamespace
 
 import attrs
 
 from kvconn.bench.mode_result import ModeResult
-from kvconn.bench.workload import ModeRun, _Active, _Aborted
+from kvconn.bench.workload import ModeRun, _Aborted, _Active
+from kvconn.protocol.hold import Proof
 from kvconn.protocol.ledger import KVPoll
 
 
@@ -21,11 +25,25 @@ class _Rx:
 
 
 @attrs.define
+class _Region:
+    def write(self, offset: int, data: bytes) -> None:
+        pass
+
+
+@attrs.define
 class _Decode:
     held: int
+    region: _Region = attrs.Factory(_Region)
 
     def held_pages(self) -> int:
         return self.held
+
+
+@attrs.frozen
+class _Release:
+    room: int
+    pages: tuple[int, ...]
+    proof: Proof = Proof.ACKS
 
 
 def _run(held: int, active: dict[int, KVPoll], aborted: dict[int, int]) -> ModeRun:
@@ -41,6 +59,9 @@ def _run(held: int, active: dict[int, KVPoll], aborted: dict[int, int]) -> ModeR
     }
     run._aborted = {room: _Aborted(room, pages, 0.0, "decode") for room, pages in aborted.items()}
     run._held_expected = sum(aborted.values())
+    run._released_unpolled = set()
+    run._free, run._owner, run._canary, run._now = deque(), {}, b"", lambda: 0.0
+    run.wl = SimpleNamespace(page_bytes=8)  # type: ignore[assignment]
     return run
 
 
@@ -59,3 +80,17 @@ def test_a_hold_no_failed_room_explains_is_still_a_violation() -> None:
     run._sample()
     (v,) = run.result.violations
     assert v.kind == "held_exceeds_aborted" and v.detail == "kvconn holds 64 pages, aborted rooms 32"
+
+
+def test_a_room_decode_failed_and_released_before_the_loop_polled_it() -> None:
+    # Room 2 failed at decode (a rank found down); its pages came back on
+    # proof before the bench's loop saw it FAILED.
+    run = _run(0, {2: KVPoll.FAILED, 4: KVPoll.TRANSFERRING}, {})
+    run._on_release(_Release(2, run._active[2].pages))  # type: ignore[arg-type]
+    assert run.result.violations == [] and run.result.releases_by_proof == {"acks": 1}
+    run._failed(2, run._active[2])  # the loop polls it: counted, not aborted again
+    assert run._aborted == {} and run._held_expected == 0
+    # A room in flight that decode did not fail is released only if aborted.
+    run._on_release(_Release(4, run._active[4].pages))  # type: ignore[arg-type]
+    (v,) = run.result.violations
+    assert v.kind == "unexpected_release" and v.room == 4
