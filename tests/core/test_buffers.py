@@ -125,7 +125,7 @@ def test_flat_space_of_buffers_alike_locates_as_a_search_does(
     expected = []
     for o, n in ranges:
         i = o // size
-        inside = 0 <= o and o < count * size and o + n <= (i + 1) * size
+        inside = 0 <= o < count * size and o + n <= (i + 1) * size
         expected.append((1000 * (i + 1) + o - i * size, i) if inside else None)
     if all(e is not None for e in expected):
         addresses, index = alike.locate(offsets, lengths)

@@ -85,7 +85,7 @@ class SegmentTable(Sequence[Segment]):
         transport posts. Raises ValueError naming the first segment outside."""
         if self._flat is not None:
             return self._small_rows_within(self._flat, src_nbytes, dst_nbytes)
-        rows = self.rows
+        rows: npt.NDArray[np.int64] = self.rows
         if not len(rows):
             return rows
         if not rows[:, 2].all():

@@ -37,7 +37,15 @@ from kvconn_mooncake._engine import engine_settings, new_engine, unpack_buffers,
 from kvconn_mooncake._memory import MemoryOptions, open_space, register_space, unregister_space
 from kvconn_mooncake._options import read as read_options
 
-__all__ = ["MAX_BATCH", "Prepared", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
+__all__ = [
+    "MAX_BATCH",
+    "Prepared",
+    "RawWriter",
+    "open_engine",
+    "open_source",
+    "segment_lists",
+    "write_segments",
+]
 
 #: Requests per batch: the engine rejects more than ~1024 queued per peer.
 MAX_BATCH = 512
