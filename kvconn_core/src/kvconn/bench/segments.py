@@ -24,11 +24,14 @@ alternating which goes first:
   ``check_xfer_state`` until DONE; for Mooncake each batch's
   ``batch_transfer_async_write`` and ``get_batch_transfer_status``.
 
-``post`` is the calling thread's CPU time until the write was handed over
-(kvconn: lowering plus ``on_post``; raw: until ``transfer`` returned), so a
-loaded machine's waits for a core do not count; ``total`` is wall time until
-the write was done. Mooncake's raw API posts and waits batch by batch: it has
-no post of its own, and its points are judged on ``total``.
+``total`` is wall time until the write was done: what decode's request
+waits for, and what the 5% target is judged on. ``post`` is the calling
+thread's CPU time until the write was handed over (kvconn: lowering plus
+``on_post``; raw: until ``transfer`` returned), shown beside it: how a
+library splits its work between posting and waiting is its own (NIXL over
+TCP sends inside ``transfer`` as much as the socket takes, so the post alone
+moves with timing), and Mooncake's raw API posts and waits batch by batch,
+with no post of its own.
 """
 
 from __future__ import annotations
@@ -94,8 +97,7 @@ class Point:
 
         total = _ratio(self.kvconn_total_s, self.raw_total_s)
         post = _ratio(self.kvconn_post_s, self.raw_post_s) if self.raw_post_s else None
-        judged = "post" if post is not None else "total"
-        low, high = (post or total)["interval"]
+        low, high = total["interval"]
         verdict = "met" if high <= TARGET else "missed" if low > TARGET else "unclear"
         return {
             "segments": n,
@@ -109,7 +111,6 @@ class Point:
             "raw_total_us_per_segment": us(self.raw_total_s),
             "post_ratio": post,
             "total_ratio": total,
-            "judged_on": judged,
             "verdict": verdict,
             "verify_bad_segments": self.bad_segments,
         }
@@ -288,12 +289,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
                 _us(r["kvconn_total_us_per_segment"]),
                 _us(r["raw_total_us_per_segment"]),
                 _pairs(r["total_ratio"]),
-                f"{r['verdict']} ({r['judged_on']}){wrong}",
+                f"{r['verdict']}{wrong}",
             )
         console.print(table)
         console.print(
-            f"raw: {b['raw_path']}; post is CPU time of the calling thread (kvconn: lowering + on_post), "
-            f"total wall time to DONE. Goal (issue 35): kvconn within 5% of raw, "
+            f"raw: {b['raw_path']}; post: CPU time of the calling thread (kvconn: lowering + on_post); "
+            f"total: wall time to DONE. Goal (issue 35, judged on total): kvconn within 5% of raw, "
             f"{'met' if b['target_met'] else 'NOT met'} at every point."
         )
 
