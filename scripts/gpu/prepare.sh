@@ -13,6 +13,7 @@ dl() {
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "$2"
 }
 dl .whl pyzmq==27.3.0
+dl .whl py-spy==0.4.3 # curves.sh's profile
 dl .whl nixl==1.5.1
 dl "$FULL" nixl-cu13==1.5.1
 dl "$FULL" mooncake-transfer-engine==0.3.13.post1

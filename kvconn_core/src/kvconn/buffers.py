@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import numpy as np
@@ -99,7 +99,7 @@ class FlatSpace:
     """Buffers laid end to end as one offset space, and the way back from
     offsets to addresses (vectorised: no Python work per segment)."""
 
-    __slots__ = ("_bases", "_ends", "_starts", "buffers", "device", "kind", "nbytes")
+    __slots__ = ("_bases", "_ends", "_shift", "_starts", "_unit", "buffers", "device", "kind", "nbytes")
 
     def __init__(self, buffers: Sequence[Buffer]) -> None:
         self.buffers = tuple(buffers)
@@ -109,6 +109,11 @@ class FlatSpace:
         self._starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         self._ends = self._starts + sizes
         self._bases = np.array([b.address for b in self.buffers], dtype=np.int64)
+        #: A flat offset in buffer i plus _shift[i] is its address.
+        self._shift = self._bases - self._starts
+        #: Every buffer's size when they are all alike (an engine's K and V
+        #: buffers), else 0: then an offset's buffer is a division, not a search.
+        self._unit = int(sizes[0]) if (sizes == sizes[0]).all() else 0
         self.nbytes = int(sizes.sum())
         self.kind = self.buffers[0].kind
         self.device = self.buffers[0].device
@@ -130,19 +135,42 @@ class FlatSpace:
                 i = int(np.flatnonzero(bad)[0])
                 self._raise(int(offsets[i]), int(lengths[i]))
             return offsets + self._bases[0], np.zeros(len(offsets), dtype=np.int64)
-        index = np.searchsorted(self._starts, offsets, side="right") - 1
-        bad = (offsets < 0) | (offsets + lengths > self._ends[np.maximum(index, 0)])
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            self._raise(int(offsets[i]), int(lengths[i]))
-        return offsets - self._starts[index] + self._bases[index], index
+        if not len(offsets):
+            return offsets + 0, np.zeros(0, dtype=np.int64)
+        # Few passes and fewer new arrays: a chunk of 20,000 segments makes
+        # arrays of 160 KB, each new one fresh pages to fault in (glibc maps
+        # and trims blocks that large). The checks are whole-array reductions;
+        # the range at fault is looked for only when one fails.
+        if offsets.min() < 0 or offsets.max() >= self.nbytes:
+            self._raise_first(offsets, lengths, (offsets < 0) | (offsets >= self.nbytes))
+        if not self._unit:
+            index = np.searchsorted(self._starts, offsets, side="right") - 1
+            if (offsets + lengths > self._ends[index]).any():
+                self._raise_first(offsets, lengths, offsets + lengths > self._ends[index])
+            return offsets + self._shift[index], index
+        # Buffers all alike: the buffer is a division, the check is on the
+        # offset within it.
+        index = offsets // self._unit
+        within = index * self._unit
+        np.subtract(offsets, within, out=within)
+        if within.max() + lengths.max() > self._unit and (within + lengths > self._unit).any():
+            self._raise_first(offsets, lengths, within + lengths > self._unit)
+        address = self._bases[index]
+        address += within
+        return address, index
 
     def address(self, offset: int, nbytes: int) -> int:
         """The address of one range (see :meth:`locate`)."""
         addresses, _ = self.locate(np.array([offset], np.int64), np.array([nbytes], np.int64))
         return int(addresses[0])
 
-    def _raise(self, offset: int, nbytes: int) -> None:
+    def _raise_first(
+        self, offsets: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], bad: npt.NDArray[np.bool_]
+    ) -> NoReturn:
+        i = int(np.flatnonzero(bad)[0])
+        self._raise(int(offsets[i]), int(lengths[i]))
+
+    def _raise(self, offset: int, nbytes: int) -> NoReturn:
         raise ValueError(
             f"range [{offset}, {offset + nbytes}) lies outside the buffers or across two of them "
             f"(buffer starts {self.starts}, {self.nbytes} bytes in all)"

@@ -196,16 +196,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--curve",
-        choices=sorted(curve_mod.AXES),
+        choices=curve_mod.CHOICES,
         default=None,
         help="instead of both modes: kvconn's mode at each point of one axis (rooms: --concurrency, "
-        "ranks: --ranks, storm: --abort-fraction), and each point's ratios to the first",
+        "ranks: --ranks, storm: --abort-fraction), and each point's ratios to the first; or segments "
+        "(kvconn's lowering and post against the raw library's, scattered KV, --backend a,b), "
+        "tombstones (a rank's ledger in an abort storm), fleet (a simulated fleet's control messages)",
     )
     p.add_argument(
         "--curve-points",
         default=None,
         metavar="A,B,...",
-        help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9)",
+        help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9; segments "
+        "118,1000,5000,20000 per chunk; tombstones 10000,100000 rooms; fleet 0.1,1,10 x 100 decodes)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
@@ -231,6 +234,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     unused = _unused_options(parser, args)
     if unused:
         bench = "--transport" if args.transport else "the abort bench (no --transport)"
+        if _own_curve(args):
+            bench = f"--curve {args.curve}"
         err.print(f"[red]kvconn bench: {bench} does not use {escape(', '.join(unused))}[/red]")
         return 2
     child_mod.VERBOSE = args.verbose
@@ -239,6 +244,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         with _interruptible():
             if args.transport:
                 return transport_mod.main(args, _options(args.backend_option), console, err)
+            if _own_curve(args):
+                return curve_mod.run_own(args, _options(args.backend_option), console, err)
             return _run(args, console, err)
     except KeyboardInterrupt:
         err.print("kvconn bench: interrupted (Ctrl-C); no results")
@@ -320,6 +327,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 #: Options both benches read; every other one belongs to one of them.
 _SHARED = frozenset({"backend", "backend_option", "json", "no_progress", "seed", "transport", "verbose"})
+#: What a --curve with a module of its own reads besides its curve.OWN options.
+_OUTPUT = frozenset({"curve", "curve_points", "json", "no_progress", "verbose"})
+
+
+def _own_curve(args: argparse.Namespace) -> bool:
+    """``--curve segments|tombstones|fleet`` (without ``--transport``)."""
+    return not args.transport and args.curve in curve_mod.OWN
 
 
 def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -327,11 +341,15 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     never reads (``--profile`` without ``--transport``, say), so that a run
     does not silently measure something other than what was asked."""
     unused = []
+    own = curve_mod.OWN[args.curve] | _OUTPUT if _own_curve(args) else None
     for action in parser._actions:  # argparse has no public list of a parser's options
         dest = action.dest
-        if dest in _SHARED or dest == "help" or not action.option_strings:
+        if dest == "help" or not action.option_strings:
             continue
-        if (dest in transport_mod.OPTIONS) == args.transport:
+        if own is not None:
+            if dest in own:
+                continue
+        elif dest in _SHARED or (dest in transport_mod.OPTIONS) == args.transport:
             continue  # read by the bench that runs
         if getattr(args, dest, None) != parser.get_default(dest):
             unused.append(action.option_strings[0])

@@ -20,14 +20,15 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvconn.bench.child import Child, quiet_interrupts, read_config
 from kvconn.buffers import Buffer
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.plugins import get_backend
 from kvconn.runtime.layout import PageLayout
 from kvconn.testing.patterns import shard_bytes
@@ -64,12 +65,30 @@ class HookRaw:
         self._w.connect(peer, metadata)
 
     def transfer(self, peer: str, segments: Sequence[Segment]) -> int:
+        self._post_and_wait(peer, segments)
+        return sum(s.nbytes for s in segments)
+
+    def prepare(self, peer: str, segments: Any) -> tuple[str, SegmentTable]:
+        """``segments`` (Segments or ``(n, 3)`` rows) as the table the hooks take."""
+        return peer, SegmentTable(segments) if isinstance(segments, np.ndarray) else SegmentTable.of(segments)
+
+    def transfer_prepared(
+        self, prepared: tuple[str, SegmentTable], clock: Callable[[], float] = time.perf_counter
+    ) -> float:
+        """Post and wait; ``on_post``'s time by ``clock``."""
+        return self._post_and_wait(*prepared, clock=clock)
+
+    def _post_and_wait(
+        self, peer: str, segments: Sequence[Segment], clock: Callable[[], float] = time.perf_counter
+    ) -> float:
         chunk = Chunk(0, 0, True, 0, peer, (), ())
+        t0 = clock()
         posted = self._w.on_post(chunk=chunk, segments=segments)
+        seconds = clock() - t0
         settled = self._w.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 60)
         if settled is not Settlement.LANDED:
             raise RuntimeError(f"raw write settled {settled}")
-        return sum(s.nbytes for s in segments)
+        return seconds
 
     def close(self) -> None:
         self._w.close()
@@ -79,7 +98,10 @@ def open_raw(name: str, nbytes: int | Sequence[Buffer], options: Mapping[str, st
     """Backend ``name``'s raw writer of ``nbytes`` source bytes (or over the
     engine buffers ``nbytes`` lists), and how it writes. Both kinds have ``write(offset, data)`` (fill the source),
     ``connect(peer, metadata)``, ``transfer(peer, segments)`` (write and wait;
-    the bytes written) and ``close()``; a ``RawWriter`` takes the segments'
+    the bytes written), ``prepare(peer, segments)`` then
+    ``transfer_prepared(prepared)`` (the same write, its descriptors built
+    first; returns the post's seconds, or None where the library posts and
+    waits in one) and ``close()``; a ``RawWriter`` takes the segments'
     ``rows`` array, the form a raw API user holds."""
     try:
         mod = importlib.import_module(f"kvconn_{name}.raw")

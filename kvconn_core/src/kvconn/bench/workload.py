@@ -265,6 +265,11 @@ class ModeRun:
         self._owner: dict[int, int] = {}  # page -> room that last owned it
         self._aborted: dict[int, _Aborted] = {}
         self._held_expected = 0
+        #: The rooms in flight of the phase running (stream or run).
+        self._active: dict[int, _Active] = {}
+        #: Rooms decode failed itself whose pages came back before the
+        #: bench's loop polled them.
+        self._released_unpolled: set[int] = set()
         self._canary = canary(wl.page_bytes)
         self._now = time.monotonic
         #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
@@ -364,6 +369,13 @@ class ModeRun:
             self.result.releases_by_proof[proof] = self.result.releases_by_proof.get(proof, 0) + 1
             entry = self._aborted.pop(release.room, None)
             if entry is None:
+                active = self._active.get(release.room)
+                if active is not None and active.rx.poll() is KVPoll.FAILED:
+                    # Decode failed the room itself (a rank found down or
+                    # restarted) and it came back on proof before the loop
+                    # polled it: the loop counts it as failed when it does.
+                    self._released_unpolled.add(release.room)
+                    return
                 self._violation("unexpected_release", release.room, f"released by {proof}, never aborted")
                 return
             self._held_expected -= entry.npages
@@ -372,6 +384,15 @@ class ModeRun:
                 self.result.prefill_fail_latencies_ms.append(ms)
             elif proof != "completed":
                 self.result.latencies_ms.append(ms)
+
+    def _failed(self, room: int, active: _Active) -> None:
+        """A room the loop found FAILED (a rank failed it, or decode did):
+        given up as the engine would, unless its pages are back already."""
+        with self._lock:
+            if room in self._released_unpolled:
+                self._released_unpolled.discard(room)
+                return
+        self._abort(room, active, "prefill_fail")
 
     def _abort(self, room: int, active: _Active, kind: str) -> None:
         with self._lock:
@@ -384,6 +405,11 @@ class ModeRun:
         with self._lock:
             held = self.decode.held_pages()
             expected = self._held_expected
+            if held > expected:
+                # Rooms decode failed itself (a rank found down or restarted)
+                # are aborted as the bench's are, and hold their pages until
+                # proven; the loop has not polled them yet.
+                expected += self._failed_unseen()
             self.result.peak_pages_held = max(self.result.peak_pages_held, held)
             self.result.peak_pages_aborted_unreleased = max(
                 self.result.peak_pages_aborted_unreleased, expected
@@ -392,6 +418,15 @@ class ModeRun:
                 self._violation(
                     "held_exceeds_aborted", None, f"kvconn holds {held} pages, aborted rooms {expected}"
                 )
+
+    def _failed_unseen(self) -> int:
+        """Pages of the rooms in flight that decode already failed, and the
+        bench has not counted as aborted."""
+        return sum(
+            len(a.pages)
+            for room, a in self._active.items()
+            if room not in self._aborted and a.rx.poll() is KVPoll.FAILED
+        )
 
     # -- verification --------------------------------------------------------
     def _verify(self, room: int, pages: Sequence[int]) -> bool:
@@ -426,6 +461,7 @@ class ModeRun:
         wl = self.wl
         todo = deque(rooms)
         active: dict[int, _Active] = {}
+        self._active = active
         done: list[tuple[int, tuple[int, ...]]] = []
         lat: list[float] = []
         failed = 0
@@ -450,7 +486,7 @@ class ModeRun:
                     progress(1)
                 elif st is KVPoll.FAILED:
                     failed += 1
-                    self._abort(room, a, "prefill_fail")
+                    self._failed(room, a)
                     del active[room]
                     progress(1)
             self._pause(len(active))
@@ -476,6 +512,7 @@ class ModeRun:
         wl, res = self.wl, self.result
         todo = deque(work)
         active: dict[int, _Active] = {}
+        self._active = active
         res.pages_verified = 0  # the workload's pages only, not the streaming phase's
         t0 = self._now()
         cpu_before = cpu.sample()
@@ -501,7 +538,7 @@ class ModeRun:
                     res.bytes_completed += len(a.pages) * wl.page_bytes
                 elif st is KVPoll.FAILED:
                     res.prefill_failed += 1
-                    self._abort(room, a, "prefill_fail")
+                    self._failed(room, a)
                 elif a.abort_at is not None and now >= a.abort_at:
                     res.aborted_mid_transfer += 1
                     self._abort(room, a, "decode")
