@@ -66,6 +66,21 @@ def test_backend_object() -> None:
     assert be.capabilities_for({"host": "10.1.2.3", "protocol": "rdma"}).cross_host is False  # untested
 
 
+def test_the_engine_timeout_is_the_one_engines_made_now_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's abort deadline must exceed the engine's write timeout: the
+    claim follows MC_TRANSFER_TIMEOUT as set when asked, not when the
+    backend was loaded."""
+    import kvconn_mooncake
+
+    be = kvconn_mooncake.backend
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "7")
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "6")
+    assert be.capabilities_for({}).max_write_timeout_s == 7.0
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "5")
+    assert be.capabilities_for({"host": "10.1.2.3"}).max_write_timeout_s == 5.0
+
+
 def test_an_address_this_host_lacks_is_refused() -> None:
     """host= an address no interface here has (another host's, a typo): a
     clear OptionError, not an engine that tells its peers where nobody is."""
