@@ -586,3 +586,12 @@ def test_transport_tables_keep_bracketed_backend_options() -> None:
     out = text_of(console)
     assert "kvconn bench --transport: plug[in] (devices=[mlx5_0])" in out, out
     assert "5% target met on plug[in] for every shape (1 pairs; raw path: the plugin's [raw] API)" in out
+
+
+def test_the_overhead_measure_runs_with_fewer_chunks_than_rooms() -> None:
+    """``--overhead-chunks 100`` failed every bench: the round-trip rooms
+    (3..102) wrote source pages the rank had not allocated."""
+    from kvconn.bench import overhead as overhead_mod
+
+    measured = overhead_mod.measure(chunks=10, rooms=20)
+    assert measured.chunks == 10 and measured.control_rtt_ms > 0
