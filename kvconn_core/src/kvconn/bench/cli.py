@@ -63,11 +63,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 #: Environment that quiets a transport library's own logging unless --verbose:
-#: Mooncake logs warnings through glog on every run ("No RDMA devices found",
-#: "Using default malloc/free") at the level MC_LOG_LEVEL sets when it loads
-#: (it ignores GLOG_minloglevel). Its one ERROR line, "Local segment
-#: descriptor not found", is not below any level that keeps real errors.
-QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR"}
+#: Mooncake logs through glog on every run, warnings ("No RDMA devices
+#: found", "Using default malloc/free") at the level MC_LOG_LEVEL sets when it
+#: loads, and an ERROR, "Local segment descriptor not found", that no
+#: MC_LOG_LEVEL silences: kvconn_mooncake applies GLOG_minloglevel (3: FATAL
+#: only) after Mooncake loads. A child that fails still says why (its
+#: Python error); -v shows every line.
+QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}
 
 
 def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
