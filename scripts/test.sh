@@ -61,6 +61,7 @@ if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
     .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10 "$@"
 fi
 
-# The READMEs' command lines and the docs' python snippets, as written, in a fresh venv
-# (3-6 min on 2 cores, mostly pip; the snippets add seconds).
+# The READMEs' command lines, the docs' shell blocks and python snippets, as written (or
+# shortened), in a fresh venv (3-6 min on 2 cores, mostly pip; the docs' shell lines add
+# about 1-2 min, the snippets seconds).
 python3 scripts/check_documented_commands.py
