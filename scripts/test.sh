@@ -62,6 +62,6 @@ if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
 fi
 
 # The READMEs' command lines, the docs' shell blocks and python snippets, as written (or
-# shortened), in a fresh venv (3-6 min on 2 cores, mostly pip; the docs' shell lines add
-# about 1-2 min, the snippets seconds).
+# shortened), in a fresh venv (3-6 min on 2 cores, mostly pip; the snippets add seconds; the
+# docs' shell lines took 608 s on 2 cores at load average 20-37, the pip lines 5-8x their usual).
 python3 scripts/check_documented_commands.py
