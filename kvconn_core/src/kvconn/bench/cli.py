@@ -63,11 +63,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 #: Environment that quiets a transport library's own logging unless --verbose:
-#: Mooncake logs warnings through glog on every run ("No RDMA devices found",
-#: "Using default malloc/free") at the level MC_LOG_LEVEL sets when it loads
-#: (it ignores GLOG_minloglevel). Its one ERROR line, "Local segment
-#: descriptor not found", is not below any level that keeps real errors.
-QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR"}
+#: Mooncake logs through glog on every run, warnings ("No RDMA devices
+#: found", "Using default malloc/free") at the level MC_LOG_LEVEL sets when it
+#: loads, and an ERROR, "Local segment descriptor not found", that no
+#: MC_LOG_LEVEL silences: kvconn_mooncake applies GLOG_minloglevel (3: FATAL
+#: only) after Mooncake loads. A child that fails still says why (its
+#: Python error); -v shows every line.
+QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}
 
 
 def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
@@ -247,9 +249,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             if _own_curve(args):
                 return curve_mod.run_own(args, _options(args.backend_option), console, err)
             return _run(args, console, err)
-    except KeyboardInterrupt:
-        err.print("kvconn bench: interrupted (Ctrl-C); no results")
-        return 130
+    except Interrupted as stop:
+        err.print(f"kvconn bench: {stop.why}; no results")
+        return 128 + stop.signum
     except (ValueError, RuntimeError, OSError, LookupError, ImportError, KvconnError) as exc:
         # ImportError: a transport's native library that does not load here
         # (Mooncake without libibverbs), raised when decode opens its region.
@@ -257,29 +259,47 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, raised in the main thread: a KeyboardInterrupt, so
+    every ``except Exception`` on the way lets it through to the ``finally``
+    blocks that close children, endpoints and hosts."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.why = (
+            "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        )
+
+
 @contextmanager
 def _interruptible() -> Iterator[None]:
-    """Ctrl-C stops the run with one line: the interrupt unwinds the main
-    thread through every ``finally`` that closes children and endpoints,
-    while the logging and thread tracebacks of that teardown (connections
-    closing under the runtime's threads, until the process exits) are
-    silenced."""
+    """Ctrl-C or SIGTERM stops the run with one line: the signal unwinds the
+    main thread through every ``finally`` that closes children, endpoints
+    and hosts (the fault phase's threads are stopped by
+    :func:`kvconn.testing.scenarios.run`), while the logging and thread
+    tracebacks of that teardown (connections closing under the runtime's
+    threads, until the process exits) are silenced. A second signal during
+    the teardown is ignored: it would cut the teardown short and print."""
     interrupted = False
     previous_hook = threading.excepthook
 
-    def on_interrupt(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         nonlocal interrupted
+        if interrupted:
+            return
         interrupted = True
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda args: None
-        raise KeyboardInterrupt
+        raise Interrupted(signum)
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
         if not interrupted:  # else threads still winding down stay quiet until the exit
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             threading.excepthook = previous_hook
             logging.disable(logging.NOTSET)
 
@@ -469,7 +489,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
                     if window is None:
                         window = stream_info["latency_p50_ms"] / 1e3 or 0.01
                     if args.compare_raw and raw is None:
-                        t = progress.add_task(f"raw {args.backend} (same writes, no kvconn)", total=1)
+                        t = progress.add_task(escape(f"raw {args.backend} (same writes, no kvconn)"), total=1)
                         raw = run_raw(
                             args.backend,
                             backend,
