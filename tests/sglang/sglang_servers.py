@@ -55,11 +55,11 @@ class Recipe:
     client_body: Mapping[str, Any]
 
     def ports(self) -> list[int]:
-        """Every port the doc names (HTTP ports and the bootstrap port)."""
+        """Every port the doc names (HTTP, bootstrap, the router's metrics)."""
         found: list[int] = []
         for argv in (self.prefill, self.decode, self.router):
             for a, b in itertools.pairwise(argv):
-                if a in ("--port", "--disaggregation-bootstrap-port"):
+                if a in ("--port", "--disaggregation-bootstrap-port", "--prometheus-port"):
                     found.append(int(b))
         return sorted(set(found))
 

@@ -50,6 +50,9 @@ def test_a_sigkilled_prefill_gives_decodes_pages_back_by_its_exit(
         # room (ensure_abort_notified); kvconn releases it by the exit proof.
         wait_for(lambda: queue.pop_transferred() == [] and rx.abort_notified, 30, "decode told Failed")
         assert dreq.req.finished_reason is not None
+        # The instance's ranks are gone: the next request reads them at its
+        # bootstrap server again (a restarted instance registers new ones).
+        assert (prefill.bootstrap, 0) not in manager._prefill_ranks
         wait_for(lambda: manager.is_abort_release_safe(room, 1), 30, "kvconn's release of the room")
         queue.resolve_deferred_releases()
         assert released.reqs == [dreq.req] and queue.freed_slots == [7]

@@ -472,6 +472,7 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._aborted = False
         self._finished = False
         self._cleared = False
+        self._forgot = False
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         self._prefill_dp_rank = int(prefill_dp_rank or 0)
@@ -528,6 +529,13 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             # The pages are decode's again: kvconn stops tracking the room.
             self._receiver.finish()
             self._finished = True
+        elif status is KvconnPoll.FAILED and not self._forgot:
+            # Its ranks may be gone (a restarted instance registers new
+            # addresses at the same bootstrap server): the next request for
+            # this instance reads them there again, instead of failing on
+            # the dead ranks for good.
+            self._forgot = True
+            self.kv_mgr.forget_prefill(self.bootstrap_addr, self._prefill_dp_rank)
         return to_sglang(status, KVPoll)
 
     def failure_exception(self) -> None:
