@@ -59,11 +59,22 @@ PROMPTS = {
 FROZEN_ROOM = 7_700_001
 #: A second room per prefill: frozen from outside, then the server killed.
 KILLED_ROOM = 7_700_002
+#: The room in flight when the prefill server is told SIGTERM: loopback delays
+#: the second half of its first chunk by 3 s (``late_chunks``).
 DRAIN_ROOM = 7_700_003
+#: What loopback's prefill is started with: the fault points above, and the
+#: drain on SIGTERM (a test without it starts one of its own).
+LOOPBACK_PREFILL = {
+    "KVCONN_SGLANG_BACKEND_OPTIONS": (
+        f"freeze_chunks=0:{FROZEN_ROOM}:0,piece_bytes=4096,late_chunks=0:{DRAIN_ROOM}:0,late_delivery_s=3"
+    ),
+    "KVCONN_SGLANG_DRAIN_ON_SIGTERM": "1",
+    "KVCONN_SGLANG_DRAIN_GRACE_S": "10",
+}
 #: Short kvconn deadlines (the doc leaves kvconn's defaults); Mooncake may take
 #: 10 s to fail a write, so its abort deadline is longer.
 DEADLINES = {
-    "loopback": {"KVCONN_SGLANG_WRITE_TIMEOUT_S": "2", "KVCONN_SGLANG_ABORT_TIMEOUT_S": "3"},
+    "loopback": {"KVCONN_SGLANG_WRITE_TIMEOUT_S": "5", "KVCONN_SGLANG_ABORT_TIMEOUT_S": "6"},
     "nixl": {"KVCONN_SGLANG_WRITE_TIMEOUT_S": "2", "KVCONN_SGLANG_ABORT_TIMEOUT_S": "3"},
     "mooncake": {"KVCONN_SGLANG_WRITE_TIMEOUT_S": "9", "KVCONN_SGLANG_ABORT_TIMEOUT_S": "12"},
 }
@@ -89,7 +100,6 @@ class Cluster:
 
     def __init__(self, recipe: Recipe, transport: str, root: Path) -> None:
         self.recipe, self.transport, self.root = recipe, transport, root
-        self.prefill_env: dict[str, str] = {}
         self.starts: list[tuple[str, float]] = []
         self.prefill = self._start_prefill()
         self.decode = Process(
@@ -98,10 +108,8 @@ class Cluster:
         self.router: Process | None = None
 
     def _start_prefill(self, extra: Mapping[str, str] = {}) -> Process:
-        env = dict(extra)
-        if self.transport == "loopback" and "KVCONN_SGLANG_BACKEND_OPTIONS" not in env:
-            # Small pieces: the frozen chunk is half written, half not.
-            env["KVCONN_SGLANG_BACKEND_OPTIONS"] = f"freeze_chunks=0:{FROZEN_ROOM}:0,piece_bytes=4096"
+        env = {**(LOOPBACK_PREFILL if self.transport == "loopback" else {}), **extra}
+        self.prefill_extra = dict(extra)
         log = self.root / f"prefill-{len(self.starts)}.log"
         return Process(
             self.recipe.prefill, _env(self.recipe, self.transport, env), log, _url(self.recipe.prefill)
@@ -118,17 +126,27 @@ class Cluster:
         )
         self.starts.append(("router", self.router.wait_up(time.monotonic() + 120)))
 
-    def restart_prefill(self, extra: Mapping[str, str] = {}) -> None:
-        """A new prefill server at the same ports (the last one is stopped)."""
+    def ensure_prefill(self, extra: Mapping[str, str] = {}) -> None:
+        """A prefill server started with ``extra``: the running one, or a new
+        one at the same ports (the last one is stopped)."""
+        if self.prefill.alive() and self.prefill_extra == dict(extra):
+            return
         self.prefill.stop()
         self.prefill = self._start_prefill(extra)
         self.wait_up(self.prefill)
         # Decode still knows the old instance's ranks at this bootstrap
         # address: the first request finds them gone and decode reads the
-        # new ones (kvconn_sglang's forget_prefill).
-        wait_for(
-            lambda: _through_router(self, PROMPTS[5]) is not None, 120, "a request through the new prefill", 1
-        )
+        # new ones (kvconn_sglang's forget_prefill). Posted to both servers:
+        # SGLang's router takes a restarted worker back only after its next
+        # health checks, a minute apart.
+        rooms = iter(range(7_800_000, 7_900_000))
+
+        def served() -> bool:
+            body = _direct(next(rooms), "warm", PROMPTS[5], self.recipe)
+            Posted(self.prefill, body)
+            return _finish_reason(Posted(self.decode, body).result()) == "length"
+
+        wait_for(served, 120, "a request through the new prefill", 0.5)
 
     def close(self) -> None:
         for process in (self.router, self.prefill, self.decode):
@@ -301,6 +319,7 @@ def _freeze(cluster: Cluster, room: int, rid: str) -> list[Posted]:
 
 
 def test_abort_mid_transfer_holds_pages_past_both_deadlines_until_kvconns_proof(cluster: Cluster) -> None:
+    cluster.ensure_prefill()
     room = FROZEN_ROOM if cluster.transport == "loopback" else FROZEN_ROOM + 10
     scheduler = cluster.prefill.scheduler()
     before = _released(cluster)
@@ -339,6 +358,7 @@ def test_abort_mid_transfer_holds_pages_past_both_deadlines_until_kvconns_proof(
 
 
 def test_a_sigkilled_prefill_server_gives_decodes_pages_back_by_its_exit(cluster: Cluster) -> None:
+    cluster.ensure_prefill()
     before = _released(cluster)
     posted = _freeze(cluster, KILLED_ROOM, "killed")
     cluster.decode.post("/abort_request", {"rid": "killed"})
@@ -374,16 +394,8 @@ def test_sigterm_to_the_prefill_servers_processes_with_a_room_in_flight(
     way the server exits and no page comes back without proof."""
     if cluster.transport != "loopback":
         pytest.skip("the drain does not depend on the transport: run on loopback's delayed writes")
-    room = DRAIN_ROOM + int(drain)
-    cluster.restart_prefill(
-        {
-            "KVCONN_SGLANG_DRAIN_ON_SIGTERM": "1" if drain else "0",
-            "KVCONN_SGLANG_DRAIN_GRACE_S": "10",
-            "KVCONN_SGLANG_WRITE_TIMEOUT_S": "10",
-            "KVCONN_SGLANG_ABORT_TIMEOUT_S": "12",
-            "KVCONN_SGLANG_BACKEND_OPTIONS": f"late_chunks=0:{room}:0,late_delivery_s=3",
-        }
-    )
+    room = DRAIN_ROOM
+    cluster.ensure_prefill({} if drain else {"KVCONN_SGLANG_DRAIN_ON_SIGTERM": "0"})
     before = _released(cluster)
     asked = _asked(cluster)
     body = _direct(room, f"drain-{drain}", PROMPTS[100], cluster.recipe)
