@@ -285,7 +285,9 @@ def test_kvconn_figures_on_sglangs_own_metrics(cluster: Cluster) -> None:
     assert cluster.decode.samples("kvconn_pages_held", kvconn_endpoint="decode-0") == [0.0]
     assert cluster.decode.metric("kvconn_messages_total") > 0
     assert cluster.prefill.metric("kvconn_messages_total", type="TransferRequest") > 0
-    assert sum(_released(cluster).values()) == 0  # nothing aborted yet
+    # One series per proof from the start, at 0: nothing aborted yet.
+    proofs = cluster.decode.samples("kvconn_releases_total")
+    assert len(proofs) >= len(PROOFS) + 1 and sum(proofs) == 0, proofs
     assert cluster.decode.samples("sglang:num_requests_total") or cluster.decode.samples(
         "sglang:generation_tokens_total"
     ), "SGLang's own figures are on the same /metrics"
@@ -383,7 +385,7 @@ def test_a_sigkilled_prefill_server_gives_decodes_pages_back_by_its_exit(cluster
 
 @pytest.mark.parametrize("drain", [True, False], ids=["drain-on-sigterm", "no-drain"])
 def test_sigterm_to_the_prefill_servers_processes_with_a_room_in_flight(
-    cluster: Cluster, drain: bool
+    cluster: Cluster, plain: Process, drain: bool
 ) -> None:
     """SIGTERM to every process of the prefill server (a process-group or
     cgroup-wide stop: systemd's default, ``kill -- -PGID``), with a room in
@@ -413,6 +415,7 @@ def test_sigterm_to_the_prefill_servers_processes_with_a_room_in_flight(
     log = cluster.prefill.log.read_text(errors="replace")
     if drain:
         assert _finish_reason(answer) == "length", answer
+        assert answer["output_ids"] == plain.post("/generate", _body(PROMPTS[100]))["output_ids"]
         assert "kvconn drain: DrainReport(drained=True" in log, cluster.prefill.tail()
     else:
         assert _finish_reason(answer) != "length", answer
