@@ -47,6 +47,7 @@ from kvconn.protocol.drain import GRACE_OVER, REFUSED, DrainingError
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
     Action,
+    BootstrapTick,
     CheckDrain,
     FenceAsOwner,
     Identified,
@@ -177,15 +178,13 @@ def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory
     )
     world = World(state, {})
     for addresses in instances:
-        instance = state.begin_bootstrap(
-            tuple(addresses), Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
-        )
+        hello = Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
+        instance = state.begin_bootstrap(tuple(addresses), hello, 0.0, timeout_s=1.0, resend_interval_s=1.0)
         for rank, address in enumerate(addresses):
             world.procs[address] = [Proc(address, rank, 1)]
             ack = HelloAck(rank, address, HERE, writer(address, 1).pid, 1, "", 1)
             _carry(world, state.handle(ack, 0.0))
-        state.end_bootstrap(instance, 0.0)
-        state.forget_bootstrap(instance)
+        _carry(world, state.handle(BootstrapTick(instance), 0.0))
     world.net.clear()
     return world
 
