@@ -14,7 +14,9 @@ writes on, and resumes, if at all, before the clock's last step), a new
 process may take its address (a restart) while the earlier one still writes,
 and a process may drain (protocol/drain.py): announce it to every decode name
 whose Hello it took, refuse requests from then on, fail what it still writes
-and announce it drained, naming the connections its fences closed.
+and announce it drained, naming the connections its fences closed. The
+engine may drain the endpoint itself (``EndpointState.begin_drain``; its
+wait is played at each tick: ``drain_tick``).
 With the owner fence on, the runtime's fence succeeds (nothing a process was
 asked under the old name can land any more) or fails, before anything else
 happens; a rank process knows decode by the names whose Hello it took, and
@@ -31,6 +33,10 @@ Checked in every reachable state:
   With the owner fence on (and succeeding), no room stays held at all, even
   with its writer frozen for good, and no request is left TRANSFERRING that
   no rank process took (a rank asked before it took the new name).
+  Once the endpoint drained, no room is left open past its grace, and its
+  report comes (drained, or what is held then).
+* The decode drain's report says what is held when it comes: never
+  "drained" while a page is not back (S).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import attrs
 from endpoint_world import HERE, NAME, writer
 from explore import _clone_tracker, _tracker_key
 
-from kvconn.protocol.drain import GRACE_OVER, REFUSED, DrainingError
+from kvconn.protocol.drain import GRACE_OVER, REFUSED, DrainingError, DrainReport
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
     Action,
@@ -76,6 +82,7 @@ from kvconn.protocol.messages import (
 from kvconn.protocol.owner_fence import OwnerFencePolicy
 
 DT = 1.0  #: one tick of the clock: a heartbeat; two unanswered ones make a rank silent
+SETTLE_S = 2 * DT  #: a decode drain waits this long after its grace for the proofs
 CLOSED = (TcpConnection("127.0.0.1", 1, "127.0.0.1", 2),)
 
 
@@ -131,6 +138,9 @@ class World:
     fence_due: bool = False  #: the machine asked for an owner fence: its outcome is next
     fenced: frozenset[str] = frozenset()  #: decode names whose metadata an owner fence cut off
     fence_fails: int = 0
+    #: The engine called the endpoint's drain(); its report once it came.
+    decode_drain: bool = False
+    drain_report: DrainReport | None = None
     trace: tuple[str, ...] = ()  #: the steps that led here (not part of the state)
 
 
@@ -148,8 +158,12 @@ class Limits:
     freezes: int = 0
     owner_fence_after_s: float | None = None  #: None: no owner fence
     fence_fails: int = 0  #: how many owner fences may fail
+    decode_drain: bool = False  #: the engine may drain the endpoint (grace DT, then SETTLE_S)
     peer_timeout_s: float = 1.5  #: longer: no rank goes down on silence within the world's ticks
     heartbeat_interval_s: float = DT  #: longer: no heartbeat within the world's ticks
+    #: Each instance's processes get sessions of their own (as the runtime's
+    #: random 63-bit ones are): without, two instances' rank 0 share session 1.
+    distinct_sessions: bool = False
 
 
 @dataclass
@@ -177,12 +191,13 @@ def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory
         **options,
     )
     world = World(state, {})
-    for addresses in instances:
+    for index, addresses in enumerate(instances):
+        session = 1 + 100 * index if limits.distinct_sessions else 1
         hello = Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
         instance = state.begin_bootstrap(tuple(addresses), hello, 0.0, timeout_s=1.0, resend_interval_s=1.0)
         for rank, address in enumerate(addresses):
-            world.procs[address] = [Proc(address, rank, 1)]
-            ack = HelloAck(rank, address, HERE, writer(address, 1).pid, 1, "", 1)
+            world.procs[address] = [Proc(address, rank, session)]
+            ack = HelloAck(rank, address, HERE, writer(address, session).pid, 1, "", session)
             _carry(world, state.handle(ack, 0.0))
         _carry(world, state.handle(BootstrapTick(instance), 0.0))
     world.net.clear()
@@ -265,6 +280,16 @@ def _tick(world: World) -> None:
     peers_drained = not any(not p.alive and p.undrained for ps in world.procs.values() for p in ps)
     drained = tuple(a for a in probes.acks if not _proc_of(world, a.session, a.rank).undrained)
     _carry(world, state.handle(Tick(gone, peers_drained, drained), now))
+    if world.decode_drain and world.drain_report is None:  # the engine's drain() waits
+        report, actions = state.drain_tick(now)
+        _carry(world, actions)
+        if report is not None:
+            world.drain_report = report
+            left = state.held_pages() + state.tracker.pages_in(HoldState.OPEN)
+            if report.drained and left:
+                raise Violation(f"S: the decode drain reports drained with {left} pages not back")
+            if report.pages_left != left:
+                raise Violation(f"L: the decode drain reports {report} with {left} pages not back")
 
 
 # -- the rank processes' part ------------------------------------------------------
@@ -368,6 +393,13 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     w.state.finish(w.requests[q])  # type: ignore[arg-type]
 
                 yield f"finish{room}", finish
+    if limits.decode_drain and not world.decode_drain:
+
+        def decode_drain(w: World) -> None:
+            w.decode_drain = True
+            _carry(w, w.state.begin_drain(w.now, DT, SETTLE_S))
+
+        yield "decode-drain", decode_drain
     if world.ticks < limits.ticks:
 
         def tick(w: World) -> None:
@@ -508,6 +540,7 @@ def _clone(world: World) -> World:
     new.draining = dict(s.draining)
     new.leaving = dict(s.leaving)
     new.owner_fence = attrs.evolve(s.owner_fence)
+    new.drain = None if s.drain is None else attrs.evolve(s.drain)
     procs = {a: [_copy_proc(p) for p in ps] for a, ps in world.procs.items()}
     return World(
         new,
@@ -528,6 +561,8 @@ def _clone(world: World) -> World:
         world.fence_due,
         world.fenced,
         world.fence_fails,
+        world.decode_drain,
+        world.drain_report,
         world.trace,
     )
 
@@ -579,6 +614,7 @@ def _machine_key(world: World) -> tuple[object, ...]:
         s.name,
         s.metadata,
         attrs.astuple(s.owner_fence),
+        None if s.drain is None else attrs.astuple(s.drain),
     )
 
 
@@ -623,6 +659,8 @@ def _key(world: World) -> tuple[object, ...]:
         world.fence_due,
         tuple(sorted(world.fenced)),
         world.fence_fails,
+        world.decode_drain,
+        world.drain_report,
     )
 
 
@@ -649,6 +687,12 @@ def _check_terminal(world: World, limits: Limits) -> None:
                 _carry(w, w.state.handle(msg, w.now))
             else:
                 _deliver(w, dest, msg)
+    if w.decode_drain:
+        still_open = w.state.tracker.rooms_in(HoldState.OPEN)
+        if still_open:
+            raise Violation(f"L: rooms {still_open} left open past the decode drain's grace")
+        if w.drain_report is None:
+            raise Violation("L: the decode drain never reports")
     for room, q in w.current.items():
         request = w.requests[q]
         # Proof can come for a writer that is the live process at its address
@@ -658,6 +702,9 @@ def _check_terminal(world: World, limits: Limits) -> None:
         writing = any(p.taken.get(q) == "writing" for ps in w.procs.values() for p in ps)
         unprovable = any(
             wr.session != w.procs[wr.address][-1].session and _proc(w, wr.address, wr.session).alive
+            for wr in request.writers.values()  # type: ignore[attr-defined]
+        ) or any(  # nor one frozen for good (only an owner fence, checked below, frees its rooms)
+            _proc(w, wr.address, wr.session).frozen
             for wr in request.writers.values()  # type: ignore[attr-defined]
         )
         held = w.state.current(request) and w.state.tracker.state(room) in (  # type: ignore[arg-type]
