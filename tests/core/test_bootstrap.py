@@ -134,3 +134,18 @@ def test_bad_addresses_are_refused_with_nothing_recorded(addresses: tuple[str, .
     with pytest.raises(ValueError, match=match):
         _begin(state, addresses)
     assert state.pending == {}
+
+
+def test_the_schedule_runs_on_the_waiters_clock_the_ranks_are_heard_from_on_the_endpoints() -> None:
+    """The runtime's waiter blocks an engine call: its waits are real time,
+    while a test may run the endpoint's timers on a clock of its own."""
+    state = endpoint(())
+    instance = _begin(state, ("p0",), now=7.0, timeout_s=1.0)  # the waiter's clock
+    assert state.handle(BootstrapTick(instance, 7.0), 1000.0)[-1] == AwaitAnswers(7.25)
+    assert state.handle(BootstrapTick(instance, 7.1), 1000.0) == [AwaitAnswers(7.25)]  # endpoint's clock frozen
+    [give_up] = state.handle(BootstrapTick(instance, 8.0), 1000.0)
+    assert isinstance(give_up, GiveUp)
+    other = _begin(state, ("q0",), now=9.0)
+    announce(state, 0, "q0", 1, 1000.0)
+    assert state.handle(BootstrapTick(other, 9.1), 1000.0) == [Bootstrapped(other)]
+    assert state._heard[other.ids[0]] == 1000.0  # heartbeats count on the endpoint's clock

@@ -235,6 +235,17 @@ def test_a_decode_drain_with_nothing_tracked_reports_at_once_and_a_second_call_w
         state.open(1, (0,), state.default, None, None, 8.0)
 
 
+def test_a_decode_drain_waits_on_its_callers_clock_and_holds_on_the_endpoints() -> None:
+    state = endpoint()
+    assert state.default is not None
+    request, _ = state.open(1, (0,), state.default, None, None, 500.0)
+    state.begin_drain(500.0, grace_s=0.5, settle_s=1.0, at=3.0)
+    assert state.drain_tick(500.0, at=3.4) == (None, [])  # the endpoint's clock stands still
+    report, actions = state.drain_tick(500.0, at=3.5)
+    assert report is None and aborts(actions) and state.tracker.held_since(1) == 500.0
+    assert state.drain_tick(500.0, at=4.5)[0] == drain.DrainReport(False, 1.5, 1, 1)
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_a_negative_grace_is_refused_on_both_sides_typed(side: str) -> None:
     with pytest.raises(ArgumentError, match="grace") as info:

@@ -3,7 +3,8 @@ when they are re-sent, when the bootstrap gives up, and what its answers make
 of the instance (:class:`EndpointState` calls these; the state is its).
 
 The runtime's waiter feeds :class:`~kvconn.protocol.endpoint_events.BootstrapTick`
-with ``now`` whenever it wakes (an answer came, or its wait ran out) and
+whenever it wakes (with the time on its own clock: the schedule runs on the
+waiter's clock, the ranks are heard from at the endpoint's ``now``) (an answer came, or its wait ran out) and
 carries out what comes back: Hellos to send, :class:`AwaitAnswers` (wait
 until then, or until an answer wakes it), and at the end
 :class:`Bootstrapped` (the instance is kept) or :class:`GiveUp` (raise its
@@ -42,13 +43,14 @@ def begin(
     state: EndpointState,
     addresses: tuple[str, ...],
     hello: Hello,
-    now: float,
+    at: float,
     timeout_s: float,
     resend_interval_s: float,
 ) -> Instance:
-    """Start bootstrapping the instance at ``addresses``; refused (nothing
-    recorded) with :class:`~kvconn.errors.RequestError` for no address,
-    one named twice, or a rank of another instance."""
+    """Start bootstrapping the instance at ``addresses`` at ``at`` (the
+    waiter's clock); refused (nothing recorded) with
+    :class:`~kvconn.errors.RequestError` for no address, one named twice,
+    or a rank of another instance."""
     if not addresses:
         raise RequestError("a prefill instance needs at least one rank address")
     if len(set(addresses)) != len(addresses):
@@ -60,8 +62,8 @@ def begin(
         )
     instance = Instance(addresses, hello)
     instance.timeout_s = timeout_s
-    instance.give_up_at = now + timeout_s
-    instance.resend_at = now
+    instance.give_up_at = at + timeout_s
+    instance.resend_at = at
     instance.resend_every = resend_every(resend_interval_s, timeout_s)
     for address in addresses:
         state.pending[address] = instance
@@ -82,13 +84,14 @@ def hello(state: EndpointState, instance: Instance) -> Hello:
     return attrs.evolve(instance.hello, decode=state.name, metadata=state.metadata)
 
 
-def step(state: EndpointState, instance: Instance, now: float) -> list[Action]:
-    """The bootstrap's waiter woke at ``now``: Hello the ranks still silent
-    if it is time, and say how long to wait; or end it."""
+def step(state: EndpointState, instance: Instance, now: float, at: float) -> list[Action]:
+    """The bootstrap's waiter woke at ``at`` on its clock (``now`` on the
+    endpoint's): Hello the ranks still silent if it is time, and say how
+    long to wait; or end it."""
     waiting = unanswered(instance)
     if not waiting:
         return over(state, instance, now)
-    if now >= instance.give_up_at:
+    if at >= instance.give_up_at:
         answered = len(instance.addresses) - len(waiting)
         forget(state, instance)
         # A rank of another wire version or key drops every Hello unread
@@ -104,9 +107,9 @@ def step(state: EndpointState, instance: Instance, now: float) -> list[Action]:
             )
         ]
     actions: list[Action] = []
-    if now >= instance.resend_at:
+    if at >= instance.resend_at:
         actions += [Send(address, hello(state, instance)) for address in waiting]
-        instance.resend_at = now + instance.resend_every
+        instance.resend_at = at + instance.resend_every
     return [*actions, AwaitAnswers(min(instance.resend_at, instance.give_up_at))]
 
 

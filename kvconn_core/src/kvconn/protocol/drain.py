@@ -250,17 +250,20 @@ class DecodeDrain(Drain):
     settle_s: float = 0.0
 
 
-def begin_decode_drain(state: EndpointState, now: float, grace_s: float, settle_s: float) -> list[Action]:
+def begin_decode_drain(
+    state: EndpointState, now: float, grace_s: float, settle_s: float, at: float
+) -> list[Action]:
     """Refuse new requests from now on; abort what the engine has not
-    finished ``grace_s`` from now, and report ``settle_s`` after that. A
-    second call (the endpoint refuses requests already) starts the wait
-    over, as a new caller's."""
+    finished ``grace_s`` from ``at``, and report ``settle_s`` after that
+    (``at``: the clock the drain's caller waits on; ``now``: the endpoint's,
+    for the holds). A second call (the endpoint refuses requests already)
+    starts the wait over, as a new caller's."""
     check_grace(grace_s)
-    state.drain = DecodeDrain(now, now + grace_s, settle_s=settle_s)
-    return decode_drain_tick(state, now)[1]
+    state.drain = DecodeDrain(at, at + grace_s, settle_s=settle_s)
+    return decode_drain_tick(state, now, at)[1]
 
 
-def decode_drain_tick(state: EndpointState, now: float) -> tuple[DrainReport | None, list[Action]]:
+def decode_drain_tick(state: EndpointState, now: float, at: float) -> tuple[DrainReport | None, list[Action]]:
     """Abort the rooms the engine left once the grace ran out (unless every
     page is back by then); report once every page is back or the settle
     time after the grace is up. Returns (the report or None, actions)."""
@@ -269,13 +272,13 @@ def decode_drain_tick(state: EndpointState, now: float) -> tuple[DrainReport | N
         return None, []
     actions: list[Action] = []
     rooms, pages = decode_left(state)
-    if rooms and not drain.grace_over and now >= drain.grace_over_at:
+    if rooms and not drain.grace_over and at >= drain.grace_over_at:
         drain.grace_over = True
-        drain.report_at = now + drain.settle_s
+        drain.report_at = at + drain.settle_s
         actions = abort_unfinished(state, now)
         rooms, pages = decode_left(state)
     drain.done = rooms == 0
-    return drain.report(now, rooms, pages), actions
+    return drain.report(at, rooms, pages), actions
 
 
 def abort_unfinished(state: EndpointState, now: float) -> list[Action]:

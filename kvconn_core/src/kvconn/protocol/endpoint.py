@@ -195,15 +195,16 @@ class EndpointState:
         self,
         addresses: tuple[str, ...],
         hello: Hello,
-        now: float,
+        at: float,
         *,
         timeout_s: float,
         resend_interval_s: float,
     ) -> Instance:
-        """Start bootstrapping the instance at ``addresses``: feed
-        :class:`BootstrapTick` until it returns ``Bootstrapped`` or ``GiveUp``
-        (within ``timeout_s``), :meth:`forget_bootstrap` if it is left early."""
-        return bootstrap.begin(self, addresses, hello, now, timeout_s, resend_interval_s)
+        """Start bootstrapping the instance at ``addresses`` (``at``: on the
+        clock its :class:`BootstrapTick` s will carry): feed them until one
+        returns ``Bootstrapped`` or ``GiveUp`` (within ``timeout_s``);
+        :meth:`forget_bootstrap` if it is left early."""
+        return bootstrap.begin(self, addresses, hello, at, timeout_s, resend_interval_s)
 
     def unanswered(self, instance: Instance) -> list[str]:
         return bootstrap.unanswered(instance)
@@ -302,15 +303,21 @@ class EndpointState:
         self._forget(request.room)
         return pages
 
-    def begin_drain(self, now: float, grace_s: float, settle_s: float) -> list[Action]:
+    def begin_drain(
+        self, now: float, grace_s: float, settle_s: float, at: float | None = None
+    ) -> list[Action]:
         """Drain: refuse new requests, give the engine ``grace_s`` to finish
-        its rooms (see protocol/drain.py); then :meth:`drain_tick` until it reports."""
-        return drain.begin_decode_drain(self, now, grace_s, settle_s)
+        its rooms (see protocol/drain.py); then :meth:`drain_tick` until it
+        reports. ``at``: the time on the clock the drain's caller waits on
+        (None: ``now``)."""
+        return drain.begin_decode_drain(self, now, grace_s, settle_s, now if at is None else at)
 
-    def drain_tick(self, now: float) -> tuple[drain.DrainReport | None, list[Action]]:
+    def drain_tick(
+        self, now: float, at: float | None = None
+    ) -> tuple[drain.DrainReport | None, list[Action]]:
         """(the drain's report, or None while it waits on; actions): aborts
         what the engine left once the grace ran out."""
-        return drain.decode_drain_tick(self, now)
+        return drain.decode_drain_tick(self, now, now if at is None else at)
 
     # -- stimuli -------------------------------------------------------------
     @functools.singledispatchmethod
@@ -433,7 +440,7 @@ class EndpointState:
 
     @handle.register
     def _(self, event: BootstrapTick, now: float) -> list[Action]:
-        return bootstrap.step(self, event.instance, now)
+        return bootstrap.step(self, event.instance, now, now if event.at is None else event.at)
 
     @handle.register
     def _(self, event: ExitsProbed, now: float) -> list[Action]:

@@ -165,9 +165,13 @@ class Undrained:
 @attrs.frozen(slots=True)
 class BootstrapTick:
     """The waiter of ``instance``'s bootstrap woke: an answer came, or the
-    wait :class:`AwaitAnswers` asked for ran out."""
+    wait :class:`AwaitAnswers` asked for ran out. ``at``: the time on the
+    waiter's clock, which the bootstrap's schedule runs on (None: the
+    endpoint's ``now``; the runtime's waiter blocks an engine call, so it
+    waits in real time whatever clock the endpoint's timers run on)."""
 
     instance: Instance
+    at: float | None = None
 
 
 Stimulus = (

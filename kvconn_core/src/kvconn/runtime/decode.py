@@ -282,10 +282,11 @@ class DecodeEndpoint:
         with ``drained`` False says what is left: those pages stay held (and
         the region registered, see :meth:`close`), never freed on a timeout.
         When to abort and when to report are ``EndpointState``'s
-        (protocol/drain.py); this only waits, on the endpoint's clock."""
+        (protocol/drain.py); this only waits (in real time, whatever
+        ``clock`` the endpoint's timers run on)."""
         settle_s = self.config.abort_timeout_s if timeout_s is None else timeout_s
-        self.step(lambda state, now: (None, state.begin_drain(now, grace_s, settle_s)))
-        while (report := self.step(lambda state, now: state.drain_tick(now))) is None:
+        self.step(lambda state, now: (None, state.begin_drain(now, grace_s, settle_s, time.monotonic())))
+        while (report := self.step(lambda state, now: state.drain_tick(now, time.monotonic()))) is None:
             time.sleep(self.DRAIN_POLL_S)
         return report
 
@@ -337,7 +338,7 @@ class DecodeEndpoint:
                 )
                 timeout_s, every_s = self.config.bootstrap_timeout_s, self.config.resend_interval_s
                 instance = self._state.begin_bootstrap(
-                    key, hello, self.clock(), timeout_s=timeout_s, resend_interval_s=every_s
+                    key, hello, time.monotonic(), timeout_s=timeout_s, resend_interval_s=every_s
                 )
             try:
                 self._bootstrap(instance)
@@ -348,11 +349,13 @@ class DecodeEndpoint:
 
     def _bootstrap(self, instance: Instance) -> None:
         """Wait out ``instance``'s bootstrap: its Hellos, re-sends and
-        deadline are ``EndpointState``'s (protocol/bootstrap.py)."""
+        deadline are ``EndpointState``'s (protocol/bootstrap.py). It blocks
+        an engine call: its schedule runs in real time, whatever ``clock``
+        the endpoint's timers run on."""
         with self._bootstrapped:
             while True:
-                now = self.clock()
-                actions = self._state.handle(BootstrapTick(instance), now)
+                now, at = self.clock(), time.monotonic()
+                actions = self._state.handle(BootstrapTick(instance, at), now)
                 self._run([a for a in actions if isinstance(a, Send)], now)
                 end = actions[-1]
                 if isinstance(end, GiveUp):
@@ -360,7 +363,7 @@ class DecodeEndpoint:
                 if isinstance(end, Bootstrapped):
                     return
                 assert isinstance(end, AwaitAnswers)
-                self._bootstrapped.wait(max(0.0, end.until - now))
+                self._bootstrapped.wait(max(0.0, end.until - at))
 
     # -- control plane -----------------------------------------------------
     def step(self, call: Callable[[EndpointState, float], tuple[T, Sequence[Action]]]) -> T:
