@@ -31,6 +31,7 @@ from kvconn.protocol.endpoint_events import (
     AwaitAnswers,
     Bootstrapped,
     BootstrapTick,
+    ExitsProbed,
     GiveUp,
     Instance,
     Send,
@@ -263,7 +264,9 @@ class DecodeEndpoint:
             self._tracer.opened(room, len(request.pages), sorted(request.writers), self.name)
             outgoing = self._tracer.outgoing
             unsent = [s.rank for s in sends if not self._outbox.send(s.address, outgoing(s.message))]
-            releases = self._run(self._state.sent(request, [r for r in unsent if r is not None], now), now)
+            releases = self._carrier.run(
+                self._state.sent(request, [r for r in unsent if r is not None], now), now
+            )
         self._notify(releases)
         return Receiver(self, request, self._tracer)
 
@@ -356,7 +359,7 @@ class DecodeEndpoint:
             while True:
                 now, at = self.clock(), time.monotonic()
                 actions = self._state.handle(BootstrapTick(instance, at), now)
-                self._run([a for a in actions if isinstance(a, Send)], now)
+                self._carrier.run([a for a in actions if isinstance(a, Send)], now)
                 end = actions[-1]
                 if isinstance(end, GiveUp):
                     raise end.error
@@ -373,7 +376,7 @@ class DecodeEndpoint:
         with self._lock:
             now = self.clock()
             result, actions = call(self._state, now)
-            releases = self._run(actions, now)
+            releases = self._carrier.run(actions, now)
         self._notify(releases)
         return result
 
@@ -383,7 +386,7 @@ class DecodeEndpoint:
         with self._lock:
             actions = self._state.handle(msg, now)
             self._tracer.received(msg, actions)
-            releases = self._run(actions, now)
+            releases = self._carrier.run(actions, now)
         self._notify(releases)
 
     def _on_idle(self) -> float | None:
@@ -398,7 +401,7 @@ class DecodeEndpoint:
             # A dead writer's kernel still delivers what it had sent: its exit
             # proves nothing until our ends of its connections drained.
             peers_drained = not (gone & probes.owed) or not dead_peer_ends()
-            releases = self._run(self._state.handle(Tick(gone, peers_drained, drained), now), now)
+            releases = self._carrier.run(self._state.handle(Tick(gone, peers_drained, drained), now), now)
             next_deadline = self._state.next_wakeup()
             draining = bool(self._state.draining)
         self._notify(releases)
@@ -407,13 +410,17 @@ class DecodeEndpoint:
             wait = self.DRAIN_CHECK_S if wait is None else min(wait, self.DRAIN_CHECK_S)
         return wait
 
+    def _check_exits(self) -> None:
+        """One exit check now, outside the idle loop's schedule."""
+        now = self.clock()
+        with self._lock:
+            gone = frozenset(w for w in self._state.owed() if self._gone(w))
+            event = ExitsProbed(gone, not gone or not dead_peer_ends())
+            releases = self._carrier.run(self._state.handle(event, now), now)
+        self._notify(releases)
+
     def _gone(self, writer: WriterIdentityBase) -> bool:
         return proven_gone(writer, self._pid_namespace)
-
-    def _run(self, actions: Sequence[Action], now: float) -> list[Release]:
-        """(With the lock.) Carry out the state machine's actions; releases
-        are returned so the engine's callback runs outside the lock."""
-        return self._carrier.run(actions, now)
 
     def _notify(self, releases: list[Release]) -> None:
         if self.on_release is None:
