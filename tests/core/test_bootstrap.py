@@ -142,7 +142,9 @@ def test_the_schedule_runs_on_the_waiters_clock_the_ranks_are_heard_from_on_the_
     state = endpoint(())
     instance = _begin(state, ("p0",), now=7.0, timeout_s=1.0)  # the waiter's clock
     assert state.handle(BootstrapTick(instance, 7.0), 1000.0)[-1] == AwaitAnswers(7.25)
-    assert state.handle(BootstrapTick(instance, 7.1), 1000.0) == [AwaitAnswers(7.25)]  # endpoint's clock frozen
+    assert state.handle(BootstrapTick(instance, 7.1), 1000.0) == [
+        AwaitAnswers(7.25)
+    ]  # endpoint's clock frozen
     [give_up] = state.handle(BootstrapTick(instance, 8.0), 1000.0)
     assert isinstance(give_up, GiveUp)
     other = _begin(state, ("q0",), now=9.0)
