@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from endpoint_world import aborts, announce, bootstrap, endpoint, requests
 
+from kvconn.errors import ArgumentError
 from kvconn.protocol import drain
 from kvconn.protocol.drain import Announce, DrainingError
 from kvconn.protocol.drops import DropReason
@@ -189,17 +190,79 @@ def test_a_draining_decode_refuses_new_rooms_then_aborts_what_the_engine_left() 
     assert inst is not None
     _done, _ = state.open(1, (0,), inst, None, None, 0.0)
     left, _ = state.open(2, (1,), inst, None, None, 0.0)
-    drain.begin_decode_drain(state)
+    assert state.begin_drain(0.0, grace_s=0.2, settle_s=1.0) == []
     with pytest.raises(DrainingError, match="decode endpoint is draining"):
         state.open(3, (2,), inst, None, None, 0.1)
     state.handle(RoomStatus(1, 0, RoomOutcome.SUCCESS, "", "decode", 1), 0.1)
     assert drain.decode_left(state) == (2, 2)
-    actions = drain.abort_unfinished(state, 0.2)
+    assert state.drain_tick(0.19) == (None, [])  # the engine's grace: nothing aborted yet
+    report, actions = state.drain_tick(0.2)
+    assert report is None
     # the completed room the engine did not take comes back at once; the
     # other is held until its rank's proof
     assert [(a.room, a.proof) for a in actions if isinstance(a, Release)] == [(1, Proof.COMPLETED)]
     assert left.failure == drain.DECODE_DRAINING and state.hold_state(left) is HoldState.HELD
     assert drain.decode_left(state) == (1, 1)
+    assert state.drain_tick(0.3) == (None, [])  # nothing aborted twice
     [abort] = aborts(actions)
     state.handle(AbortAck(2, 0, abort.generation, False, "decode", 1), 0.3)
     assert drain.decode_left(state) == (0, 0)
+    assert state.drain_tick(0.4) == (drain.DrainReport(True, 0.4, 0, 0), [])
+
+
+def test_a_decode_drain_reports_what_is_left_once_its_settle_time_after_the_grace_is_up() -> None:
+    state = endpoint()
+    assert state.default is not None
+    request, _ = state.open(1, (0, 1), state.default, None, None, 0.0)
+    state.begin_drain(1.0, grace_s=0.5, settle_s=2.0)
+    assert state.drain_tick(1.4)[0] is None
+    report, actions = state.drain_tick(1.6)  # the grace is over at 1.5: aborted at this tick
+    assert report is None and aborts(actions) and request.aborted
+    assert state.drain_tick(3.59)[0] is None  # 2 s from the tick that aborted
+    # no proof came: the pages stay held, and the report says so
+    assert state.drain_tick(3.6)[0] == drain.DrainReport(False, 2.6, 1, 2)
+    assert state.hold_state(request) is HoldState.HELD
+
+
+def test_a_decode_drain_with_nothing_tracked_reports_at_once_and_a_second_call_waits_anew() -> None:
+    state = endpoint()
+    assert state.default is not None
+    state.begin_drain(0.0, grace_s=5.0, settle_s=5.0)
+    assert state.drain_tick(0.0) == (drain.DrainReport(True, 0.0, 0, 0), [])
+    state.begin_drain(7.0, grace_s=5.0, settle_s=5.0)  # still refusing; a new wait
+    assert state.drain_tick(7.5) == (drain.DrainReport(True, 0.5, 0, 0), [])
+    with pytest.raises(DrainingError):
+        state.open(1, (0,), state.default, None, None, 8.0)
+
+
+def test_a_decode_drain_waits_on_its_callers_clock_and_holds_on_the_endpoints() -> None:
+    state = endpoint()
+    assert state.default is not None
+    request, _ = state.open(1, (0,), state.default, None, None, 500.0)
+    state.begin_drain(500.0, grace_s=0.5, settle_s=1.0, at=3.0)
+    assert state.drain_tick(500.0, at=3.4) == (None, [])  # the endpoint's clock stands still
+    report, actions = state.drain_tick(500.0, at=3.5)
+    assert report is None and aborts(actions) and request.aborted and state.tracker.held_since(1) == 500.0
+    assert state.drain_tick(500.0, at=4.5)[0] == drain.DrainReport(False, 1.5, 1, 1)
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_negative_grace_is_refused_on_both_sides_typed(side: str) -> None:
+    with pytest.raises(ArgumentError, match="grace") as info:
+        if side == "decode":
+            endpoint().begin_drain(0.0, grace_s=-0.1, settle_s=1.0)
+        else:
+            _rank().begin_drain(0.0, grace_s=-0.1)
+    assert isinstance(info.value, ValueError)  # what the rank raised before
+
+
+def test_a_ranks_drain_reports_after_grace_write_deadline_and_settle_time_by_default() -> None:
+    assert drain.rank_report_after(2.0, 5.0) == 2.0 + 5.0 + drain.SETTLE_S
+    assert drain.rank_report_after(2.0, 5.0, timeout_s=0.5) == 0.5
+    state = _rank()
+    _request(state, A, 1, seq=1)
+    state.open_sender(1, 1, 0.0)
+    drain.begin_rank_drain(state, 0.0, 1.0, report_after_s=3.0)
+    assert state.drain is not None
+    assert state.drain.report(2.9, rooms_left=1) is None
+    assert state.drain.report(3.0, rooms_left=1) == drain.DrainReport(False, 3.0, 1)
