@@ -43,13 +43,13 @@ if [[ $keep == 1 && -d $stage/mutants ]]; then
 fi
 
 # What is mutated: all of the protocol core (decode's decisions included:
-# protocol/endpoint.py), and of the runtime only prefill's FenceGate (the rest
-# of prefill.py, and all of decode.py, is plumbing that only the process-level
-# tests exercise, minutes per mutant). Names are mutmut's, globs allowed;
+# protocol/endpoint.py), and of the runtime only prefill's FenceGate
+# (runtime/transfer.py; the rest of the runtime is plumbing that only the
+# process-level tests exercise, minutes per mutant). Names are mutmut's, globs allowed;
 # arguments replace this list.
 targets=(
     "kvconn.protocol.*"
-    "kvconn.runtime.prefill.xǁFenceGateǁ*"
+    "kvconn.runtime.transfer.xǁFenceGateǁ*"
 )
 if [[ $# -gt 0 ]]; then targets=("$@"); fi
 

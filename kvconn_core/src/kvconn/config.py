@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import attrs
 
+from kvconn.protocol.bootstrap import deadline_conflict
+
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if value <= 0:
@@ -110,8 +112,9 @@ class Config:
 
 
 def check_deadlines(write_timeout_s: float, abort_timeout_s: float, what: str = "write_timeout_s") -> None:
-    if write_timeout_s >= abort_timeout_s:
-        raise ValueError(
-            f"{what} ({write_timeout_s} s) must be shorter than decode's abort_timeout_s "
-            f"({abort_timeout_s} s): a live writer has to give up before decode quarantines"
-        )
+    """Raise ValueError unless the writer deadline is shorter than decode's:
+    the core's rule (:func:`kvconn.protocol.bootstrap.deadline_conflict`),
+    which a prefill rank applies again to every decode's Hello."""
+    conflict = deadline_conflict(write_timeout_s, abort_timeout_s, what)
+    if conflict:
+        raise ValueError(conflict)

@@ -43,6 +43,13 @@ class IncompleteRoomError(KvconnError, ValueError):
     decode would be told Success with stale pages."""
 
 
+class ArgumentError(KvconnError, ValueError):
+    """An argument kvconn cannot take as given: a sender for no decode, a
+    negative drain grace, a prefill rank given both or neither of
+    ``source_bytes`` and ``buffers=``/``layout=``. (Also a ValueError: what
+    these calls raised before.)"""
+
+
 class BootstrapError(KvconnError, RuntimeError):
     """A prefill rank did not answer, or refused, decode's bootstrap."""
 
@@ -62,6 +69,7 @@ class FinishRefusedError(RoomStateError):
 
 
 __all__ = [
+    "ArgumentError",
     "BootstrapError",
     "FinishRefusedError",
     "IncompleteRoomError",

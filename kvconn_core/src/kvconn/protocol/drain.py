@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvconn.errors import RequestError
+from kvconn.errors import ArgumentError, RequestError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import Action, Drop, Request
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import LIVE, KVPoll, NotifyDecode, RoomKey
-from kvconn.protocol.messages import RankDraining, RoomOutcome
+from kvconn.protocol.messages import RankDraining, RoomOutcome, TcpConnection
 
 if TYPE_CHECKING:
     from kvconn.protocol.endpoint import EndpointState
@@ -73,11 +73,13 @@ class RankDrain:
 
 @attrs.frozen(slots=True)
 class Announce:
-    """Send ``RankDraining(done)`` to decode ``decode`` (the runtime adds
-    the connections its fences closed)."""
+    """Send ``RankDraining(done, closed)`` to decode ``decode``: ``closed``,
+    the TCP connections the rank's fences closed (decode counts ``done``
+    only with none, as it holds a fenced ack until its ends drained)."""
 
     decode: str
     done: bool
+    closed: tuple[TcpConnection, ...] = ()
 
 
 @attrs.frozen(slots=True)
@@ -104,11 +106,12 @@ def busy(state: RankState[Any]) -> list[RoomKey]:
 def begin_rank_drain(state: RankState[Any], now: float, grace_s: float) -> list[RankAction]:
     """Start draining (a second call changes nothing)."""
     if grace_s < 0:
-        raise ValueError(f"a drain's grace period is at least 0 s, got {grace_s}")
+        raise ArgumentError(f"a drain's grace period is at least 0 s, got {grace_s}")
     if state.drain is not None:
         return []
     state.drain = RankDrain(now, now + grace_s)
-    actions: list[RankAction] = [Announce(decode, False) for decode in sorted(state.peers)]
+    closed = state.ledger.closed_by_fences
+    actions: list[RankAction] = [Announce(decode, False, closed) for decode in sorted(state.peers)]
     return actions + rank_drain_tick(state, now)[1]
 
 
@@ -131,7 +134,8 @@ def rank_drain_tick(state: RankState[Any], now: float) -> tuple[bool, list[RankA
     if busy(state):
         return False, actions
     drain.done = True
-    return True, actions + [Announce(decode, True) for decode in sorted(state.peers)]
+    closed = ledger.closed_by_fences
+    return True, actions + [Announce(decode, True, closed) for decode in sorted(state.peers)]
 
 
 def refuse_request(
