@@ -22,7 +22,7 @@ from kvconn.protocol.messages import (
     TcpConnection,
     TransferRequest,
 )
-from kvconn.protocol.rank import Action, RankState
+from kvconn.protocol.rank import Action, Pairing, RankState
 
 SESSION = 77
 A, B = "decode-a", "decode-b"
@@ -30,8 +30,8 @@ A, B = "decode-a", "decode-b"
 
 def _rank() -> RankState[str]:
     state: RankState[str] = RankState(RoomLedger(0, 60.0, SESSION), bootstrap_timeout=None)
-    state.add_peer(A, "tcp://a", "layout-a")
-    state.add_peer(B, "tcp://b", "layout-b")
+    state.add_peer(A, "tcp://a", Pairing("layout-a", source_pages=64))
+    state.add_peer(B, "tcp://b", Pairing("layout-b", source_pages=64))
     return state
 
 
@@ -83,7 +83,7 @@ def test_held_rooms_get_the_grace_then_fail_and_drained_waits_for_every_write_in
     state.begin_drain(0.0, grace_s=1.0)
     # room 1 completes within the grace
     polled, _ = state.poll(s1, 0.1)
-    plan = state.plan_send(s1, 2, True, polled)
+    plan = state.plan_send(s1, range(2), True, polled)
     state.commit_send(s1, plan)
     assert state.ledger.dequeue(RoomKey(A, 1), plan.legs[0].incarnation)
     assert state.drain_tick(0.2) == (False, [])
@@ -91,7 +91,7 @@ def test_held_rooms_get_the_grace_then_fail_and_drained_waits_for_every_write_in
     assert _statuses(landed) == [(A, 1, RoomOutcome.SUCCESS, "")]
     # room 2 has a chunk in flight when the grace runs out: failed, not drained
     polled, _ = state.poll(s2, 0.3)
-    plan = state.plan_send(s2, 1, False, polled)
+    plan = state.plan_send(s2, range(1), False, polled)
     state.commit_send(s2, plan)
     assert state.ledger.dequeue(RoomKey(A, 2), plan.legs[0].incarnation)
     drained, actions = state.drain_tick(1.0)

@@ -33,7 +33,7 @@ from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import Action, Drop, Request
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import LIVE, KVPoll, NotifyDecode, RoomKey
-from kvconn.protocol.messages import RankDraining, RoomOutcome
+from kvconn.protocol.messages import RankDraining, RoomOutcome, TcpConnection
 
 if TYPE_CHECKING:
     from kvconn.protocol.endpoint import EndpointState
@@ -124,11 +124,13 @@ class RankDrain(Drain):
 
 @attrs.frozen(slots=True)
 class Announce:
-    """Send ``RankDraining(done)`` to decode ``decode`` (the runtime adds
-    the connections its fences closed)."""
+    """Send ``RankDraining(done, closed)`` to decode ``decode``: ``closed``,
+    the TCP connections the rank's fences closed (decode counts ``done``
+    only with none, as it holds a fenced ack until its ends drained)."""
 
     decode: str
     done: bool
+    closed: tuple[TcpConnection, ...] = ()
 
 
 def busy(state: RankState[Any]) -> list[RoomKey]:
@@ -146,7 +148,8 @@ def begin_rank_drain(
     if state.drain is not None:
         return []
     state.drain = RankDrain(now, now + grace_s, report_at=now + report_after_s)
-    actions: list[RankAction] = [Announce(decode, False) for decode in sorted(state.peers)]
+    closed = state.ledger.closed_by_fences
+    actions: list[RankAction] = [Announce(decode, False, closed) for decode in sorted(state.peers)]
     return actions + rank_drain_tick(state, now)[1]
 
 
@@ -169,7 +172,8 @@ def rank_drain_tick(state: RankState[Any], now: float) -> tuple[bool, list[RankA
     if busy(state):
         return False, actions
     drain.done = True
-    return True, actions + [Announce(decode, True) for decode in sorted(state.peers)]
+    closed = ledger.closed_by_fences
+    return True, actions + [Announce(decode, True, closed) for decode in sorted(state.peers)]
 
 
 def refuse_request(
