@@ -35,6 +35,7 @@ Hello's checks in ``rank_bootstrap.py``; a drain's in ``drain.py``.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Generic
@@ -42,7 +43,7 @@ from typing import Generic
 from kvconn.errors import ArgumentError, IncompleteRoomError, KvconnError, PageError, RoomStateError
 from kvconn.protocol import drain as _drain
 from kvconn.protocol import rank_bootstrap as _bootstrap
-from kvconn.protocol.drain import RankDrain
+from kvconn.protocol.drain import DrainReport, RankDrain
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import (
     LIVE,
@@ -226,15 +227,22 @@ class RankState(Generic[L]):
             del self._given_up[room]
         return []
 
-    def begin_drain(self, now: float, grace_s: float) -> list[Action]:
+    def begin_drain(self, now: float, grace_s: float, report_after_s: float = math.inf) -> list[Action]:
         """Drain: refuse new requests, give held rooms ``grace_s`` to finish
-        (see protocol/drain.py); then :meth:`drain_tick` until drained."""
-        return _drain.begin_rank_drain(self, now, grace_s)
+        (see protocol/drain.py); then :meth:`drain_tick` until drained, or
+        :meth:`drain_report` until it reports (drained, or ``report_after_s``
+        from now: :func:`~kvconn.protocol.drain.rank_report_after`)."""
+        return _drain.begin_rank_drain(self, now, grace_s, report_after_s)
 
     def drain_tick(self, now: float) -> tuple[bool, list[Action]]:
         """(drained, actions): fails live rooms once the grace ran out, and
         announces ``done`` once nothing of this rank can be written."""
         return _drain.rank_drain_tick(self, now)
+
+    def drain_report(self, now: float) -> tuple[DrainReport | None, list[Action]]:
+        """:meth:`drain_tick`, and the drain's report once it is drained or
+        its wait is up (None: wait on)."""
+        return _drain.rank_drain_report(self, now)
 
     def given_up(self, room: int, now: float) -> bool:
         until = self._given_up.get(room)

@@ -23,7 +23,7 @@ from kvconn.config import Config
 from kvconn.errors import ArgumentError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
-from kvconn.protocol.drain import DrainReport
+from kvconn.protocol.drain import DrainReport, rank_report_after
 from kvconn.protocol.ledger import FENCES_REMEMBERED, KVPoll, RoomLedger
 from kvconn.protocol.messages import Message
 from kvconn.protocol.rank import Peer, RankState, Verdict, WriterTerms
@@ -203,23 +203,20 @@ class PrefillRank(TransferPath):
         posted write landed, failed settled, or was fenced), having told
         every decode so: their pages come back by proof, with no timeout.
         Waits at most ``timeout_s`` (default: ``grace_s`` plus the write
-        deadline plus 1 s, time for writes in flight to fail and be fenced);
-        a report with ``drained`` False says what was left.
+        deadline plus 1 s, time for writes in flight to fail and be fenced:
+        ``kvconn.protocol.drain.rank_report_after``); a report with
+        ``drained`` False says what was left. A second call keeps the grace
+        and starts its own wait.
 
         The rank keeps answering (aborts are acked, requests refused) until
         :meth:`close`. A signal path: ``kvconn.runtime.drain_signal``."""
-        start = time.monotonic()
-        limit = grace_s + self.config.write_timeout_s + 1.0 if timeout_s is None else timeout_s
-        self.step(lambda state, now: (None, state.begin_drain(now, grace_s)))
-        drained = False
-        while True:
-            drained = self.step(lambda state, now: state.drain_tick(now))
-            if drained or time.monotonic() - start >= limit:
-                break
+        # When to fail rooms and when to report are RankState's; the drain
+        # runs on the clock this call waits on (as decode's does).
+        report_after = rank_report_after(grace_s, self.config.write_timeout_s, timeout_s)
+        self.step(lambda state, _: (None, state.begin_drain(time.monotonic(), grace_s, report_after)))
+        while (report := self.step(lambda state, _: state.drain_report(time.monotonic()))) is None:
             time.sleep(self.DRAIN_POLL_S)
-        with self._lock:
-            left = len(self.state.ledger.unsettled_keys())
-        return DrainReport(drained, time.monotonic() - start, left)
+        return report
 
     @property
     def draining(self) -> bool:
