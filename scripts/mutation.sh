@@ -47,10 +47,11 @@ if [[ $keep == 1 && -d $stage/mutants ]]; then
 fi
 
 # What is mutated: all of the protocol core (decode's decisions included:
-# endpoint.py, bootstrap.py, liveness.py, drain.py, owner_fence.py), and of
-# the runtime only prefill's FenceGate (runtime/transfer.py; the rest of the
-# runtime is plumbing that only the process-level tests exercise, minutes per
-# mutant). Names are mutmut's, globs allowed; arguments replace this list.
+# endpoint.py, bootstrap.py, liveness.py, drain.py, owner_fence.py) and
+# prefill's (rank.py, rank_bootstrap.py, rank_events.py), and of the runtime
+# only prefill's FenceGate (runtime/transfer.py; the rest of the runtime is
+# plumbing that only the process-level tests exercise, minutes per mutant).
+# Names are mutmut's, globs allowed; arguments replace this list.
 targets=(
     "kvconn.protocol.*"
     "kvconn.runtime.transfer.xǁFenceGateǁ*"

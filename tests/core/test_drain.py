@@ -22,7 +22,7 @@ from kvconn.protocol.messages import (
     TcpConnection,
     TransferRequest,
 )
-from kvconn.protocol.rank import Action, RankState
+from kvconn.protocol.rank import Action, Pairing, RankState
 
 SESSION = 77
 A, B = "decode-a", "decode-b"
@@ -30,8 +30,8 @@ A, B = "decode-a", "decode-b"
 
 def _rank() -> RankState[str]:
     state: RankState[str] = RankState(RoomLedger(0, 60.0, SESSION), bootstrap_timeout=None)
-    state.add_peer(A, "tcp://a", "layout-a")
-    state.add_peer(B, "tcp://b", "layout-b")
+    state.add_peer(A, "tcp://a", Pairing("layout-a", source_pages=64))
+    state.add_peer(B, "tcp://b", Pairing("layout-b", source_pages=64))
     return state
 
 
@@ -83,7 +83,7 @@ def test_held_rooms_get_the_grace_then_fail_and_drained_waits_for_every_write_in
     state.begin_drain(0.0, grace_s=1.0)
     # room 1 completes within the grace
     polled, _ = state.poll(s1, 0.1)
-    plan = state.plan_send(s1, 2, True, polled)
+    plan = state.plan_send(s1, range(2), True, polled)
     state.commit_send(s1, plan)
     assert state.ledger.dequeue(RoomKey(A, 1), plan.legs[0].incarnation)
     assert state.drain_tick(0.2) == (False, [])
@@ -91,7 +91,7 @@ def test_held_rooms_get_the_grace_then_fail_and_drained_waits_for_every_write_in
     assert _statuses(landed) == [(A, 1, RoomOutcome.SUCCESS, "")]
     # room 2 has a chunk in flight when the grace runs out: failed, not drained
     polled, _ = state.poll(s2, 0.3)
-    plan = state.plan_send(s2, 1, False, polled)
+    plan = state.plan_send(s2, range(1), False, polled)
     state.commit_send(s2, plan)
     assert state.ledger.dequeue(RoomKey(A, 2), plan.legs[0].incarnation)
     drained, actions = state.drain_tick(1.0)
@@ -266,3 +266,27 @@ def test_a_ranks_drain_reports_after_grace_write_deadline_and_settle_time_by_def
     assert state.drain is not None
     assert state.drain.report(2.9, rooms_left=1) is None
     assert state.drain.report(3.0, rooms_left=1) == drain.DrainReport(False, 3.0, 1)
+
+
+def test_a_ranks_drain_report_is_the_cores_wait_and_a_second_drain_starts_its_own() -> None:
+    # PrefillRank.drain() waits on RankState.drain_report: the report comes
+    # from the core at the wait begin_drain was given, not from a runtime limit.
+    state = _rank()
+    _request(state, A, 1, seq=1)
+    s = state.open_sender(1, 1, 0.0)
+    state.begin_drain(0.0, grace_s=1.0, report_after_s=3.0)
+    polled, _ = state.poll(s, 0.1)
+    plan = state.plan_send(s, range(1), False, polled)
+    state.commit_send(s, plan)
+    assert state.ledger.dequeue(RoomKey(A, 1), plan.legs[0].incarnation)  # a write in flight
+    report, actions = state.drain_report(1.0)
+    assert report is None and _statuses(actions) == [(A, 1, RoomOutcome.FAILED, drain.GRACE_OVER)]
+    assert state.drain_report(2.9) == (None, [])
+    report, _ = state.drain_report(3.0)
+    assert report == drain.DrainReport(False, 3.0, 1)
+    # the engine's close drains again: same grace, a wait of its own from now
+    assert state.begin_drain(5.0, grace_s=30.0, report_after_s=0.5) == []
+    assert state.drain_report(5.25)[0] is None
+    assert state.drain_report(5.5)[0] == drain.DrainReport(False, 0.5, 1)
+    state.ledger.failed(RoomKey(A, 1), settled=True, reason="gone")
+    assert state.drain_report(5.75)[0] == drain.DrainReport(True, 0.75, 0)

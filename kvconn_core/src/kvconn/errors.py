@@ -62,9 +62,11 @@ class FinishRefusedError(RoomStateError):
 
 
 class ArgumentError(KvconnError, ValueError):
-    """An endpoint given arguments that do not fit: ``buffers=`` without
-    ``layout=``, both forms of a region at once, neither, a negative drain
-    grace. (Also a ValueError: what these calls raised before.)"""
+    """Arguments kvconn cannot take as given: an endpoint's ``buffers=``
+    without ``layout=``, both forms of a region at once or neither (a prefill
+    rank's ``source_bytes`` and ``buffers=``/``layout=``), a sender for no
+    decode, a negative drain grace. (Also a ValueError: what these calls
+    raised before.)"""
 
 
 class ArgumentTypeError(KvconnError, TypeError):

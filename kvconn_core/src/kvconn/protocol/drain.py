@@ -33,7 +33,7 @@ from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import Action, Drop, Request
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import LIVE, KVPoll, NotifyDecode, RoomKey
-from kvconn.protocol.messages import RankDraining, RoomOutcome
+from kvconn.protocol.messages import RankDraining, RoomOutcome, TcpConnection
 
 if TYPE_CHECKING:
     from kvconn.protocol.endpoint import EndpointState
@@ -124,11 +124,13 @@ class RankDrain(Drain):
 
 @attrs.frozen(slots=True)
 class Announce:
-    """Send ``RankDraining(done)`` to decode ``decode`` (the runtime adds
-    the connections its fences closed)."""
+    """Send ``RankDraining(done, closed)`` to decode ``decode``: ``closed``,
+    the TCP connections the rank's fences closed (decode counts ``done``
+    only with none, as it holds a fenced ack until its ends drained)."""
 
     decode: str
     done: bool
+    closed: tuple[TcpConnection, ...] = ()
 
 
 def busy(state: RankState[Any]) -> list[RoomKey]:
@@ -140,13 +142,17 @@ def busy(state: RankState[Any]) -> list[RoomKey]:
 def begin_rank_drain(
     state: RankState[Any], now: float, grace_s: float, report_after_s: float = math.inf
 ) -> list[RankAction]:
-    """Start draining (a second call changes nothing); the drain's
-    :meth:`~Drain.report` gives up waiting ``report_after_s`` from now."""
+    """Start draining; the drain's :meth:`~Drain.report` gives up waiting
+    ``report_after_s`` from now. A second call (an engine's drain, then its
+    close) keeps the grace and what was done, and starts the wait over, as a
+    new caller's."""
     check_grace(grace_s)
     if state.drain is not None:
+        state.drain.since, state.drain.report_at = now, now + report_after_s
         return []
     state.drain = RankDrain(now, now + grace_s, report_at=now + report_after_s)
-    actions: list[RankAction] = [Announce(decode, False) for decode in sorted(state.peers)]
+    closed = state.ledger.closed_by_fences
+    actions: list[RankAction] = [Announce(decode, False, closed) for decode in sorted(state.peers)]
     return actions + rank_drain_tick(state, now)[1]
 
 
@@ -169,7 +175,16 @@ def rank_drain_tick(state: RankState[Any], now: float) -> tuple[bool, list[RankA
     if busy(state):
         return False, actions
     drain.done = True
-    return True, actions + [Announce(decode, True) for decode in sorted(state.peers)]
+    closed = ledger.closed_by_fences
+    return True, actions + [Announce(decode, True, closed) for decode in sorted(state.peers)]
+
+
+def rank_drain_report(state: RankState[Any], now: float) -> tuple[DrainReport | None, list[RankAction]]:
+    """:func:`rank_drain_tick`, then the drain's report once the rank
+    drained or its wait is up (None: wait on, or no drain began)."""
+    _, actions = rank_drain_tick(state, now)
+    drain = state.drain
+    return (None if drain is None else drain.report(now, len(busy(state)))), actions
 
 
 def refuse_request(
@@ -323,6 +338,7 @@ __all__ = [
     "decode_left",
     "rank_report_after",
     "rank_draining",
+    "rank_drain_report",
     "rank_drain_tick",
     "refuse_if_draining",
     "refuse_request",
