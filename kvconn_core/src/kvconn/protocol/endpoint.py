@@ -397,7 +397,7 @@ class EndpointState:
             reason = DropReason.HELLO_REFUSED if msg.error else DropReason.RETIRED_SESSION
             return [Drop(reason)]
         if msg.session == self.writers[rank].session:
-            self._heard_from(rank, now)
+            liveness.heard_from(self, rank, now)
             self.down.pop(rank, None)
             return []
         return [Identify(msg)]
@@ -426,7 +426,7 @@ class EndpointState:
         self.writers[rank] = writer
         self._id_of_session.pop((msg.rank, old.session), None)
         self._id_of_session[msg.rank, msg.session] = rank
-        self._heard_from(rank, now)
+        liveness.heard_from(self, rank, now)
         self.down.pop(rank, None)
         reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
         actions: list[Action] = [RankRestarted(rank, msg.rank, msg.address)]
@@ -504,9 +504,6 @@ class EndpointState:
 
     def _exits(self, gone: frozenset[WriterIdentity], peers_drained: bool, now: float) -> list[Action]:
         return liveness.exits(self, gone, peers_drained, now)
-
-    def _heard_from(self, rank: int, now: float) -> None:
-        liveness.heard_from(self, rank, now)
 
     def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[Action]:
         """Fail the open rooms ``writer`` was asked to write."""
