@@ -290,3 +290,59 @@ def test_a_ranks_drain_report_is_the_cores_wait_and_a_second_drain_starts_its_ow
     assert state.drain_report(5.5)[0] == drain.DrainReport(False, 0.5, 1)
     state.ledger.failed(RoomKey(A, 1), settled=True, reason="gone")
     assert state.drain_report(5.75)[0] == drain.DrainReport(True, 0.75, 0)
+
+
+# -- cases the mutation run found unchecked ------------------------------------
+def test_a_request_sent_again_while_draining_keeps_a_live_room_and_repeats_a_refusal() -> None:
+    state = _rank()
+    _request(state, A, 1, seq=1)
+    state.begin_drain(0.0, grace_s=5.0)
+    # the room the rank already had, asked for again: it may still finish
+    assert _request(state, A, 1, seq=2, now=0.1) == []
+    assert state.ledger.status(RoomKey(A, 1)) is not KVPoll.FAILED
+    # a refused request sent again is told again, to the decode that sent it
+    first = _statuses(_request(state, B, 2, seq=1, now=0.2))
+    assert first == [(B, 2, RoomOutcome.FAILED, drain.REFUSED)]
+    assert _statuses(_request(state, B, 2, seq=2, now=0.3)) == first
+
+
+def test_the_grace_fails_every_live_room_of_every_decode_not_only_the_last() -> None:
+    state = _rank()
+    for decode, room, seq in ((A, 1, 1), (A, 2, 2), (B, 3, 1)):
+        _request(state, decode, room, seq=seq)
+    state.begin_drain(0.0, grace_s=1.0)
+    assert state.drain_tick(0.5) == (False, [])
+    _, actions = state.drain_tick(1.0)
+    failed = [(A, 1), (A, 2), (B, 3)]
+    assert sorted(_statuses(actions)) == [(d, r, RoomOutcome.FAILED, drain.GRACE_OVER) for d, r in failed]
+    assert all(state.ledger.status(RoomKey(d, r)) is KVPoll.FAILED for d, r in failed)
+
+
+def test_a_draining_decodes_refusal_names_the_room() -> None:
+    state = endpoint([("p0",)])
+    inst = state.instances[("p0",)]
+    state.handle(_draining(False), 0.0)
+    with pytest.raises(DrainingError) as refused:
+        state.open(7, (0,), inst, None, None, 0.1)
+    assert refused.value.room == 7
+    state.begin_drain(0.2, grace_s=1.0, settle_s=1.0)
+    with pytest.raises(DrainingError) as refused:
+        state.open(8, (1,), inst, None, None, 0.3)
+    assert refused.value.room == 8
+
+
+def test_a_decode_drain_aborts_every_room_left_past_finished_and_aborted_ones() -> None:
+    state = endpoint()
+    inst = state.default
+    assert inst is not None
+    finished, _ = state.open(1, (0,), inst, None, None, 0.0)
+    aborted, _ = state.open(2, (1,), inst, None, None, 0.0)
+    left, _ = state.open(3, (2,), inst, None, None, 0.0)
+    other, _ = state.open(4, (3,), inst, None, None, 0.0)
+    state.handle(RoomStatus(1, 0, RoomOutcome.SUCCESS, "", "decode", 1), 0.0)
+    assert state.finish(finished) == (0,)
+    state.abort(aborted, 0.0)
+    state.begin_drain(0.0, grace_s=0.1, settle_s=1.0)
+    _, actions = state.drain_tick(0.1)
+    assert sorted(a.room for a in aborts(actions)) == [3, 4]
+    assert left.failure == other.failure == drain.DECODE_DRAINING
