@@ -346,3 +346,36 @@ def test_a_decode_drain_aborts_every_room_left_past_finished_and_aborted_ones() 
     _, actions = state.drain_tick(0.1)
     assert sorted(a.room for a in aborts(actions)) == [3, 4]
     assert left.failure == other.failure == drain.DECODE_DRAINING
+
+
+def test_a_ranks_done_proves_its_own_rooms_held_or_quarantined_and_none_of_another_ranks() -> None:
+    state = endpoint([("p0", "p1")])
+    inst = state.default
+    assert inst is not None
+    others_open, _ = state.open(1, (1,), inst, frozenset({1}), None, 0.0)
+    others_aborted, _ = state.open(2, (2,), inst, frozenset({1}), None, 0.0)
+    stuck, _ = state.open(3, (3,), inst, frozenset({0}), None, 0.0)
+    mine, _ = state.open(4, (4,), inst, frozenset({0}), None, 0.0)
+    state.abort(others_aborted, 0.0)
+    state.abort(stuck, 0.0)
+    state.carry(state.tracker.tick(31.0))  # past the abort timeout: no ack came
+    assert state.hold_state(stuck) is state.hold_state(others_aborted) is HoldState.QUARANTINED
+    actions = state.handle(_draining(True), 31.0)
+    released = {a.room: a.proof for a in actions if isinstance(a, Release)}
+    assert released == {3: Proof.WRITER_DRAINED, 4: Proof.WRITER_DRAINED}
+    assert mine.failure == drain.RANK_DRAINED
+    # rank 1 said nothing: its rooms are as they were
+    assert not others_open.aborted and others_open.poll() is not KVPoll.FAILED
+    assert state.hold_state(others_aborted) is HoldState.QUARANTINED
+
+
+def test_a_restarted_ranks_done_proves_nothing_its_earlier_process_was_asked() -> None:
+    state = endpoint()
+    assert state.default is not None
+    earlier, _ = state.open(1, (1,), state.default, None, None, 0.0)
+    state.abort(earlier, 0.0)
+    announce(state, 0, "p0", 2, 0.1)  # a new process at rank 0's address
+    later, _ = state.open(2, (2,), state.default, None, None, 0.2)
+    actions = state.handle(_draining(True, session=2), 0.3)
+    assert [a.room for a in actions if isinstance(a, Release)] == [2]
+    assert state.hold_state(earlier) is HoldState.HELD  # its own process's proof is owed
