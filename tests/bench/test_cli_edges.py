@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvconn.bench import child as child_mod
 from kvconn.bench import cli as bench_cli
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
 from kvconn.bench.mode_result import ModeResult
+from kvconn.testing.child import Child, ChildError, StderrLog
 
 BENCH = Path(bench_cli.__file__).parent
 
@@ -387,7 +387,7 @@ def test_a_native_library_that_fails_to_load_here_is_one_line(
         raise ImportError("the Mooncake engine needs the system library libibverbs.so.1")
 
     monkeypatch.setattr(bench_cli, "_run", fails)
-    monkeypatch.setattr(child_mod, "VERBOSE", False)  # main sets both: restored after the test
+    monkeypatch.setattr(StderrLog, "verbose", False)  # main sets both: restored after the test
     monkeypatch.setenv("MC_LOG_LEVEL", "WARNING")
     monkeypatch.setenv("GLOG_minloglevel", "2")
     parser = argparse.ArgumentParser()
@@ -402,9 +402,13 @@ def test_child_stderr_is_kept_for_the_cause(tmp_path: Path, monkeypatch: pytest.
         "import sys\nprint('noise', file=sys.stderr)\nraise RuntimeError('the cause')\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join((str(tmp_path), os.environ.get("PYTHONPATH", ""))))
-    monkeypatch.setattr(child_mod, "VERBOSE", False)
-    with pytest.raises(child_mod.ChildError, match=r"bench x child exited with 1: RuntimeError: the cause"):
-        child_mod.Child("dies", "x", {}, "ready")
+    monkeypatch.setattr(StderrLog, "verbose", False)
+    child = Child("dies", {}, log=StderrLog(), name="bench x child", failure=ChildError)
+    try:
+        with pytest.raises(ChildError, match=r"bench x child exited with 1: RuntimeError: the cause"):
+            child.next_with("ready", 60, "the child's start")
+    finally:
+        child.close()
 
 
 # -- native logging, help ---------------------------------------------------------

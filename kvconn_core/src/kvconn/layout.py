@@ -34,6 +34,7 @@ import numpy as np
 
 from kvconn.buffers import Buffer, buffers_of
 from kvconn.chunk import SegmentTable
+from kvconn.errors import KvconnError
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -42,8 +43,9 @@ ORDERS = ("HND", "NHD")
 _FORMAT = 1
 
 
-class LayoutError(ValueError):
-    """A layout that does not describe memory, or two that cannot exchange pages."""
+class LayoutError(KvconnError, ValueError):
+    """A layout that does not describe memory, or two that cannot exchange
+    pages. (Also a ValueError: what it was before.)"""
 
 
 def _at_least(low: int) -> attrs._ValidatorType[int]:

@@ -30,8 +30,7 @@ from sglang.srt.disaggregation.base.conn import (
 
 from kvconn.errors import BootstrapError, KvconnError
 from kvconn.plugins import get_backend
-from kvconn.protocol.drain import DrainReport
-from kvconn.runtime.decode import DecodeEndpoint, Release
+from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Release
 from kvconn.runtime.decode import Receiver as KvconnReceiver
 from kvconn.runtime.drain_signal import drain_on_signal
 from kvconn.runtime.prefill import KVPoll as KvconnPoll

@@ -30,7 +30,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvconn.bench import child as child_mod
 from kvconn.bench import curve as curve_mod
 from kvconn.bench import hosts_run
 from kvconn.bench import overhead as overhead_mod
@@ -48,6 +47,7 @@ from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, scenarios
+from kvconn.testing.child import StderrLog
 from kvconn.transport import Backend, capabilities_of
 
 
@@ -240,7 +240,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             bench = f"--curve {args.curve}"
         err.print(f"[red]kvconn bench: {bench} does not use {escape(', '.join(unused))}[/red]")
         return 2
-    child_mod.VERBOSE = args.verbose
+    StderrLog.verbose = args.verbose
     quiet_native_logs(args.verbose)
     try:
         with _interruptible():

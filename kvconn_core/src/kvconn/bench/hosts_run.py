@@ -21,12 +21,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvconn.bench.child import StderrLog
 from kvconn.bench.output import write_json
 from kvconn.bench.workload import Workload, rank_args
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, hosts
-from kvconn.testing.child import Child
+from kvconn.testing.child import Child, StderrLog
 from kvconn.transport import capabilities_of
 
 #: Where each run puts the ranks.

@@ -10,7 +10,8 @@ hooks, called directly: no pluggy, ledger or control plane.
 bench runs one kvconn prefill process per rank, all started together; each
 fills its source pages with the pattern before every chunk, as the bench's
 prefill processes do, then writes the chunk and waits for it. Run as
-``python -m kvconn.bench.raw rank`` this file is that process.
+``python -m kvconn.bench.raw ARGS_JSON`` this file is that process
+(a :class:`kvconn.testing.child.Child`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvconn.bench.child import Child, quiet_interrupts, read_config
 from kvconn.buffers import Buffer
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.plugins import get_backend
 from kvconn.runtime.layout import PageLayout
+from kvconn.testing.child import Child, ChildError, StderrLog, load_args, quiet_interrupts
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Backend, Settlement, register_writer
+
+#: How long a bench child gets to report and exit once its stdin closes.
+CLOSE_S = 90.0
 
 #: One room of the raw run: (room id, destination pages).
 RawRoom = tuple[int, Sequence[int]]
@@ -141,19 +145,26 @@ def run_raw(
             "rooms": [[room, list(dst)] for room, dst in rooms],
         }
         for rank in range(num_ranks):
-            children.append(Child("kvconn.bench.raw", "rank", {**common, "rank": rank}, "ready"))
-            how = str(children[-1].hello)
+            child = Child(
+                "kvconn.bench.raw",
+                {**common, "rank": rank},
+                log=StderrLog(),
+                name="bench rank child",
+                failure=ChildError,
+            )
+            children.append(child)
+            how = str(child.next_with("ready", 120, "the raw writer's start")["ready"])
         t0 = time.perf_counter()
         for child in children:
-            child.send({"op": "run"})
-        replies = [child.recv("done", timeout_s=600) for child in children]
+            child.send_line(json.dumps({"op": "run"}))
+        replies = [child.next_with("done", 600, "the raw writer's run") for child in children]
         seconds = time.perf_counter() - t0
         bad = _spot_check(region, rooms, page_bytes, num_ranks)
     except (RuntimeError, OSError) as exc:  # a child that could not start, or died
         return RawResult(False, f"raw path could not run: {exc}")
     finally:
         for child in children:
-            child.close()
+            child.close(CLOSE_S)
         region.close()
     errors = [r["error"] for r in replies if r.get("error")]
     if errors:
@@ -184,7 +195,7 @@ def _spot_check(region: Any, rooms: Sequence[RawRoom], page_bytes: int, num_rank
 def _rank_main() -> None:
     """One raw writer process: every room's chunks, filled then written."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = read_config()
+    cfg = load_args(sys.argv[1])
     rank, cp = int(cfg["rank"]), int(cfg["chunk_pages"])
     layout = PageLayout(int(cfg["page_bytes"]), int(cfg["num_ranks"]))
     shard = layout.shard
@@ -210,7 +221,7 @@ def _rank_main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["rank"]:
-        raise SystemExit("usage: python -m kvconn.bench.raw rank  (config JSON on stdin)")
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m kvconn.bench.raw ARGS_JSON")
     quiet_interrupts()
     _rank_main()

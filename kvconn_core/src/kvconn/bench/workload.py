@@ -16,11 +16,8 @@ Verification:
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -30,13 +27,13 @@ from typing import Any
 import attrs
 
 from kvconn.bench import cpu
-from kvconn.bench.child import StderrLog, exited
 from kvconn.bench.mode_result import ModeResult, Violation
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.child import Child, ChildError, StderrLog
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend
 
@@ -167,61 +164,39 @@ class PrefillProcs:
     """N prefill rank processes (:mod:`kvconn.bench.prefill_worker`)."""
 
     def __init__(self, args: Sequence[dict[str, Any]]) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[Child] = []
         self.addresses: list[str] = []
         self.metrics: list[dict[str, float]] = []
-        self._logs: list[StderrLog] = []
         try:
             for a in args:
-                self._logs.append(StderrLog())
                 self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "kvconn.bench.prefill_worker", json.dumps(a)],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=self._logs[-1].file,
-                        text=True,
+                    Child(
+                        "kvconn.bench.prefill_worker",
+                        a,
+                        log=StderrLog(),
+                        name="a prefill rank process",
+                        failure=ChildError,
                     )
                 )
-            for p, log in zip(self.procs, self._logs, strict=True):
-                assert p.stdout is not None
-                while True:  # a transport library may print its own lines first
-                    line = p.stdout.readline()
-                    if not line:
-                        raise exited("a prefill rank process", p.wait(), log)
-                    with contextlib.suppress(ValueError):
-                        msg = json.loads(line)
-                        if isinstance(msg, dict) and "address" in msg:
-                            self.addresses.append(msg["address"])
-                            break
+            for i, p in enumerate(self.procs):
+                self.addresses.append(
+                    str(p.next_with("address", 120, f"prefill rank {i}'s start")["address"])
+                )
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.stdin is not None and not p.stdin.closed:
+        for p in self.procs:  # all at once: each exits once its stdin closes
+            if p.proc.stdin is not None and not p.proc.stdin.closed:
                 with contextlib.suppress(OSError):
-                    p.stdin.close()
+                    p.proc.stdin.close()
         for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            out = p.stdout.read() if p.stdout is not None else ""
-            if p.stdout is not None:
-                p.stdout.close()
-            for line in (out or "").splitlines():
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(msg, dict) and "metrics" in msg:
-                    self.metrics.append(msg["metrics"])
-        for log in self._logs:
-            log.close()
-        self.procs, self._logs = [], []
+            p.close(15)
+            metrics = p.last_with("metrics")  # printed on its way out
+            if metrics is not None:
+                self.metrics.append(metrics)
+        self.procs = []
 
 
 class ModeRun:
