@@ -54,28 +54,23 @@ _zygotes: list[Zygote] = []
 
 
 @pytest.fixture(scope="session")
-def sglang_with_kvconn(request: pytest.FixtureRequest) -> Iterator[Any]:
+def sglang_with_kvconn(request: pytest.FixtureRequest) -> Any:
     """SGLang's plugin loader run once, as every SGLang process runs it."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip(SGLANG_MISSING)
     os.environ.update(KVCONN_ENV)
-    if any("zygote" in item.fixturenames for item in request.session.items):
+    if not _zygotes and any("zygote" in item.fixturenames for item in request.session.items):
         # It imports SGLang while this process does: two cores, both busy.
         _zygotes.append(Zygote())
-    try:
-        from sglang.srt.disaggregation import utils
-        from sglang.srt.plugins import load_plugins
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins import load_plugins
 
-        load_plugins()
-        if "kvconn" not in {m.value for m in utils.TransferBackend}:
-            pytest.fail(
-                "load_plugins() did not register kvconn: is kvconn_sglang installed "
-                "(pip install -e ./kvconn_sglang)?"
-            )
-        yield utils
-    finally:
-        while _zygotes:
-            _zygotes.pop().close()
+    load_plugins()
+    if "kvconn" not in {m.value for m in utils.TransferBackend}:
+        pytest.fail(
+            "load_plugins() did not register kvconn: is kvconn_sglang installed (pip install -e ./kvconn_sglang)?"
+        )
+    return utils
 
 
 @pytest.fixture(scope="session")
@@ -285,12 +280,27 @@ class Zygote:
 
 
 @pytest.fixture(scope="session")
-def zygote(sglang_with_kvconn: Any) -> Zygote:
+def zygote() -> Iterator[Zygote]:
     """One process that imports SGLang once and forks the tests' prefill
-    (and metrics decode) processes: imports are what those processes cost."""
+    (and metrics decode) processes: imports are what those processes cost.
+    It needs no SGLang in this process (test_sglang_metrics imports none)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip(SGLANG_MISSING)
     if not _zygotes:
         _zygotes.append(Zygote())
-    return _zygotes[0]
+    try:
+        yield _zygotes[0]
+    finally:
+        close_zygotes()
+
+
+def close_zygotes() -> None:
+    while _zygotes:
+        _zygotes.pop().close()
+
+
+def pytest_sessionfinish() -> None:
+    close_zygotes()  # one sglang_with_kvconn started for tests that never ran
 
 
 @pytest.fixture(scope="module")
