@@ -8,7 +8,8 @@ SGLang process: it writes no metrics files).
 
 It aborts one room mid-bootstrap (released by proof), prints
 ``{"ready": true}``, then waits for stdin to close.
-Run as ``python tests/sglang/metrics_decode_child.py``.
+Run as ``python tests/sglang/metrics_decode_child.py`` (the test forks it
+from zygote.py, which imported SGLang once, with the folder in its env).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import TextIO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +36,8 @@ from kvconn.testing.waiting import wait_for  # noqa: E402
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def main() -> None:
+def run(rfile: TextIO, wfile: TextIO) -> None:
+    """Its ready line on ``wfile``; returns once ``rfile`` closed."""
     assert os.environ.get(MULTIPROC_ENV), "the parent sets the multiprocess folder"
     load_plugins()
     backend = utils.TransferBackend("kvconn")
@@ -61,8 +64,9 @@ def main() -> None:
         rx = manager.endpoint.receiver(1, (0, 1), prefill=[address])
         rx.abort()
         wait_for(lambda: manager.endpoint.held_pages() == 0, 30, "room 1's release", poll=0.002)
-        print(json.dumps({"ready": True}), flush=True)
-        sys.stdin.read()
+        wfile.write(json.dumps({"ready": True}) + "\n")
+        wfile.flush()
+        rfile.read()
     finally:
         manager.close()
         rank.stdin.close()
@@ -70,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(sys.stdin, sys.stdout)

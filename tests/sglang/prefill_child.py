@@ -4,10 +4,12 @@ plugin's get_kv_class), and SGLang's own prefill queues from the installed
 wheel driving the senders: ``PrefillBootstrapQueue`` (create_sender,
 pop_bootstrapped, finalize_bootstrap -> init(num_pages, metadata slot)) and
 the scheduler's ``process_disagg_prefill_inflight_queue`` (Success / Failed,
-then SGLang frees the request's source KV). Driven over stdin/stdout, one
-JSON object per line.
+then SGLang frees the request's source KV), and its ``ShutdownReq`` handler
+(``Scheduler.handle_shutdown``, with the plugin's hook). Driven over
+stdin/stdout (or the zygote's socket), one JSON object per line.
 
-Run as ``python prefill_child.py '{"tp_size": 2, "ranks": [0, 1]}'``; with
+Run as ``python prefill_child.py '{"tp_size": 2, "ranks": [0, 1]}'`` (the
+tests fork it from zygote.py instead, which imported SGLang once); with
 ``"host": ADDRESS`` its bootstrap server and the address it registers there
 are that host's (a prefill on another host: tests/sglang/test_sglang_hosts.py;
 its kvconn rank then binds KVCONN_SGLANG_HOST).
@@ -21,7 +23,7 @@ import sys
 import time
 import traceback
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TextIO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +38,6 @@ from sglang.srt.disaggregation import prefill  # noqa: E402
 from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
-
-from kvconn.testing.cluster import free_port  # noqa: E402
 
 
 class _Recorder:
@@ -93,6 +93,7 @@ class Rank:
             scheduler_stage_metrics=None,
             _release_aborted_request=lambda req: None,
             handle_bootstrap_failure=lambda req: self.released.append(req.rid),
+            gracefully_exit=False,
         )
         queue = prefill.PrefillBootstrapQueue.__new__(prefill.PrefillBootstrapQueue)
         queue.queue, queue.scheduler, queue.pp_size = [], self.scheduler, 1
@@ -101,6 +102,8 @@ class Rank:
         queue.scheduler_stage_metrics = None
         queue.req_to_metadata_buffer_idx_allocator = self.slots
         self.bootstrap = queue
+        # Where SGLang's scheduler keeps it (its ShutdownReq hook finds the manager there).
+        self.scheduler.disagg_prefill_bootstrap_queue = queue
         self.reqs: dict[int, Any] = {}
         self.host = host
 
@@ -151,8 +154,12 @@ class Rank:
         }
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def serve_instance(spec: dict[str, Any], rfile: TextIO, wfile: TextIO) -> None:
+    """One prefill instance: its bootstrap server and ranks, driven by the
+    JSON lines of ``rfile`` until it closes (answers on ``wfile``)."""
+    # kvconn's runtime imports prometheus_client: only now (zygote.py says why).
+    from kvconn.testing.cluster import free_port
+
     load_plugins()
     from sglang.srt.disaggregation import utils
 
@@ -177,46 +184,57 @@ def main() -> None:
         {
             "ready": {r: rank.manager.rank.address for r, rank in ranks.items()},
             "bootstrap": f"{host}:{bootstrap_port}",
-        }
+        },
+        wfile,
     )
-    for line in sys.stdin:
+    for line in rfile:
         try:
-            serve(json.loads(line), ranks)
+            reply(serve(json.loads(line), ranks), wfile)
         except Exception:
-            reply({"error": traceback.format_exc()})
+            reply({"error": traceback.format_exc()}, wfile)
 
 
-def serve(cmd: dict[str, Any], ranks: dict[int, Rank]) -> None:
+def serve(cmd: dict[str, Any], ranks: dict[int, Rank]) -> dict[str, Any]:
     op, room = cmd["op"], cmd.get("room")
     if op == "begin":
         states = {
             r: rank.begin(room, cmd["num_pages"], cmd.get("first_token", 0), cmd["wait_s"])
             for r, rank in ranks.items()
         }
-        reply({"states": states})
-    elif op == "send":
+        return {"states": states}
+    if op == "send":
         for rank in ranks.values():
             rank.reqs[room].disagg_kv_sender.send(cmd["pages"])
-        reply({"sent": len(cmd["pages"])})
-    elif op == "inflight":
-        reply({"ranks": {r: rank.inflight(room) for r, rank in ranks.items()}})
-    elif op == "drain":
+        return {"sent": len(cmd["pages"])}
+    if op == "inflight":
+        return {"ranks": {r: rank.inflight(room) for r, rank in ranks.items()}}
+    if op == "drain":
         # SGLang's shutdown path (teardown drains before it closes), the drain alone.
         reports = {r: rank.manager.drain(cmd["grace_s"]) for r, rank in ranks.items()}
-        reply({"drained": {r: [rep.drained, rep.seconds, rep.rooms_left] for r, rep in reports.items()}})
-    elif op == "abort":
+        return {"drained": {r: [rep.drained, rep.seconds, rep.rooms_left] for r, rep in reports.items()}}
+    if op == "shutdown":
+        # SGLang's ShutdownReq, handled by its Scheduler.handle_shutdown (the plugin's hook applied).
+        from sglang.srt.managers.io_struct import ShutdownReq
+        from sglang.srt.managers.scheduler import Scheduler
+
+        for rank in ranks.values():
+            Scheduler.handle_shutdown(rank.scheduler, ShutdownReq())
+        return {"gracefully_exit": {r: rank.scheduler.gracefully_exit for r, rank in ranks.items()}}
+    if op == "exiting":
+        return {"gracefully_exit": {r: rank.scheduler.gracefully_exit for r, rank in ranks.items()}}
+    if op == "abort":
         # SGLang's AbortReq for a request the prefill is sending.
         for rank in ranks.values():
             rank.reqs[room].disagg_kv_sender.abort()
-        reply({"aborted": room})
-    else:
-        reply({"error": f"unknown op {op!r}"})
+        return {"aborted": room}
+    return {"error": f"unknown op {op!r}"}
 
 
-def reply(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+def reply(obj: object, wfile: TextIO | None = None) -> None:
+    out = sys.stdout if wfile is None else wfile
+    out.write(json.dumps(obj) + "\n")
+    out.flush()
 
 
 if __name__ == "__main__":
-    main()
+    serve_instance(json.loads(sys.argv[1]), sys.stdin, sys.stdout)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -73,17 +72,7 @@ class HostPrefill(PrefillChild):
             env=env,
         )
         self.pid = host.main_pid(self.proc)  # the process itself, not its wrappers
-        self.addresses: list[str] = []
-        self.bootstrap = ""
-        self.stopped = False
-
-    def stop(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-        self.stopped = True
-
-    def resume(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-        self.stopped = False
+        self._init_io(self.proc.stdout, self.proc.stdin)
 
 
 @pytest.fixture

@@ -8,13 +8,7 @@ the counters and histograms that reach the files by themselves."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import queue
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,47 +16,35 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, KVCONN_ENV, SGLANG_MISSING
+from conftest import KVCONN_ENV, Zygote, running
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvconn.testing.waiting import wait_for
+
 
 @pytest.fixture
-def sglang_metrics(tmp_path: Path) -> Iterator[str]:
+def sglang_metrics(zygote: Zygote, tmp_path: Path) -> Iterator[str]:
     """The child's manager up, its room released; the URL of a /metrics over its folder."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip(SGLANG_MISSING)
     folder = tmp_path / "prometheus"  # what SGLang's launcher puts in PROMETHEUS_MULTIPROC_DIR
     folder.mkdir()
-    env = {**os.environ, **KVCONN_ENV, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "metrics_decode_child.py")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    pid, conn = zygote.fork("metrics_decode", {}, {**KVCONN_ENV, "PROMETHEUS_MULTIPROC_DIR": str(folder)})
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(folder))
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    rfile = conn.makefile("r")
     try:
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: lines.put(child.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
-        try:
-            line = lines.get(timeout=300)  # it imports SGLang: seconds alone, minutes on a loaded machine
-        except queue.Empty:
-            raise AssertionError("the child was not ready in 300 s") from None
-        assert line and json.loads(line)["ready"], (
-            f"the child exited with {child.poll()} (its stderr is above)"
-        )
+        conn.settimeout(120)  # it imports nothing more: seconds
+        line = rfile.readline()
+        assert line and json.loads(line)["ready"], f"the child {pid} did not get ready (its stderr is above)"
         yield f"http://127.0.0.1:{server.server_port}/metrics"
     finally:
         server.shutdown()
         server.server_close()
         thread.join(10)
-        if child.stdin is not None:
-            child.stdin.close()
-        child.wait(30)
+        rfile.close()
+        conn.close()  # the child closes its manager and exits
+        wait_for(lambda: not running(pid), 30, "the metrics child exited")
 
 
 def scrape(url: str) -> dict[str, Any]:

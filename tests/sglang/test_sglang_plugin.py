@@ -175,3 +175,32 @@ def test_backend_options_follow_kvconns_key_value_rule(text: str, message: str) 
     ) == {"u": "x=y"}
     with pytest.raises(SettingsError, match=message):
         Settings.from_env({"KVCONN_SGLANG_BACKEND_OPTIONS": text})
+
+
+def test_sglangs_shutdown_request_is_hooked_and_the_drain_ends_before_sglangs_sigkill(
+    sglang_with_kvconn: Any,
+) -> None:
+    from sglang.srt.managers import tokenizer_manager
+    from sglang.srt.managers.io_struct import ShutdownReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from kvconn_sglang import shutdown
+    from kvconn_sglang.settings import Settings
+
+    # The SIGKILL the budget is counted from is the installed SGLang's.
+    assert tokenizer_manager._SCHEDULER_EXIT_TIMEOUT_SECS == shutdown.SGLANG_SCHEDULER_EXIT_S
+    assert Scheduler.handle_shutdown.__wrapped__ is not None  # the plugin's AROUND hook, applied
+
+    def budget(**env: str) -> tuple[float, float]:
+        return shutdown.budget(Settings.from_env({f"KVCONN_SGLANG_{k}": v for k, v in env.items()}))
+
+    # The limit: 3 s before SGLang's SIGKILL; the grace leaves the writes in flight their deadline + 1 s.
+    assert budget(WRITE_TIMEOUT_S="5", DRAIN_GRACE_S="10") == (6.0, 12.0)
+    assert budget(WRITE_TIMEOUT_S="5", DRAIN_GRACE_S="2") == (2.0, 12.0)
+    assert budget(WRITE_TIMEOUT_S="20", DRAIN_GRACE_S="10") == (0.0, 12.0)
+    # A scheduler whose KV manager is not kvconn's stops at once, as without the plugin.
+    other = SimpleNamespace(
+        disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=object()), gracefully_exit=False
+    )
+    Scheduler.handle_shutdown(other, ShutdownReq())
+    assert other.gracefully_exit

@@ -18,7 +18,8 @@ server gives them back by its exit. Loopback freezes the rank mid-write
 write a request's pages in microseconds, so there the rank is frozen
 before decode's request for the room reaches it. Loopback also drains a
 prefill server on SIGTERM (KVCONN_SGLANG_DRAIN_ON_SIGTERM), with a room in
-flight, and shows what happens without the drain.
+flight, and shows what happens without the drain; and stops one the usual
+way (SIGTERM to its main process), which drains through SGLang's ShutdownReq.
 
 Minutes per transport (each server imports SGLang): marked slow.
 """
@@ -62,6 +63,9 @@ KILLED_ROOM = 7_700_002
 #: The room in flight when the prefill server is told SIGTERM: loopback delays
 #: the second half of its first chunk by 3 s (``late_chunks``).
 DRAIN_ROOM = 7_700_003
+#: A room decode asks the prefill rank for while the prefill server never
+#: gets the request (SGLang's tokenizer does not wait for it at a stop).
+UNSERVED_ROOM = 7_700_004
 #: What loopback's prefill is started with: the fault points above, and the
 #: drain on SIGTERM (a test without it starts one of its own).
 LOOPBACK_PREFILL = {
@@ -421,3 +425,46 @@ def test_sigterm_to_the_prefill_servers_processes_with_a_room_in_flight(
         assert _finish_reason(answer) != "length", answer
         assert after["writer_exit"] == before["writer_exit"] + 1, after
     print(f"drain={drain}: took {time.monotonic() - t0:.1f} s; releases {after}")
+
+
+def test_sigterm_to_the_prefill_servers_main_process_drains_through_sglangs_shutdown(
+    cluster: Cluster, plain: Process
+) -> None:
+    """SGLang's usual stop, SIGTERM to the server's main process (``kill
+    PID``): SGLang waits for its requests in flight, then sends the
+    scheduler a ShutdownReq, which the plugin's hook turns into kvconn's
+    drain before the scheduler's loop ends. A room in flight completes; a
+    room decode asked for that the prefill server never got (SGLang does
+    not wait for it) is failed by the drain, and decode gets its pages back
+    by the drain's proof, not by the rank's exit; the server exits."""
+    if cluster.transport != "loopback":
+        pytest.skip("the drain does not depend on the transport: run on loopback's delayed writes")
+    cluster.ensure_prefill()
+    before = _released(cluster)
+    asked = _asked(cluster)
+    unserved = Posted(cluster.decode, _direct(UNSERVED_ROOM, "unserved", PROMPTS[31], cluster.recipe))
+    _wait(lambda: _asked(cluster) > asked, 60, "decode asked the prefill rank for the unserved room")
+    body = _direct(DRAIN_ROOM, "main-sigterm", PROMPTS[100], cluster.recipe)
+    decode = Posted(cluster.decode, body)
+    Posted(cluster.prefill, body)
+    _wait(lambda: _asked(cluster) > asked + 1, 60, "decode asked the prefill rank for the room in flight")
+    t0 = time.monotonic()
+    os.kill(cluster.prefill.pid, signal.SIGTERM)
+    exited = _wait(lambda: not cluster.prefill.alive(), 120, "every process of the prefill server exited")
+    answer = decode.result()
+    print(
+        f"main-process SIGTERM: prefill server gone {exited:.1f} s after it; decode answered {answer!r:.200}"
+    )
+    assert _finish_reason(answer) == "length", answer
+    assert answer["output_ids"] == plain.post("/generate", _body(PROMPTS[100]))["output_ids"]
+    assert _finish_reason(unserved.result()) != "length", unserved.result()
+    _wait(lambda: _held(cluster) == 0, 60, "decode holds no page")
+    after = _released(cluster)
+    proofs = {p: after[p] - before[p] for p in after if after[p] != before[p]}
+    print(f"main-process SIGTERM: the unserved room released by {proofs}")
+    # By the drain (its "drained" notice or the rank's abort ack), never the rank's exit.
+    assert proofs and set(proofs) <= {"writer_drained", "acks", "late_acks"}, proofs
+    log = cluster.prefill.log.read_text(errors="replace")
+    drained = [line for line in log.splitlines() if "kvconn drain at SGLang's shutdown" in line]
+    assert drained and "drained=True" in drained[-1], cluster.prefill.tail()
+    print(f"main-process SIGTERM: took {time.monotonic() - t0:.1f} s; {drained[-1][-160:]}")

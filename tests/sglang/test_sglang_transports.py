@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import PrefillChild
+from conftest import Zygote
 from test_sglang_lifecycle import ROOM_SEQ, Released, decode_rank, decode_request, receiver, transfer_queue
 
 from kvconn.plugins import BackendError, get_backend
@@ -19,7 +19,7 @@ from kvconn.testing.waiting import wait_for
 
 @pytest.mark.parametrize("transport", ["loopback", "nixl", "mooncake"])
 def test_a_sigkilled_prefill_gives_decodes_pages_back_by_its_exit(
-    transport: str, sglang_with_kvconn: Any, gloo_group: Any, monkeypatch: pytest.MonkeyPatch
+    transport: str, sglang_with_kvconn: Any, gloo_group: Any, zygote: Zygote, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     try:
         get_backend(transport)
@@ -28,7 +28,7 @@ def test_a_sigkilled_prefill_gives_decodes_pages_back_by_its_exit(
     utils = sglang_with_kvconn
     monkeypatch.setenv("KVCONN_SGLANG_TRANSPORT", transport)  # the decode manager reads it
     manager, pool = decode_rank(utils, 1, 0)
-    prefill = PrefillChild(1, [0], transport=transport)  # its own: it is killed
+    prefill = zygote.prefill(1, [0], transport=transport)  # its own: it is killed
     released = Released()
     try:
         assert manager.backend.name == transport
@@ -44,8 +44,7 @@ def test_a_sigkilled_prefill_gives_decodes_pages_back_by_its_exit(
         dreq = decode_request(rx, room, slot=7)
         queue.add(dreq)
 
-        prefill.proc.kill()
-        prefill.proc.wait(30)
+        prefill.kill()
         # SGLang's queue sees Failed (kvconn: the rank is gone) and holds the
         # room (ensure_abort_notified); kvconn releases it by the exit proof.
         wait_for(lambda: queue.pop_transferred() == [] and rx.abort_notified, 30, "decode told Failed")

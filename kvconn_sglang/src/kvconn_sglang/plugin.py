@@ -12,7 +12,10 @@ parsed) is enough:
   an aborted room is always held (whatever
   ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` says) and SGLang's
   own deadline (``..._DEFERRED_DECODE_KV_RELEASE_TIMEOUT``) never frees it:
-  only kvconn's release does, through ``is_abort_release_safe``.
+  only kvconn's release does, through ``is_abort_release_safe``;
+- AROUND ``Scheduler.handle_shutdown`` (SGLang's ShutdownReq, how it stops a
+  server): a scheduler with kvconn's KV manager drains it first, its event
+  loop stepping meanwhile (:mod:`kvconn_sglang.shutdown`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvconn_sglang import BACKEND_NAME
+from kvconn_sglang.shutdown import TARGET as SHUTDOWN_HANDLER
+from kvconn_sglang.shutdown import around_handle_shutdown
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,7 @@ def register() -> None:
     HookRegistry.register(f"{UTILS}.get_kv_class", around_get_kv_class, HookType.AROUND)
     HookRegistry.register(f"{DECODE_QUEUE}.__init__", around_decode_queue_init, HookType.AROUND)
     HookRegistry.register(f"{DECODE_QUEUE}._defer_release", around_defer_release, HookType.AROUND)
+    HookRegistry.register(SHUTDOWN_HANDLER, around_handle_shutdown, HookType.AROUND)
 
 
 __all__ = ["extended_transfer_backend", "kv_class_for", "register"]
