@@ -14,7 +14,13 @@ import attrs
 from kvconn.config import Config
 
 #: Keys that become :class:`kvconn.config.Config` fields as they are.
-_CONFIG_NUMBERS = ("write_timeout_s", "abort_timeout_s", "resend_interval_s", "bootstrap_timeout_s")
+_CONFIG_NUMBERS = (
+    "write_timeout_s",
+    "abort_timeout_s",
+    "resend_interval_s",
+    "bootstrap_timeout_s",
+    "gil_switch_interval_s",
+)
 #: Deadlines kvconn's Config leaves off by default that vLLM needs on.
 _DEADLINE_DEFAULT_S = 120.0
 _KEYS = frozenset(
@@ -50,7 +56,11 @@ class Settings:
     recomputed (vLLM's load-failure path). ``drain_grace_s``: at shutdown
     the worker drains (docs/engine-integration.md, "Draining"): a prefill
     rank refuses new rooms and gives those it holds this long to complete;
-    a decode endpoint aborts what is left and waits this long for the proofs."""
+    a decode endpoint aborts what is left and waits this long for the proofs.
+    ``gil_switch_interval_s``: kvconn's ``Config.gil_switch_interval_s``
+    (``sys.setswitchinterval`` for the worker process; left alone when
+    absent): while the engine computes, kvconn's listener and transport
+    threads wait up to this long for the GIL at each hand-off."""
 
     backend: str = "loopback"
     config: Config = attrs.field(factory=lambda: Config(transfer_timeout_s=_DEADLINE_DEFAULT_S))
