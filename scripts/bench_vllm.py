@@ -12,10 +12,15 @@ held right after each abort and the time until vLLM has them back.
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
@@ -120,6 +125,112 @@ def aborts(args: argparse.Namespace, model: Path) -> None:
         decode.close()
 
 
+def _start(command: list[str]) -> tuple[subprocess.Popen[str], int]:
+    """A process that prints its port first."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU time of a process so far, all its threads, ended ones too."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Client:
+    """Posts JSON over one kept connection per port, or a new one each time."""
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+        self.conns: dict[int, http.client.HTTPConnection] = {}
+
+    def post(self, port: int, payload: dict[str, object]) -> bytes:
+        conn = self.conns.pop(port, None) or http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        headers = {"Connection": "keep-alive" if self.keep_alive else "close"}
+        conn.request("POST", "/v1/completions", json.dumps(payload), headers)
+        response = conn.getresponse()
+        data = response.read()
+        assert response.status == 200, data
+        if self.keep_alive and not response.will_close:
+            self.conns[port] = conn
+        else:
+            conn.close()
+        return data
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+
+
+def proxy_overhead(args: argparse.Namespace) -> None:
+    """kvconn-vllm-proxy against direct requests: the same two legs, sent by
+    the client itself (prefill, then decode with its params) or by the
+    proxy, alternately, to stand-in engines in their own processes."""
+    standin = str(Path(__file__).resolve().parent.parent / "tests" / "vllm" / "standin_engine.py")
+    prefill, prefill_port = _start([sys.executable, standin])
+    decode, decode_port = _start([sys.executable, standin])
+    engines = ["--prefill", f"http://127.0.0.1:{prefill_port}", "--decode", f"http://127.0.0.1:{decode_port}"]
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "kvconn_vllm.proxy", "--port", "0", *engines],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proxy.stdout is not None
+        proxy_port = int(proxy.stdout.readline().rsplit(":", 1)[1])
+        print(
+            f"kvconn-vllm-proxy vs direct, {args.proxy_requests} requests each, alternately, "
+            "to stand-in engines (medians; the machine is shared: compare within a line)"
+        )
+        body = {"model": "tiny", "prompt": "w3 w4 w5", "max_tokens": 4}
+        prefill_body = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        for keep_alive in (True, False):
+            for stream in (False, True):
+                client = _Client(keep_alive)
+                asked = {**body, "stream": stream}
+
+                def direct(client: _Client = client, asked: dict[str, object] = asked) -> None:
+                    params = json.loads(client.post(prefill_port, prefill_body))["kv_transfer_params"]
+                    client.post(decode_port, {**asked, "kv_transfer_params": params})
+
+                def proxied(client: _Client = client, asked: dict[str, object] = asked) -> None:
+                    client.post(proxy_port, asked)
+
+                label = f"{'keep-alive' if keep_alive else 'a connection per request'}, "
+                _proxy_line(args, label + ("streamed" if stream else "JSON"), direct, proxied, proxy.pid)
+                client.close()
+    finally:
+        for proc in (proxy, prefill, decode):
+            proc.terminate()
+            proc.wait(10)
+
+
+def _proxy_line(
+    args: argparse.Namespace, label: str, direct: Callable[[], None], proxied: Callable[[], None], pid: int
+) -> None:
+    for _ in range(20):  # warm-up: connections, code paths
+        direct()
+        proxied()
+    times: dict[str, list[float]] = {"direct": [], "proxied": []}
+    # The proxy idles while the client sends direct: its CPU over the loop
+    # is what the proxied requests cost it (to a clock tick or two).
+    cpu = _cpu_s(pid)
+    for _ in range(args.proxy_requests):
+        for name, call in (("direct", direct), ("proxied", proxied)):
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    cpu = _cpu_s(pid) - cpu
+    med = statistics.median
+    d, p = med(times["direct"]) * 1e3, med(times["proxied"]) * 1e3
+    print(
+        f"  {label:<36} direct {d:6.2f} ms  proxied {p:6.2f} ms  overhead {p - d:6.2f} ms "
+        f"(ratio {p / d:4.2f}); proxy CPU {cpu / args.proxy_requests * 1e3:.2f} ms/request"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8)
@@ -132,7 +243,16 @@ def main() -> None:
         action="store_true",
         help="vLLM's own NixlConnector (push, CPU buffer) instead of kvconn",
     )
+    parser.add_argument(
+        "--proxy",
+        action="store_true",
+        help="only the proxy's own overhead, against stand-in engines (no vLLM needed)",
+    )
+    parser.add_argument("--proxy-requests", type=int, default=300)
     args = parser.parse_args()
+    if args.proxy:
+        proxy_overhead(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
         latency(args, model)
