@@ -102,17 +102,20 @@ class Engine:
     ) -> None:
         self.call("add", req_id, prompt, max_tokens, params)
 
-    def finished(self, timeout_s: float = 120.0, *req_ids: str) -> dict[str, dict[str, Any]]:
-        """Wait until each of ``req_ids`` finished; their outputs."""
+    def finished(
+        self, timeout_s: float = 120.0, *req_ids: str, poll_s: float = 0.02
+    ) -> dict[str, dict[str, Any]]:
+        """Wait until each of ``req_ids`` finished (looking every ``poll_s``); their outputs."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self.events.update(self.call("outputs"))
+            # The engine answers between steps: one step may take long on a loaded machine.
+            self.events.update(self.call("outputs", timeout_s=max(60.0, deadline - time.monotonic())))
             if all(r in self.events for r in req_ids):
                 return {r: self.events[r] for r in req_ids}
             if time.monotonic() > deadline:
                 missing = [r for r in req_ids if r not in self.events]
                 raise EngineError(f"engine {self.role}: {missing} not finished within {timeout_s} s")
-            time.sleep(0.02)
+            time.sleep(poll_s)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.call("stats"))
@@ -126,11 +129,11 @@ class Engine:
 
 
 def generate(
-    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, params: Any = None
+    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, params: Any = None, poll_s: float = 0.02
 ) -> dict[str, Any]:
     for req_id, prompt in prompts.items():
         engine.add(req_id, prompt, max_tokens, params(req_id) if callable(params) else params)
-    return engine.finished(180.0, *prompts)
+    return engine.finished(180.0, *prompts, poll_s=poll_s)
 
 
 # -- the child ------------------------------------------------------------------
@@ -463,6 +466,39 @@ class _Child:
 
         assert self.worker is not None
         return [attrs.asdict(report) for report in self.worker.drain(grace_s)]
+
+    def do_shutdown(self) -> dict[str, Any]:
+        """vLLM's shutdown of the worker's connector (``connector.shutdown()``,
+        as ``ensure_kv_transfer_shutdown`` calls it): kvconn drains, then closes.
+        What it reported, its release proofs, and the pages held at close."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        assert self.worker is not None
+        reports: list[Any] = []
+        drain = self.worker.drain
+
+        def noted(grace_s: float) -> list[Any]:
+            reports.extend(drain(grace_s))
+            return reports
+
+        self.worker.drain = noted
+        started = time.monotonic()
+        get_kv_transfer_group().shutdown()
+        import attrs
+
+        decode = self.worker.decode
+        proofs: dict[str, float] = {}
+        if decode is not None:  # the endpoint's own count (the engine steps no more)
+            for family in decode.metrics.releases.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total") and sample.value:
+                        proofs[sample.labels["proof"]] = sample.value
+        return {
+            "reports": [attrs.asdict(r) for r in reports],
+            "seconds": time.monotonic() - started,
+            "proofs": proofs,
+            "held_pages": 0 if decode is None else decode.held_pages(),
+        }
 
     def do_digests(self, blocks: list[int]) -> list[str]:
         return self.digests(blocks)
