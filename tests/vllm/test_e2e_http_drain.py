@@ -28,6 +28,7 @@ from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
+import re
 import signal
 import threading
 import time
@@ -137,6 +138,16 @@ def _in_flight(proxied: Proxied) -> None:
     time.sleep(0.4)  # decode asked prefill's rank; the ~1.6 s write is in flight
 
 
+def _drained(server: Server) -> str:
+    """kvconn's drain report and close time from the server's log (its
+    worker logs them through vLLM's logger)."""
+    log = server.log.read_text(errors="replace")
+    report = re.search(r"kvconn drain at shutdown: (DrainReport\(drained=True[^)]*\))", log)
+    closed = re.search(r"kvconn closed ([0-9.]+) s after shutdown began", log)
+    assert report and closed, server.tail()
+    return f"{report.group(1)}, closed {closed.group(1)} s after connector.shutdown()"
+
+
 def _sigterm(server: Server, timeout_s: float = 90) -> float:
     """Seconds from SIGTERM until the server process exited."""
     started = time.monotonic()
@@ -169,8 +180,8 @@ def test_sigterm_in_drain_mode_lets_the_transfer_complete_then_prefill_drains_an
         # every prompt token came over kvconn: the room completed, nothing recomputed
         assert _tokens(decode, "external_kv_transfer") == remote + 100
         assert _tokens(decode, "local_compute") == local
-        log = prefill.log.read_text(errors="replace")
-        assert "kvconn drain at shutdown: DrainReport(drained=True" in log, prefill.tail()
+        drained = _drained(prefill)
+        assert "rooms_left=0, pages_left=0" in drained
         wait_for(
             lambda: decode.metric("kvconn_pages_held", kvconn_endpoint="decode-0") == 0, 30, "pages back"
         )
@@ -179,7 +190,9 @@ def test_sigterm_in_drain_mode_lets_the_transfer_complete_then_prefill_drains_an
         for _ in range(2):
             assert _complete(proxied.url, PROMPT)["choices"][0]["text"] == alone
         assert spare_prefill.metric("vllm:request_success_total", finished_reason="length") == served + 2
-        print(f"\nprefill server, drain mode: exited {exited_s:.2f} s after SIGTERM, its transfer completed")
+        print(
+            f"\nprefill server, drain mode: exited {exited_s:.2f} s after SIGTERM, its transfer completed; {drained}"
+        )
     finally:
         if proxied is not None:
             proxied.close()
@@ -237,10 +250,11 @@ def test_sigterm_to_decode_in_drain_mode_finishes_the_request_waiting_for_its_kv
         _in_flight(proxied)
         exited_s = _sigterm(decode)
         assert proxied.result(120)["choices"][0]["text"] == alone
-        log = decode.log.read_text(errors="replace")
-        assert "kvconn drain at shutdown: DrainReport(drained=True" in log, decode.tail()
-        assert "rooms_left=0, pages_left=0" in log
-        print(f"\ndecode server, drain mode: exited {exited_s:.2f} s after SIGTERM, its request answered")
+        drained = _drained(decode)
+        assert "rooms_left=0, pages_left=0" in drained
+        print(
+            f"\ndecode server, drain mode: exited {exited_s:.2f} s after SIGTERM, its request answered; {drained}"
+        )
     finally:
         if proxied is not None:
             proxied.close()

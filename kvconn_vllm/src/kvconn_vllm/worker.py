@@ -276,6 +276,7 @@ class WorkerSide:
 
     def close(self) -> None:
         """Drain (``drain_grace_s``), then close."""
+        started = time.monotonic()
         try:
             self.drain(self.settings.drain_grace_s)
         finally:
@@ -283,6 +284,7 @@ class WorkerSide:
                 self.decode.close()
             if self.rank is not None:
                 self.rank.close()
+            log.info("kvconn closed %.3f s after shutdown began", time.monotonic() - started)
 
     # -- prefill -----------------------------------------------------------
     def _start_send(self, send: Send) -> None:
