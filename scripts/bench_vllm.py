@@ -199,6 +199,14 @@ def _print_handoff(
             spans = [m[end] - m[start] for m in marks[name] if start in m and end in m]
             cells.append(f"{statistics.median(spans) * 1e3:20.2f}" if spans else f"{'-':>20}")
         print(f"  {what:<52}" + "".join(cells))
+        if end == "prefill_queued":  # one call on one thread: its CPU time, against its wall time
+            cpu = [
+                statistics.median(m["prefill_request_cpu"] for m in marks[name] if "prefill_request_cpu" in m)
+                for name in names
+            ]
+            print(
+                f"  {'  of which CPU of the listener thread':<52}" + "".join(f"{c * 1e3:20.2f}" for c in cpu)
+            )
     print(f"  (a memmove of the same {nbytes >> 10} KiB here: {copy_us:.0f} us)")
 
 

@@ -392,7 +392,10 @@ class _Child:
 
             def timed_request(room: int, npages: int) -> None:
                 mark(room, "prefill_has_request")
+                cpu = time.thread_time()
                 on_request(room, npages)
+                # CPU the listener thread spent on it (the rest of its wall time: waits)
+                marks[room].setdefault("prefill_request_cpu", time.thread_time() - cpu)
 
             def timed_send(outgoing: Any, npages: int) -> None:
                 send(outgoing, npages)
@@ -418,7 +421,8 @@ class _Child:
 
     def do_handoff(self) -> dict[int, dict[str, float]]:
         """The rooms' timestamps so far (``watch_handoff``), taken."""
-        out, self.handoff = self.handoff, {}
+        out = dict(self.handoff)
+        self.handoff.clear()  # in place: the hooks hold this dict
         return out
 
     def do_steps(self) -> int:
