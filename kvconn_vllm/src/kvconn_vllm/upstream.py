@@ -2,12 +2,13 @@
 
 The proxy used to open a connection per leg (urllib, ``Connection: close``)
 and answer its clients in HTTP/1.0 (a connection, and a handler thread, per
-request): 1.27 ms of its CPU a request, against 0.63 ms now
-(``scripts/bench_vllm.py --proxy``). Here each engine's connections stay
-open between legs (HTTP/1.1 keep-alive), a leg takes an idle one or opens
-one, and every socket sends at once (``TCP_NODELAY``): with Nagle's
-algorithm on, a response's body written after its headers waits for the
-client's delayed ACK, 40 ms a request on a kept connection.
+request): about twice the CPU a request, and 1.6-5.4 ms added to each, where
+this adds under 1 ms (``scripts/bench_vllm.py --proxy``; docs/vllm.md).
+Here each engine's connections stay open between legs (HTTP/1.1
+keep-alive), a leg takes an idle one or opens one, and every socket sends
+at once (``TCP_NODELAY``): with Nagle's algorithm on, a response's body
+written after its headers waits for the client's delayed ACK, 40 ms a
+request on a kept connection.
 """
 
 from __future__ import annotations
