@@ -8,7 +8,7 @@ import math
 
 from kvconn.protocol.drain import DrainReport
 from kvconn.protocol.endpoint import EndpointState
-from kvconn.protocol.endpoint_events import Action, Request, Undrained, WriterIdentity
+from kvconn.protocol.endpoint_events import Action, Request, Tick, Undrained, WriterIdentity
 from kvconn.protocol.messages import AbortAck, RankDraining, RoomStatus
 from kvconn.protocol.owner_fence import OwnerFenceDone, OwnerFenceError
 
@@ -87,6 +87,27 @@ class OwnerFenceLeavesRoomsInFlight(EndpointState):
         if "owner" in reason:
             return []
         return super()._fail_and_abort(request, reason, now)
+
+
+# -- liveness (protocol/liveness.py) ----------------------------------------------
+class WatchesNoRank(EndpointState):
+    """Heartbeats save their Hellos too eagerly: no rank counts as watched,
+    so a rank whose process exited or went silent under an open room is
+    never asked, looked up or found down, and the room waits TRANSFERRING
+    for good."""
+
+    def watched(self) -> set[int]:
+        return set()
+
+
+class SilentNeverDown(EndpointState):
+    """A watched rank is Hello'd but never judged: one that leaves every
+    Hello unanswered is never down, and its open rooms never fail."""
+
+    def handle(self, stimulus: object, now: float) -> list[Action]:  # type: ignore[override]
+        if isinstance(stimulus, Tick):
+            self._asked.clear()
+        return super().handle(stimulus, now)
 
 
 # -- the endpoint's own drain (protocol/drain.py) ---------------------------------

@@ -29,7 +29,8 @@ Checked in every reachable state:
 * L: from every terminal state, once time passes and every message and
   connection drains, every aborted room whose writers all stopped is
   released (no page pinned forever once its proof exists), and no open
-  request is left TRANSFERRING whose writer process is gone or replaced.
+  request is left TRANSFERRING whose writer process is gone, replaced or
+  silent (frozen for good: it answers no Hello).
   With the owner fence on (and succeeding), no room stays held at all, even
   with its writer frozen for good, and no request is left TRANSFERRING that
   no rank process took (a rank asked before it took the new name).
@@ -498,6 +499,8 @@ def _check_terminal(world: World, limits: Limits) -> None:
                 now_there = w.procs[wr.address][-1]
                 if wr.session != now_there.session or not now_there.alive:
                     raise Violation(f"L: room {room} left TRANSFERRING, its rank {rank}'s process gone")
+                if now_there.frozen:  # it answers no Hello: silent, so down
+                    raise Violation(f"L: room {room} left TRANSFERRING, its rank {rank}'s process silent")
 
 
 DEFAULT_LIMITS = Limits()

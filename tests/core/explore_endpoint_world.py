@@ -123,6 +123,7 @@ def _clone(world: World) -> World:
     new.down = dict(s.down)
     new._retired = set(s._retired)
     new._heard = dict(s._heard)
+    new._asked = dict(s._asked)
     new._id_of_session = dict(s._id_of_session)
     new.requests = {room: requests[id(r)] for room, r in s.requests.items()}
     new._in_use = set(s._in_use)
@@ -185,6 +186,7 @@ def _machine_key(world: World) -> tuple[object, ...]:
         tuple(sorted(s.down)),
         tuple(sorted(s._retired)),
         tuple(sorted(s._heard.items())),
+        tuple(sorted(s._asked.items())),
         s._next_heartbeat,
         s._next_exit_check,
         tuple((t, index[id(r)]) for t, _, r in s._deadlines),

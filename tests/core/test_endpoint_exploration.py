@@ -16,6 +16,8 @@ ONE = (("p0",),)
 WORLDS = {
     # a rank's process exits at any point (its bytes drain later), heartbeats tick
     "liveness": (ONE, L(ticks=2, exits=1, requests_per_room=1)),
+    # the rank's process freezes at any point, maybe for good (it answers no Hello)
+    "silence": (ONE, L(ticks=2, freezes=1, requests_per_room=1)),
     # a new process takes the rank's address at any point, the earlier one writes on
     "restart": (ONE, L(ticks=2, restarts=1, requests_per_room=1)),
     # two instances, a room on each, one rank's process exits
@@ -109,6 +111,19 @@ CAUGHT: dict[str, tuple[type[EndpointState], str, L, str]] = {
         mutants.DrainWaitsForEveryPage,
         "p0",
         WORLDS["decode_drain"][1],
+        "L",
+    ),
+    # the engine never aborts: only liveness can end a room whose writer died or froze
+    "heartbeats_watch_no_rank": (
+        mutants.WatchesNoRank,
+        "p0",
+        L(ticks=2, exits=1, aborts=0, requests_per_room=1),
+        "L",
+    ),
+    "silent_rank_never_down": (
+        mutants.SilentNeverDown,
+        "p0",
+        L(ticks=2, freezes=1, aborts=0, requests_per_room=1),
         "L",
     ),
     "restart_leaves_old_rooms_open": (

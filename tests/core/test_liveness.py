@@ -18,7 +18,6 @@ from kvconn.protocol.endpoint_events import (
     RankDown,
     RankRestarted,
     RoomFailed,
-    Send,
     Tick,
     Undrained,
 )
@@ -70,35 +69,23 @@ def test_a_room_that_completes_in_time_is_left_alone() -> None:
     assert later.poll() is KVPoll.FAILED
 
 
-# -- heartbeats, silence, exits ------------------------------------------------
-def test_every_rank_is_helloed_at_each_heartbeat_and_an_answer_keeps_it_up() -> None:
-    state = endpoint([("p0", "p1")], **FAST)
-    hellos = [a for a in state.handle(Tick(), 1.0) if isinstance(a, Send)]
-    assert [(s.address, type(s.message)) for s in hellos] == [("p0", Hello), ("p1", Hello)]
-    assert state.handle(Tick(), 1.5) == []  # not due again yet
-    for t in range(2, 12):
-        announce(state, 0, "p0", 1, float(t))  # rank 0 answers every heartbeat, rank 1 never
-        downs = [a for a in state.handle(Tick(), float(t)) if isinstance(a, RankDown)]
-        if downs:
-            break
-    assert downs == [RankDown(1, "silent", "no answer for 6.0 s")] and t == 6
-    assert state.down == {1: "no answer for 6.0 s"}
-
-
+# -- silence and exits (which ranks heartbeats ask: test_heartbeats.py) -------
 def test_open_rooms_of_a_silent_rank_fail_and_its_pages_wait_for_its_proof() -> None:
     state = endpoint(**FAST)
     request, _ = state.open(1, (0, 1, 2, 3), state.default, None, None, 0.0)  # type: ignore[arg-type]
-    actions = state.handle(Tick(), 1.0) + state.handle(Tick(), 5.0) + state.handle(Tick(), 6.0)
-    assert RankDown(0, "silent", "no answer for 6.0 s") in actions and RoomFailed(1, "rank") in actions
+    # first Hello at 1.0 (silent since the bootstrap at 0.0), unanswered for peer_timeout_s
+    actions = state.handle(Tick(), 1.0) + state.handle(Tick(), 6.0) + state.handle(Tick(), 7.0)
+    silent = RankDown(0, "silent", "no answer to a Hello for 6.0 s")
+    assert silent in actions and RoomFailed(1, "rank") in actions
     assert request.poll() is KVPoll.FAILED and "no answer" in (request.failure or "")
     [abort] = aborts(actions)
-    quarantine = state.handle(Tick(), 36.0)  # the abort deadline: quarantine, never a release
+    quarantine = state.handle(Tick(), 37.0)  # the abort deadline: quarantine, never a release
     assert state.hold_state(request) is HoldState.QUARANTINED and not _releases(quarantine)
     # healed: it answers again, and its late ack (of any generation it was sent) is the proof
     announce(state, 0, "p0", 1, 40.0)
     assert state.down == {}
     [release] = _releases(state.handle(_ack(state, 1, abort.generation), 40.0))
-    assert release.proof is Proof.LATE_ACKS and release.quarantined_for == 4.0
+    assert release.proof is Proof.LATE_ACKS and release.quarantined_for == 3.0
     # up again: a new room is not failed at once
     fresh, _ = state.open(2, (0, 1), state.default, None, None, 41.0)  # type: ignore[arg-type]
     assert state.sent(fresh, [], 41.0) == [] and fresh.poll() is KVPoll.TRANSFERRING

@@ -4,7 +4,9 @@
 
 A fleet of D decode endpoints and P prefill instances of R ranks each
 cannot run on one machine, but the sans-I/O core can: this drives the real
-:class:`~kvconn.protocol.hold.HoldTracker` of every decode and the real
+:class:`~kvconn.protocol.endpoint.EndpointState` (and its
+:class:`~kvconn.protocol.hold.HoldTracker`) of every decode, bootstrapping an
+instance on its first room there, and the real
 :class:`~kvconn.protocol.ledger.RoomLedger` of every rank, without sockets,
 under a Poisson request load with a share of them aborted, and counts the
 control messages that would cross the network, by kind, per second:
@@ -12,14 +14,15 @@ control messages that would cross the network, by kind, per second:
 * ``request`` (TransferRequest, one per rank of the room) and ``status``
   (RoomStatus: a rank's room completed, or refused);
 * ``abort`` (ABORT, one per unproven rank) and ``ack`` (ABORT_ACK);
-* ``heartbeat``: today's rule in ``runtime/decode.py``: every
-  ``heartbeat_interval_s`` a decode Hellos every rank it ever bootstrapped,
-  and each answers with a HelloAck. With a router spreading requests over
-  every instance, that is every rank of the fleet; it is counted from the
-  simulated decodes' known ranks, not simulated message by message;
-* ``heartbeat (proposed)``: the same liveness, asked only of ranks that a
-  decode has rooms open or held with, and only when nothing (a status, an
-  ack) was heard from them within the interval (see docs/performance.md);
+* ``heartbeat``: the Hellos each decode's real
+  :class:`~kvconn.protocol.endpoint.EndpointState` sends at its heartbeats
+  (protocol/liveness.py: only ranks a tracked room was asked of, silent for
+  an interval; statuses and acks are hearing), each answered by a HelloAck
+  one poll later;
+* ``heartbeat (every rank)``: the rule before (every ``heartbeat_interval_s``
+  a decode Helloed every rank it ever bootstrapped, each answered): with a
+  router spreading requests over every instance, every rank of the fleet;
+  counted, not simulated message by message;
 * ``bootstrap``: one Hello and one HelloAck per (decode, rank) pair, once.
 
 Memory per endpoint is the deep size of the state machines (a sample of
@@ -44,11 +47,25 @@ import attrs
 
 from kvconn.bench.output import write_json
 from kvconn.config import Config
-from kvconn.protocol.hold import HoldState, HoldTracker, Release, SendAbort
-from kvconn.protocol.ledger import NotifyDecode, RoomKey, RoomLedger, SendAck
-from kvconn.protocol.messages import RoomOutcome
+from kvconn.protocol.endpoint import EndpointState
+from kvconn.protocol.endpoint_events import (
+    BootstrapTick,
+    Identified,
+    Instance,
+    RankDown,
+    Request,
+    Send,
+    Tick,
+    WriterIdentity,
+)
+from kvconn.protocol.hold import HoldState, HoldTracker
+from kvconn.protocol.ledger import KVPoll, NotifyDecode, RoomKey, RoomLedger, SendAck
+from kvconn.protocol.messages import Abort, Hello, HelloAck
 
-KINDS = ("request", "status", "abort", "ack", "heartbeat", "heartbeat (proposed)")
+#: How long before the window a decode bootstrapped (and last heard from) an instance.
+LONG_AGO = 600.0
+
+KINDS = ("request", "status", "abort", "ack", "heartbeat", "heartbeat (every rank)")
 
 
 @attrs.frozen
@@ -97,63 +114,105 @@ def simulate(f: Fleet) -> dict[str, Any]:
     cfg = Config()
     rng = random.Random(f.seed)
     n_ranks = f.instances * f.ranks
-    ledgers = [RoomLedger(g, cfg.tombstone_ttl_s) for g in range(n_ranks)]
+    # A rank numbers itself within its instance and names its process's session (g + 1).
+    ledgers = [RoomLedger(g % f.ranks, cfg.tombstone_ttl_s, session=g + 1) for g in range(n_ranks)]
     names = [f"decode-{d}" for d in range(f.decodes)]
     trackers = [
         HoldTracker(names[d], f"tcp://decode-{d}", cfg.abort_timeout_s, cfg.resend_interval_s)
         for d in range(f.decodes)
     ]
+    states = [
+        EndpointState(
+            names[d],
+            trackers[d],
+            num_pages=f.pages,
+            check_pages=False,  # every room here uses pages 0..pages-1
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            peer_timeout_s=cfg.peer_timeout_s,
+        )
+        for d in range(f.decodes)
+    ]
+    #: Each decode's bootstrapped instances (on first use: what a decode knows).
+    known: list[dict[int, Instance]] = [{} for _ in range(f.decodes)]
     counts: Counter[str] = Counter()
     #: (time, tiebreak, kind, decode, room, instance)
     events: list[tuple[float, int, str, int, int, int]] = []
+    #: HelloAcks on their way back: (decode, the Hello's rank address), answered one poll later.
+    answers: list[tuple[int, str]] = []
     next_room = [0] * f.decodes
-    seq = [0] * f.decodes
-    heard: list[dict[int, float]] = [{} for _ in range(f.decodes)]  #: decode -> rank -> last heard
-    involved: list[dict[int, int]] = [{} for _ in range(f.decodes)]  #: decode -> room -> instance
+    requests: list[dict[int, Request]] = [{} for _ in range(f.decodes)]
     tick = 0
 
     def ranks_of(instance: int) -> range:
         return range(instance * f.ranks, (instance + 1) * f.ranks)
 
+    def hello_ack(g: int) -> HelloAck:
+        return HelloAck(g % f.ranks, f"rank-{g}", "sim", 100 + g, 1, "", g + 1)
+
+    def bootstrapped(d: int, instance: int, now: float) -> Instance:
+        """The instance as a serving decode knows it: bootstrapped long ago
+        (a router spreads requests over every instance), last heard from
+        then or when a room of this window last used it. Bootstrapped here
+        on first use, at ``now - LONG_AGO``: a decode's state for the
+        instances it never uses in the window is left out (not its Hellos:
+        none go to them)."""
+        if instance not in known[d]:
+            then = now - LONG_AGO
+            addresses = tuple(f"rank-{g}" for g in ranks_of(instance))
+            hello = Hello(names[d], f"tcp://decode-{d}", "sim", 4096, f.ranks, 0, b"")
+            boot = states[d].begin_bootstrap(addresses, hello, then, timeout_s=30.0, resend_interval_s=1.0)
+            for g in ranks_of(instance):
+                ack = hello_ack(g)
+                writer = WriterIdentity(ack.address, "sim", ack.pid, 1, ack.session)
+                states[d].handle(ack, then)
+                states[d].handle(Identified(ack, writer), then)
+            states[d].handle(BootstrapTick(boot), then)
+            known[d][instance] = boot
+        return known[d][instance]
+
     def to_decode(d: int, actions: list[Any], now: float) -> None:
         for a in actions:
             if isinstance(a, SendAck):
                 counts["ack"] += 1
-                heard[d][a.ack.rank] = now
-                released = [r for r in trackers[d].ack(a.ack, now) if isinstance(r, Release)]
-                for r in released:
-                    involved[d].pop(r.room, None)
+                carry(d, states[d].handle(a.ack, now), now)
             elif isinstance(a, NotifyDecode):
                 counts["status"] += 1
-                heard[d][a.status.rank] = now
+                carry(d, states[d].handle(a.status, now), now)
 
-    def send_aborts(d: int, actions: list[Any], now: float) -> None:
+    def carry(d: int, actions: list[Any], now: float) -> None:
+        """The runtime's part: an ABORT to its rank's ledger, a Hello counted
+        (its HelloAck comes back at the next poll)."""
         for a in actions:
-            if isinstance(a, SendAbort):
+            if isinstance(a, Send) and isinstance(a.message, Abort):
                 counts["abort"] += 1
-                ledger = ledgers[a.rank]
-                ledger.abort(a.abort, now)
-                to_decode(d, ledger.try_ack(RoomKey(a.abort.decode, a.abort.room)), now)
-            elif isinstance(a, Release):
-                involved[d].pop(a.room, None)
+                g = int(a.address.removeprefix("rank-"))
+                ledgers[g].abort(a.message, now)
+                to_decode(d, ledgers[g].try_ack(RoomKey(names[d], a.message.room)), now)
+            elif isinstance(a, Send) and isinstance(a.message, Hello):
+                counts["heartbeat"] += 2  # the Hello and its HelloAck
+                answers.append((d, a.address))
+            elif isinstance(a, RankDown):
+                counts["rank down"] += 1
 
     def start(d: int, now: float) -> None:
         counts["rooms"] += 1
         room = next_room[d]
         next_room[d] += 1
         instance = rng.randrange(f.instances)
-        ranks = ranks_of(instance)
-        trackers[d].open(room, tuple(range(f.pages)), frozenset(ranks))
-        involved[d][room] = instance
+        request, sends = states[d].open(
+            room, tuple(range(f.pages)), bootstrapped(d, instance, now), None, None, now
+        )
+        requests[d][room] = request
         aborted = rng.random() < f.abort_fraction
         if aborted and rng.random() < f.early_fraction:
-            send_aborts(d, trackers[d].abort(room, now), now)  # before its request: tombstones
+            carry(d, states[d].abort(request, now), now)  # before its request: tombstones
             return
-        seq[d] += 1
-        for g in ranks:
+        carry(d, states[d].sent(request, [], now), now)
+        for send in sends:
             counts["request"] += 1
+            g = int(send.address.removeprefix("rank-"))
             key = RoomKey(names[d], room)
-            ledgers[g].request(key, seq[d])
+            ledgers[g].request(key, send.message.seq)  # type: ignore[union-attr]
             ledgers[g].dequeue(key)  # its chunk in flight
         nonlocal tick
         tick += 1
@@ -162,21 +221,18 @@ def simulate(f: Fleet) -> dict[str, Any]:
 
     def finish(kind: str, d: int, room: int, instance: int, now: float) -> None:
         key = RoomKey(names[d], room)
+        request = requests[d].pop(room)
         if kind == "abort":
-            send_aborts(d, trackers[d].abort(room, now), now)  # no ack yet: a chunk is in flight
+            carry(d, states[d].abort(request, now), now)  # no ack yet: a chunk is in flight
             for g in ranks_of(instance):
                 to_decode(d, ledgers[g].landed(key, last=False), now)
                 to_decode(d, ledgers[g].clear(key), now)
             return
         for g in ranks_of(instance):
-            actions = ledgers[g].landed(key, last=True)
-            to_decode(d, actions, now)
-            for a in actions:
-                if isinstance(a, NotifyDecode) and a.status.outcome is RoomOutcome.SUCCESS:
-                    trackers[d].succeeded(room, g)
+            to_decode(d, ledgers[g].landed(key, last=True), now)
             to_decode(d, ledgers[g].clear(key), now)
-        trackers[d].finish(room)
-        involved[d].pop(room, None)
+        if request.poll() is KVPoll.SUCCESS:
+            states[d].finish(request)
 
     cpu = time.process_time()
     now = 0.0
@@ -184,24 +240,25 @@ def simulate(f: Fleet) -> dict[str, Any]:
     steps = round(f.seconds / f.step)
     for _ in range(steps):
         now += f.step
+        for d, address in answers[:]:
+            g = int(address.removeprefix("rank-"))
+            carry(d, states[d].handle(hello_ack(g), now), now)
+        answers.clear()
         for _ in range(_poisson(rng, f.rate * f.decodes * f.step)):
             start(rng.randrange(f.decodes), now)
         while events and events[0][0] <= now:
             _, _, kind, d, room, instance = heapq.heappop(events)
             finish(kind, d, room, instance, now)
-        for d, tracker in enumerate(trackers):
-            send_aborts(d, tracker.tick(now), now)
+        for d, state in enumerate(states):
+            # nothing exits here: every rank's process lives (nothing proven gone)
+            carry(d, state.handle(Tick(frozenset(), True), now), now)
         if now >= next_beat:
             next_beat = now + cfg.heartbeat_interval_s
             for ledger in ledgers:
                 ledger.expire(now)
-            # Today: every decode, every rank it bootstrapped (all, with random routing).
-            counts["heartbeat"] += 2 * f.decodes * n_ranks
-            # Proposed: only ranks with rooms open or held, and silent for an interval.
-            for d in range(f.decodes):
-                ranks = {g for i in involved[d].values() for g in ranks_of(i)}
-                silent = [g for g in ranks if now - heard[d].get(g, -1e9) >= cfg.heartbeat_interval_s]
-                counts["heartbeat (proposed)"] += 2 * len(silent)
+            # Before (every heartbeat, every rank a decode knows: with a router
+            # spreading requests over every instance, the whole fleet).
+            counts["heartbeat (every rank)"] += 2 * f.decodes * n_ranks
     cpu = time.process_time() - cpu
 
     sample = range(0, n_ranks, max(1, n_ranks // 16))
@@ -210,6 +267,7 @@ def simulate(f: Fleet) -> dict[str, Any]:
     steady = empty + (rank_bytes - empty) * max(1.0, cfg.tombstone_ttl_s / f.seconds)
     decode_sample = range(0, f.decodes, max(1, f.decodes // 16))
     decode_bytes = sum(deep_size(trackers[d]) for d in decode_sample) / len(decode_sample)
+    state_bytes = sum(deep_size(states[d]) for d in decode_sample) / len(decode_sample)
     per_s = {k: counts[k] / f.seconds for k in KINDS}
     held = sum(len(t.rooms_in(HoldState.HELD)) + len(t.rooms_in(HoldState.QUARANTINED)) for t in trackers)
     work = sum(per_s[k] for k in ("request", "status", "abort", "ack"))
@@ -224,11 +282,15 @@ def simulate(f: Fleet) -> dict[str, Any]:
         "per_rank_per_s": {k: v / n_ranks for k, v in per_s.items()},
         "per_decode_per_s": {k: v / f.decodes for k, v in per_s.items()},
         "heartbeat_to_work": per_s["heartbeat"] / work if work else float("inf"),
-        "proposed_to_work": per_s["heartbeat (proposed)"] / work if work else float("inf"),
+        "every_rank_to_work": per_s["heartbeat (every rank)"] / work if work else float("inf"),
         "rank_kib": rank_bytes / 1024,
         "rank_kib_at_ttl": steady / 1024,
         "decode_kib": decode_bytes / 1024,
+        #: the whole EndpointState: its tracker, and a writer and heartbeat
+        #: state for every rank of each instance it bootstrapped
+        "endpoint_kib": state_bytes / 1024,
         "peers_per_decode": n_ranks,
+        "known_per_decode": sum(len(k) for k in known) * f.ranks / f.decodes,
         "peers_per_rank": f.decodes,
         "cpu_s": cpu,
         "rooms": counts["rooms"],
@@ -259,24 +321,29 @@ def report(rows: list[dict[str, Any]], fleet: Fleet) -> str:
         f"heartbeat every {cfg.heartbeat_interval_s:g} s, tombstone TTL {cfg.tombstone_ttl_s:g} s, "
         f"{fleet.seconds:g} s simulated",
         f"{'decodes x ranks':>16} {'requests/s':>10} {'request':>9} {'status':>9} {'abort':>9} {'ack':>9} "
-        f"{'heartbeat':>11} {'hb/work':>8} {'proposed':>9} {'prop/work':>9}",
+        f"{'every rank':>11} {'/work':>6} {'heartbeat':>9} {'hb/work':>8}",
     ]
     for r in rows:
         p = r["per_s"]
         lines.append(
             f"{r['decodes']:>6} x {r['ranks']:<7} {r['requests_per_s']:>10.0f} {p['request']:>9.0f} "
-            f"{p['status']:>9.0f} {p['abort']:>9.0f} {p['ack']:>9.0f} {p['heartbeat']:>11.0f} "
-            f"{r['heartbeat_to_work']:>8.1f} {p['heartbeat (proposed)']:>9.0f} {r['proposed_to_work']:>9.2f}"
+            f"{p['status']:>9.0f} {p['abort']:>9.0f} {p['ack']:>9.0f} {p['heartbeat (every rank)']:>11.0f} "
+            f"{r['every_rank_to_work']:>6.1f} {p['heartbeat']:>9.0f} {r['heartbeat_to_work']:>8.2f}"
         )
     lines.append("per endpoint (messages/s in and out; memory of its state machine):")
     for r in rows:
         pr, pd = r["per_rank_per_s"], r["per_decode_per_s"]
+        size = f"{r['decodes']:>5} x {r['ranks']:<6}"
         lines.append(
-            f"  {r['decodes']:>5} x {r['ranks']:<6} rank: work {sum(pr[k] for k in KINDS[:4]):7.1f}/s, "
-            f"heartbeats {pr['heartbeat']:8.0f}/s ({r['peers_per_rank']} decodes), ledger "
-            f"{r['rank_kib']:.0f} KiB ({r['rank_kib_at_ttl']:.0f} KiB at the TTL) | decode: work "
-            f"{sum(pd[k] for k in KINDS[:4]):6.1f}/s, heartbeats {pd['heartbeat']:8.0f}/s "
-            f"({r['peers_per_decode']} ranks), tracker {r['decode_kib']:.0f} KiB  [{r['cpu_s']:.1f} s CPU]"
+            f"  {size} a rank:   work {sum(pr[k] for k in KINDS[:4]):6.1f}/s, heartbeats {pr['heartbeat']:6.2f}/s "
+            f"(every rank: {pr['heartbeat (every rank)']:.0f}/s), ledger {r['rank_kib']:.0f} KiB "
+            f"({r['rank_kib_at_ttl']:.0f} KiB at the TTL)"
+        )
+        lines.append(
+            f"  {size} a decode: work {sum(pd[k] for k in KINDS[:4]):6.1f}/s, heartbeats {pd['heartbeat']:6.2f}/s "
+            f"(every rank: {pd['heartbeat (every rank)']:.0f}/s), tracker {r['decode_kib']:.0f} KiB, "
+            f"endpoint {r['endpoint_kib']:.0f} KiB ({r['known_per_decode']:.0f} ranks known) "
+            f"[{r['cpu_s']:.1f} s CPU]"
         )
     return "\n".join(lines)
 

@@ -9,9 +9,11 @@ acks' connections drained) and carries out the returned actions. It decides:
   rank 0; the tracker knows a rank by its id);
 * writer identities and sessions: each request remembers the rank processes
   it was sent to, and only their acks, statuses and exits count for it;
-* liveness: a rank silent for ``peer_timeout_s`` or proven gone is down, a new
-  session at its address is a restart (re-bootstrapped); either fails the open
-  rooms of the process it concerns, onto the abort path;
+* liveness (protocol/liveness.py): any message of a rank's current process
+  is hearing from it; a rank some room depends on that left a Hello
+  unanswered for ``peer_timeout_s``, or is proven gone, is down; a new
+  session at its address is a restart (re-bootstrapped); either fails the
+  open rooms of the process it concerns, onto the abort path;
 * transfer deadlines, fenced acks held back until their connections drained,
   and each request's verdict (SUCCESS once every rank reported every chunk
   landed, FAILED otherwise; final);
@@ -47,7 +49,6 @@ from kvconn.protocol.endpoint_events import (
     Identify,
     Instance,
     Probes,
-    RankDown,
     RankRestarted,
     Request,
     RoomFailed,
@@ -124,10 +125,12 @@ class EndpointState:
         #: isdisjoint/update cost ~15 us for 1024 pages, a Python loop ~100).
         self._in_use: set[int] = set()
         self._seq = 0
-        #: When each rank's current process last answered, which ranks are
-        #: down (and why), and sessions of processes replaced at a rank's
-        #: address (their late answers are not a restart).
+        #: When each rank's current process last spoke, when a Hello to it
+        #: first went unanswered (watched ranks only), which ranks are down
+        #: (and why), and sessions of processes replaced at a rank's address
+        #: (their late answers are not a restart).
         self._heard: dict[int, float] = {}
+        self._asked: dict[int, float] = {}
         self.down: dict[int, str] = {}
         self._retired: set[tuple[int, int]] = set()
         self._next_heartbeat = 0.0
@@ -178,6 +181,11 @@ class EndpointState:
             times.append(self.owner_fence.next_due(since))
         return min((t for t in times if t is not None), default=None)
 
+    def watched(self) -> set[int]:
+        """The ranks some tracked room was asked of: the only ones a
+        heartbeat asks or judges (protocol/liveness.py)."""
+        return liveness.watched(self)
+
     def owed(self) -> frozenset[WriterIdentity]:
         """The writers held rooms wait for (an exit check looks these up)."""
         return frozenset(w for _, w, _ in liveness.owed(self))
@@ -187,7 +195,7 @@ class EndpointState:
         owed = self.owed() if now >= self._next_exit_check else frozenset()
         live: frozenset[WriterIdentity] = frozenset()
         if self.ranks and now >= self._next_heartbeat:
-            live = frozenset(self.writers[r] for r in self.ranks if r not in self.down)
+            live = liveness.live(self)
         return Probes(tuple(self.draining.values()), owed, live)
 
     # -- bootstrap (protocol/bootstrap.py) -----------------------------------
@@ -330,6 +338,7 @@ class EndpointState:
         ack = self._for_us(msg)
         if isinstance(ack, DropReason):
             return [Drop(ack)]
+        liveness.hear(self, ack.rank, ack.session, now)
         if ack.closed:
             return [CheckDrain(ack)]
         return self._ack(ack, now)
@@ -349,6 +358,7 @@ class EndpointState:
         status = self._for_us(msg)
         if isinstance(status, DropReason):
             return [Drop(status)]
+        liveness.hear(self, status.rank, status.session, now)
         request = self.requests.get(status.room)
         if status.rank not in self.tracker.ranks_of(status.room) or request is None:
             return [Drop(DropReason.STRANGER_STATUS)]
@@ -361,6 +371,9 @@ class EndpointState:
 
     @handle.register
     def _(self, msg: RankDraining, now: float) -> list[Action]:
+        rank = self.id_of_session(msg.rank, msg.session) if msg.decode == self.name else None
+        if rank is not None:
+            liveness.hear(self, rank, msg.session, now)
         return drain.rank_draining(self, msg, now)
 
     @handle.register
@@ -384,7 +397,7 @@ class EndpointState:
             reason = DropReason.HELLO_REFUSED if msg.error else DropReason.RETIRED_SESSION
             return [Drop(reason)]
         if msg.session == self.writers[rank].session:
-            self._heard[rank] = now
+            liveness.heard_from(self, rank, now)
             self.down.pop(rank, None)
             return []
         return [Identify(msg)]
@@ -413,7 +426,7 @@ class EndpointState:
         self.writers[rank] = writer
         self._id_of_session.pop((msg.rank, old.session), None)
         self._id_of_session[msg.rank, msg.session] = rank
-        self._heard[rank] = now
+        liveness.heard_from(self, rank, now)
         self.down.pop(rank, None)
         reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
         actions: list[Action] = [RankRestarted(rank, msg.rank, msg.address)]
@@ -491,11 +504,6 @@ class EndpointState:
 
     def _exits(self, gone: frozenset[WriterIdentity], peers_drained: bool, now: float) -> list[Action]:
         return liveness.exits(self, gone, peers_drained, now)
-
-    def _rank_down(self, rank: int, cause: str, reason: str, now: float) -> list[Action]:
-        self.down[rank] = reason
-        actions: list[Action] = [RankDown(rank, cause, reason)]
-        return actions + self._fail_rooms_of(rank, self.writers[rank], f"rank {rank} is down: {reason}", now)
 
     def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[Action]:
         """Fail the open rooms ``writer`` was asked to write."""

@@ -2,7 +2,28 @@
 each held room still owes a proof, which of them are proven gone, and the
 heartbeat that finds a rank silent or gone (:class:`EndpointState` calls these
 at its ticks; the state is its), and what a look at a writer's pid proves
-(:func:`exit_proven`: the runtime reads ``/proc``, this decides)."""
+(:func:`exit_proven`: the runtime reads ``/proc``, this decides).
+
+Liveness protects rooms, so it is asked only where rooms depend on it, and
+traffic is its own proof:
+
+* **Piggybacked.** Any message naming this endpoint from a rank's current
+  process (a RoomStatus, an ABORT_ACK, a RankDraining, a HelloAck) is
+  hearing from it (:func:`hear`): an active rank needs no Hello.
+* **Only the ranks that matter.** The ranks decode *watches* are those asked
+  to write a room it has open, held or quarantined (:func:`watched`). Each
+  heartbeat Hellos a watched rank silent for ``heartbeat_interval_s``; it is
+  down once its first unanswered Hello is ``peer_timeout_s`` old (counted
+  from the probe, not from its last message: a rank idle for an hour that
+  gets a room is asked first, not declared down at once), or when its
+  process is proven gone. An idle rank is not asked, and its silence or
+  exit is not judged until a room depends on it again; a rank already down
+  is Hello'd every heartbeat until it answers (so a healed rank is back up
+  before the engine's next room on it would fail).
+
+A rank being down only fails rooms onto the abort path; pages still need
+proof (hold.py).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvconn.protocol.endpoint_events import Action, Send, WriterIdentity
+from kvconn.protocol.endpoint_events import Action, RankDown, Send, WriterIdentity
 from kvconn.protocol.hold import HoldState
 
 if TYPE_CHECKING:
@@ -47,22 +68,78 @@ def exits(
     return actions
 
 
+def watched(state: EndpointState) -> set[int]:
+    """The ranks asked to write a room this endpoint has open, held or
+    quarantined: the ranks whose liveness a room depends on. A walk of the
+    tracked rooms, once a heartbeat: rooms in flight, not the fleet."""
+    ranks: set[int] = set()
+    for request in state.requests.values():
+        ranks.update(request.writers)
+    return ranks
+
+
+def heard_from(state: EndpointState, rank: int, now: float) -> None:
+    """``rank``'s current process spoke: it is alive now, and any Hello it
+    had not answered is answered."""
+    state._heard[rank] = now
+    state._asked.pop(rank, None)
+
+
+def hear(state: EndpointState, rank: int, session: int, now: float) -> None:
+    """A message for this endpoint (its decode name checked) came from the
+    process of ``session`` at endpoint-wide ``rank``: a heartbeat, whatever
+    else it says, if that process is the rank's current one. One of an
+    earlier process at that address (a retired session) is not: it says
+    nothing of the process decode now sends to."""
+    writer = state.writers.get(rank)
+    if writer is not None and writer.session == session:
+        heard_from(state, rank, now)
+
+
 def heartbeat(state: EndpointState, gone: frozenset[WriterIdentity], now: float) -> list[Action]:
-    """Hello every rank again (its answer proves it alive and names its
-    session); a rank silent past peer_timeout_s, or whose process is
-    proven gone, is down."""
+    """Hello each watched rank silent for ``heartbeat_interval_s`` (its answer
+    proves it alive and names its session) and every rank that is down; a
+    watched rank whose first unanswered Hello is older than
+    ``peer_timeout_s``, or whose process is proven gone, is down."""
+    watching = state.watched()
     actions: list[Action] = []
-    for rank in sorted(state.ranks):
+    for rank in sorted(watching | state.down.keys() | state._asked.keys()):
         writer = state.writers[rank]
-        actions.append(Send(writer.address, state._hello(state._rank_of[rank][0]), rank))
         if rank in state.down:
+            actions.append(_hello(state, rank))
+            continue
+        if rank not in watching:
+            del state._asked[rank]  # no room depends on it: its silence is not judged
             continue
         if writer in gone:
-            actions += state._rank_down(rank, "exited", f"its process (pid {writer.pid}) exited", now)
-        elif now - state._heard[rank] > state.peer_timeout_s:
-            silent = f"no answer for {now - state._heard[rank]:.1f} s"
-            actions += state._rank_down(rank, "silent", silent, now)
+            actions += down(state, rank, "exited", f"its process (pid {writer.pid}) exited", now)
+            continue
+        if now - state._heard[rank] >= state.heartbeat_interval_s:
+            actions.append(_hello(state, rank))
+            state._asked.setdefault(rank, now)
+        asked = state._asked.get(rank)
+        if asked is not None and now - asked > state.peer_timeout_s:
+            actions += down(state, rank, "silent", f"no answer to a Hello for {now - asked:.1f} s", now)
     return actions
+
+
+def live(state: EndpointState) -> frozenset[WriterIdentity]:
+    """The writers a heartbeat looks up in ``/proc``: those of watched ranks up."""
+    return frozenset(state.writers[r] for r in state.watched() if r not in state.down)
+
+
+def down(state: EndpointState, rank: int, cause: str, reason: str, now: float) -> list[Action]:
+    """``rank`` is down: the open rooms of its current process fail, onto
+    the abort path."""
+    state.down[rank] = reason
+    state._asked.pop(rank, None)
+    actions: list[Action] = [RankDown(rank, cause, reason)]
+    writer = state.writers[rank]
+    return actions + state._fail_rooms_of(rank, writer, f"rank {rank} is down: {reason}", now)
+
+
+def _hello(state: EndpointState, rank: int) -> Send:
+    return Send(state.writers[rank].address, state._hello(state._rank_of[rank][0]), rank)
 
 
 @attrs.frozen(slots=True)
