@@ -42,17 +42,19 @@ class Engine:
         start_timeout_s: float = 240.0,
         builtin: dict[str, Any] | None = None,
         tp: int = 1,
+        timeline: bool = False,
         **extra: Any,
     ) -> None:
         """``extra``: KvconnConnector's kv_connector_extra_config. ``builtin``:
         instead, the whole kv_transfer_config of one of vLLM's own connectors
         (with ``env``: environment variables for that engine). ``tp``: tensor
-        parallel size (above 1: one vLLM worker process per rank)."""
+        parallel size (above 1: one vLLM worker process per rank).
+        ``timeline``: time each room at the connector's hooks (``handoff``)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_serve,
-            args=(child, str(model), role, extra, builtin, tp),
+            args=(child, str(model), role, extra, builtin, tp, timeline),
             # A TP engine starts its worker processes: a daemon cannot.
             daemon=tp == 1,
         )
@@ -100,17 +102,20 @@ class Engine:
     ) -> None:
         self.call("add", req_id, prompt, max_tokens, params)
 
-    def finished(self, timeout_s: float = 120.0, *req_ids: str) -> dict[str, dict[str, Any]]:
-        """Wait until each of ``req_ids`` finished; their outputs."""
+    def finished(
+        self, timeout_s: float = 120.0, *req_ids: str, poll_s: float = 0.02
+    ) -> dict[str, dict[str, Any]]:
+        """Wait until each of ``req_ids`` finished (looking every ``poll_s``); their outputs."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self.events.update(self.call("outputs"))
+            # The engine answers between steps: one step may take long on a loaded machine.
+            self.events.update(self.call("outputs", timeout_s=max(60.0, deadline - time.monotonic())))
             if all(r in self.events for r in req_ids):
                 return {r: self.events[r] for r in req_ids}
             if time.monotonic() > deadline:
                 missing = [r for r in req_ids if r not in self.events]
                 raise EngineError(f"engine {self.role}: {missing} not finished within {timeout_s} s")
-            time.sleep(0.02)
+            time.sleep(poll_s)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.call("stats"))
@@ -124,11 +129,11 @@ class Engine:
 
 
 def generate(
-    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, params: Any = None
+    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, params: Any = None, poll_s: float = 0.02
 ) -> dict[str, Any]:
     for req_id, prompt in prompts.items():
         engine.add(req_id, prompt, max_tokens, params(req_id) if callable(params) else params)
-    return engine.finished(180.0, *prompts)
+    return engine.finished(180.0, *prompts, poll_s=poll_s)
 
 
 # -- the child ------------------------------------------------------------------
@@ -139,6 +144,7 @@ def _serve(
     extra: dict[str, Any],
     builtin: dict[str, Any] | None,
     tp: int = 1,
+    timeline: bool = False,
 ) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -152,6 +158,8 @@ def _serve(
         os.environ.update(builtin.pop("env", {}))
     try:
         child = _Child(model, role, extra, builtin, tp)
+        if timeline:
+            child.watch_handoff()
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -198,11 +206,15 @@ class _Child:
         self.received_heads: dict[str, dict[str, str]] = {}
         self.worker = None
         self.tp = tp
+        self.handoff: dict[int, dict[str, float]] = {}
+        self.steps = 0
         if role and builtin is None and tp == 1:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             self.worker = get_kv_transfer_group().worker_side
             self._watch_receives()
+        elif role and builtin is None:
+            self.engine.collective_rpc(_watch_rank_receives)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -269,6 +281,7 @@ class _Child:
                 else:
                     conn.send(("ok", reply))
             if busy:
+                self.steps += 1
                 for out in self.engine.step():
                     if out.outputs and out.outputs[0].token_ids:
                         self.first_token.setdefault(out.request_id, time.monotonic())
@@ -292,11 +305,18 @@ class _Child:
             n = -(-out.kv_transfer_params["remote_num_tokens"] // BLOCK_SIZE)
             if self.worker is not None:
                 event["blocks"] = self.digests(blocks[:n])
+                event["heads"] = head_digests(self.worker, blocks[:n])
             if self.tp > 1:  # each rank holds its heads, in its own process
                 event["heads"] = self.do_rank_heads(list(blocks[:n]))
         if internal in self.received:
             event["received"] = self.received.pop(internal)
             event["received_heads"] = self.received_heads.pop(internal)
+        elif self.tp > 1 and self.core.scheduler.connector is not None:
+            heads: dict[str, str] = {}
+            for part in self.engine.collective_rpc(_rank_received_heads, args=(internal,)):
+                heads.update(part)
+            if heads:  # each decode rank's heads, as they landed
+                event["received_heads"] = heads
         self.outputs[out.request_id] = event
 
     # -- commands ---------------------------------------------------------
@@ -321,6 +341,94 @@ class _Child:
     def do_internal_id(self, req_id: str) -> str:
         return self.internal[req_id]
 
+    def watch_handoff(self) -> None:
+        """Time each room at the connector's hooks (CLOCK_MONOTONIC: one
+        clock for both engines): decode asks; prefill's listener has the
+        request; the chunk is queued; a transport worker took it; prefill
+        sends the room's status; decode's listener has it; decode's worker
+        reports the request received (``finished_recving``)."""
+        from kvconn.hookspecs import hookimpl
+        from kvconn.protocol.messages import RoomStatus
+
+        worker = self.worker
+        assert worker is not None, "a timeline needs kvconn's connector (TP 1)"
+        marks = self.handoff
+
+        def mark(room: int, name: str) -> None:
+            marks.setdefault(room, {}).setdefault(name, time.monotonic())
+
+        if worker.decode is not None:
+            start, results, listener = worker.start, worker.results, worker.decode._listener
+            on_status, rooms = listener._handler, {}
+
+            def timed_start(meta: Any) -> None:
+                for recv in meta.recvs:
+                    rooms[recv.req_id] = recv.room
+                    mark(recv.room, "decode_asks")
+                start(meta)
+
+            def timed_status(msg: Any) -> None:
+                if isinstance(msg, RoomStatus):
+                    mark(msg.room, "decode_has_status")
+                on_status(msg)
+
+            def timed_results(finished: Any) -> Any:
+                out = results(finished)
+                for req_id in out.finished_recving:
+                    if req_id in rooms:
+                        mark(rooms.pop(req_id), "decode_reports")
+                return out
+
+            worker.start, worker.results, listener._handler = timed_start, timed_results, timed_status
+        if worker.rank is not None:
+            rank, on_request, send, start_send = (
+                worker.rank,
+                worker.rank.on_request,
+                worker._send,
+                worker._start_send,
+            )
+            outbox_send = rank._outbox.send
+            assert on_request is not None
+
+            def timed_request(room: int, npages: int) -> None:
+                mark(room, "prefill_has_request")
+                cpu = time.thread_time()
+                on_request(room, npages)
+                # CPU the listener thread spent on it (the rest of its wall time: waits)
+                marks[room].setdefault("prefill_request_cpu", time.thread_time() - cpu)
+
+            def timed_send(outgoing: Any, npages: int) -> None:
+                send(outgoing, npages)
+                mark(outgoing.send.room, "prefill_queued")
+
+            def timed_start_send(sent: Any) -> None:
+                mark(sent.room, "prefill_send_starts")
+                start_send(sent)
+
+            def timed_outbox(address: str, message: Any) -> bool:
+                if isinstance(message, RoomStatus):
+                    mark(message.room, "prefill_sends_status")
+                return bool(outbox_send(address, message))
+
+            class Dequeued:
+                @hookimpl
+                def on_dequeue(self, chunk: Any) -> None:
+                    mark(chunk.room, "prefill_dequeued")
+
+            rank.on_request, worker._send, worker._start_send = timed_request, timed_send, timed_start_send
+            rank._outbox.send = timed_outbox
+            rank.pm.register(Dequeued(), name="handoff-timeline")
+
+    def do_handoff(self) -> dict[int, dict[str, float]]:
+        """The rooms' timestamps so far (``watch_handoff``), taken."""
+        out = dict(self.handoff)
+        self.handoff.clear()  # in place: the hooks hold this dict
+        return out
+
+    def do_steps(self) -> int:
+        """Engine steps taken so far."""
+        return self.steps
+
     def do_outputs(self) -> dict[str, dict[str, Any]]:
         out, self.outputs = self.outputs, {}
         return out
@@ -330,13 +438,20 @@ class _Child:
         held: dict[str, Any] = {}
         proofs: dict[str, int] = {}
         instances: list[list[str]] = []
+        # The caller's ids: vLLM's internal ones carry a suffix.
+        external = {v: k for k, v in self.internal.items()}
         if self.worker is not None:
-            # The caller's ids: vLLM's internal ones carry a suffix.
-            external = {v: k for k, v in self.internal.items()}
             held = {external.get(r, r): state for r, state in self.worker.held_requests().items()}
             proofs = dict(self.worker.release_proofs)
             if self.worker.decode is not None:
                 instances = [list(i) for i in self.worker.decode.instances()]
+        elif self.tp > 1 and self.core.scheduler.connector is not None:
+            # Every rank's: a request is held while any rank holds its blocks.
+            for rank_held, rank_proofs in self.engine.collective_rpc(_rank_held):
+                for r, state in rank_held.items():
+                    held[external.get(r, r)] = state
+                for proof, count in rank_proofs.items():
+                    proofs[proof] = proofs.get(proof, 0) + count
         return {
             "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             "requests": sorted(scheduler.requests),
@@ -355,6 +470,39 @@ class _Child:
 
         assert self.worker is not None
         return [attrs.asdict(report) for report in self.worker.drain(grace_s)]
+
+    def do_shutdown(self) -> dict[str, Any]:
+        """vLLM's shutdown of the worker's connector (``connector.shutdown()``,
+        as ``ensure_kv_transfer_shutdown`` calls it): kvconn drains, then closes.
+        What it reported, its release proofs, and the pages held at close."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        assert self.worker is not None
+        reports: list[Any] = []
+        drain = self.worker.drain
+
+        def noted(grace_s: float) -> list[Any]:
+            reports.extend(drain(grace_s))
+            return reports
+
+        self.worker.drain = noted
+        started = time.monotonic()
+        get_kv_transfer_group().shutdown()
+        import attrs
+
+        decode = self.worker.decode
+        proofs: dict[str, float] = {}
+        if decode is not None:  # the endpoint's own count (the engine steps no more)
+            for family in decode.metrics.releases.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total") and sample.value:
+                        proofs[sample.labels["proof"]] = sample.value
+        return {
+            "reports": [attrs.asdict(r) for r in reports],
+            "seconds": time.monotonic() - started,
+            "proofs": proofs,
+            "held_pages": 0 if decode is None else decode.held_pages(),
+        }
 
     def do_digests(self, blocks: list[int]) -> list[str]:
         return self.digests(blocks)
@@ -396,6 +544,45 @@ def _kvconn_worker_side() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().worker_side
+
+
+#: In each vLLM worker process of a TP engine: the heads each decode rank
+#: received, by vLLM's request id, snapshot when the room was reported received.
+_RANK_RECEIVED: dict[str, dict[str, str]] = {}
+
+
+def _watch_rank_receives(_worker: Any) -> None:
+    """Run in each vLLM worker process by collective_rpc: snapshot the heads
+    of a received room's blocks before the request's own forward writes."""
+    side = _kvconn_worker_side()
+    start, results = side.start, side.results
+    recvs: dict[str, tuple[int, ...]] = {}
+
+    def watched_start(meta: Any) -> None:
+        for recv in meta.recvs:
+            recvs[recv.req_id] = recv.block_ids
+        start(meta)
+
+    def watched_results(finished: Any) -> Any:
+        out = results(finished)
+        for req_id in out.finished_recving - out.failed_recving:
+            if req_id in recvs:
+                _RANK_RECEIVED[req_id] = head_digests(side, recvs.pop(req_id))
+        return out
+
+    side.start, side.results = watched_start, watched_results
+
+
+def _rank_received_heads(_worker: Any, req_id: str) -> dict[str, str]:
+    """Run in each vLLM worker process by collective_rpc."""
+    return _RANK_RECEIVED.pop(req_id, {})
+
+
+def _rank_held(_worker: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """Run in each vLLM worker process by collective_rpc: its held requests
+    and release proofs."""
+    side = _kvconn_worker_side()
+    return side.held_requests(), dict(side.release_proofs)
 
 
 def _rank_pid(_worker: Any) -> int:

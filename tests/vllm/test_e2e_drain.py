@@ -1,7 +1,9 @@
-"""Draining a real vLLM prefill engine while a transfer is in flight: the
+"""Draining real vLLM engines while a transfer is in flight. Prefill: the
 room in flight completes, the engine's kvconn rank then refuses new rooms,
 and decode recomputes the next request at once (no timeout) and gets every
-block back. Two engines on the tiny model: ``slow``."""
+block back. Decode: vLLM's shutdown of its connector aborts the room and
+waits for prefill's proof before it closes. Three engines on the tiny
+model: ``slow``. (SIGTERM to the OpenAI servers: test_e2e_http_drain.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ pytest.importorskip("kvconn_vllm", reason=NEEDS_VLLM)
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from engine_harness import Engine, generate
 from test_e2e_faults import DEADLINES, MAX_TOKENS, PROMPT, SLOW, wait_for
@@ -22,8 +25,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model: Path) -> Iterator[tuple[Engine, Engine]]:
     prefill = Engine(model, "kv_producer", backend_options=SLOW, **DEADLINES)
     decode = Engine(model, "kv_consumer", transfer_timeout_s=60.0, **DEADLINES)
     try:
@@ -31,6 +38,31 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_decode_engine_shut_down_holding_a_room_gets_its_blocks_back_by_proof_before_close(
+    cluster: tuple[Engine, Engine], model: Path
+) -> None:
+    """vLLM's shutdown of decode's connector while a room is in flight:
+    kvconn aborts it and waits for prefill's proof (its in-flight write
+    settled, then it acked) before it closes; nothing is held at close.
+    (First in this module: the next test drains the prefill engine.)"""
+    prefill, _ = cluster
+    decode = Engine(model, "kv_consumer", transfer_timeout_s=60.0, **DEADLINES)
+    free_before = decode.stats()["free_blocks"]
+    params = generate(prefill, {"c": PROMPT}, 1, {"do_remote_decode": True})["c"]["kv_transfer_params"]
+    decode.add("c", PROMPT, MAX_TOKENS, params)
+    wait_for(lambda: decode.stats()["free_blocks"] < free_before, 60, "decode allocated c's blocks")
+    time.sleep(0.3)  # the write (~1.6 s) is in flight
+    try:
+        shut = decode.call("shutdown", timeout_s=60)
+    finally:
+        decode.close()
+    [report] = shut["reports"]
+    print(f"\nvLLM decode engine's connector drained={report['drained']} in {shut['seconds']:.3f} s")
+    assert report["drained"] and report["rooms_left"] == 0 and report["pages_left"] == 0
+    assert shut["held_pages"] == 0
+    assert sum(shut["proofs"].values()) == 1 and "unsafe_timeout" not in shut["proofs"]
 
 
 def test_draining_a_prefill_engine_finishes_its_transfer_and_decode_recomputes_the_next(

@@ -45,7 +45,11 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
     runs) in a process group of its own, stopped by its pid."""
 
-    def __init__(self, model: Path, role: str, log: Path) -> None:
+    def __init__(
+        self, model: Path, role: str, log: Path, extra: dict[str, Any] | None = None, *args: str
+    ) -> None:
+        """``extra``: the connector's kv_connector_extra_config (default: this
+        file's, prefill writing at SLOW); ``args``: more of the server's own options."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -54,15 +58,17 @@ class Server:
         with log.open("w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-                + [arg for option in self._options(role) for arg in option],
+                + [arg for option in self._options(role, extra) for arg in option]
+                + list(args),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
             )
 
-    def _options(self, role: str) -> list[tuple[str, ...]]:
-        extra = {"backend_options": SLOW} if role == "kv_producer" else {}
+    def _options(self, role: str, extra: dict[str, Any] | None) -> list[tuple[str, ...]]:
+        if extra is None:  # this file's servers: prefill writes slowly (SLOW)
+            extra = {"backend_options": SLOW} if role == "kv_producer" else {}
         config = {**kv_transfer_config(role, **extra), "kv_load_failure_policy": "recompute"}
         return [
             ("--host", "127.0.0.1"),

@@ -4,7 +4,9 @@ record what they are sent); the real ``vllm serve`` engines behind it:
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -13,6 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import standin_engine
+from standin_engine import StandinEngine
 
 from kvconn.testing.cluster import free_port
 from kvconn_vllm.proxy import Proxy, prefill_request, serve
@@ -57,7 +62,7 @@ class Engine:
 @contextmanager
 def running(*servers: ThreadingHTTPServer) -> Iterator[None]:
     for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         yield
     finally:
@@ -260,3 +265,82 @@ def test_a_prefill_going_away_never_fails_a_request_that_had_not_started() -> No
         for _ in range(3):
             assert _post(f"http://127.0.0.1:{proxy.server_port}/v1/completions", {"prompt": "a"})[0] == 200
     assert (len(shutting.bodies), len(fine.bodies)) == (1, 3)  # tried once, then skipped
+
+
+# -- connections: kept alive both ways, Nagle off ----------------------------------
+@contextmanager
+def _standins() -> Iterator[tuple[str, Proxy, StandinEngine, StandinEngine]]:
+    prefill, decode = StandinEngine().start(), StandinEngine().start()
+    proxy = Proxy([prefill.url], [decode.url], timeout_s=10)
+    server = serve(proxy, port=0)
+    try:
+        with running(server):
+            yield f"127.0.0.1:{server.server_port}", proxy, prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _ask(conn: http.client.HTTPConnection, stream: bool) -> tuple[http.client.HTTPResponse, bytes]:
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "a", "stream": stream}))
+    response = conn.getresponse()
+    return response, response.read()
+
+
+def test_one_client_connection_and_one_per_engine_serve_every_request() -> None:
+    """A new connection per leg (and one per client request) cost ~30 ms a
+    request: TCP set-up, and Nagle holding a response's second write."""
+    with _standins() as (address, proxy, prefill, decode):
+        client = http.client.HTTPConnection(address, timeout=10)
+        for stream in (False, True, False, True, False, True):
+            response, data = _ask(client, stream)
+            assert response.status == 200 and not response.will_close
+            if stream:
+                assert response.getheader("Transfer-Encoding") == "chunked"
+                events = [e for e in data.split(b"\n\n") if e]
+                assert events[-1] == b"data: [DONE]" and len(events) == standin_engine.EVENTS + 1
+            else:
+                assert json.loads(data) == {"choices": [{"text": "decoded"}]}
+        client.close()
+        assert (prefill.requests, decode.requests) == (6, 6)
+        assert (prefill.connections, decode.connections, proxy.upstream.opened) == (1, 1, 2)
+
+
+def test_no_answer_waits_for_the_clients_delayed_ack() -> None:
+    """With Nagle's algorithm on, the body written after the headers waits
+    for the client to ACK them, and a client delays its ACK (40 ms on
+    Linux): every request on a kept connection took 40 ms more."""
+    with _standins() as (address, _, _, _):
+        client = http.client.HTTPConnection(address, timeout=10)
+        took = []
+        for stream in (False, True) * 4:
+            started = time.perf_counter()
+            response, _ = _ask(client, stream)
+            took.append(time.perf_counter() - started)
+            assert response.status == 200
+        client.close()
+    assert sorted(took)[len(took) // 2] < 0.03, took
+
+
+def test_an_http10_client_gets_a_streamed_answer_ended_by_closing() -> None:
+    with _standins() as (address, _, _, _):
+        host, port = address.split(":")
+        body = json.dumps({"prompt": "a", "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            raw = b""
+            while chunk := sock.recv(65536):  # the proxy closes at the end
+                raw += chunk
+    head, _, data = raw.partition(b"\r\n\r\n")
+    assert b"chunked" not in head.lower() and data.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_kept_connection_the_engine_closed_is_retried_on_a_new_one() -> None:
+    with _standins() as (address, _, prefill, decode):
+        prefill.close_after_each = decode.close_after_each = True
+        client = http.client.HTTPConnection(address, timeout=10)
+        for stream in (False, True, False, True):
+            response, _ = _ask(client, stream)
+            assert response.status == 200
+        assert (prefill.requests, decode.requests) == (4, 4)  # each leg once: no request twice
+        assert prefill.connections == decode.connections == 4

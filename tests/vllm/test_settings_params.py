@@ -26,6 +26,7 @@ def test_options_reach_kvconns_config() -> None:
             "abort_timeout_s": 2,
             "port": 7000,
             "transfer_timeout_s": 9,
+            "gil_switch_interval_s": "0.0005",
         }
     )
     assert settings.backend == "nixl"
@@ -33,6 +34,8 @@ def test_options_reach_kvconns_config() -> None:
     assert (settings.config.write_timeout_s, settings.config.abort_timeout_s) == (1.0, 2.0)
     assert settings.config.port == 7000
     assert settings.config.transfer_timeout_s == 9.0
+    assert settings.config.gil_switch_interval_s == 0.0005
+    assert Settings.parse(None).config.gil_switch_interval_s is None  # the process's own, untouched
 
 
 @pytest.mark.parametrize(
@@ -46,6 +49,8 @@ def test_options_reach_kvconns_config() -> None:
         ({"write_timeout_s": 40}, "must be shorter than decode's abort_timeout_s"),
         ({"transfer_timeout_s": 0}, "transfer_timeout_s must be > 0"),
         ({"host": "0.0.0.0"}, "bind to an explicit address"),
+        ({"gil_switch_interval_s": 0}, "gil_switch_interval_s must be > 0"),
+        ({"gil_switch_interval_s": "fast"}, "gil_switch_interval_s must be a number"),
     ],
 )
 def test_bad_settings_name_the_problem(extra: dict[str, object], message: str) -> None:

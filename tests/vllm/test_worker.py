@@ -9,8 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (the vLLM venv has it)")
 
+import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
+
+import attrs  # noqa: E402
 
 from kvconn.testing.cluster import free_port  # noqa: E402
 from kvconn.testing.waiting import wait_for  # noqa: E402
@@ -255,3 +259,109 @@ def test_a_draining_prefill_refuses_new_rooms_and_decode_recomputes_at_once(pair
     for name in dst:
         assert torch.equal(dst[name][4], torch.full_like(dst[name][4], -1.0 + 100 * int(name[13]) + 4))
     assert decode.drain(1.0)[0].drained
+
+
+def test_gil_switch_interval_s_applies_to_the_worker_process(clock: Clock) -> None:
+    before = sys.getswitchinterval()
+    try:
+        prefill, _ = side(True, clock, 1.0, gil_switch_interval_s=0.0007)
+        prefill.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        sys.setswitchinterval(before)
+
+
+# -- idle steps: waited out, not stepped through -----------------------------------
+def test_an_idle_step_ends_when_the_send_settles(clock: Clock) -> None:
+    """vLLM steps back to back while a finished request keeps blocks for a
+    send; an idle step's results() waits for the send (woken by the write's
+    barrier), so one step reports it, well before idle_wait_s."""
+    prefill, src = side(True, clock, 1.0, idle_wait_s=1)
+    decode, dst = side(False, clock, -1.0, idle_wait_s=1)
+    try:
+        # a first room: decode knows the instance (no bootstrap in the timing)
+        prefill.start(KvconnMetadata(sends=[Send("p-0", 83, (1,))]))
+        decode.start(KvconnMetadata(recvs=[Recv("d-0", 83, (prefill.address,), (1,))]))
+        until(decode, lambda r: "d-0" in r.finished_recving)
+        until(prefill, lambda r: "p-0" in r.finished_sending, {"p-0"})
+        prefill.start(KvconnMetadata(sends=[Send("p-1", 84, (5, 2))]))
+        assert not prefill.results({"p-1"})  # decode has not asked
+        asks = threading.Timer(
+            0.1, decode.start, [KvconnMetadata(recvs=[Recv("d-1", 84, (prefill.address,), (0, 6))])]
+        )
+        prefill.start(KvconnMetadata(idle=True))
+        started = time.monotonic()
+        asks.start()
+        assert prefill.results(set()) == TransferResults(finished_sending=frozenset({"p-1"}))
+        assert time.monotonic() - started < 0.9
+        asks.join()
+        decode.start(KvconnMetadata(idle=True))
+        got = decode.results(set())
+        assert got == TransferResults(finished_recving=frozenset({"d-1"}))
+        for name in src:
+            assert torch.equal(dst[name][0], src[name][5]) and torch.equal(dst[name][6], src[name][2])
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_an_idle_step_waits_at_most_idle_wait_s_and_a_busy_step_never(clock: Clock) -> None:
+    prefill, _ = side(True, clock, 1.0, idle_wait_s=0.3)
+    try:
+        prefill.start(KvconnMetadata(sends=[Send("p-1", 85, (1,))]))  # nobody asks for it
+        started = time.monotonic()
+        assert not prefill.results({"p-1"})
+        assert time.monotonic() - started < 0.2  # a step that runs requests answers at once
+        prefill.start(KvconnMetadata(idle=True))
+        started = time.monotonic()
+        assert not prefill.results(set())
+        assert 0.25 < time.monotonic() - started < 3
+    finally:
+        prefill.close()
+
+
+# -- decode with more TP ranks than prefill ------------------------------------------
+def test_two_decode_ranks_each_get_their_head_from_one_prefill_rank(clock: Clock) -> None:
+    """Prefill TP 1 holds both KV heads; decode TP 2 holds one per rank. Each
+    decode rank asks prefill's one rank; nothing is written until both
+    asked (the sender waits for every decode rank), then each gets its head."""
+    prefill, src = side(True, clock, 1.0)
+    ranks = []
+    one_head = attrs.evolve(GEOMETRY, num_kv_heads=1)
+    for r in (0, 1):
+        settings = Settings.parse({"write_timeout_s": 1, "abort_timeout_s": 2})
+        worker = WorkerSide(settings, False, True, one_head, tp_size=2, tp_rank=r, clock=clock)
+        caches = {
+            name: torch.full((one_head.num_blocks, 1, 2 * one_head.block_size, one_head.head_size), -1.0)
+            for name in src
+        }
+        worker.register(caches)
+        ranks.append((worker, caches))
+    try:
+        prefill.start(KvconnMetadata(sends=[Send("p-1", 86, (5, 2))]))
+        (first, first_dst), (second, _) = ranks
+        first.start(KvconnMetadata(recvs=[Recv("d-1", 86, (prefill.address,), (0, 6))]))
+        time.sleep(0.3)
+        assert not first.results(set()) and not prefill.results({"p-1"})  # rank 1 has not asked
+        assert all(bool((first_dst[name] == -1.0).all()) for name in src)
+        second.start(KvconnMetadata(recvs=[Recv("d-1", 86, (prefill.address,), (0, 6))]))
+        # Both ranks step, as vLLM steps every worker: each opens its request in a step.
+        got: dict[int, TransferResults] = {}
+        deadline = time.monotonic() + 20
+        while len(got) < 2 and time.monotonic() < deadline:
+            for worker, _ in ranks:
+                result = worker.results(set())
+                if result:
+                    got[worker.tp_rank] = result
+            time.sleep(0.01)
+        assert got == {r: TransferResults(finished_recving=frozenset({"d-1"})) for r in (0, 1)}
+        for worker, dst in ranks:
+            for name in src:
+                head = worker.tp_rank
+                assert torch.equal(dst[name][0][0], src[name][5][head])
+                assert torch.equal(dst[name][6][0], src[name][2][head])
+        until(prefill, lambda r: "p-1" in r.finished_sending, {"p-1"})
+    finally:
+        for worker, _ in ranks:
+            worker.close()
+        prefill.close()

@@ -8,6 +8,7 @@ vLLM builds one instance per role: in the scheduler process it delegates to
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,11 +39,27 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _log_through_vllm() -> None:
+    """kvconn's log lines (a drain's report at shutdown, a rank's address)
+    in vLLM's log, at vLLM's level: vLLM configures only its own "vllm"
+    logger, and a library's INFO lines otherwise go nowhere."""
+    vllm = logging.getLogger("vllm")
+    for name in ("kvconn", "kvconn_vllm"):
+        ours = logging.getLogger(name)
+        if ours.handlers or not vllm.handlers:
+            continue  # configured by the operator, or vLLM logs nothing
+        for handler in vllm.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(vllm.getEffectiveLevel())
+        ours.propagate = False
+
+
 class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         transfer = self._kv_transfer_config
         settings = Settings.parse(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
@@ -168,7 +185,7 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)

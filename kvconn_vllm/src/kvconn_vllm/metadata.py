@@ -36,6 +36,10 @@ class KvconnMetadata(KVConnectorMetadata):  # type: ignore[misc]
     recvs: list[Recv] = attrs.Factory(list)
     #: Decode requests the scheduler finished while their KV was on its way.
     aborts: list[str] = attrs.Factory(list)
+    #: No request runs in this step (vLLM steps only to hear from the
+    #: connector): the worker may wait for kvconn's next event before it
+    #: answers, instead of the engine stepping again at once.
+    idle: bool = False
 
 
 @attrs.frozen

@@ -25,23 +25,23 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Generator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvconn_vllm.params import DO_REMOTE_DECODE
+from kvconn_vllm.upstream import EngineError, Response, Upstream
 
 #: The OpenAI endpoints that generate, and so go through prefill first.
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 #: Read endpoints answered by a decode engine.
 PASS_THROUGH = ("/v1/models", "/health", "/version")
-_RELAY_BYTES = 1 << 14
-#: An engine's answer as the proxy relays it: status, content type, body.
-Relayed = tuple[int, str, Generator[bytes, None, None]]
+#: An engine's answer as the proxy relays it: status, content type, body
+#: length (None: streamed, its end unknown) and body chunks.
+Relayed = tuple[int, str, int | None, Generator[bytes, None, None]]
 
 
 class UpstreamError(Exception):
@@ -141,6 +141,7 @@ class Proxy:
         self.prefill = _Engines("prefill", prefill, unreachable_cooldown_s)
         self.decode = _Engines("decode", decode, unreachable_cooldown_s)
         self.timeout_s = timeout_s
+        self.upstream = Upstream(timeout_s)
 
     def set_draining(self, role: str, url: str, draining: bool) -> None:
         """Take an engine out of the rotation (``draining``) or put it back."""
@@ -152,7 +153,7 @@ class Proxy:
     def engines(self) -> dict[str, list[dict[str, Any]]]:
         return {"prefill": self.prefill.describe(), "decode": self.decode.describe()}
 
-    def _first(self, engines: _Engines, path: str, body: dict[str, Any] | None) -> tuple[str, Any]:
+    def _first(self, engines: _Engines, path: str, body: dict[str, Any] | None) -> tuple[str, Response]:
         """The first engine that takes the leg, and its response; one found
         unreachable or shutting down before the leg started is skipped."""
         error: UpstreamError | None = None
@@ -167,31 +168,30 @@ class Proxy:
         assert error is not None  # candidates() is never empty
         raise error
 
-    def _open(self, url: str, body: dict[str, Any] | None) -> Any:
+    def _open(self, url: str, body: dict[str, Any] | None) -> Response:
+        """The engine's answer to one leg; an error status is raised as
+        :class:`UpstreamError` (503, shutting down: ``elsewhere``)."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
         try:
-            return urllib.request.urlopen(request, timeout=self.timeout_s)
-        except urllib.error.HTTPError as exc:
+            response = self.upstream.request(url, data)
+            if response.status < 400:
+                return response
             raise UpstreamError(
-                exc.code, exc.read(), exc.headers.get("Content-Type", "application/json"), exc.code == 503
-            ) from exc
-        except (ConnectionRefusedError, urllib.error.URLError) as exc:
-            if isinstance(exc, urllib.error.URLError) and not isinstance(exc.reason, ConnectionRefusedError):
-                raise _error(502, f"{url}: {exc}") from exc
-            raise _error(502, f"{url}: {exc}", elsewhere=True) from exc
-        except OSError as exc:
-            raise _error(502, f"{url}: {exc}") from exc
+                response.status, response.read(), response.content_type, response.status == 503
+            )
+        except EngineError as exc:
+            raise _error(502, str(exc), elsewhere=exc.refused) from exc
 
     def kv_params(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run the prefill leg; return the ``kv_transfer_params`` for decode."""
-        base, opened = self._first(self.prefill, path, prefill_request(body))
+        base, response = self._first(self.prefill, path, prefill_request(body))
         url = base + path
-        with opened as response:
-            try:
-                answer = json.loads(response.read())
-            except ValueError as exc:
-                raise _error(502, f"{url} answered something that is not JSON: {exc}") from exc
+        try:
+            answer = json.loads(response.read())
+        except EngineError as exc:
+            raise _error(502, str(exc)) from exc
+        except ValueError as exc:
+            raise _error(502, f"{url} answered something that is not JSON: {exc}") from exc
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
             raise _error(
@@ -210,40 +210,45 @@ class Proxy:
         return _relayed(self._first(self.decode, path, None)[1])
 
 
-def _relayed(response: Any) -> Relayed:
-    """An engine's answer as it comes: status, content type, body chunks
-    (the connection closes when the chunks are closed or run out)."""
-
-    def chunks() -> Generator[bytes, None, None]:
-        with response:
-            while chunk := response.read1(_RELAY_BYTES):
-                yield chunk
-
-    return response.status, response.headers.get("Content-Type", "application/json"), chunks()
+def _relayed(response: Response) -> Relayed:
+    """An engine's answer as it comes (closing the chunks early closes the
+    engine's connection)."""
+    return response.status, response.content_type, response.length, response.chunks()
 
 
 def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        # HTTP/1.0: every response ends by closing, so a streamed body needs
-        # no length and no chunked framing.
-        protocol_version = "HTTP/1.0"
+        # Keep-alive for clients that want it. A streamed answer goes in
+        # chunked framing (HTTP/1.0 clients: until the connection closes).
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            # Headers and body are separate writes, token events small ones:
+            # none may wait for the ACK of the one before (Nagle).
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def do_POST(self) -> None:
+            try:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            except ValueError:
+                self.close_connection = True  # its body's end is unknown
+                return self._send_error(_error(400, "bad Content-Length"))
             if self.path in ("/kvconn/drain", "/kvconn/undrain"):
-                return self._drain(self.path == "/kvconn/drain")
+                return self._drain(raw, self.path == "/kvconn/drain")
             if self.path not in GENERATE:
                 return self._send_error(_error(404, f"{self.path}: not a generation endpoint"))
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise ValueError("the request body is not a JSON object")
             except ValueError as exc:
                 return self._send_error(_error(400, f"bad request body: {exc}"))
             self._answer(lambda: proxy.generate(self.path, body))
 
-        def _drain(self, draining: bool) -> None:
+        def _drain(self, raw: bytes, draining: bool) -> None:
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                body = json.loads(raw)
                 if not isinstance(body, dict) or len(body) != 1:
                     raise ValueError('send {"prefill": URL} or {"decode": URL}')
                 [(role, url)] = body.items()
@@ -271,20 +276,32 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self, leg: Callable[[], Relayed]) -> None:
             try:
-                status, content_type, chunks = leg()
+                status, content_type, length, chunks = leg()
             except UpstreamError as exc:
                 return self._send_error(exc)
+            chunked = length is None and self.request_version == "HTTP/1.1"
             self.send_response(status)
             self.send_header("Content-Type", content_type)
+            if length is not None:
+                self.send_header("Content-Length", str(length))
+            elif chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.close_connection = True
+                self.send_header("Connection", "close")
             self.end_headers()
             try:
                 for chunk in chunks:
-                    self.wfile.write(chunk)
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
                     self.wfile.flush()
+                if chunked:
+                    self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError):
-                # The client left: closing decode's connection (the relay's
-                # `with`) makes vLLM abort the request.
-                pass
+                # The client left: closing decode's connection (closing the
+                # chunks) makes vLLM abort the request.
+                self.close_connection = True
+            except EngineError:
+                self.close_connection = True  # the engine broke off: so does this answer
             finally:
                 chunks.close()
 

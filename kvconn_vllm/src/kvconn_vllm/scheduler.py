@@ -74,8 +74,10 @@ class SchedulerSide:
             return None
 
     # -- both --------------------------------------------------------------
-    def build_connector_meta(self) -> KvconnMetadata:
-        meta = KvconnMetadata(self._sends, self._recvs, self._aborts)
+    def build_connector_meta(self, scheduled_tokens: int = 1) -> KvconnMetadata:
+        """This step's sends, receives and aborts; ``idle`` when the step
+        computes nothing (``scheduled_tokens`` 0)."""
+        meta = KvconnMetadata(self._sends, self._recvs, self._aborts, idle=scheduled_tokens == 0)
         self._sends, self._recvs, self._aborts = [], [], []
         return meta
 
@@ -112,4 +114,9 @@ class SchedulerSide:
             self._recving.discard(req_id)
 
     def has_pending_push_work(self) -> bool:
+        # Blocks kept for a send keep the engine stepping until the worker
+        # reports the send settled; vLLM 0.32 steps for them anyway (a
+        # finished request with blocks kept counts as finished work), earlier
+        # versions only for this. The worker waits out idle steps instead
+        # (KvconnMetadata.idle), so this costs no busy loop.
         return bool(self._sends or self._recvs or self._aborts or self._sending)

@@ -14,7 +14,13 @@ import attrs
 from kvconn.config import Config
 
 #: Keys that become :class:`kvconn.config.Config` fields as they are.
-_CONFIG_NUMBERS = ("write_timeout_s", "abort_timeout_s", "resend_interval_s", "bootstrap_timeout_s")
+_CONFIG_NUMBERS = (
+    "write_timeout_s",
+    "abort_timeout_s",
+    "resend_interval_s",
+    "bootstrap_timeout_s",
+    "gil_switch_interval_s",
+)
 #: The owner fence (docs/multi-host.md): off unless set; Config checks them.
 _OWNER_FENCE_NUMBERS = ("owner_fence_after_s", "owner_fence_min_interval_s")
 #: Deadlines kvconn's Config leaves off by default that vLLM needs on.
@@ -30,6 +36,7 @@ _KEYS = frozenset(
         "transfer_timeout_s",
         "conformance",
         "drain_grace_s",
+        "idle_wait_s",
         *_CONFIG_NUMBERS,
         *_OWNER_FENCE_NUMBERS,
     }
@@ -53,7 +60,16 @@ class Settings:
     recomputed (vLLM's load-failure path). ``drain_grace_s``: at shutdown
     the worker drains (docs/engine-integration.md, "Draining"): a prefill
     rank refuses new rooms and gives those it holds this long to complete;
-    a decode endpoint aborts what is left and waits this long for the proofs."""
+    a decode endpoint aborts what is left and waits this long for the proofs.
+    ``gil_switch_interval_s``: kvconn's ``Config.gil_switch_interval_s``
+    (``sys.setswitchinterval`` for the worker process; left alone when
+    absent): while the engine computes, kvconn's listener and transport
+    threads wait up to this long for the GIL at each hand-off.
+    ``idle_wait_s``: in a step that runs no request (vLLM steps while a
+    finished request keeps blocks for a send, or a request waits for its
+    KV), the worker waits up to this long for a transfer to settle instead
+    of answering at once; 0 turns the wait off (vLLM then steps back to
+    back). A request arriving meanwhile waits for the step to end."""
 
     backend: str = "loopback"
     config: Config = attrs.field(factory=lambda: Config(transfer_timeout_s=_DEADLINE_DEFAULT_S))
@@ -62,6 +78,7 @@ class Settings:
     #: :mod:`kvconn_vllm.conformance`).
     conformance: bool = False
     drain_grace_s: float = 10.0
+    idle_wait_s: float = 0.005
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -103,7 +120,10 @@ class Settings:
         grace = _number("drain_grace_s", extra.get("drain_grace_s", 10.0))
         if grace < 0:
             raise SettingsError(f"drain_grace_s must be >= 0, got {grace}")
-        return cls(backend, config, timeouts["unrequested_timeout_s"], conformance, grace)
+        idle = _number("idle_wait_s", extra.get("idle_wait_s", 0.005))
+        if not 0 <= idle <= 1:
+            raise SettingsError(f"idle_wait_s must be 0 (off) to 1 s, got {idle}")
+        return cls(backend, config, timeouts["unrequested_timeout_s"], conformance, grace, idle)
 
 
 def _number(key: str, value: object) -> float:

@@ -2,7 +2,8 @@
 
 Prefill runs a :class:`~kvconn.runtime.prefill.PrefillRank` whose source
 memory is the KV cache; a finished request's blocks are sent as one chunk
-into the pages decode asks for. Decode runs a
+into the pages decode asks for (into every decode rank that asks, each
+taking its heads, when decode runs more TP ranks than prefill). Decode runs a
 :class:`~kvconn.runtime.decode.DecodeEndpoint` whose pages are the KV cache
 blocks, one endpoint for every prefill instance (each request names its
 instance). A decode block goes back to vLLM only through kvconn: a received
@@ -18,17 +19,22 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 import attrs
 
+from kvconn.chunk import Chunk
 from kvconn.errors import KvconnError
+from kvconn.hookspecs import hookimpl
 from kvconn.layout import KVLayout
 from kvconn.metrics import Metrics
 from kvconn.metrics_relay import Reporter
 from kvconn.plugins import get_backend
-from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Receiver, Release
+from kvconn.protocol import drain
+from kvconn.protocol.drain import DrainReport
+from kvconn.protocol.messages import Abort
+from kvconn.runtime.decode import DecodeEndpoint, Receiver, Release
 from kvconn.runtime.prefill import KVPoll, PrefillRank, Sender
 from kvconn.transport import Backend
 from kvconn_vllm.conformance import check_transport
@@ -43,6 +49,11 @@ log = logging.getLogger(__name__)
 MAX_EARLY_REQUESTS = 65536
 #: A sender's states in which its room may still be sent.
 _SENDABLE = (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
+#: In an idle step, how often decode looks at its rooms (a room's status
+#: arriving wakes nothing here), and how soon the engine thread looks again
+#: after a write's barrier woke it (the rank accounts for the write just after).
+DECODE_POLL_S = 0.0005
+RECHECK_S = 0.001
 
 
 @attrs.frozen
@@ -51,11 +62,37 @@ class TransferResults:
     finished_recving: frozenset[str] = frozenset()
     failed_recving: frozenset[str] = frozenset()
 
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+class _Wake:
+    """An observer of the prefill rank's hooks: wakes the engine thread that
+    waits out an idle step when a send kept for decode may have settled
+    (a write's barrier returned; decode aborted a room). Timing only: what
+    is reported is still what the rank says settled."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    @hookimpl(wrapper=True)
+    def on_done_barrier(self, chunk: Chunk, posted: object, deadline: float) -> Generator[None, Any, Any]:
+        try:
+            return (yield)
+        finally:
+            self.event.set()
+
+    @hookimpl
+    def on_abort_notification(self, abort: Abort, known: bool) -> None:
+        self.event.set()
+
 
 @attrs.define
 class _Outgoing:
     send: Send
-    sender: Sender
+    #: None until decode's first request for the room: it says how many
+    #: decode ranks will ask (their TP size), which the sender must know.
+    sender: Sender | None
     deadline: float
     sent: bool = False
     given_up: bool = False
@@ -118,6 +155,10 @@ class WorkerSide:
         #: What :meth:`stats` reports to vLLM's metrics (KVConnectorStats).
         self.reporter = Reporter(clock=clock)
         self._was_idle = True
+        #: This step runs no request (KvconnMetadata.idle); and what wakes
+        #: the engine thread waiting it out (kvconn's threads, _on_release).
+        self._idle_step = False
+        self._wake = threading.Event()
 
     # -- start-up ----------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -131,6 +172,8 @@ class WorkerSide:
                 buffers=self.buffers,
                 layout=self.layout,
             )
+            if self.settings.idle_wait_s > 0:
+                self.rank.pm.register(_Wake(self._wake), name="kvconn-vllm-wake")
             log.info("kvconn prefill rank %d listening at %s", self.tp_rank, self.rank.address)
         if self.consumer:
             self.decode = DecodeEndpoint(
@@ -148,6 +191,7 @@ class WorkerSide:
 
     # -- each step ---------------------------------------------------------
     def start(self, meta: KvconnMetadata) -> None:
+        self._idle_step = meta.idle
         for send in meta.sends:
             self._start_send(send)
         aborted = set(meta.aborts)
@@ -162,6 +206,31 @@ class WorkerSide:
             self._abort(req_id)
 
     def results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        """What settled since the last step. In an idle step with transfers
+        pending, waits up to ``idle_wait_s`` for one to settle first: vLLM
+        would step again at once (it steps while a finished request keeps
+        blocks, or one waits for its KV), a busy loop holding the GIL that
+        kvconn's listener and transport threads need. The wait ends as soon
+        as something settles, so no block is kept longer; a request arriving
+        meanwhile waits for it (``idle_wait_s`` at most)."""
+        out = self._collect(finished_req_ids)
+        if out or not self._idle_step or self.settings.idle_wait_s <= 0 or not self.has_pending():
+            return out
+        until = time.monotonic() + self.settings.idle_wait_s
+        timeout = self.settings.idle_wait_s
+        while True:
+            if self._incoming:
+                timeout = min(timeout, DECODE_POLL_S)
+            woke = self._wake.wait(timeout)
+            self._wake.clear()
+            out = self._collect(())
+            left = until - time.monotonic()
+            if out or left <= 0 or not self.has_pending():
+                return out
+            # A barrier wakes us just before the rank accounts for the write.
+            timeout = min(left, RECHECK_S) if woke else left
+
+    def _collect(self, finished_req_ids: Iterable[str]) -> TransferResults:
         sending = self._settled_sends(finished_req_ids) if self.rank is not None else set()
         self._poll_recvs()
         recving, failed = self._done_recving, self._failed_recving
@@ -207,6 +276,7 @@ class WorkerSide:
 
     def close(self) -> None:
         """Drain (``drain_grace_s``), then close."""
+        started = time.monotonic()
         try:
             self.drain(self.settings.drain_grace_s)
         finally:
@@ -214,15 +284,14 @@ class WorkerSide:
                 self.decode.close()
             if self.rank is not None:
                 self.rank.close()
+            log.info("kvconn closed %.3f s after shutdown began", time.monotonic() - started)
 
     # -- prefill -----------------------------------------------------------
     def _start_send(self, send: Send) -> None:
         if self.rank is None:
             log.error("request %s: a send, but this worker runs no prefill rank", send.req_id)
             return
-        outgoing = _Outgoing(
-            send, self.rank.sender(send.room), self.clock() + self.settings.unrequested_timeout_s
-        )
+        outgoing = _Outgoing(send, None, self.clock() + self.settings.unrequested_timeout_s)
         with self._lock:
             self._outgoing[send.room] = outgoing
             npages = self._early.pop(send.room, None)
@@ -230,8 +299,9 @@ class WorkerSide:
                 self._send(outgoing, npages)
 
     def _on_request(self, room: int, npages: int) -> None:
-        """Decode asked for ``room`` (listener thread): send at once if the
-        engine already finished it, else remember until it does."""
+        """A decode rank asked for ``room`` (listener thread): send at once
+        if the engine already finished it (and every decode rank asked),
+        else remember until it does."""
         with self._lock:
             outgoing = self._outgoing.get(room)
             if outgoing is None:
@@ -243,22 +313,42 @@ class WorkerSide:
 
     def _send(self, outgoing: _Outgoing, npages: int) -> None:
         # with self._lock
+        assert self.rank is not None
         if outgoing.sent or outgoing.given_up:
             return
-        blocks = outgoing.send.block_ids
-        if npages > len(blocks) or outgoing.sender.poll() not in _SENDABLE:
+        sender = outgoing.sender
+        if sender is None:
+            decodes = self.rank.requesting_tp(outgoing.send.room)
+            if decodes is None:
+                return  # the request is no longer here to take: its decode hears of it
+            sender = outgoing.sender = self.rank.sender(outgoing.send.room, decodes)
+        blocks, status = outgoing.send.block_ids, sender.poll()
+        if status is KVPoll.BOOTSTRAPPING:
+            return  # more decode ranks are to ask: the last one's request sends
+        if npages > len(blocks) or status not in _SENDABLE:
             outgoing.given_up = True
-            outgoing.sender.fail(f"decode asked for {npages} blocks, prefill holds {len(blocks)}")
+            sender.fail(f"decode asked for {npages} blocks, prefill holds {len(blocks)}")
             return
         # A decode's local prefix-cache hit covers the first blocks: it asks
         # for the rest.
         try:
-            outgoing.sender.send(blocks[len(blocks) - npages :], last=True)
+            sender.send(blocks[len(blocks) - npages :], last=True)
         except KvconnError as exc:
             outgoing.given_up = True
-            outgoing.sender.fail(f"send refused: {exc}")
+            sender.fail(f"send refused: {exc}")
             return
         outgoing.sent = True
+
+    def _give_up(self, outgoing: _Outgoing, reason: str) -> None:
+        """Nothing was written from these blocks: every decode asking from
+        now on is told the room failed."""
+        # with self._lock
+        assert self.rank is not None
+        outgoing.given_up = True
+        if outgoing.sender is not None:
+            outgoing.sender.fail(reason)
+        else:
+            self.rank.fail_room(outgoing.send.room, reason)
 
     def _settled_sends(self, finished_req_ids: Iterable[str]) -> set[str]:
         self._finished_reqs.update(finished_req_ids)
@@ -266,21 +356,23 @@ class WorkerSide:
         done: set[str] = set()
         with self._lock:
             for room, outgoing in list(self._outgoing.items()):
-                if not outgoing.sent and not outgoing.given_up and now >= outgoing.deadline:
-                    # Nothing was written from these blocks: a decode asking
-                    # from now on is told the room failed.
-                    outgoing.given_up = True
-                    outgoing.sender.fail("decode did not ask within unrequested_timeout_s")
-                elif not outgoing.sent and outgoing.sender.poll() is KVPoll.FAILED:
-                    # kvconn gave it up (a draining rank takes no request now).
-                    outgoing.given_up = True
+                sender = outgoing.sender
+                if not outgoing.sent and not outgoing.given_up:
+                    if now >= outgoing.deadline:
+                        self._give_up(outgoing, "decode did not ask within unrequested_timeout_s")
+                    elif sender is not None and sender.poll() is KVPoll.FAILED:
+                        # kvconn gave it up (a draining rank takes no request now).
+                        outgoing.given_up = True
+                    elif sender is None and self.rank is not None and self.rank.draining:
+                        self._give_up(outgoing, drain.REFUSED)  # it refuses the request to come
                 req_id = outgoing.send.req_id
                 # vLLM takes a send as finished only for a request it reported finished.
                 over = outgoing.sent or outgoing.given_up
-                if over and req_id in self._finished_reqs and outgoing.sender.settled():
+                if over and req_id in self._finished_reqs and (sender is None or sender.settled()):
                     # A failed room's decode asking late is told Failed by the
                     # rank (for its tombstone TTL), cleared sender or not.
-                    outgoing.sender.clear()
+                    if sender is not None:
+                        sender.clear()
                     del self._outgoing[room]
                     self._finished_reqs.discard(req_id)
                     done.add(req_id)
@@ -356,6 +448,7 @@ class WorkerSide:
         self.reporter.released(f"decode-{self.tp_rank}", release)
         with self._lock:
             self._released.append(release)
+        self._wake.set()
 
     def _abort(self, req_id: str) -> None:
         incoming = self._incoming.get(req_id)
