@@ -11,6 +11,10 @@ created (a memfd it inherits: ``scratch_fd``), never through the pipe::
     {"op": "write", "id": I, "offset": o, "nbytes": n}     -> {} (bytes from the scratch)
     {"op": "owner_fence", "id": I}                         -> {"metadata": hex}
     {"op": "close", "id": I}                               -> {}
+    {"op": "register", "id": I, "shape": {...}, "tp": T, "rank": R, "options": {...}}
+        -> {"metadata": hex}  (engine buffers, canary everywhere, registered)
+    {"op": "engine_diff", "id": I, "room": R, "pages": [...]} -> {"diff": "" or what differs}
+    {"op": "memory_kind", "id": I}                         -> {"kind": CUDA's word, or null}
 
 An answer with ``error`` carries the exception the region raised.
 """
@@ -22,8 +26,10 @@ import mmap
 import sys
 from typing import Any
 
+from kvconn.conformance.host_side import EngineRegion, memory_kind
 from kvconn.plugins import get_backend
 from kvconn.testing.child import load_args
+from kvconn.testing.kvpattern import EngineShape
 from kvconn.transport import owner_fence
 
 
@@ -54,6 +60,15 @@ def main() -> None:
                 answer["metadata"] = owner_fence(regions[int(cmd["id"])]).hex()
             elif op == "close":
                 regions.pop(int(cmd["id"])).close()
+            elif op == "register":
+                shape = EngineShape.from_args(cmd["shape"])
+                engine = EngineRegion.open(backend, shape, int(cmd["tp"]), int(cmd["rank"]), cmd["options"])
+                regions[int(cmd["id"])] = engine
+                answer["metadata"] = engine.metadata.hex()
+            elif op == "engine_diff":
+                answer["diff"] = regions[int(cmd["id"])].diff(int(cmd["room"]), list(cmd["pages"]))
+            elif op == "memory_kind":
+                answer["kind"] = memory_kind(regions[int(cmd["id"])])
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
         out.write(json.dumps(answer) + "\n")
