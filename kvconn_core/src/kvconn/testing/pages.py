@@ -84,6 +84,13 @@ class CanaryPages:
             self._returned.update(pages)
             self.returned_once.update(pages)
 
+    def recanary(self, pages: Iterable[int]) -> None:
+        """Lay a fresh canary over ``pages``, held or free, changing nothing
+        else: a byte that changes it afterwards landed after now."""
+        pb = self.page_bytes
+        for first, count in _runs(sorted(pages)):
+            self.region.write(first * pb, canary(count * pb))
+
     def free_pages(self) -> list[int]:
         with self._lock:
             return sorted(self._free)
