@@ -131,7 +131,7 @@ TWO_CHECKS: dict[str, tuple[tuple[str, ...], list[tuple[str, str]]]] = {
         PACED,
         [
             ("test_owner_fence_stops_frozen_writer", "the fence does not stop a resumed writer"),
-            ("test_owner_fence_refuses_stale_writers", "the fence does not cut off old writers"),
+            ("test_owner_fence_refuses_stale_writers", "owner fence does not cut off old writers"),
         ],
     ),
     # writes past its peer's region, over what the region's own code reads through: the region
@@ -217,8 +217,9 @@ def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> Non
         "liar-honest",
         "-k",
         "done_barrier or wide_chunks or two_decodes or fence_stops or failed_settled or its_decode or vram_claim or cross_host"
-        " or killed_writer or frozen_owner or barrier_answer or fence_after or (engine_buffers and hnd)",
+        " or killed_writer or frozen_owner",
         env=liar_env,
+        timeout=480,  # a dozen checks: on a loaded 2-core machine more than the default 240 s
     )
     assert code == 0, out
     for check in (
@@ -234,6 +235,20 @@ def test_the_honest_liar_passes_the_same_checks(liar_env: dict[str, str]) -> Non
         # suite rejected it for the missing fence).
         "test_frozen_owner_gets_pages_back_only_after_drain",
         "test_frozen_owner_killed_writer_gets_pages_back_only_after_drain",
+    ):
+        assert f"PASSED   {check}" in out, out
+
+
+def test_the_honest_liar_passes_the_checks_through_a_rank_and_over_engine_buffers(
+    liar_env: dict[str, str],
+) -> None:
+    """The checks the lies of TWO_CHECKS fail a second time pass the liar
+    telling none (a run of its own: the one above is long enough)."""
+    code, out = conformance(
+        "liar-honest", "-k", "barrier_answer or fence_after or (engine_buffers and hnd)", env=liar_env
+    )
+    assert code == 0, out
+    for check in (
         "test_barrier_answer_holds_in_a_rank[past_deadline]",
         "test_barrier_answer_holds_in_a_rank[cancelled]",
         "test_fence_after_a_raise_stops_the_write",

@@ -214,9 +214,9 @@ def stale_writer_check(settings: Settings) -> dict[str, Any]:
         watched = owner.expect(watch_s + 60, "stale writer: the region is watched", event="watched")
         if watched["changed"]:
             raise ConformanceFailure(
-                f"owner fence: a writer posting with the metadata from before owner_fence() still wrote "
-                f"{watched['changed']} bytes into the region (the first at offset {watched['first']}; its "
-                f"barrier answered {answer['settlement']!r}): the fence does not cut off old writers"
+                f"owner fence does not cut off old writers: one posting with the metadata from before "
+                f"owner_fence() wrote {watched['changed']} bytes into the region (the first at offset "
+                f"{watched['first']}; its barrier answered {answer['settlement']!r})"
             )
     finally:
         if writer is not None:
