@@ -205,6 +205,14 @@ class RemoteRegion:
         self.metadata = bytes.fromhex(self._host.call(self._id, "owner_fence")["metadata"])
         return self.metadata
 
+    def changed_pages(self, pages: Sequence[int], page_bytes: int, value: int) -> list[int]:
+        """Those of ``pages`` that do not hold ``value`` in every byte,
+        compared in the host (a canary check reads no bytes across)."""
+        answer = self._host.call(
+            self._id, "changed_pages", pages=list(pages), page_bytes=page_bytes, value=value
+        )
+        return [int(p) for p in answer["pages"]]
+
     def engine_diff(self, room: int, pages: Sequence[int]) -> str:
         """(Engine buffers, :meth:`RegionHost.register`.) "" if ``pages``
         hold ``room``'s pattern and nothing else changed; else what differs."""

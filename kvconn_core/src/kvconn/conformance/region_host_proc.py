@@ -15,6 +15,8 @@ created (a memfd it inherits: ``scratch_fd``), never through the pipe::
         -> {"metadata": hex}  (engine buffers, canary everywhere, registered)
     {"op": "engine_diff", "id": I, "room": R, "pages": [...]} -> {"diff": "" or what differs}
     {"op": "memory_kind", "id": I}                         -> {"kind": CUDA's word, or null}
+    {"op": "changed_pages", "id": I, "pages": [...], "page_bytes": n, "value": v}
+        -> {"pages": those not all v} (compared here: no bytes cross the scratch)
 
 An answer with ``error`` carries the exception the region raised.
 """
@@ -30,6 +32,7 @@ from kvconn.conformance.host_side import EngineRegion, memory_kind
 from kvconn.plugins import get_backend
 from kvconn.testing.child import load_args
 from kvconn.testing.kvpattern import EngineShape
+from kvconn.testing.pages import changed_pages
 from kvconn.transport import owner_fence
 
 
@@ -67,6 +70,10 @@ def main() -> None:
                 answer["metadata"] = engine.metadata.hex()
             elif op == "engine_diff":
                 answer["diff"] = regions[int(cmd["id"])].diff(int(cmd["room"]), list(cmd["pages"]))
+            elif op == "changed_pages":
+                answer["pages"] = changed_pages(
+                    regions[int(cmd["id"])], list(cmd["pages"]), int(cmd["page_bytes"]), int(cmd["value"])
+                )
             elif op == "memory_kind":
                 answer["kind"] = memory_kind(regions[int(cmd["id"])])
         except Exception as exc:

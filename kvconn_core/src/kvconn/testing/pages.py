@@ -114,14 +114,16 @@ class CanaryPages:
         return lo, memoryview(self.region.read(lo * pb, (hi - lo + 1) * pb))
 
     def changed(self, pages: Iterable[int]) -> list[int]:
-        """Those of ``pages`` whose canary changed."""
+        """Those of ``pages`` whose canary changed. A region that compares
+        pages with a canary itself (``changed_pages``: one held in another
+        process) does it where the bytes are."""
         pages = list(pages)
         if not pages:
             return []
-        want = canary(self.page_bytes)
-        pb = self.page_bytes
-        lo, data = self._span(pages)
-        return [p for p in pages if data[(p - lo) * pb : (p - lo + 1) * pb] != want]
+        where_they_are = getattr(self.region, "changed_pages", None)
+        if where_they_are is not None:
+            return list(where_they_are(pages, self.page_bytes, CANARY))
+        return changed_pages(self.region, pages, self.page_bytes, CANARY)
 
     def wrong_pattern(self, room: int, pages: Sequence[int], ranks: Iterable[int] | None = None) -> list[int]:
         """Those of ``pages`` (the room's, in order) in which a shard of
@@ -138,6 +140,17 @@ class CanaryPages:
                     bad.append(page)
                     break
         return bad
+
+
+def changed_pages(region: _Region, pages: Sequence[int], page_bytes: int, value: int) -> list[int]:
+    """Those of ``pages`` of ``region`` that do not hold ``value`` in every
+    byte (their span read at once)."""
+    if not pages:
+        return []
+    lo, hi = min(pages), max(pages)
+    data = memoryview(region.read(lo * page_bytes, (hi - lo + 1) * page_bytes))
+    want = bytes([value]) * page_bytes
+    return [p for p in pages if data[(p - lo) * page_bytes : (p - lo + 1) * page_bytes] != want]
 
 
 def _runs(pages: Sequence[int]) -> list[tuple[int, int]]:
