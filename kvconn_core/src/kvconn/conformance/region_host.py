@@ -213,6 +213,22 @@ class RemoteRegion:
         )
         return [int(p) for p in answer["pages"]]
 
+    def wrong_pattern_pages(
+        self, room: int, pages: Sequence[int], page_bytes: int, num_ranks: int, ranks: Sequence[int]
+    ) -> list[int]:
+        """Those of ``pages`` not holding ``room``'s pattern (see
+        :func:`kvconn.testing.pages.wrong_pattern_pages`), compared in the host."""
+        answer = self._host.call(
+            self._id,
+            "wrong_pattern_pages",
+            room=room,
+            pages=list(pages),
+            page_bytes=page_bytes,
+            num_ranks=num_ranks,
+            ranks=list(ranks),
+        )
+        return [int(p) for p in answer["pages"]]
+
     def engine_diff(self, room: int, pages: Sequence[int]) -> str:
         """(Engine buffers, :meth:`RegionHost.register`.) "" if ``pages``
         hold ``room``'s pattern and nothing else changed; else what differs."""

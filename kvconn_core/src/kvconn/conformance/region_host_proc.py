@@ -17,6 +17,8 @@ created (a memfd it inherits: ``scratch_fd``), never through the pipe::
     {"op": "memory_kind", "id": I}                         -> {"kind": CUDA's word, or null}
     {"op": "changed_pages", "id": I, "pages": [...], "page_bytes": n, "value": v}
         -> {"pages": those not all v} (compared here: no bytes cross the scratch)
+    {"op": "wrong_pattern_pages", "id": I, "room": R, "pages": [...], "page_bytes": n,
+     "num_ranks": N, "ranks": [...]}                      -> {"pages": those not holding R's pattern}
 
 An answer with ``error`` carries the exception the region raised.
 """
@@ -32,7 +34,7 @@ from kvconn.conformance.host_side import EngineRegion, memory_kind
 from kvconn.plugins import get_backend
 from kvconn.testing.child import load_args
 from kvconn.testing.kvpattern import EngineShape
-from kvconn.testing.pages import changed_pages
+from kvconn.testing.pages import changed_pages, wrong_pattern_pages
 from kvconn.transport import owner_fence
 
 
@@ -73,6 +75,15 @@ def main() -> None:
             elif op == "changed_pages":
                 answer["pages"] = changed_pages(
                     regions[int(cmd["id"])], list(cmd["pages"]), int(cmd["page_bytes"]), int(cmd["value"])
+                )
+            elif op == "wrong_pattern_pages":
+                answer["pages"] = wrong_pattern_pages(
+                    regions[int(cmd["id"])],
+                    int(cmd["room"]),
+                    list(cmd["pages"]),
+                    int(cmd["page_bytes"]),
+                    int(cmd["num_ranks"]),
+                    list(cmd["ranks"]),
                 )
             elif op == "memory_kind":
                 answer["kind"] = memory_kind(regions[int(cmd["id"])])
