@@ -11,15 +11,25 @@ small sizes, a plugin's conformance run one quick check: the full runs are
 the test suite's), never make it pass. A line no rule knows is run as
 written, so a new documented command is checked by default.
 
+Every line of a fenced ``bash``/``sh`` block of SHELL_DOCUMENTS (the docs)
+runs too, the same way (a line ending in ``\\`` continues on the next; ``cd
+DIR && COMMAND`` runs as one). A block that cannot run here says why on the
+line just above its fence, ``<!-- not run: REASON -->`` (a model it serves,
+root it needs, minutes it takes); the listing shows each one. A fence of the
+docs with no language whose first line is a command is refused: label it
+``bash`` (run) or ``text`` (output), so that no command escapes the check
+by its label.
+
 Then every fenced ``python`` block of SNIPPET_DOCUMENTS (README.md and the
 docs) runs as a script of its own, top to bottom, with the venv's python
 from the copy's root, after the command lines (which install kvconn).
 It must exit 0 and print no traceback. A block that cannot run here says
 why on the line just above its fence, ``<!-- not run: REASON -->`` (a GPU
 it needs, an API summary with ``...`` in it); the listing shows each one.
-A block that needs an extra of a distribution of this checkout says so the
-same way, ``<!-- needs: ./kvconn_core[trace] -->``: the check pip-installs
-that (as the document tells its reader to) before the block runs.
+A block (``python`` or ``bash``) that needs an extra of a distribution of
+this checkout says so the same way, ``<!-- needs: ./kvconn_core[trace] -->``:
+the check pip-installs that (as the document tells its reader to) before
+the block runs.
 
 Usage: python3 scripts/check_documented_commands.py [--keep DIR] [--list]
 Exit 1 if any line failed; prints each line's time and the total.
@@ -60,6 +70,9 @@ SNIPPET_DOCUMENTS = tuple(
         ]
     )
 )
+#: The documents whose fenced shell blocks run, every line (they show commands in fences only).
+SHELL_DOCUMENTS = tuple(sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+SHELL_FENCES = ("bash", "sh", "shell")
 _NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.+?)\s*-->$")
 _NEEDS = re.compile(r"^<!--\s*needs:\s*(\./[\w./-]+\[[\w,]+\])\s*-->$")
 #: A snippet runs endpoints on loopback: seconds.
@@ -87,6 +100,8 @@ SHORT_BENCH = (
     "--concurrency 4 --overhead-chunks 500 --legacy-timeout 0.5 --drain-s 3 --no-progress"
 )
 SHORT_TRANSPORT_BENCH = "--repeat 1 --shape 65536x4 --bytes-per-run 4MiB --room-bytes 1MiB --no-progress"
+#: The scale benchmarks of docs/performance.md at their smallest size: seconds.
+SHORT_MODULES = {"kvconn.bench.tombstones": "--rooms 1000", "kvconn.bench.fleet": "--scales 0.1"}
 #: One quick check of the suite: proves the plugin loads and the suite runs.
 QUICK_CONFORMANCE = "-q -k test_integrity_large_pages"
 PER_COMMAND_TIMEOUT_S = 300
@@ -96,6 +111,8 @@ PER_COMMAND_TIMEOUT_S = 300
 class Line:
     source: str  # file:line
     text: str
+    not_run: str | None = None  # the reason its document gives above its block, or None: it runs
+    needs: str | None = None  # an extra of this checkout's to install first (./dist[extra])
 
 
 @dataclass(frozen=True)
@@ -164,28 +181,88 @@ def run_snippet(
 
 
 def documented_lines() -> Iterator[Line]:
-    for name in DOCUMENTS:
+    for name in dict.fromkeys([*DOCUMENTS, *SHELL_DOCUMENTS]):
         path = ROOT / name
         if not path.exists():
             raise SystemExit(f"{name}: listed in DOCUMENTS but missing")
-        fence: str | None = None
-        for number, raw in enumerate(path.read_text().splitlines(), 1):
-            stripped = raw.strip()
-            if stripped.startswith("```"):
-                fence = None if fence is not None else stripped[3:].strip() or "text"
-                continue
-            if fence is not None:
-                candidate = stripped if fence in ("bash", "sh", "shell") else ""
+        yield from shell_lines(name, path.read_text(), every_line=name in SHELL_DOCUMENTS)
+
+
+def _markers(above: str) -> tuple[str | None, str | None]:
+    """(not run: REASON, needs: EXTRA) of the line above a fence."""
+    not_run, needs = _NOT_RUN.match(above.strip()), _NEEDS.match(above.strip())
+    return (not_run.group(1) if not_run else None, needs.group(1) if needs else None)
+
+
+def shell_lines(name: str, text: str, every_line: bool) -> Iterator[Line]:
+    """The command lines of one document. ``every_line``: every line of its
+    shell fences (the docs); else only lines of its shell fences and of its
+    indented code that start with a command word (the READMEs, whose
+    indented text also holds output and code)."""
+    lines = text.splitlines()
+    fence: str | None = None
+    not_run = needs = None
+    pending, start = "", 0
+    for number, raw in enumerate(lines, 1):
+        stripped = raw.strip()
+        if stripped.startswith("```"):
+            if fence is None:
+                fence = stripped[3:].strip() or "text"
+                not_run, needs = _markers(lines[number - 2] if number > 1 else "")
             else:
-                candidate = raw[4:].strip() if raw.startswith("    ") else ""
-            if not candidate.startswith(COMMAND_WORDS):
+                fence = None
+            continue
+        if fence is not None:
+            candidate = stripped if fence in SHELL_FENCES else ""
+        elif every_line:
+            candidate = ""
+        else:
+            candidate = raw[4:].strip() if raw.startswith("    ") else ""
+        if pending:
+            candidate = f"{pending} {candidate}"
+        else:
+            start = number
+        if candidate.endswith("\\"):
+            pending = candidate[:-1].strip()
+            continue
+        pending = ""
+        wanted = candidate and not candidate.startswith("#")
+        if not wanted or not ((every_line and fence) or candidate.startswith(COMMAND_WORDS)):
+            continue
+        command = re.sub(r"\s+#.*$", "", candidate)  # a trailing comment
+        cd = ""  # `cd DIR && COMMAND`: the command runs in DIR
+        for part in (p.strip() for p in command.split("&&")):
+            if part.startswith("cd "):
+                cd += f"{part} && "
                 continue
-            command = re.sub(r"\s+#.*$", "", candidate)  # a trailing comment
-            for part in command.split("&&"):
-                yield Line(f"{name}:{number}", part.strip())
+            yield Line(f"{name}:{start}", cd + part, not_run, needs)
 
 
-def plan(line: Line, venv: Path) -> Plan:
+def unlabeled_command_blocks(name: str, text: str) -> Iterator[str]:
+    """``file:line`` of each fence with no language whose first line starts
+    with a command word: a command the check would not see."""
+    lines = text.splitlines()
+    number = 0
+    while number < len(lines):
+        fence = lines[number].strip()
+        if not fence.startswith("```"):
+            number += 1
+            continue
+        end = number + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        body = [line.strip() for line in lines[number + 1 : end] if line.strip()]
+        if fence == "```" and body and body[0].startswith(COMMAND_WORDS):
+            yield f"{name}:{number + 1}"
+        number = end + 1
+
+
+def plan(line: Line, venv: Path, fault_phase_ran: bool = False) -> Plan:
+    """What to run for ``line``. ``fault_phase_ran``: an earlier line ran the
+    abort bench's fault phase (the same on every run), so this one's bench
+    need not."""
+    if line.not_run is not None:
+        return Plan(line, None, f"not run: {line.not_run}")
     text = line.text
     words = shlex.split(text)
     if words[0] in ("sudo", "apt-get"):
@@ -202,13 +279,51 @@ def plan(line: Line, venv: Path) -> Plan:
     words = shlex.split(text)
     command = Path(words[0]).name
     if command == "kvconn" and words[1:2] == ["bench"]:
-        short = SHORT_TRANSPORT_BENCH if "--transport" in words else SHORT_BENCH
-        return Plan(line, f"{text} {short}", "short sizes (the full run is minutes)")
+        return _short_bench(line, words, fault_phase_ran)
     if command == "kvconn" and words[1:2] == ["conformance"] and words[2:3] != ["loopback"]:
         return Plan(line, f"{text} {QUICK_CONFORMANCE}", "one check (the suite runs in tests/)")
+    if command.startswith("python") and words[1:2] == ["-m"] and words[2:3][0] in SHORT_MODULES:
+        return Plan(line, f"{text} {SHORT_MODULES[words[2]]}", "its smallest size (the full run is a minute)")
     if command == "pytest":
         return Plan(line, f"{text} -q --collect-only", "collected only (run by the test suite)")
     return Plan(line, text, "")
+
+
+def _short_bench(line: Line, words: list[str], fault_phase_ran: bool) -> Plan:
+    """A bench at short sizes. Its own options that the short sizes set
+    anyway go (argparse keeps the last: the run is the same), so a line that
+    differs only in them is the run above; a curve keeps two points; the
+    fault phase runs once."""
+    short = shlex.split(SHORT_TRANSPORT_BENCH if "--transport" in words else SHORT_BENCH)
+    why = ["short sizes (the full run is minutes)"]
+    kept: list[str] = []
+    options = words[2:]
+    i = 0
+    while i < len(options):
+        word = options[i]
+        takes_value = i + 1 < len(options) and not options[i + 1].startswith("-")
+        value = [options[i + 1]] if takes_value else []
+        if word in short:
+            pass  # set again below
+        elif word == "--curve-points" and value and value[0].count(",") > 1:
+            kept += [word, ",".join(value[0].split(",")[:2])]
+            why.append("its first two points")
+        else:
+            kept += [word, *value]
+        i += 1 + len(value)
+    runs_faults = not {"--transport", "--curve", "--faults"} & set(options)
+    if runs_faults and fault_phase_ran:
+        kept += ["--faults", "off"]
+        why.append("no fault phase (run above)")
+    return Plan(line, shlex.join([*words[:2], *kept, *short]), ", ".join(why))
+
+
+def runs_fault_phase(run: str | None) -> bool:
+    """Whether this run is an abort bench with its fault phase."""
+    if run is None:
+        return False
+    words = shlex.split(run)
+    return "bench" in words[1:2] and not {"--transport", "--curve", "--faults"} & set(words)
 
 
 def copy_checkout(dest: Path) -> None:
@@ -234,12 +349,23 @@ def main() -> int:
     # Named before it exists: the plans print the venv's path.
     work = args.keep or Path(tempfile.gettempdir()) / f"kvconn-doc-commands-{os.getpid()}"
     checkout, venv = work / "checkout", work / "venv"
+    unlabeled = [
+        where
+        for name in SHELL_DOCUMENTS
+        for where in unlabeled_command_blocks(name, (ROOT / name).read_text())
+    ]
+    if unlabeled:
+        for where in unlabeled:
+            print(f"{where}: a fence with no language shows a command: label it bash (run) or text (output)")
+        return 1
     lines = list(documented_lines())
     lines += [Line("(always)", text) for text in ALWAYS]
     plans = []
     seen: set[str] = set()
+    fault_phase_ran = False
     for line in lines:
-        p = plan(line, venv)
+        p = plan(line, venv, fault_phase_ran)
+        fault_phase_ran = fault_phase_ran or runs_fault_phase(p.run)
         if p.run is not None and p.run in seen:  # the same line in two READMEs: its result cannot differ
             p = Plan(line, None, "run above")
         elif p.run is not None:
@@ -267,11 +393,26 @@ def main() -> int:
         env = dict(os.environ, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
         env.pop("PYTHONPATH", None)  # only what the venv installed
         env["VIRTUAL_ENV"] = str(venv)
+        installed: set[str] = set()
+
+        def install(needs: str | None) -> None:
+            if needs is not None and needs not in installed:
+                subprocess.run(
+                    [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", needs],
+                    cwd=checkout,
+                    env=env,
+                    check=True,
+                    timeout=PER_COMMAND_TIMEOUT_S,
+                )
+                installed.add(needs)
+
         failed = []
+        docs_s = 0.0  # the docs' shell lines, apart
         for p in plans:
             if p.run is None:
                 continue
             t0 = time.monotonic()
+            install(p.line.needs)
             try:
                 proc = subprocess.run(
                     p.run,
@@ -286,6 +427,8 @@ def main() -> int:
             except subprocess.TimeoutExpired as exc:
                 code, output = 124, f"timed out after {exc.timeout} s"
             took = time.monotonic() - t0
+            if p.line.source.split(":")[0] not in DOCUMENTS:
+                docs_s += took
             print(f"[{'ok' if code == 0 else 'FAILED'} {took:6.1f} s] {p.run}", flush=True)
             if code != 0:
                 failed.append(p)
@@ -295,14 +438,7 @@ def main() -> int:
             if snippet.not_run is not None:
                 continue
             t0 = time.monotonic()
-            if snippet.needs is not None:
-                subprocess.run(
-                    [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", snippet.needs],
-                    cwd=checkout,
-                    env=env,
-                    check=True,
-                    timeout=PER_COMMAND_TIMEOUT_S,
-                )
+            install(snippet.needs)
             code, output = run_snippet(snippet, str(venv / "bin" / "python"), checkout, env)
             print(
                 f"[{'ok' if code == 0 else 'FAILED'} {time.monotonic() - t0:6.1f} s] snippet {snippet.source}"
@@ -312,7 +448,8 @@ def main() -> int:
                 print(f"  exit {code}:\n" + _indent(output[-4000:]), flush=True)
         print(
             f"documented commands: {len(plans)} lines, {len(failed)} failed; python snippets: "
-            f"{len(snippets)}, {len(failed_snippets)} failed; {time.monotonic() - started:.0f} s"
+            f"{len(snippets)}, {len(failed_snippets)} failed; {time.monotonic() - started:.0f} s "
+            f"({docs_s:.0f} s of it the docs' shell lines)"
         )
         return 1 if failed or failed_snippets else 0
     finally:

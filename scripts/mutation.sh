@@ -19,6 +19,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 stage=$root/build/mutation
 python=${PYTHON:-python}
+# The run happens in the staged tree: a relative PYTHON (.venv/bin/python, as
+# docs/testing.md has it) is made absolute first, without resolving the venv's
+# symlink (that would leave the venv).
+if [[ $python == */* ]]; then python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python"); fi
 jobs=${JOBS:-2}
 
 keep=0
@@ -43,13 +47,14 @@ if [[ $keep == 1 && -d $stage/mutants ]]; then
 fi
 
 # What is mutated: all of the protocol core (decode's decisions included:
-# protocol/endpoint.py), and of the runtime only prefill's FenceGate (the rest
-# of prefill.py, and all of decode.py, is plumbing that only the process-level
-# tests exercise, minutes per mutant). Names are mutmut's, globs allowed;
-# arguments replace this list.
+# endpoint.py, bootstrap.py, liveness.py, drain.py, owner_fence.py) and
+# prefill's (rank.py, rank_bootstrap.py, rank_events.py), and of the runtime
+# only prefill's FenceGate (runtime/transfer.py; the rest of the runtime is
+# plumbing that only the process-level tests exercise, minutes per mutant).
+# Names are mutmut's, globs allowed; arguments replace this list.
 targets=(
     "kvconn.protocol.*"
-    "kvconn.runtime.prefill.xǁFenceGateǁ*"
+    "kvconn.runtime.transfer.xǁFenceGateǁ*"
 )
 if [[ $# -gt 0 ]]; then targets=("$@"); fi
 

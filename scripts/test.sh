@@ -61,6 +61,7 @@ if [ -z "${KVCONN_SKIP_VLLM:-}" ]; then
     .venv-vllm/bin/python -m pytest tests/vllm -m "not slow" --durations=10 "$@"
 fi
 
-# The READMEs' command lines and the docs' python snippets, as written, in a fresh venv
-# (3-6 min on 2 cores, mostly pip; the snippets add seconds).
+# The READMEs' command lines, the docs' shell blocks and python snippets, as written (or
+# shortened), in a fresh venv (3-6 min on 2 cores, mostly pip; the snippets add seconds; the
+# docs' shell lines took 608 s on 2 cores at load average 20-37, the pip lines 5-8x their usual).
 python3 scripts/check_documented_commands.py

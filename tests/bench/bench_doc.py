@@ -12,7 +12,18 @@ DOC = (ROOT / "docs" / "bench.md").read_text()
 BENCH = ROOT / "kvconn_core" / "src" / "kvconn" / "bench"
 
 #: Objects whose keys are data (proof names, rank ids, the user's options), not fields.
-DATA_KEYED = frozenset({"releases_by_proof", "ack_wait_ms_by_rank", "backend_options"})
+DATA_KEYED = frozenset(
+    {
+        "releases_by_proof",
+        "ack_wait_ms_by_rank",
+        "backend_options",
+        # --curve fleet: messages by kind
+        "per_s",
+        "per_rank_per_s",
+        "per_decode_per_s",
+        "counts",
+    }
+)
 
 
 def fields(doc: Any, out: set[str] | None = None) -> set[str]:

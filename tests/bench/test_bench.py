@@ -264,15 +264,16 @@ def test_trace_without_the_sdk_is_one_line_and_exit_2(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("curve", ["rooms", "storm"])
+@pytest.mark.parametrize("curve", ["rooms", "ranks", "storm"])
 def test_a_curve_runs_kvconns_mode_at_each_point_and_prints_the_ratios(tmp_path: Path, curve: str) -> None:
     """``--curve``: one row per point, each point's figures and its ratios to
     the first; no timing threshold (the machine decides those), only the
     structure, the safety counts and values that make sense."""
-    points = {"rooms": "2,6", "storm": "0.2,0.8"}[curve]
+    points = {"rooms": "2,6", "ranks": "1,2", "storm": "0.2,0.8"}[curve]
     code, rep, out = bench(tmp_path, "--curve", curve, "--curve-points", points)
     assert code == 0, out
-    assert rep["curve"] == curve and rep["axis"] == {"rooms": "concurrency", "storm": "abort_fraction"}[curve]
+    axis = {"rooms": "concurrency", "ranks": "ranks", "storm": "abort_fraction"}[curve]
+    assert rep["curve"] == curve and rep["axis"] == axis
     rows = rep["points"]
     assert [row[rep["axis"]] for row in rows] == [float(p) for p in points.split(",")]
     assert rows[0]["p99_ratio"] in (1.0, None) and rows[0]["throughput_ratio"] == 1.0

@@ -4,6 +4,9 @@ one; if it ever stops catching one, it has gone blind to that bug."""
 
 from __future__ import annotations
 
+import math
+
+from kvconn.protocol.drain import DrainReport
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import Action, Request, Undrained, WriterIdentity
 from kvconn.protocol.messages import AbortAck, RankDraining, RoomStatus
@@ -86,8 +89,64 @@ class OwnerFenceLeavesRoomsInFlight(EndpointState):
         return super()._fail_and_abort(request, reason, now)
 
 
+# -- the endpoint's own drain (protocol/drain.py) ---------------------------------
+class DrainGraceNeverEnds(EndpointState):
+    """A draining endpoint never aborts what the engine left: the rooms stay
+    open and their pages never come back."""
+
+    def begin_drain(self, now: float, grace_s: float, settle_s: float) -> list[Action]:
+        return super().begin_drain(now, math.inf, settle_s)
+
+
+class DrainReportsAtGraceEnd(EndpointState):
+    """The drain reports drained once its grace ran out, aborted rooms or not:
+    the engine closes and frees a region writers may still reach."""
+
+    def drain_tick(self, now: float) -> tuple[DrainReport | None, list[Action]]:
+        report, actions = super().drain_tick(now)
+        if self.drain is not None and self.drain.grace_over and report is None:
+            report = DrainReport(True, now - self.drain.since)
+        return report, actions
+
+
+class DrainWaitsForEveryPage(EndpointState):
+    """The drain's wait has no end: with a writer frozen for good, drain()
+    never returns."""
+
+    def drain_tick(self, now: float) -> tuple[DrainReport | None, list[Action]]:
+        if self.drain is not None:
+            self.drain.settle_s = math.inf
+        return super().drain_tick(now)
+
+
+# -- the bootstrap (protocol/bootstrap.py) ------------------------------------------
+class BootstrapNeverResends(EndpointState):
+    """Hellos go out once: one lost Hello or HelloAck fails the bootstrap of
+    an instance whose ranks are all up."""
+
+    def begin_bootstrap(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        instance = super().begin_bootstrap(*args, **kwargs)
+        instance.resend_every = math.inf
+        return instance
+
+
+class BootstrapWithoutDeadline(EndpointState):
+    """A bootstrap waits for a silent rank for good: the engine's receiver()
+    (or the constructor) never returns."""
+
+    def begin_bootstrap(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        instance = super().begin_bootstrap(*args, **kwargs)
+        instance.give_up_at = math.inf
+        return instance
+
+
 __all__ = [
     "AckOfAnySession",
+    "BootstrapNeverResends",
+    "BootstrapWithoutDeadline",
+    "DrainGraceNeverEnds",
+    "DrainReportsAtGraceEnd",
+    "DrainWaitsForEveryPage",
     "DrainedProvesFencedRooms",
     "ExitWithoutDrain",
     "FailedOwnerFenceReleases",

@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvconn.protocol.endpoint import EndpointState
-from kvconn.protocol.endpoint_events import Action, Identified, Identify, Send, WriterIdentity
+from kvconn.protocol.endpoint_events import (
+    Action,
+    Bootstrapped,
+    BootstrapTick,
+    Identified,
+    Identify,
+    Send,
+    WriterIdentity,
+)
 from kvconn.protocol.hold import HoldTracker
 from kvconn.protocol.messages import Abort, Hello, HelloAck, TransferRequest
 
@@ -35,11 +43,12 @@ def announce(state: EndpointState, rank: int, address: str, session: int, now: f
 
 
 def bootstrap(state: EndpointState, addresses: Sequence[str], session: int = 1, now: float = 0.0) -> None:
-    instance = state.begin_bootstrap(tuple(addresses), hello(len(addresses)))
+    instance = state.begin_bootstrap(
+        tuple(addresses), hello(len(addresses)), now, timeout_s=30.0, resend_interval_s=1.0
+    )
     for rank, address in enumerate(addresses):
         announce(state, rank, address, session, now)
-    state.end_bootstrap(instance, now)
-    state.forget_bootstrap(instance)
+    assert state.handle(BootstrapTick(instance), now) == [Bootstrapped(instance)]
     if state.default is None:
         state.default = instance
 

@@ -14,7 +14,9 @@ writes on, and resumes, if at all, before the clock's last step), a new
 process may take its address (a restart) while the earlier one still writes,
 and a process may drain (protocol/drain.py): announce it to every decode name
 whose Hello it took, refuse requests from then on, fail what it still writes
-and announce it drained, naming the connections its fences closed.
+and announce it drained, naming the connections its fences closed. The
+engine may drain the endpoint itself (``EndpointState.begin_drain``; its
+wait is played at each tick: ``drain_tick``).
 With the owner fence on, the runtime's fence succeeds (nothing a process was
 asked under the old name can land any more) or fails, before anything else
 happens; a rank process knows decode by the names whose Hello it took, and
@@ -31,22 +33,36 @@ Checked in every reachable state:
   With the owner fence on (and succeeding), no room stays held at all, even
   with its writer frozen for good, and no request is left TRANSFERRING that
   no rank process took (a rank asked before it took the new name).
+  Once the endpoint drained, no room is left open past its grace, and its
+  report comes (drained, or what is held then).
+* The decode drain's report says what is held when it comes: never
+  "drained" while a page is not back (S).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
-import attrs
 from endpoint_world import HERE, NAME, writer
-from explore import _clone_tracker, _tracker_key
+from explore_endpoint_world import (
+    CLOSED,
+    DT,
+    SETTLE_S,
+    Factory,
+    Limits,
+    Proc,
+    Report,
+    Violation,
+    World,
+    _clone,
+    _key,
+)
 
 from kvconn.protocol.drain import GRACE_OVER, REFUSED, DrainingError
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
     Action,
+    BootstrapTick,
     CheckDrain,
     FenceAsOwner,
     Identified,
@@ -69,96 +85,9 @@ from kvconn.protocol.messages import (
     RankDraining,
     RoomOutcome,
     RoomStatus,
-    TcpConnection,
     TransferRequest,
 )
 from kvconn.protocol.owner_fence import OwnerFencePolicy
-
-DT = 1.0  #: one tick of the clock: a heartbeat; two unanswered ones make a rank silent
-CLOSED = (TcpConnection("127.0.0.1", 1, "127.0.0.1", 2),)
-
-
-class Violation(AssertionError):
-    pass
-
-
-@dataclass
-class Proc:
-    """One rank process at an address: ``taken`` maps a request (its index)
-    to "writing" (bytes may land), "draining" (stopped, but bytes it sent may
-    still arrive) or "stopped"."""
-
-    address: str
-    rank: int  #: its rank in its instance
-    session: int
-    alive: bool = True
-    undrained: bool = False  #: a fence or its exit left bytes on their way
-    frozen: bool = False  #: SIGSTOPped: reads nothing, sends nothing, its writes go on
-    #: The decode names whose Hello it took (connected with their metadata).
-    peers: frozenset[str] = frozenset({NAME})
-    taken: dict[int, str] = field(default_factory=dict)
-    #: Its ledger, as far as decode's safety depends on it: per room (status,
-    #: seq, tombstone, fenced: every ack of a fenced room names the closed
-    #: connections). A tombstone (an ABORT of a room never asked for here)
-    #: keeps a late request of that room from writing; a Failed room is taken
-    #: anew only by a newer request once its abort was acked.
-    rooms: dict[tuple[str, int], tuple[str, int, bool, bool]] = field(default_factory=dict)
-    #: "" | "draining" (announced: refuses requests) | "drained" (announced done)
-    drain: str = ""
-
-
-@dataclass
-class World:
-    state: EndpointState
-    procs: dict[str, list[Proc]]  #: by address; the last one is there now
-    #: (channel, destination, message): each channel (a ZMQ PUSH socket to
-    #: one peer) delivers in order; channels interleave freely.
-    net: list[tuple[str, str, Message]] = field(default_factory=list)
-    now: float = 0.0
-    ticks: int = 0
-    restarts: int = 0
-    exits: int = 0
-    aborts: int = 0
-    drains: int = 0
-    #: Requests by index, each room's current one, and TransferRequest seq -> request.
-    requests: list[object] = field(default_factory=list)
-    current: dict[int, int] = field(default_factory=dict)
-    by_seq: dict[int, int] = field(default_factory=dict)
-    opened: dict[int, int] = field(default_factory=dict)  #: requests made per room
-    names: dict[int, str] = field(default_factory=dict)  #: the decode name each request was asked under
-    freezes: int = 0
-    fence_due: bool = False  #: the machine asked for an owner fence: its outcome is next
-    fenced: frozenset[str] = frozenset()  #: decode names whose metadata an owner fence cut off
-    fence_fails: int = 0
-    trace: tuple[str, ...] = ()  #: the steps that led here (not part of the state)
-
-
-@dataclass(frozen=True)
-class Limits:
-    rooms: tuple[tuple[int, int], ...] = ((1, 0),)  #: (room, instance index) the engine may open
-    requests_per_room: int = 2  #: 2: a room id is reused once its pages are back
-    ticks: int = 3
-    aborts: int = 2  #: the engine's own aborts (a room it never aborts must still end)
-    restarts: int = 0
-    exits: int = 0
-    fenced: bool = False
-    transfer_timeout_s: float | None = None
-    drains: int = 0  #: rank processes that drain
-    freezes: int = 0
-    owner_fence_after_s: float | None = None  #: None: no owner fence
-    fence_fails: int = 0  #: how many owner fences may fail
-    peer_timeout_s: float = 1.5  #: longer: no rank goes down on silence within the world's ticks
-    heartbeat_interval_s: float = DT  #: longer: no heartbeat within the world's ticks
-
-
-@dataclass
-class Report:
-    states: int = 0
-    transitions: int = 0
-    terminals: int = 0
-
-
-Factory = Callable[..., EndpointState]
 
 
 def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory) -> World:
@@ -176,16 +105,15 @@ def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory
         **options,
     )
     world = World(state, {})
-    for addresses in instances:
-        instance = state.begin_bootstrap(
-            tuple(addresses), Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
-        )
+    for index, addresses in enumerate(instances):
+        session = 1 + 100 * index if limits.distinct_sessions else 1
+        hello = Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
+        instance = state.begin_bootstrap(tuple(addresses), hello, 0.0, timeout_s=1.0, resend_interval_s=1.0)
         for rank, address in enumerate(addresses):
-            world.procs[address] = [Proc(address, rank, 1)]
-            ack = HelloAck(rank, address, HERE, writer(address, 1).pid, 1, "", 1)
+            world.procs[address] = [Proc(address, rank, session)]
+            ack = HelloAck(rank, address, HERE, writer(address, session).pid, 1, "", session)
             _carry(world, state.handle(ack, 0.0))
-        state.end_bootstrap(instance, 0.0)
-        state.forget_bootstrap(instance)
+        _carry(world, state.handle(BootstrapTick(instance), 0.0))
     world.net.clear()
     return world
 
@@ -266,6 +194,16 @@ def _tick(world: World) -> None:
     peers_drained = not any(not p.alive and p.undrained for ps in world.procs.values() for p in ps)
     drained = tuple(a for a in probes.acks if not _proc_of(world, a.session, a.rank).undrained)
     _carry(world, state.handle(Tick(gone, peers_drained, drained), now))
+    if world.decode_drain and world.drain_report is None:  # the engine's drain() waits
+        report, actions = state.drain_tick(now)
+        _carry(world, actions)
+        if report is not None:
+            world.drain_report = report
+            left = state.held_pages() + state.tracker.pages_in(HoldState.OPEN)
+            if report.drained and left:
+                raise Violation(f"S: the decode drain reports drained with {left} pages not back")
+            if report.pages_left != left:
+                raise Violation(f"L: the decode drain reports {report} with {left} pages not back")
 
 
 # -- the rank processes' part ------------------------------------------------------
@@ -369,6 +307,13 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     w.state.finish(w.requests[q])  # type: ignore[arg-type]
 
                 yield f"finish{room}", finish
+    if limits.decode_drain and not world.decode_drain:
+
+        def decode_drain(w: World) -> None:
+            w.decode_drain = True
+            _carry(w, w.state.begin_drain(w.now, DT, SETTLE_S))
+
+        yield "decode-drain", decode_drain
     if world.ticks < limits.ticks:
 
         def tick(w: World) -> None:
@@ -492,141 +437,6 @@ def dest_frozen(world: World, dest: str) -> bool:
     return dest != "decode" and world.procs[dest][-1].frozen
 
 
-# -- cloning (deepcopy was most of the time) ----------------------------------------
-def _clone(world: World) -> World:
-    s = world.state
-    new = copy.copy(s)
-    requests = {id(r): attrs.evolve(r) for r in world.requests}  # type: ignore[misc]
-    new.tracker = _clone_tracker(s.tracker)
-    new.writers = dict(s.writers)
-    new.down = dict(s.down)
-    new._retired = set(s._retired)
-    new._heard = dict(s._heard)
-    new._id_of_session = dict(s._id_of_session)
-    new.requests = {room: requests[id(r)] for room, r in s.requests.items()}
-    new._in_use = set(s._in_use)
-    new._deadlines = [(t, n, requests[id(r)]) for t, n, r in s._deadlines]
-    new.draining = dict(s.draining)
-    new.leaving = dict(s.leaving)
-    new.owner_fence = attrs.evolve(s.owner_fence)
-    procs = {a: [_copy_proc(p) for p in ps] for a, ps in world.procs.items()}
-    return World(
-        new,
-        procs,
-        list(world.net),
-        world.now,
-        world.ticks,
-        world.restarts,
-        world.exits,
-        world.aborts,
-        world.drains,
-        [requests[id(r)] for r in world.requests],
-        dict(world.current),
-        dict(world.by_seq),
-        dict(world.opened),
-        dict(world.names),
-        world.freezes,
-        world.fence_due,
-        world.fenced,
-        world.fence_fails,
-        world.trace,
-    )
-
-
-def _copy_proc(p: Proc) -> Proc:
-    return Proc(
-        p.address,
-        p.rank,
-        p.session,
-        p.alive,
-        p.undrained,
-        p.frozen,
-        p.peers,
-        dict(p.taken),
-        dict(p.rooms),
-        p.drain,
-    )
-
-
-# -- state keys --------------------------------------------------------------------
-def _machine_key(world: World) -> tuple[object, ...]:
-    s = world.state
-    index = {id(r): q for q, r in enumerate(world.requests)}
-
-    def req(r: object) -> tuple[object, ...]:
-        return (index[id(r)], r.verdict, r.failure is None, r.aborted, r.finished)  # type: ignore[attr-defined]
-
-    return (
-        tuple(sorted(s.writers.items())),
-        tuple(sorted(s.down)),
-        tuple(sorted(s._retired)),
-        tuple(sorted(s._heard.items())),
-        s._next_heartbeat,
-        s._next_exit_check,
-        tuple((t, index[id(r)]) for t, _, r in s._deadlines),
-        tuple(sorted(s.draining)),
-        tuple(sorted(s.leaving.items())),
-        tuple(sorted((room, req(r)) for room, r in s.requests.items())),
-        tuple(sorted(s._in_use)),
-        tuple(sorted(s._id_of_session.items())),
-        _tracker_key(s.tracker),
-        # when each hold began, quarantines, re-sends: two holds alike but for
-        # these reach different states (one quarantines a tick sooner)
-        tuple(
-            (k, e.held_at, e.deadline, e.quarantined_at, e.resend_at, e.resend_every, e.exited)
-            for k, e in sorted(s.tracker._rooms.items())
-        ),
-        tuple(sorted((t, req(r)) for t, r in enumerate(world.requests))),
-        s.name,
-        s.metadata,
-        attrs.astuple(s.owner_fence),
-    )
-
-
-def _key(world: World) -> tuple[object, ...]:
-    procs = tuple(
-        (
-            a,
-            tuple(
-                (
-                    p.session,
-                    p.alive,
-                    p.undrained,
-                    p.frozen,
-                    tuple(sorted(p.peers)),
-                    tuple(sorted(p.taken.items())),
-                    tuple(sorted(p.rooms.items())),
-                    p.drain,
-                )
-                for p in ps
-            ),
-        )
-        for a, ps in sorted(world.procs.items())
-    )
-    channels: dict[str, list[str]] = {}
-    for channel, _, msg in world.net:  # each channel's order matters, not their interleaving
-        channels.setdefault(channel, []).append(repr(msg))
-    net = tuple(sorted((c, tuple(ms)) for c, ms in channels.items()))
-    return (
-        _machine_key(world),
-        procs,
-        net,
-        world.now,
-        world.ticks,
-        world.restarts,
-        world.exits,
-        world.aborts,
-        world.drains,
-        tuple(sorted(world.current.items())),
-        tuple(sorted(world.opened.items())),
-        tuple(sorted(world.names.items())),
-        world.freezes,
-        world.fence_due,
-        tuple(sorted(world.fenced)),
-        world.fence_fails,
-    )
-
-
 # -- liveness ----------------------------------------------------------------------
 def _check_terminal(world: World, limits: Limits) -> None:
     """Let time pass and everything drain and arrive (but to a process frozen
@@ -650,6 +460,12 @@ def _check_terminal(world: World, limits: Limits) -> None:
                 _carry(w, w.state.handle(msg, w.now))
             else:
                 _deliver(w, dest, msg)
+    if w.decode_drain:
+        still_open = w.state.tracker.rooms_in(HoldState.OPEN)
+        if still_open:
+            raise Violation(f"L: rooms {still_open} left open past the decode drain's grace")
+        if w.drain_report is None:
+            raise Violation("L: the decode drain never reports")
     for room, q in w.current.items():
         request = w.requests[q]
         # Proof can come for a writer that is the live process at its address
@@ -659,6 +475,9 @@ def _check_terminal(world: World, limits: Limits) -> None:
         writing = any(p.taken.get(q) == "writing" for ps in w.procs.values() for p in ps)
         unprovable = any(
             wr.session != w.procs[wr.address][-1].session and _proc(w, wr.address, wr.session).alive
+            for wr in request.writers.values()  # type: ignore[attr-defined]
+        ) or any(  # nor one frozen for good (only an owner fence, checked below, frees its rooms)
+            _proc(w, wr.address, wr.session).frozen
             for wr in request.writers.values()  # type: ignore[attr-defined]
         )
         held = w.state.current(request) and w.state.tracker.state(room) in (  # type: ignore[arg-type]
@@ -681,9 +500,12 @@ def _check_terminal(world: World, limits: Limits) -> None:
                     raise Violation(f"L: room {room} left TRANSFERRING, its rank {rank}'s process gone")
 
 
+DEFAULT_LIMITS = Limits()
+
+
 def explore(
     instances: Sequence[Sequence[str]] = (("p0",),),
-    limits: Limits = Limits(),
+    limits: Limits = DEFAULT_LIMITS,
     factory: Factory = EndpointState,
 ) -> Report:
     """Visit every reachable state; raise :class:`Violation` on the first bad one."""

@@ -6,7 +6,9 @@ point, and reuse the id once its pages came back (``uses`` requests each);
 an engine that makes senders (one of ``decodes`` decodes, or one per
 request), sends one page per chunk, fails, clears, fails the room before any
 decode asked, and lets the bootstrap deadline and the tombstone TTL pass;
-one transfer worker that dequeues, writes, lands or fails chunks; a network
+one transfer worker that dequeues, writes, lands or fails chunks (settled,
+or unsettled or with a raising hook: then the chunk may still land, late,
+until a fence the writer is proven to have runs; the fence may fail); a network
 that delivers each decode's messages in order (one connection each: the
 decodes' interleave in any order), replays a recorded request once at any
 time, and delivers each within the tombstone TTL or never (what tombstones
@@ -24,6 +26,16 @@ It checks, in every reachable state:
 * R4 (``drain``): a draining rank announces ``done`` (decode then takes back
   every page it holds for the rank) only once no write of it can land: none
   is being written, and none is written after (R2 then covers the pages).
+* R5: a fenced ack, and a drain's announcement, name every TCP connection
+  the fences closed (decode counts them only once its ends drained: bytes
+  sent before a fence may still sit in its socket buffers).
+
+R1, R2 and R4 count a chunk that may still land late (unsettled, a raising
+hook) as being written until a proven fence. R3 does not: such a chunk is of
+a failed room, whose pages decode holds until a proof (R1, R2), so what it
+may still read from source pages the engine reused lands nowhere decode
+uses (and a writer without a proven fence would otherwise keep the engine's
+source pages for its whole life).
 """
 
 from __future__ import annotations
@@ -38,8 +50,17 @@ import attrs
 from kvconn.errors import KvconnError
 from kvconn.protocol.drain import Announce
 from kvconn.protocol.ledger import NotifyDecode, RoomKey, RoomLedger, SendAck
-from kvconn.protocol.messages import Abort, RoomOutcome, TransferRequest
-from kvconn.protocol.rank import AbortHook, Action, RankState, SenderState
+from kvconn.protocol.messages import Abort, RoomOutcome, TcpConnection, TransferRequest
+from kvconn.protocol.rank import (
+    AbortHook,
+    Action,
+    ChunkEnd,
+    Fence,
+    Pairing,
+    RankState,
+    SenderState,
+    WriterTerms,
+)
 
 ROOM = 3
 SESSION = 11
@@ -92,6 +113,12 @@ class World:
     npages: int = 1  #: pages of every request, one chunk each
     draining: bool = False  #: the engine told the rank to drain
     done: bool = False  #: the rank announced it drained
+    #: chunks that ended unsettled or with a raising hook: they may land late
+    limbo: list[Chunk] = field(default_factory=list)
+    unsettled: int = 0  #: chunks that ended so
+    fences: int = 0  #: Fence actions not carried out yet
+    #: the TCP connections each fence closed so far
+    closed: list[TcpConnection] = field(default_factory=list)
 
     def clone(self) -> World:
         # pickle keeps shared references (a leg's entry is the ledger's) and is
@@ -162,6 +189,12 @@ def key_of(w: World) -> tuple[object, ...]:
         len(w.delivered),
         tuple(repr(c) for c in w.queue),
         repr(w.writing),
+        tuple(repr(c) for c in w.limbo),
+        w.unsettled,
+        w.fences,
+        len(w.closed),
+        tuple(sorted(ledger.poisoned())),
+        ledger.closed_by_fences,
         tuple(sorted(w.settled)),
         w.time,
         w.replays,
@@ -180,8 +213,10 @@ def _carry_out(w: World, actions: list[Action]) -> None:
     for action in actions:
         if isinstance(action, SendAck):
             decode = w.decode(action.ack.decode)
-            if w.writing is not None and w.writing.key.decode == decode.name:
+            if _may_land(w, decode.name):
                 raise Violation(f"R1: ack to {decode.name} while a write into its pages can land")
+            if action.ack.fenced and not set(w.closed) <= set(action.ack.closed):
+                raise Violation(f"R5: a fenced ack names {action.ack.closed}, the fences closed {w.closed}")
             if decode.phase == "aborting":
                 decode.released.add(decode.use)
                 decode.use += 1
@@ -189,7 +224,7 @@ def _carry_out(w: World, actions: list[Action]) -> None:
                 decode.landed = set()
         elif isinstance(action, NotifyDecode) and action.status.outcome is RoomOutcome.SUCCESS:
             decode = w.decode(action.decode)
-            if w.writing is not None and w.writing.key.decode == decode.name:
+            if _may_land(w, decode.name):
                 raise Violation(f"R2: {decode.name} told SUCCESS while a write into its pages can land")
             if decode.phase != "asked":
                 continue
@@ -204,9 +239,13 @@ def _carry_out(w: World, actions: list[Action]) -> None:
             decode.landed = set()
         elif isinstance(action, AbortHook):
             _carry_out(w, w.state.abort_hooked(action.abort, raised=False))
+        elif isinstance(action, Fence):
+            w.fences += 1
         elif isinstance(action, Announce) and action.done:
-            if w.writing is not None:
+            if w.writing is not None or w.limbo:
                 raise Violation("R4: drained announced while a write can land")
+            if not set(w.closed) <= set(action.closed):
+                raise Violation(f"R5: drained announced naming {action.closed}, the fences closed {w.closed}")
             w.done = True
             decode = w.decode(action.decode)
             if decode.phase in ("asked", "aborting"):
@@ -217,6 +256,11 @@ def _carry_out(w: World, actions: list[Action]) -> None:
                 decode.landed = set()
 
 
+def _may_land(w: World, decode: str) -> bool:
+    """A write into ``decode``'s pages is being written, or may land late."""
+    return any(c.key.decode == decode for c in ([w.writing] if w.writing else []) + w.limbo)
+
+
 def _check_settled(w: World, i: int) -> None:
     if w.state.settled(w.senders[i]):
         if w.writing is not None and w.writing.sender == i:
@@ -224,21 +268,26 @@ def _check_settled(w: World, i: int) -> None:
         w.settled.add(i)
 
 
-def _dequeue(w: World) -> None:
-    chunk = w.queue.pop(0)
-    write = w.state.ledger.dequeue(chunk.key, chunk.incarnation)
-    if not write:
-        _carry_out(w, w.state.ledger.skipped(chunk.key))
-        return
+def _write(w: World, chunk: Chunk, late: bool = False) -> None:
+    """``chunk``'s bytes reach decode's page now (``late``: from limbo)."""
     decode, use = _use_of(chunk.page)
     if use in w.decode(decode).released:
         raise Violation(
             f"R2: chunk of sender {chunk.sender} written into page {chunk.page}, taken back by {decode}"
         )
-    if chunk.sender in w.settled:
+    if chunk.sender in w.settled and not late:
         raise Violation(f"R3: sender {chunk.sender}'s chunk written after it said settled")
     if w.done:
         raise Violation(f"R4: chunk of sender {chunk.sender} written after the rank announced it drained")
+
+
+def _dequeue(w: World) -> None:
+    chunk = w.queue.pop(0)
+    write = w.state.ledger.dequeue(chunk.key, chunk.incarnation)
+    if not write:
+        _carry_out(w, w.state.chunk_ended(chunk.key, ChunkEnd.SKIPPED))
+        return
+    _write(w, chunk)  # it starts writing now
     w.writing = chunk
 
 
@@ -303,7 +352,7 @@ def steps(w: World, cfg: Config) -> Iterator[tuple[str, Callable[[World], None]]
                     _carry_out(w, actions)
                     try:
                         # early: an engine's last chunk that leaves pages unwritten
-                        plan = w.state.plan_send(s, 1, early or s.sent + 1 == cfg.npages, status)
+                        plan = w.state.plan_send(s, range(1), early or s.sent + 1 == cfg.npages, status)
                     except KvconnError:
                         return  # refused: queues nothing
                     w.state.commit_send(s, plan)
@@ -373,7 +422,7 @@ def steps(w: World, cfg: Config) -> Iterator[tuple[str, Callable[[World], None]]
             assert chunk is not None
             decode, _ = _use_of(chunk.page)
             w.decode(decode).landed.add(chunk.page)
-            _carry_out(w, w.state.ledger.landed(chunk.key, chunk.last))
+            _carry_out(w, w.state.chunk_ended(chunk.key, ChunkEnd.LANDED, chunk.last))
 
         yield "worker:land", land
         if w.errors < cfg.errors:
@@ -382,9 +431,43 @@ def steps(w: World, cfg: Config) -> Iterator[tuple[str, Callable[[World], None]]
                 chunk, w.writing = w.writing, None
                 assert chunk is not None
                 w.errors += 1
-                _carry_out(w, w.state.ledger.failed(chunk.key, True, "err"))
+                _carry_out(w, w.state.chunk_ended(chunk.key, ChunkEnd.FAILED_SETTLED))
 
             yield "worker:err", err
+        if w.unsettled < cfg.unsettled:
+            for end in (ChunkEnd.UNSETTLED, ChunkEnd.PLUGIN_ERROR):
+
+                def lost(w: World, end: ChunkEnd = end) -> None:
+                    chunk, w.writing = w.writing, None
+                    assert chunk is not None
+                    w.unsettled += 1
+                    w.limbo.append(chunk)  # some of its bytes may still land
+                    _carry_out(w, w.state.chunk_ended(chunk.key, end, reason=end.value))
+
+                yield f"worker:{end.value}", lost
+    for i in range(len(w.limbo)):
+
+        def late(w: World, i: int = i) -> None:
+            _write(w, w.limbo.pop(i), late=True)  # a late byte lands
+
+        yield f"limbo:land{i}", late
+    if w.fences:
+        for ok in (True, False) if cfg.fence_fails else (True,):
+
+            def fence(w: World, ok: bool = ok) -> None:
+                w.fences -= 1
+                if not w.state.fence_begins():
+                    return  # nothing to fence: the writer's hook is not called
+                closed: frozenset[TcpConnection] = frozenset()
+                if ok:
+                    closed = frozenset({TcpConnection("127.0.0.1", 40000 + len(w.closed), "127.0.0.1", 6000)})
+                    w.closed += closed
+                    if cfg.writer_fence:
+                        w.limbo = []  # proven: nothing posted before it can land
+                    # else the hook said True, but proves nothing: late bytes may come
+                _carry_out(w, w.state.fence_ended(ok, closed))
+
+            yield f"writer:fence{'-ok' if ok else '-fails'}", fence
 
 
 @attrs.frozen
@@ -399,6 +482,9 @@ class Config:
     fail: bool = True
     fail_room: bool = True
     drain: bool = False
+    unsettled: int = 0  #: chunks that may end unsettled or with a raising hook
+    writer_fence: bool = True  #: the writer's fence is proven (else its True proves nothing)
+    fence_fails: bool = False  #: a fence may fail
 
 
 @attrs.frozen
@@ -409,21 +495,25 @@ class Report:
     reuses: int  #: terminal states where a decode's second request succeeded or was aborted
 
 
-StateFactory = Callable[[], RankState[str]]
+StateFactory = Callable[[Config], RankState[str]]
 
 
 def reachable(address: str) -> bool:
     return True
 
 
-def default_state() -> RankState[str]:
-    return RankState(RoomLedger(0, TTL_S, SESSION), BOOTSTRAP_S, reachable)
+def terms(cfg: Config) -> WriterTerms:
+    return WriterTerms("null", 1.0, writer_fence=cfg.writer_fence)
+
+
+def default_state(cfg: Config) -> RankState[str]:
+    return RankState(RoomLedger(0, TTL_S, SESSION), BOOTSTRAP_S, reachable, terms(cfg))
 
 
 def initial(cfg: Config, factory: StateFactory = default_state) -> World:
-    state = factory()
+    state = factory(cfg)
     for name in DECODES[: cfg.decodes]:
-        state.add_peer(name, f"tcp://{name}", "layout")
+        state.add_peer(name, f"tcp://{name}", Pairing("layout", source_pages=1000))
     return World(state, [Decode(name) for name in DECODES[: cfg.decodes]], npages=cfg.npages)
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvconn.buffers import Buffer, FlatSpace, buffers_of
 
@@ -103,6 +105,34 @@ def test_flat_space_maps_offsets_to_addresses_and_refuses_straddling() -> None:
     space.write(148, b"xy")
     space.write(150, b"z")
     assert bytes(b[48:]) == b"xy" and bytes(c[:1]) == b"z" and space.read(148, 2) == b"xy"
+
+
+@given(
+    st.integers(2, 4),
+    st.lists(st.tuples(st.integers(-2, 70), st.integers(0, 20)), min_size=1, max_size=8),
+)
+def test_flat_space_of_buffers_alike_locates_as_a_search_does(
+    count: int, ranges: list[tuple[int, int]]
+) -> None:
+    """Buffers all of one size (an engine's K and V) find a range's buffer by
+    a division: every range's address and buffer as a plain reference says,
+    or a refusal when one lies outside or across two."""
+    size = 16
+    alike = FlatSpace([Buffer(1000 * (i + 1), size) for i in range(count)])
+    offsets = np.array([o for o, _ in ranges], dtype=np.int64)
+    lengths = np.array([n for _, n in ranges], dtype=np.int64)
+    # The reference: a range lies in buffer offset // size, start to end.
+    expected = []
+    for o, n in ranges:
+        i = o // size
+        inside = 0 <= o < count * size and o + n <= (i + 1) * size
+        expected.append((1000 * (i + 1) + o - i * size, i) if inside else None)
+    if all(e is not None for e in expected):
+        addresses, index = alike.locate(offsets, lengths)
+        assert list(zip(addresses.tolist(), index.tolist(), strict=True)) == expected
+    else:
+        with pytest.raises(ValueError, match="outside the buffers or across two"):
+            alike.locate(offsets, lengths)
 
 
 def test_torch_tensors_are_taken_in_place() -> None:

@@ -102,3 +102,92 @@ def test_every_bench_command_the_docs_quote_parses() -> None:
             parser.parse_args(shlex.split(cmd)[2:])
         except (argparse.ArgumentError, SystemExit) as exc:
             raise AssertionError(f"{doc}: `{cmd}` does not parse: {exc}") from exc
+
+
+DOC = """
+Text.
+
+```bash
+promtool check rules rules.yml   # a comment
+cd monitoring && promtool test rules t.yml
+# a comment line
+kvconn bench --requests 10 \\
+    --json out.json
+```
+
+<!-- not run: starts a server on a model (MODEL), minutes -->
+```bash
+python -m server --model MODEL &
+```
+
+<!-- needs: ./kvconn_core[trace] -->
+```bash
+kvconn bench --trace t.jsonl
+```
+
+```text
+kvconn.room {...}
+```
+"""
+
+
+def test_every_line_of_a_docs_shell_block_runs_unless_its_block_says_why() -> None:
+    m = script()
+    lines = list(m.shell_lines("docs/x.md", DOC, every_line=True))
+    assert [(line.text, line.not_run, line.needs) for line in lines] == [
+        ("promtool check rules rules.yml", None, None),  # no command word needed in the docs
+        ("cd monitoring && promtool test rules t.yml", None, None),  # runs in DIR, as one
+        ("kvconn bench --requests 10 --json out.json", None, None),  # continued
+        ("python -m server --model MODEL &", "starts a server on a model (MODEL), minutes", None),
+        ("kvconn bench --trace t.jsonl", None, "./kvconn_core[trace]"),
+    ]
+    assert (lines[2].source, lines[3].source) == ("docs/x.md:8", "docs/x.md:14")
+    venv = Path("/v")
+    assert m.plan(lines[3], venv).run is None and "MODEL" in m.plan(lines[3], venv).why
+    # a README keeps only lines that start with a command word
+    readme = [line.text for line in m.shell_lines("README.md", DOC, every_line=False)]
+    assert "promtool check rules rules.yml" not in readme and "kvconn bench --trace t.jsonl" in readme
+
+
+def test_the_docs_shell_blocks_are_checked() -> None:
+    """The operator guide's promtool lines run; every docs line that does not
+    run says why."""
+    m = script()
+    docs = [line for line in m.documented_lines() if line.source.startswith("docs/")]
+    runs = {line.text for line in docs if line.not_run is None}
+    assert "promtool check rules monitoring/prometheus/kvconn-rules.yml" in runs
+    assert "cd monitoring/prometheus && promtool test rules kvconn-rules.test.yml" in runs
+    assert any(text.startswith("kvconn bench --faults off --modes kvconn") for text in runs)
+    assert all(line.not_run is None or len(line.not_run) > 20 for line in docs)
+
+
+def test_a_docs_fence_with_no_language_cannot_hide_a_command() -> None:
+    m = script()
+    hidden = "Run it:\n\n```\nkvconn bench --requests 5\n```\n\n```text\nkvconn.room {}\n```\n"
+    assert list(m.unlabeled_command_blocks("docs/y.md", hidden)) == ["docs/y.md:3"]
+    root = SCRIPT.parents[1]
+    found = [
+        w for name in m.SHELL_DOCUMENTS for w in m.unlabeled_command_blocks(name, (root / name).read_text())
+    ]
+    assert found == []
+
+
+def test_a_bench_line_is_only_shortened() -> None:
+    """Options the short sizes set anyway go (the same run: argparse keeps
+    the last), a curve keeps two points, the fault phase runs once."""
+    m = script()
+    venv = Path("/v")
+
+    def run(text: str, fault_phase_ran: bool = False) -> str:
+        p = m.plan(m.Line("docs/x.md:1", text), venv, fault_phase_ran)
+        assert p.run is not None
+        return str(p.run)
+
+    assert run("kvconn bench --requests 10000") == run("kvconn bench")
+    assert run("kvconn bench --json o.json", fault_phase_ran=True).startswith(
+        "kvconn bench --json o.json --faults off "
+    )
+    assert "--faults off" not in run("kvconn bench --json o.json")
+    assert "--curve-points 8,64 " in run("kvconn bench --curve rooms --curve-points 8,64,256,512")
+    assert "--faults off" not in run("kvconn bench --curve rooms", fault_phase_ran=True)
+    assert run("python -m kvconn.bench.fleet") == "python -m kvconn.bench.fleet --scales 0.1"

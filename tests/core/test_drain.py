@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from endpoint_world import aborts, announce, bootstrap, endpoint, requests
 
+from kvconn.errors import ArgumentError
 from kvconn.protocol import drain
 from kvconn.protocol.drain import Announce, DrainingError
 from kvconn.protocol.drops import DropReason
@@ -21,7 +22,7 @@ from kvconn.protocol.messages import (
     TcpConnection,
     TransferRequest,
 )
-from kvconn.protocol.rank import Action, RankState
+from kvconn.protocol.rank import Action, Pairing, RankState
 
 SESSION = 77
 A, B = "decode-a", "decode-b"
@@ -29,8 +30,8 @@ A, B = "decode-a", "decode-b"
 
 def _rank() -> RankState[str]:
     state: RankState[str] = RankState(RoomLedger(0, 60.0, SESSION), bootstrap_timeout=None)
-    state.add_peer(A, "tcp://a", "layout-a")
-    state.add_peer(B, "tcp://b", "layout-b")
+    state.add_peer(A, "tcp://a", Pairing("layout-a", source_pages=64))
+    state.add_peer(B, "tcp://b", Pairing("layout-b", source_pages=64))
     return state
 
 
@@ -82,7 +83,7 @@ def test_held_rooms_get_the_grace_then_fail_and_drained_waits_for_every_write_in
     state.begin_drain(0.0, grace_s=1.0)
     # room 1 completes within the grace
     polled, _ = state.poll(s1, 0.1)
-    plan = state.plan_send(s1, 2, True, polled)
+    plan = state.plan_send(s1, range(2), True, polled)
     state.commit_send(s1, plan)
     assert state.ledger.dequeue(RoomKey(A, 1), plan.legs[0].incarnation)
     assert state.drain_tick(0.2) == (False, [])
@@ -90,7 +91,7 @@ def test_held_rooms_get_the_grace_then_fail_and_drained_waits_for_every_write_in
     assert _statuses(landed) == [(A, 1, RoomOutcome.SUCCESS, "")]
     # room 2 has a chunk in flight when the grace runs out: failed, not drained
     polled, _ = state.poll(s2, 0.3)
-    plan = state.plan_send(s2, 1, False, polled)
+    plan = state.plan_send(s2, range(1), False, polled)
     state.commit_send(s2, plan)
     assert state.ledger.dequeue(RoomKey(A, 2), plan.legs[0].incarnation)
     drained, actions = state.drain_tick(1.0)
@@ -189,17 +190,103 @@ def test_a_draining_decode_refuses_new_rooms_then_aborts_what_the_engine_left() 
     assert inst is not None
     _done, _ = state.open(1, (0,), inst, None, None, 0.0)
     left, _ = state.open(2, (1,), inst, None, None, 0.0)
-    drain.begin_decode_drain(state)
+    assert state.begin_drain(0.0, grace_s=0.2, settle_s=1.0) == []
     with pytest.raises(DrainingError, match="decode endpoint is draining"):
         state.open(3, (2,), inst, None, None, 0.1)
     state.handle(RoomStatus(1, 0, RoomOutcome.SUCCESS, "", "decode", 1), 0.1)
     assert drain.decode_left(state) == (2, 2)
-    actions = drain.abort_unfinished(state, 0.2)
+    assert state.drain_tick(0.19) == (None, [])  # the engine's grace: nothing aborted yet
+    report, actions = state.drain_tick(0.2)
+    assert report is None
     # the completed room the engine did not take comes back at once; the
     # other is held until its rank's proof
     assert [(a.room, a.proof) for a in actions if isinstance(a, Release)] == [(1, Proof.COMPLETED)]
     assert left.failure == drain.DECODE_DRAINING and state.hold_state(left) is HoldState.HELD
     assert drain.decode_left(state) == (1, 1)
+    assert state.drain_tick(0.3) == (None, [])  # nothing aborted twice
     [abort] = aborts(actions)
     state.handle(AbortAck(2, 0, abort.generation, False, "decode", 1), 0.3)
     assert drain.decode_left(state) == (0, 0)
+    assert state.drain_tick(0.4) == (drain.DrainReport(True, 0.4, 0, 0), [])
+
+
+def test_a_decode_drain_reports_what_is_left_once_its_settle_time_after_the_grace_is_up() -> None:
+    state = endpoint()
+    assert state.default is not None
+    request, _ = state.open(1, (0, 1), state.default, None, None, 0.0)
+    state.begin_drain(1.0, grace_s=0.5, settle_s=2.0)
+    assert state.drain_tick(1.4)[0] is None
+    report, actions = state.drain_tick(1.6)  # the grace is over at 1.5: aborted at this tick
+    assert report is None and aborts(actions) and request.aborted
+    assert state.drain_tick(3.59)[0] is None  # 2 s from the tick that aborted
+    # no proof came: the pages stay held, and the report says so
+    assert state.drain_tick(3.6)[0] == drain.DrainReport(False, 2.6, 1, 2)
+    assert state.hold_state(request) is HoldState.HELD
+
+
+def test_a_decode_drain_with_nothing_tracked_reports_at_once_and_a_second_call_waits_anew() -> None:
+    state = endpoint()
+    assert state.default is not None
+    state.begin_drain(0.0, grace_s=5.0, settle_s=5.0)
+    assert state.drain_tick(0.0) == (drain.DrainReport(True, 0.0, 0, 0), [])
+    state.begin_drain(7.0, grace_s=5.0, settle_s=5.0)  # still refusing; a new wait
+    assert state.drain_tick(7.5) == (drain.DrainReport(True, 0.5, 0, 0), [])
+    with pytest.raises(DrainingError):
+        state.open(1, (0,), state.default, None, None, 8.0)
+
+
+def test_a_decode_drain_waits_on_its_callers_clock_and_holds_on_the_endpoints() -> None:
+    state = endpoint()
+    assert state.default is not None
+    request, _ = state.open(1, (0,), state.default, None, None, 500.0)
+    state.begin_drain(500.0, grace_s=0.5, settle_s=1.0, at=3.0)
+    assert state.drain_tick(500.0, at=3.4) == (None, [])  # the endpoint's clock stands still
+    report, actions = state.drain_tick(500.0, at=3.5)
+    assert report is None and aborts(actions) and request.aborted and state.tracker.held_since(1) == 500.0
+    assert state.drain_tick(500.0, at=4.5)[0] == drain.DrainReport(False, 1.5, 1, 1)
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_negative_grace_is_refused_on_both_sides_typed(side: str) -> None:
+    with pytest.raises(ArgumentError, match="grace") as info:
+        if side == "decode":
+            endpoint().begin_drain(0.0, grace_s=-0.1, settle_s=1.0)
+        else:
+            _rank().begin_drain(0.0, grace_s=-0.1)
+    assert isinstance(info.value, ValueError)  # what the rank raised before
+
+
+def test_a_ranks_drain_reports_after_grace_write_deadline_and_settle_time_by_default() -> None:
+    assert drain.rank_report_after(2.0, 5.0) == 2.0 + 5.0 + drain.SETTLE_S
+    assert drain.rank_report_after(2.0, 5.0, timeout_s=0.5) == 0.5
+    state = _rank()
+    _request(state, A, 1, seq=1)
+    state.open_sender(1, 1, 0.0)
+    drain.begin_rank_drain(state, 0.0, 1.0, report_after_s=3.0)
+    assert state.drain is not None
+    assert state.drain.report(2.9, rooms_left=1) is None
+    assert state.drain.report(3.0, rooms_left=1) == drain.DrainReport(False, 3.0, 1)
+
+
+def test_a_ranks_drain_report_is_the_cores_wait_and_a_second_drain_starts_its_own() -> None:
+    # PrefillRank.drain() waits on RankState.drain_report: the report comes
+    # from the core at the wait begin_drain was given, not from a runtime limit.
+    state = _rank()
+    _request(state, A, 1, seq=1)
+    s = state.open_sender(1, 1, 0.0)
+    state.begin_drain(0.0, grace_s=1.0, report_after_s=3.0)
+    polled, _ = state.poll(s, 0.1)
+    plan = state.plan_send(s, range(1), False, polled)
+    state.commit_send(s, plan)
+    assert state.ledger.dequeue(RoomKey(A, 1), plan.legs[0].incarnation)  # a write in flight
+    report, actions = state.drain_report(1.0)
+    assert report is None and _statuses(actions) == [(A, 1, RoomOutcome.FAILED, drain.GRACE_OVER)]
+    assert state.drain_report(2.9) == (None, [])
+    report, _ = state.drain_report(3.0)
+    assert report == drain.DrainReport(False, 3.0, 1)
+    # the engine's close drains again: same grace, a wait of its own from now
+    assert state.begin_drain(5.0, grace_s=30.0, report_after_s=0.5) == []
+    assert state.drain_report(5.25)[0] is None
+    assert state.drain_report(5.5)[0] == drain.DrainReport(False, 0.5, 1)
+    state.ledger.failed(RoomKey(A, 1), settled=True, reason="gone")
+    assert state.drain_report(5.75)[0] == drain.DrainReport(True, 0.75, 0)

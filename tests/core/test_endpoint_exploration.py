@@ -1,9 +1,11 @@
 """Every interleaving of small worlds on the decode endpoint's state machine
-(``explore_endpoint.py``), and on its mutants (``endpoint_mutants.py``)."""
+(``explore_endpoint.py``; its bootstrap: ``explore_bootstrap.py``), and on
+its mutants (``endpoint_mutants.py``)."""
 
 from __future__ import annotations
 
 import endpoint_mutants as mutants
+import explore_bootstrap
 import explore_endpoint as explore
 import pytest
 
@@ -25,6 +27,9 @@ WORLDS = {
     "reuse": (ONE, L(ticks=2, fenced=True, requests_per_room=2)),
     # a transfer deadline passes at any point
     "deadline": (ONE, L(ticks=3, transfer_timeout_s=1.5, requests_per_room=1)),
+    # the engine drains the endpoint at any point, its writer may freeze for good: the
+    # grace's end aborts what is left, the report comes and says what is held
+    "decode_drain": (ONE, L(ticks=2, decode_drain=True, freezes=1, aborts=1, requests_per_room=1)),
     # the rank's process drains at any point (refuses, fails what is left, says done)
     "drain": (ONE, L(ticks=1, fenced=True, drains=1, requests_per_room=2, aborts=1)),
     # a rank process drains before, during or after an owner fence: it announces to every
@@ -93,6 +98,19 @@ CAUGHT: dict[str, tuple[type[EndpointState], str, L, str]] = {
         WORLDS["owner_fence_in_flight"][1],
         "L",
     ),
+    "decode_drain_grace_never_ends": (mutants.DrainGraceNeverEnds, "p0", WORLDS["decode_drain"][1], "L"),
+    "decode_drain_reports_drained_at_grace_end": (
+        mutants.DrainReportsAtGraceEnd,
+        "p0",
+        WORLDS["decode_drain"][1],
+        "S",
+    ),
+    "decode_drain_waits_for_every_page": (
+        mutants.DrainWaitsForEveryPage,
+        "p0",
+        WORLDS["decode_drain"][1],
+        "L",
+    ),
     "restart_leaves_old_rooms_open": (
         mutants.RestartKeepsOldRooms,
         "p0",
@@ -110,3 +128,38 @@ def test_endpoint_mutant_is_caught(name: str) -> None:
     assert str(info.value).startswith(rule)
     if (((address,),), limits) not in WORLDS.values():  # else explored there already
         explore.explore(((address,),), limits)  # the real machine, same world: no violation
+
+
+B = explore_bootstrap.Limits
+BOOTSTRAP_WORLDS = {
+    # every rank up, two Hellos or HelloAcks lost: kept
+    "all_up": B(("up", "up", "up"), losses=2),
+    # one rank silent, one refusing: given up at the deadline, never before
+    "silent_and_refusing": B(("silent", "refusing", "up"), losses=1),
+    "silent": B(("up", "silent"), losses=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOOTSTRAP_WORLDS))
+def test_bootstrap_ends_by_its_deadline_and_keeps_exactly_the_instances_whose_ranks_are_up(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = explore_bootstrap.explore(BOOTSTRAP_WORLDS[name])
+    with capsys.disabled():
+        print(
+            f"\n  explored bootstrap world {name}: {report.states} states, {report.transitions} transitions"
+        )
+    assert report.terminals > 0 and report.states > 50
+
+
+BOOTSTRAP_CAUGHT = {
+    "bootstrap_never_resends": (mutants.BootstrapNeverResends, "all_up", "the bootstrap ended GiveUp"),
+    "bootstrap_without_deadline": (mutants.BootstrapWithoutDeadline, "silent", "the waiter waits until"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOOTSTRAP_CAUGHT))
+def test_bootstrap_mutant_is_caught(name: str) -> None:
+    factory, world, message = BOOTSTRAP_CAUGHT[name]
+    with pytest.raises(explore_bootstrap.Violation, match=message):
+        explore_bootstrap.explore(BOOTSTRAP_WORLDS[world], factory)

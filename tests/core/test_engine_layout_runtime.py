@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from kvconn.config import Config
+from kvconn.errors import ArgumentError
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import BootstrapError, DecodeEndpoint
+from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.cluster import Rank
 from kvconn.testing.kvpattern import EngineShape, dirty_bytes, fill_canary, page_matches
 from kvconn.testing.waiting import wait_for
@@ -248,3 +250,17 @@ def test_a_rank_names_the_tp_of_the_decode_asking_for_a_room() -> None:
         d0.close()
         d1.close()
         rank.close()
+
+
+def test_a_prefill_rank_given_inconsistent_sources_raises_an_argument_error() -> None:
+    """Checked before anything is opened: no socket, no writer."""
+    backend = get_backend("loopback")
+    arrays, layout = SHAPE.buffers(2), SHAPE.layout(2, 1)
+    for kwargs, why in [
+        ({"buffers": arrays}, "go together"),
+        ({"source_bytes": 4096, "buffers": arrays, "layout": layout}, "either source_bytes"),
+        ({}, "either source_bytes"),
+        ({"buffers": arrays, "layout": layout}, "rank 0 with a layout for tp_rank 1"),
+    ]:
+        with pytest.raises(ArgumentError, match=why):
+            PrefillRank(backend, 0, **kwargs)  # type: ignore[arg-type]

@@ -179,8 +179,7 @@ def test_every_gone_writer_releases_its_rooms_held_or_quarantined() -> None:
         first = decode.receiver(1, (1,), frozenset({0}))
         first.abort()
         now[0] = 100.0  # past its deadline
-        with decode._lock:
-            decode._run(decode._state.carry(decode.tracker.tick(now[0])), now[0])
+        decode.step(lambda state, now: (None, state.carry(state.tracker.tick(now))))
         assert first.state() is HoldState.QUARANTINED
         second = decode.receiver(2, (2,), frozenset({1}))
         second.abort()

@@ -94,6 +94,7 @@ def test_rows_within_drops_empty_segments_and_refuses_any_outside() -> None:
 )
 @example([(8, 0, 4), (0, 8, 4)], 12, 12)  # exact fits on both sides
 @example([(9, 0, 4)], 12, 12)
+@example([(8, 0, 1), (0, 0, 4)], 10, 10)  # the largest offset plus the largest length is past the end
 def test_rows_within_small_and_array_tables_agree(
     rows: list[tuple[int, int, int]], src_nbytes: int, dst_nbytes: int
 ) -> None:

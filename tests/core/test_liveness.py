@@ -194,7 +194,13 @@ def test_two_instances_get_endpoint_wide_ids_and_their_messages_are_told_apart()
     [release] = _releases(state.handle(_ack(state, 1, abort_a[0].generation), 1.1))
     assert release.room == 1
     with pytest.raises(RequestError, match="ranks of another prefill instance"):
-        state.begin_bootstrap(("c0", "b1"), Hello("decode", "x", "null", 0, 2, 0, b""))
+        state.begin_bootstrap(
+            ("c0", "b1"),
+            Hello("decode", "x", "null", 0, 2, 0, b""),
+            1.2,
+            timeout_s=1.0,
+            resend_interval_s=1.0,
+        )
 
 
 # -- held-back fenced acks -----------------------------------------------------

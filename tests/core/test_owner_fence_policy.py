@@ -97,7 +97,8 @@ def test_a_fence_needs_the_backends_capability() -> None:
 def test_no_fence_while_a_bootstrap_is_in_flight() -> None:
     state = _state()
     _quarantined(state, 1, (0,), at=0.0)
-    other = state.begin_bootstrap(("q0",), Hello("decode", "tcp://decode", "null", 4096, 1, 30_000, b""))
+    hello = Hello("decode", "tcp://decode", "null", 4096, 1, 30_000, b"")
+    other = state.begin_bootstrap(("q0",), hello, 39.0, timeout_s=30.0, resend_interval_s=1.0)
     assert not _fences(state.handle(Tick(), 40.0))
     state.forget_bootstrap(other)
     assert _fences(state.handle(Tick(), 40.1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 
@@ -18,6 +18,7 @@ from kvconn.protocol.ledger import RoomKey
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import KVPoll, PrefillRank
 from kvconn.testing.null import NullBackend, NullWriter
+from kvconn.testing.waiting import wait_for
 from kvconn.transport import Settlement
 
 WAIT_S = 10.0
@@ -67,13 +68,6 @@ def world() -> Iterator[tuple[PrefillRank, DecodeEndpoint, _HeldWriter]]:
         rank.close()
 
 
-def _until(what: str, ready: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not ready():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
-
-
 def _status(rank: PrefillRank, room: int) -> KVPoll | None:
     with rank._lock:
         return next((e.status for e in rank.ledger.decodes_of(room).values()), None)
@@ -87,9 +81,9 @@ def test_a_sender_made_after_decode_aborted_says_failed(
     rank, decode, _ = world
     assert rank.config.room_bootstrap_timeout_s is None
     rx = decode.receiver(1, (0, 1))
-    _until("the request at the rank", lambda: rank.requesting_tp(1) is not None)
+    wait_for(lambda: rank.requesting_tp(1) is not None, WAIT_S, "the request at the rank", poll=0.001)
     rx.abort()
-    _until("the abort at the rank", lambda: _status(rank, 1) is KVPoll.FAILED)
+    wait_for(lambda: _status(rank, 1) is KVPoll.FAILED, WAIT_S, "the abort at the rank", poll=0.001)
     sender = rank.sender(1)
     assert sender.poll() is KVPoll.FAILED
     verdict = sender.verdict()
@@ -122,30 +116,37 @@ def test_an_earlier_requests_queued_chunk_is_never_written_into_the_request_that
     rank, decode, writer = world
     writer.held[2] = threading.Event()
     blocker = decode.receiver(2, (10,))
-    _until("room 2's request", lambda: rank.requesting_tp(2) is not None)
+    wait_for(lambda: rank.requesting_tp(2) is not None, WAIT_S, "room 2's request", poll=0.001)
     rank.sender(2).send([0], last=True)
-    _until("room 2's chunk in the transport", lambda: (2, 0, (10,)) in writer.posted)
+    wait_for(lambda: (2, 0, (10,)) in writer.posted, WAIT_S, "room 2's chunk in the transport", poll=0.001)
 
     first = decode.receiver(1, (0, 1))
-    _until("room 1's request", lambda: rank.requesting_tp(1) is not None)
+    wait_for(lambda: rank.requesting_tp(1) is not None, WAIT_S, "room 1's request", poll=0.001)
     old = rank.sender(1)
     old.send([3])  # queued behind room 2's chunk: not dequeued, not counted
     first.abort()
-    _until("room 1's pages back at decode", lambda: first.state() is None)
+    wait_for(lambda: first.state() is None, WAIT_S, "room 1's pages back at decode", poll=0.001)
     with rank._lock:
         incarnation = rank.ledger.incarnation(RoomKey(decode.name, 1))
     second = decode.receiver(1, (4, 5))
-    _until(
-        "the reused id at the rank",
+    wait_for(
         lambda: rank.ledger.incarnation(RoomKey(decode.name, 1)) not in (None, incarnation),
+        WAIT_S,
+        "the reused id at the rank",
+        poll=0.001,
     )
     writer.held[2].set()  # the worker dequeues the old chunk now
-    _until("the old chunk skipped", lambda: rank.metrics.value("kvconn_chunks_total", outcome="skipped") == 1)
+    wait_for(
+        lambda: rank.metrics.value("kvconn_chunks_total", outcome="skipped") == 1,
+        WAIT_S,
+        "the old chunk skipped",
+        poll=0.001,
+    )
     assert [p for p in writer.posted if p[0] == 1] == []
     assert _status(rank, 1) is KVPoll.WAITING_FOR_INPUT  # the new request, untouched
 
     new = rank.sender(1)
     new.send([6, 7], last=True)
-    _until("the new request's success", lambda: second.poll() is KVPoll.SUCCESS)
+    wait_for(lambda: second.poll() is KVPoll.SUCCESS, WAIT_S, "the new request's success", poll=0.001)
     assert [p for p in writer.posted if p[0] == 1] == [(1, 0, (4, 5))]
     assert blocker.poll() is KVPoll.SUCCESS

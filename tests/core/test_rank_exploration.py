@@ -4,14 +4,17 @@ mutants of it the explorer must catch."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import explore_rank as er
 import pytest
 
-from kvconn.protocol.ledger import LIVE, KVPoll, RoomLedger
-from kvconn.protocol.rank import CONCLUDED, Action, RankState, SenderState, SendPlan
+from kvconn.protocol.drain import Announce
+from kvconn.protocol.ledger import LIVE, KVPoll, RoomKey, RoomLedger
+from kvconn.protocol.messages import TcpConnection
+from kvconn.protocol.rank import CONCLUDED, Action, ChunkEnd, RankState, SenderState, SendPlan
 
 #: name -> the world (each under ~30 s on a loaded 2-core machine)
 CONFIGS = {
@@ -27,6 +30,18 @@ CONFIGS = {
     "chunks": er.Config(uses=1, npages=2, senders=1, replays=0, errors=0, fail=False, fail_room=False),
     # the engine drains the rank at any point: requests refused, the grace, done
     "drain": er.Config(uses=1, senders=1, replays=0, errors=1, fail=False, fail_room=False, drain=True),
+    # a chunk that ends unsettled or with a raising hook, the writer's fence (proven), which may fail
+    "fence": er.Config(
+        uses=2, senders=1, replays=0, errors=0, fail=False, fail_room=False, unsettled=1, fence_fails=True
+    ),
+    # the same with a writer whose fence is not proven (its hook's True proves nothing)
+    "no-fence": er.Config(
+        uses=2, senders=1, replays=0, errors=0, fail=False, fail_room=False, unsettled=1, writer_fence=False
+    ),
+    # a drain with a chunk in limbo: done only after the fence, naming what it closed
+    "drain-fence": er.Config(
+        uses=1, senders=1, replays=0, errors=0, fail=False, fail_room=False, drain=True, unsettled=1
+    ),
 }
 
 
@@ -46,8 +61,8 @@ def test_rank_is_safe_in_every_interleaving(name: str, capsys: pytest.CaptureFix
 class _Untagged(RankState[str]):
     """Chunks queued without their incarnation tag."""
 
-    def plan_send(self, s: SenderState, npages: int, last: bool, polled: KVPoll) -> SendPlan[str]:
-        plan = super().plan_send(s, npages, last, polled)
+    def plan_send(self, s: SenderState, src: Sequence[int], last: bool, polled: KVPoll) -> SendPlan[str]:
+        plan = super().plan_send(s, src, last, polled)
         legs = tuple(attrs.evolve(leg, incarnation=None) for leg in plan.legs)
         return attrs.evolve(plan, legs=legs)
 
@@ -75,8 +90,8 @@ class _SettledUnbound(RankState[str]):
 class _ShortLast(RankState[str]):
     """A last chunk that leaves pages of the room unwritten accepted."""
 
-    def plan_send(self, s: SenderState, npages: int, last: bool, polled: KVPoll) -> SendPlan[str]:
-        return attrs.evolve(super().plan_send(s, npages, False, polled), last=last)
+    def plan_send(self, s: SenderState, src: Sequence[int], last: bool, polled: KVPoll) -> SendPlan[str]:
+        return attrs.evolve(super().plan_send(s, src, False, polled), last=last)
 
 
 class _DrainIgnoresInFlight(RankState[str]):
@@ -106,9 +121,61 @@ class _AcceptsWhileDraining(RankState[str]):
             self.drain = drain
 
 
-def _factory(cls: type[RankState[str]]) -> Any:
-    def make() -> RankState[str]:
-        return cls(RoomLedger(0, er.TTL_S, er.SESSION), er.BOOTSTRAP_S, er.reachable)
+class _UnsettledAsSettled(RankState[str]):
+    """A chunk that ended unsettled counted as settled (its count dropped)."""
+
+    def chunk_ended(
+        self, key: RoomKey, end: ChunkEnd, last: bool = False, reason: str = ""
+    ) -> Sequence[Action]:
+        if end is ChunkEnd.UNSETTLED:
+            end = ChunkEnd.FAILED_SETTLED
+        return super().chunk_ended(key, end, last, reason)
+
+
+class _PluginErrorUncounted(RankState[str]):
+    """A chunk whose hook raised counted as settled: the fail-safe undone."""
+
+    def chunk_ended(
+        self, key: RoomKey, end: ChunkEnd, last: bool = False, reason: str = ""
+    ) -> Sequence[Action]:
+        if end is ChunkEnd.PLUGIN_ERROR:
+            end = ChunkEnd.FAILED_SETTLED
+        return super().chunk_ended(key, end, last, reason)
+
+
+class _TrustsAnUnprovenFence(RankState[str]):
+    """A writer's fence trusted without the capability the conformance suite proves."""
+
+    @property
+    def _fences(self) -> bool:
+        return True
+
+
+class _FailedFenceSettles(RankState[str]):
+    """A fence that failed settles the poisoned rooms all the same."""
+
+    def fence_ended(self, ok: bool, closed: frozenset[TcpConnection] = frozenset()) -> Sequence[Action]:
+        return super().fence_ended(True, closed)
+
+
+class _ForgetsClosedConnections(RoomLedger):
+    """Fenced acks that do not name the connections the fence closed."""
+
+    def fenced(self, closed: frozenset[TcpConnection] = frozenset()) -> Any:
+        return super().fenced(frozenset())
+
+
+class _AnnouncesNoConnections(RankState[str]):
+    """A drain's ``done`` that does not name the connections the fences closed."""
+
+    def drain_tick(self, now: float) -> tuple[bool, list[Action]]:
+        drained, actions = super().drain_tick(now)
+        return drained, [attrs.evolve(a, closed=()) if isinstance(a, Announce) else a for a in actions]
+
+
+def _factory(cls: type[RankState[str]], ledger: type[RoomLedger] = RoomLedger) -> Any:
+    def make(cfg: er.Config) -> RankState[str]:
+        return cls(ledger(0, er.TTL_S, er.SESSION), er.BOOTSTRAP_S, er.reachable, er.terms(cfg))
 
     return make
 
@@ -120,11 +187,21 @@ MUTANTS = {
     "short-last": (_ShortLast, "chunks", "R2"),
     "drain-ignores-in-flight": (_DrainIgnoresInFlight, "drain", "R4"),
     "accepts-while-draining": (_AcceptsWhileDraining, "drain", "R4"),
+    # the chunk path's decisions (RankState.chunk_ended, fence_begins/ended)
+    "unsettled-as-settled": (_UnsettledAsSettled, "fence", "R1"),
+    "plugin-error-uncounted": (_PluginErrorUncounted, "fence", "R1"),
+    "trusts-an-unproven-fence": (_TrustsAnUnprovenFence, "no-fence", "R1"),
+    "failed-fence-settles": (_FailedFenceSettles, "fence", "R1"),
+    "announces-no-connections": (_AnnouncesNoConnections, "drain-fence", "R5"),
 }
 
 
-@pytest.mark.parametrize("name", MUTANTS)
+@pytest.mark.parametrize("name", [*MUTANTS, "ack-names-no-connections"])
 def test_the_explorer_catches_a_mutant(name: str) -> None:
-    cls, world, rule = MUTANTS[name]
+    if name == "ack-names-no-connections":
+        factory, world, rule = _factory(RankState, _ForgetsClosedConnections), "fence", "R5"
+    else:
+        cls, world, rule = MUTANTS[name]
+        factory = _factory(cls)
     with pytest.raises(er.Violation, match=rule):
-        er.explore(CONFIGS[world], _factory(cls))
+        er.explore(CONFIGS[world], factory)

@@ -16,10 +16,11 @@ from kvconn.protocol.rank import (
     Drop,
     Fence,
     GaveUp,
-    HelloPlan,
+    Pairing,
     RankState,
     Requested,
     SenderState,
+    WriterTerms,
 )
 
 SESSION = 77
@@ -27,10 +28,14 @@ TTL = 60.0
 A, B = "decode-a", "decode-b"
 
 
+#: The writer of these tests: its fence is proven.
+TERMS = WriterTerms("null", 1.0, writer_fence=True)
+
+
 def _state(timeout: float | None = None) -> RankState[str]:
-    state: RankState[str] = RankState(RoomLedger(0, TTL, SESSION), timeout)
-    state.add_peer(A, "tcp://a", "layout-a")
-    state.add_peer(B, "tcp://b", "layout-b", tp_size=2)
+    state: RankState[str] = RankState(RoomLedger(0, TTL, SESSION), timeout, writer=TERMS)
+    state.add_peer(A, "tcp://a", Pairing("layout-a", source_pages=64))
+    state.add_peer(B, "tcp://b", Pairing("layout-b", tp_size=2, source_pages=64))
     return state
 
 
@@ -60,7 +65,7 @@ def _abort(
 
 def _send(state: RankState[str], s: SenderState, npages: int, last: bool, now: float = 0.0) -> None:
     polled, _ = state.poll(s, now)
-    plan = state.plan_send(s, npages, last, polled)
+    plan = state.plan_send(s, range(npages), last, polled)
     state.commit_send(s, plan)
     for leg in plan.legs:
         assert state.ledger.dequeue(leg.key, leg.incarnation)
@@ -101,15 +106,6 @@ def test_a_raising_abort_hook_poisons_the_room_and_fences() -> None:
     actions = state.abort_hooked(msg, raised=True)
     assert Fence() in actions and not any(isinstance(a, SendAck) for a in actions)
     assert [a for a in state.ledger.fenced() if isinstance(a, SendAck)]  # the fence proves it
-
-
-def test_a_hello_changing_a_known_decode_is_refused() -> None:
-    state = _state()
-    assert state.hello(A, "tcp://a", "layout-a") is HelloPlan.KNOWN
-    assert state.hello("decode-c", "tcp://a", "x") is HelloPlan.NEW_AT_REUSED_ADDRESS
-    assert state.hello("decode-c", "tcp://c", "x") is HelloPlan.NEW
-    with pytest.raises(ValueError, match="already bootstrapped"):
-        state.hello(A, "tcp://elsewhere", "layout-a")
 
 
 def test_a_sender_made_after_decode_aborted_the_request_fails() -> None:
@@ -157,11 +153,11 @@ def test_a_last_chunk_one_page_short_is_refused_and_changes_nothing() -> None:
     _request(state, seq, A, 1, (0, 1, 2))
     s = state.open_sender(1, 1, 0.0)
     with pytest.raises(IncompleteRoomError, match="leaves 1 of the room's 3"):
-        state.plan_send(s, 2, True, state.poll(s, 0.0)[0])
+        state.plan_send(s, range(2), True, state.poll(s, 0.0)[0])
     with pytest.raises(PageError, match="3 pages left, got 4"):
-        state.plan_send(s, 4, False, KVPoll.WAITING_FOR_INPUT)
+        state.plan_send(s, range(4), False, KVPoll.WAITING_FOR_INPUT)
     assert (s.sent, s.index, s.last_sent) == (0, 0, False)
-    plan = state.plan_send(s, 3, True, KVPoll.WAITING_FOR_INPUT)
+    plan = state.plan_send(s, range(3), True, KVPoll.WAITING_FOR_INPUT)
     assert [leg.dst_pages for leg in plan.legs] == [(0, 1, 2)]
 
 
@@ -216,7 +212,7 @@ def test_chunks_name_their_request_so_a_reused_id_skips_them() -> None:
     state, seq = _state(), _Seq()
     _request(state, seq, A, 1, (0, 1))
     old = state.open_sender(1, 1, 0.0)
-    plan = state.plan_send(old, 1, False, state.poll(old, 0.0)[0])
+    plan = state.plan_send(old, range(1), False, state.poll(old, 0.0)[0])
     state.commit_send(old, plan)
     _abort(state, A, 1)  # nothing dequeued: acked at once, decode reuses the id
     _request(state, seq, A, 1, (5, 6))
@@ -265,7 +261,7 @@ def test_plan_next_tells_a_give_up_with_the_refused_send() -> None:
     the refusal, as the two steps it replaced gave them."""
     state = _state(timeout=5.0)
     s = state.open_sender(1, 1, 0.0)
-    refused, actions = state.plan_next(s, 1, True, 5.0)
+    refused, actions = state.plan_next(s, range(1), True, 5.0)
     assert isinstance(refused, RoomStateError) and actions == [GaveUp(1)]
     assert s.gave_up and s.sent == 0
 
@@ -275,12 +271,12 @@ def test_plan_next_skips_the_poll_only_of_a_bound_sender_and_says_what_poll_says
     s = state.open_sender(1, 1, 0.0)
     _request(state, seq, A, 1, (0, 1))
     assert state.poll(s, 0.0)[0] is KVPoll.WAITING_FOR_INPUT  # bound to A's request
-    plan, actions = state.plan_next(s, 1, False, 0.0)
+    plan, actions = state.plan_next(s, range(1), False, 0.0)
     assert not isinstance(plan, Exception) and actions == []
     assert plan.legs[0].dst_pages == (0,)
     state.commit_send(s, plan)
     state.clear(s, 1.0)  # cleared: refused, with the status poll() gives
-    refused, _ = state.plan_next(s, 1, True, 1.0)
+    refused, _ = state.plan_next(s, range(1), True, 1.0)
     with pytest.raises(RoomStateError) as two_steps:
-        state.plan_send(s, 1, True, state.poll(s, 1.0)[0])
+        state.plan_send(s, range(1), True, state.poll(s, 1.0)[0])
     assert isinstance(refused, RoomStateError) and str(refused) == str(two_steps.value)

@@ -5,8 +5,7 @@ the rank write into pages decode had handed out since."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,16 +16,10 @@ from kvconn.protocol.messages import Hello, TransferRequest
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 KEY = b"k" * 32
 WAIT_S = 10.0
-
-
-def _until(what: str, ready: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not ready():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -59,18 +52,20 @@ def test_a_replayed_request_after_the_room_concluded_writes_nothing(
 ) -> None:
     rank, decode, requests = world
     rx = decode.receiver(1, (5,))
-    _until("room 1 to succeed", lambda: rx.poll() is KVPoll.SUCCESS)
+    wait_for(lambda: rx.poll() is KVPoll.SUCCESS, WAIT_S, "room 1 to succeed", poll=0.001)
     rx.finish()  # decode has its page back and may hand it out
     landed = rank.metrics.value("kvconn_chunks_total", outcome="landed")
     session = decode._state.writers[0].session
     recorded = wire.encode(TransferRequest(1, decode.name, (5,), session, 1), KEY)  # what decode sent
     rank._listener.deliver(recorded)
-    _until("the replay to be dropped", lambda: _stale(rank) == 1)
+    wait_for(lambda: _stale(rank) == 1, WAIT_S, "the replay to be dropped", poll=0.001)
     assert requests == [1]  # the engine was not asked again
     assert rank.metrics.value("kvconn_chunks_total", outcome="landed") == landed
     # decode's next request is taken as ever
     rx = decode.receiver(1, (6,))
-    _until("room 1, asked again by decode, to succeed", lambda: rx.poll() is KVPoll.SUCCESS)
+    wait_for(
+        lambda: rx.poll() is KVPoll.SUCCESS, WAIT_S, "room 1, asked again by decode, to succeed", poll=0.001
+    )
     assert requests == [1, 1] and _stale(rank) == 1
 
 
@@ -80,7 +75,7 @@ def test_a_request_for_another_process_of_the_rank_is_dropped(
     rank, decode, requests = world
     other = decode._state.writers[0].session ^ 1  # a rank process that ran at this address before
     rank._listener.deliver(wire.encode(TransferRequest(2, decode.name, (7,), other, 99), KEY))
-    _until("the request to be dropped", lambda: _stale(rank) == 1)
+    wait_for(lambda: _stale(rank) == 1, WAIT_S, "the request to be dropped", poll=0.001)
     assert requests == [] and rank.sender(2).poll() is KVPoll.BOOTSTRAPPING
 
 
@@ -89,7 +84,7 @@ def test_a_hello_cannot_change_a_known_decode_or_reset_its_requests(
 ) -> None:
     rank, decode, _ = world
     rx = decode.receiver(1, (5,))
-    _until("room 1 to succeed", lambda: rx.poll() is KVPoll.SUCCESS)
+    wait_for(lambda: rx.poll() is KVPoll.SUCCESS, WAIT_S, "room 1 to succeed", poll=0.001)
     peer = rank._peers[decode.name]
     before = (peer.reply_to, peer.layout, peer.last_seq)
     changed = Hello(decode.name, "tcp://127.0.0.1:1", "null", 8192, 1, 30_000, b"")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconn.testing.child import Child
+from kvconn.testing.child import Child, ChildError, StderrLog
 from kvconn.testing.pages import CanaryPages
 from kvconn.testing.patterns import CANARY, canary, shard_bytes
 from kvconn.testing.waiting import wait_for
@@ -155,6 +155,26 @@ def test_child_waits_fail_with_its_failure_class() -> None:
         assert time.monotonic() - t0 < 5
     finally:
         child.close()
+
+
+def test_a_childs_lines_on_its_way_out_are_kept() -> None:
+    child = _child({"events": [], "last": {"profile": 7}})
+    child.close(timeout=30)
+    assert child.proc.returncode == 0
+    assert child.last_with("last") == {"profile": 7} and child.last_with("nothing") is None
+
+
+def test_a_child_that_died_is_reported_by_its_last_stderr_line() -> None:
+    """What ``kvconn bench`` prints for a child that failed: one line, not its traceback."""
+    env = {"PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = StderrLog()
+    child = Child("child_echo", {"die": True}, env=env, log=log, name="the echo", failure=ChildError)
+    try:
+        with pytest.raises(ChildError, match=r"^the echo exited with 3: ValueError: the cause$"):
+            child.next_with("address", 30, "start")
+    finally:
+        child.close()
+    assert log.file is not None and log.file.closed  # closed with the child
 
 
 def test_a_wait_on_a_child_a_signal_ended_names_the_signal() -> None:

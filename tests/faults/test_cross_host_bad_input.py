@@ -2,13 +2,16 @@
 on another. An unreachable rank address, a partitioned rank and mismatched
 HMAC keys and ranks of an older wire version each fail the bootstrap with a
 clear BootstrapError, leave no endpoint thread running, and a later
-bootstrap with the fault gone works.
-(A wrong interface or address for nixl / mooncake is refused by name before
+bootstrap with the fault gone works. An interface that exists but cannot
+reach the other host (nixl's net_devices=lo on a writer) fails the bootstrap
+naming the interface and the cure.
+(An interface or address a host does not have is refused by name before
 any engine exists: tests/nixl, tests/mooncake.)"""
 
 from __future__ import annotations
 
 import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +24,10 @@ from kvconn.plugins import get_backend
 from kvconn.protocol import wire
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.testing import hosts
+from kvconn.testing.child import Child
 from kvconn.testing.cluster import Cluster
 from kvconn.testing.hosts import Fabric
+from kvconn.testing.libraries import why_unavailable
 from kvconn.testing.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavailable() or "n/a")
@@ -146,3 +151,69 @@ def test_ranks_of_an_older_wire_version_fail_the_bootstrap_by_name(
         wait_for(lambda: rx.poll().name == "SUCCESS", 10, "a room lands after the bootstrap", poll=0.01)
     finally:
         c.close()
+
+
+def test_a_writer_pinned_to_lo_fails_the_bootstrap_naming_its_interface(fabric: Fabric) -> None:
+    """nixl's net_devices=lo on a rank whose decode is on another host: lo
+    exists there, so nothing refuses it up front; UCX only logs "Destination
+    is unreachable" and NIXL raises NIXL_ERR_BACKEND when the rank loads
+    decode's agent. Decode's bootstrap fails at once with the rank's refusal,
+    which names the interface and the cure; decode never opens a room, and
+    the rank lives on."""
+    if why_unavailable("nixl"):
+        pytest.skip(f"nixl: {why_unavailable('nixl')}")
+    decode, rank_host = fabric["decode"], fabric["prefill0"]
+    env = {"NIXL_LOG_LEVEL": "ERROR", "UCX_MODULES": "^ib"}
+    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in finally)
+    rank_args = {
+        "backend": "nixl",
+        "rank": 0,
+        "num_ranks": 1,
+        "page_bytes": 16384,
+        "chunk_pages": 1,
+        "source_pages": 16,
+        "write_timeout_s": 0.5,
+        "abort_timeout_s": 1.5,
+        "backend_options": {"net_devices": "lo"},  # exists on every host; reaches none but its own
+        "host": rank_host.ip,
+    }
+    rank = Child("kvconn.testing.faults", rank_args, env=env, host=rank_host, stderr=stderr)
+    dec: Child | None = None
+    try:
+        address = str(rank.next_with("address", 60, "rank start")["address"])
+        decode_args = {
+            "backend": "nixl",
+            "prefill": [address],
+            "num_pages": 16,
+            "page_bytes": 16384,
+            "num_ranks": 1,
+            "config": {
+                "host": decode.ip,
+                "write_timeout_s": 0.5,
+                "abort_timeout_s": 1.5,
+                "bootstrap_timeout_s": 20.0,
+                "backend_options": {"net_devices": decode.iface},
+            },
+        }
+        started = time.monotonic()
+        dec = Child("kvconn.testing.host_decode", decode_args, env=env, host=decode, stderr=stderr)
+        wait_for(lambda: dec.proc.poll() is not None, 60, "decode's bootstrap fails")
+        took = time.monotonic() - started
+        assert dec.proc.returncode != 0
+        assert not any(e.get("event") == "ready" for e in dec.history())  # no endpoint, no room
+        stderr.seek(0)
+        said = stderr.read()
+        assert "BootstrapError" in said and address in said, said[-2000:]
+        assert "this writer (net_devices=lo, ucx_tls=tcp) cannot reach the region's agent" in said
+        assert "net_devices=lo reaches this host only" in said
+        assert took < 20.0  # the refusal, not the bootstrap timeout
+        # The rank took the Hello, refused it, and lives on.
+        rank.send_line("metrics")
+        samples = rank.next_with("samples", 10, "rank metrics")["samples"]
+        hellos = [v for n, lab, v in samples if n == "kvconn_messages_total" and lab == {"type": "Hello"}]
+        assert hellos and hellos[0] >= 1
+    finally:
+        if dec is not None:
+            dec.close()
+        rank.close()
+        stderr.close()

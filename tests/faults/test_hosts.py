@@ -105,6 +105,46 @@ def test_partition_blocks_traffic_and_heal_restores_it(fabric: Fabric) -> None:
         proc.kill()
 
 
+#: Sends 256 KiB to a host's sink and prints the seconds until the sink had them all.
+SEND = textwrap.dedent(
+    """
+    import socket, sys, time
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+    t0 = time.monotonic(); c.sendall(bytes(256 << 10)); c.shutdown(socket.SHUT_WR)
+    c.recv(1); print(time.monotonic() - t0)
+    """
+)
+SINK = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(8)
+    print(s.getsockname()[1], flush=True)
+    while True:
+        c, _ = s.accept()
+        while c.recv(1 << 16): pass
+        c.sendall(b"k"); c.close()
+    """
+)
+
+
+def test_a_slow_host_sends_at_its_rate_until_unslowed(fabric: Fabric) -> None:
+    sink = fabric["decode"].popen(
+        [sys.executable, "-c", SINK, fabric["decode"].ip], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert sink.stdout is not None
+        port = sink.stdout.readline().strip()
+        sender = fabric["prefill0"]
+        sender.slow("2mbit")  # 256 KiB at 250 KB/s: about 1 s
+        slow = float(sender.run([sys.executable, "-c", SEND, fabric["decode"].ip, port]))
+        sender.unslow()
+        fast = float(sender.run([sys.executable, "-c", SEND, fabric["decode"].ip, port]))
+        assert slow > 0.7, slow
+        assert fast < slow / 3, (fast, slow)
+    finally:
+        sink.kill()
+
+
 def test_host_loss_kills_every_process_in_it(fabric: Fabric) -> None:
     lost = fabric["prefill1"]
     tree = lost.popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])

@@ -51,9 +51,10 @@ def referenced(text: str) -> set[str]:
 class EndpointChild:
     """``endpoint_child.py`` in a process of its own; ``port`` is its exporter's."""
 
-    def __init__(self, pages: int, port: int = 0) -> None:
+    def __init__(self, pages: int, port: int = 0, unsafe: bool = False) -> None:
+        args = {"pages": pages, "port": port, "unsafe": unsafe}
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "endpoint_child.py"), json.dumps({"pages": pages, "port": port})],
+            [sys.executable, str(HERE / "endpoint_child.py"), json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -62,19 +63,24 @@ class EndpointChild:
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.port = int(self._first_event(60)["port"])
+        self.port = int(self.next_event(60)["port"])
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._lines.put(line)
 
-    def _first_event(self, timeout: float) -> dict[str, Any]:
+    def send_line(self, line: str = "go") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def next_event(self, timeout: float) -> dict[str, Any]:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             self.close()
-            raise AssertionError(f"the endpoint child printed nothing in {timeout} s") from None
+            raise AssertionError(f"the endpoint child printed nothing more in {timeout} s") from None
         event: dict[str, Any] = json.loads(line)
         return event
 

@@ -8,7 +8,6 @@ import time
 import urllib.error
 import urllib.request
 
-import attrs
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,14 +18,10 @@ from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.null import NullBackend
 
-pytestmark = pytest.mark.skipif(
-    "metrics_port" not in attrs.fields_dict(Config), reason="Config.metrics_port is not wired in yet"
-)
-
 
 def test_endpoints_configured_with_a_metrics_port_serve_their_metrics() -> None:
     backend = NullBackend()
-    config = Config(metrics_port=0)  # type: ignore[call-arg,unused-ignore]
+    config = Config(metrics_port=0)
     rank = PrefillRank(backend, 0, 16 * 4096, config)
     decode = DecodeEndpoint(backend, 16, 4096, [rank.address], config)
     try:
@@ -66,4 +61,4 @@ def test_without_a_metrics_port_nothing_is_served() -> None:
 
 def test_a_metrics_port_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="metrics_port"):
-        Config(metrics_port=70000)  # type: ignore[call-arg,unused-ignore]
+        Config(metrics_port=70000)

@@ -66,6 +66,8 @@ def test_the_dashboard_shows_what_an_operator_needs() -> None:
         "kvconn_fences_total",
         "kvconn_dropped_messages_total",
         "kvconn_chunks_total",
+        "kvconn_owner_fences_total",
+        "kvconn_owner_fence_pages_recovered_total",
     ):
         assert needed in used, f"no panel shows {needed}"
 

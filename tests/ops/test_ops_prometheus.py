@@ -213,3 +213,38 @@ def test_prometheus_scrapes_a_running_kvconn_bench(prometheus_binary: str, tmp_p
             assert landed["metric"]["instance"] == f"127.0.0.1:{base + 1 + rank}"
     finally:
         server.stop()
+
+
+def test_a_release_without_proof_fires_kvconn_unsafe_release(prometheus_binary: str, tmp_path: Path) -> None:
+    """The one alert that means a page may be corrupted, end to end: an
+    endpoint in the legacy timeout-only mode frees an aborted room at its
+    deadline, and a real Prometheus with the shipped rules fires
+    KvconnUnsafeRelease with the endpoint's labels."""
+    child = EndpointChild(pages=2, unsafe=True)
+    server = Prometheus(prometheus_binary, [child.port], tmp_path, "200ms")
+    try:
+        server.wait_ready(60)
+        # the counter seen at 0 first: increase() counts no series' first sample
+        unsafe = f'kvconn_releases_total{{{ENDPOINT_LABEL}="decode",proof="unsafe_timeout"}}'
+        (zero,) = server.wait_query(unsafe, 30)
+        assert float(zero["value"][1]) == 0.0
+        assert get(server.base + "/api/v1/alerts")["data"]["alerts"] == []
+        child.send_line()
+        assert child.next_event(30) == {"released": "unsafe_timeout"}
+        deadline = time.monotonic() + 30
+        while not (
+            firing := [
+                a for a in get(server.base + "/api/v1/alerts")["data"]["alerts"] if a["state"] == "firing"
+            ]
+        ):
+            assert time.monotonic() < deadline, "KvconnUnsafeRelease did not fire in 30 s"
+            time.sleep(0.2)
+        (alert,) = firing
+        assert alert["labels"]["alertname"] == "KvconnUnsafeRelease", alert
+        assert alert["labels"]["severity"] == "critical" and alert["labels"][ENDPOINT_LABEL] == "decode", (
+            alert
+        )
+        assert alert["labels"]["instance"] == f"127.0.0.1:{child.port}"
+    finally:
+        server.stop()
+        child.close()

@@ -76,9 +76,9 @@ def gloo_group(sglang_with_kvconn: Any) -> Iterator[Any]:
 class PrefillChild:
     """A prefill process (prefill_child.py) hosting one or more TP ranks."""
 
-    def __init__(self, tp_size: int, ranks: list[int]) -> None:
+    def __init__(self, tp_size: int, ranks: list[int], transport: str = "loopback") -> None:
         spec = json.dumps({"tp_size": tp_size, "ranks": ranks})
-        env = dict(os.environ, **KVCONN_ENV, PYTHONUNBUFFERED="1")
+        env = {**os.environ, **KVCONN_ENV, "PYTHONUNBUFFERED": "1", "KVCONN_SGLANG_TRANSPORT": transport}
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "prefill_child.py"), spec],
             stdin=subprocess.PIPE,
@@ -90,6 +90,7 @@ class PrefillChild:
         #: Its SGLang bootstrap server, as a request names it (host:port).
         self.bootstrap = ""
         self.stopped = False
+        self.pid = self.proc.pid
 
     def wait_ready(self, timeout_s: float = 240) -> None:
         answer = self._read(timeout_s)

@@ -7,7 +7,10 @@ the scheduler's ``process_disagg_prefill_inflight_queue`` (Success / Failed,
 then SGLang frees the request's source KV). Driven over stdin/stdout, one
 JSON object per line.
 
-Run as ``python prefill_child.py '{"tp_size": 2, "ranks": [0, 1]}'``.
+Run as ``python prefill_child.py '{"tp_size": 2, "ranks": [0, 1]}'``; with
+``"host": ADDRESS`` its bootstrap server and the address it registers there
+are that host's (a prefill on another host: tests/sglang/test_sglang_hosts.py;
+its kvconn rank then binds KVCONN_SGLANG_HOST).
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class Rank:
     """One prefill TP rank: its manager, SGLang's bootstrap queue, and the
     scheduler state process_disagg_prefill_inflight_queue reads."""
 
-    def __init__(self, utils: Any, tp_size: int, tp_rank: int, group: Any, bootstrap_port: int) -> None:
+    def __init__(
+        self, utils: Any, tp_size: int, tp_rank: int, group: Any, bootstrap_port: int, host: str
+    ) -> None:
         backend = utils.TransferBackend("kvconn")
         self.pool = Pool(tp_size, tp_rank, fill=True)
         # SGLang's own aux rows (first output token, logprobs, the room id ...), on CPU as in SGLang.
@@ -68,7 +73,7 @@ class Rank:
         server_args = SimpleNamespace(
             tp_size=tp_size,
             enable_dp_attention=False,
-            host="127.0.0.1",
+            host=host,
             disaggregation_bootstrap_port=bootstrap_port,
         )
         manager_class = utils.get_kv_class(backend, utils.KVClassType.MANAGER)
@@ -97,11 +102,12 @@ class Rank:
         queue.req_to_metadata_buffer_idx_allocator = self.slots
         self.bootstrap = queue
         self.reqs: dict[int, Any] = {}
+        self.host = host
 
     def begin(self, room: int, num_pages: int, first_token: int, wait_s: float) -> int:
         req = SimpleNamespace(
             rid=f"room-{room}",
-            bootstrap_host="127.0.0.1",
+            bootstrap_host=self.host,
             bootstrap_room=room,
             disagg_prefill_dp_rank=None,
             origin_input_ids=[1] * (num_pages * PAGE_TOKENS),
@@ -160,8 +166,9 @@ def main() -> None:
     backend = utils.TransferBackend("kvconn")
     bootstrap_port = free_port()
     server_class = utils.get_kv_class(backend, utils.KVClassType.BOOTSTRAP_SERVER)
-    server_class(host="127.0.0.1", port=bootstrap_port)
-    ranks = {r: Rank(utils, spec["tp_size"], r, group, bootstrap_port) for r in spec["ranks"]}
+    host = spec.get("host", "127.0.0.1")
+    server_class(host=host, port=bootstrap_port)
+    ranks = {r: Rank(utils, spec["tp_size"], r, group, bootstrap_port, host) for r in spec["ranks"]}
     # SGLang frees a finished request's source KV through release_kv_cache.
     prefill.release_kv_cache = lambda req, tree_cache, **kw: [
         rank.released.append(req.rid) for rank in ranks.values() if rank.reqs.get(req.bootstrap_room) is req
@@ -169,7 +176,7 @@ def main() -> None:
     reply(
         {
             "ready": {r: rank.manager.rank.address for r, rank in ranks.items()},
-            "bootstrap": f"127.0.0.1:{bootstrap_port}",
+            "bootstrap": f"{host}:{bootstrap_port}",
         }
     )
     for line in sys.stdin:

@@ -26,6 +26,10 @@ _PROBED_BY_TRANSFORMERS = (
     "is_torchcodec_available",
 )
 
+#: Real triton on a host with no GPU driver raises when asked for the active
+#: driver's target (SGLang's kernels then fall back to "cpu"): so does this.
+_NO_DRIVER = "triton.runtime.driver."
+
 
 class _StandInMeta(type):
     """Every stand-in is a class, so torch's isinstance checks and subclassing work."""
@@ -36,6 +40,8 @@ class _StandInMeta(type):
         return _stand_in(f"{cls.__qualname__}.{item}")
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls.__qualname__.startswith(_NO_DRIVER):
+            raise RuntimeError("0 active drivers (triton stand-in: no GPU here)")
         # Used as a bare decorator (@triton.jit): hand the function back.
         if len(args) == 1 and not kwargs and callable(args[0]):
             return args[0]

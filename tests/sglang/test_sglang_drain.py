@@ -42,6 +42,9 @@ def test_a_draining_prefill_finishes_what_it_sends_fails_the_rest_and_decode_get
         refused = receiver(utils, manager, prefill, next(ROOM_SEQ), [5])
         assert refused.poll() == utils.KVPoll.Failed
         assert refused._failure is not None and "draining" in refused._failure
+        # The next request for this instance reads its ranks at its bootstrap
+        # server again: a restarted instance registers new ones there.
+        assert (prefill.bootstrap, 0) not in manager._prefill_ranks
         assert manager.endpoint._state.held_pages() == 0
         report = manager.drain(0.0, timeout_s=1.0)
         assert report.drained and report.pages_left == 0

@@ -15,14 +15,16 @@ from conftest import NEEDS_VLLM
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytest.importorskip("kvconn_vllm", reason=NEEDS_VLLM)
 
+import functools
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 from engine_harness import Engine, generate
 from vllm_helpers import make_tiny_llama
+
+from kvconn.testing import waiting
 
 #: 100 tokens: 4 blocks of 64 KiB (2 layers x 2 heads x (32 K + 32 V rows) x
 #: 64 x 4 bytes) = 256 KiB, written in 8 KiB pieces 0.05 s apart: ~1.6 s.
@@ -32,15 +34,8 @@ DEADLINES = {"write_timeout_s": 2.5, "abort_timeout_s": 3.0, "resend_interval_s"
 MAX_TOKENS = 4
 
 
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.02)
+#: kvconn.testing's wait, polling the engines' stats no more than every 20 ms.
+wait_for = functools.partial(waiting.wait_for, poll=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +79,13 @@ def test_abort_mid_transfer_holds_blocks_until_proof(cluster: tuple[Engine, Engi
     aborted_at = time.monotonic()
     decode.call("abort", req_id)
     # The room is held (the write still runs) and vLLM did not get its blocks.
-    state = wait_for(lambda: decode.stats()["held"].get(req_id), 10, "the worker aborted the room")
-    assert state == "held"
+    wait_for(lambda: req_id in decode.stats()["held"], 10, "the worker aborted the room")
+    assert decode.stats()["held"][req_id] == "held"
     assert decode.stats()["free_blocks"] == held
 
-    back = wait_for(lambda: decode.stats()["free_blocks"] == free_before, 30, "blocks back after proof")
+    wait_for(lambda: decode.stats()["free_blocks"] == free_before, 30, "blocks back after proof")
     released_after = time.monotonic() - aborted_at
-    assert back and req_id not in decode.stats()["held"]
+    assert req_id not in decode.stats()["held"]
     proofs = decode.stats()["proofs"]
     # The writer's ack, or its ack after its own fence: proofs, never a clock.
     assert proofs.get("acks", 0) + proofs.get("writer_fence", 0) >= 1, proofs

@@ -2,13 +2,20 @@
 KvconnConnector over loopback and ``kvconn-vllm-proxy`` in front of them.
 Completions through the proxy, streamed or not, equal the prefill server's
 own (it serves plain requests as one engine), and decode computed no prompt
-token itself: vLLM's own metrics count every one as a KV transfer."""
+token itself: vLLM's own metrics count every one as a KV transfer. A client
+that hangs up on decode mid-transfer aborts the request: kvconn releases
+its pages by proof, and decode's /metrics shows it.
+
+Prefill writes a little slowly (loopback's ``piece_delay_s``: 16 KiB pieces
+0.05 s apart, 64 KiB per 32-token block, so 0.2 s a block) so that a
+transfer is still in flight when that client hangs up."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +37,7 @@ from kvconn.testing.cluster import free_port
 from kvconn_vllm.proxy import Proxy, serve
 
 START_TIMEOUT_S = 300.0
+SLOW = {"piece_bytes": "16384", "piece_delay_s": "0.05"}
 PROMPTS = {n: " ".join(f"w{(n * 13 + i * 7) % 500 + 3}" for i in range(n)) for n in (5, BLOCK_SIZE, 45, 70)}
 
 
@@ -54,7 +62,8 @@ class Server:
             )
 
     def _options(self, role: str) -> list[tuple[str, ...]]:
-        config = {**kv_transfer_config(role), "kv_load_failure_policy": "recompute"}
+        extra = {"backend_options": SLOW} if role == "kv_producer" else {}
+        config = {**kv_transfer_config(role, **extra), "kv_load_failure_policy": "recompute"}
         return [
             ("--host", "127.0.0.1"),
             ("--port", str(self.port)),
@@ -185,3 +194,68 @@ def test_kvconn_figures_on_each_servers_own_metrics(servers: tuple[Server, Serve
     proofs = _samples(decode, "kvconn_releases_total", kvconn_endpoint="decode-0")
     assert len(proofs) >= 7 and sum(proofs) == 0.0, proofs
     assert sum(_samples(decode, "kvconn_messages_total", kvconn_endpoint="decode-0")) > 0
+
+
+#: 220 tokens: 7 blocks, 1.4 s of writes at SLOW.
+LONG_PROMPT = " ".join(f"w{(i * 17) % 500 + 3}" for i in range(220))
+
+
+def _hang_up_mid_transfer(decode: Server, body: dict[str, Any]) -> None:
+    """Send ``body`` to decode's completions and close the connection,
+    unanswered, once vLLM says the request's KV load is in progress (its own
+    gauge): vLLM's server aborts the request, mid-transfer."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{decode.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    loading = {"stage": "in_progress"}
+    with socket.create_connection(("127.0.0.1", decode.port), timeout=10) as conn:
+        conn.sendall(head.encode() + data)
+        deadline = time.monotonic() + 30
+        while sum(_samples(decode, "vllm:num_requests_kv_fetch_by_stage", **loading)) < 1:
+            assert time.monotonic() < deadline, "decode never started loading the request's KV"
+            time.sleep(0.02)
+
+
+def _release_histogram(server: Server, sample: str) -> dict[str, float]:
+    """``kvconn_abort_to_release_seconds`` of decode-0, by proof: its ``_count`` or ``_sum``."""
+    name = "kvconn_abort_to_release_seconds"
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        s.labels["proof"]: float(s.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for s in family.samples
+        if s.name == f"{name}_{sample}" and s.labels.get("kvconn_endpoint") == "decode-0"
+    }
+
+
+def test_a_client_hanging_up_mid_transfer_shows_its_release_on_decodes_metrics(
+    servers: tuple[Server, Server, str],
+) -> None:
+    """Abort-to-release by proof and the quarantine's age, on the real
+    decode server's /metrics, after a client hung up on decode while prefill
+    was still writing its KV."""
+    prefill, decode, proxy = servers
+    before = _release_histogram(decode, "count")
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
+    params = Proxy([prefill.url], [decode.url], timeout_s=120).kv_params("/v1/completions", body)
+    _hang_up_mid_transfer(decode, {**body, "kv_transfer_params": params})
+    # decode's figures travel with its engine's steps: a request keeps it stepping
+    deadline = time.monotonic() + 60
+    while sum(_release_histogram(decode, "count").values()) == sum(before.values()):
+        assert time.monotonic() < deadline, "no release after the abort on decode's /metrics"
+        _complete(proxy, PROMPTS[5])
+    after = _release_histogram(decode, "count")
+    rose = {proof: n - before.get(proof, 0.0) for proof, n in after.items() if n != before.get(proof, 0.0)}
+    (proof,) = rose  # one aborted room, one release
+    assert rose[proof] == 1.0 and proof in ("acks", "writer_fence", "completed"), rose  # proven
+    took = _release_histogram(decode, "sum")[proof]
+    assert 0 < took < 30, took  # within decode's abort deadline (30 s): never quarantined
+    decode_0 = {"kvconn_endpoint": "decode-0"}
+    assert sum(_samples(decode, "kvconn_releases_total", proof=proof, **decode_0)) == after[proof]
+    assert _samples(decode, "kvconn_quarantine_oldest_seconds", **decode_0) == [0.0]
+    assert _samples(decode, "kvconn_pages_quarantined", **decode_0) == [0.0]
+    assert _samples(decode, "kvconn_pages_held", **decode_0) == [0.0]

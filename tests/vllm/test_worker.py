@@ -13,6 +13,7 @@ import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 
 from kvconn.testing.cluster import free_port  # noqa: E402
+from kvconn.testing.waiting import wait_for  # noqa: E402
 from kvconn_vllm.layout import KVGeometry  # noqa: E402
 from kvconn_vllm.metadata import KvconnMetadata, Recv, Send  # noqa: E402
 from kvconn_vllm.settings import Settings  # noqa: E402
@@ -71,19 +72,23 @@ def pair(
 def until(
     worker: WorkerSide, done: Callable[[TransferResults], bool], finished: set[str] = frozenset()
 ) -> TransferResults:  # type: ignore[assignment]
-    seen = TransferResults()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        r = worker.results(finished)
-        seen = TransferResults(
-            seen.finished_sending | r.finished_sending,
-            seen.finished_recving | r.finished_recving,
-            seen.failed_recving | r.failed_recving,
+    """What the worker reported, summed over its reports, once ``done`` says so."""
+    seen = [TransferResults()]
+
+    def report() -> bool:
+        r, s = worker.results(finished), seen[0]
+        seen[0] = TransferResults(
+            s.finished_sending | r.finished_sending,
+            s.finished_recving | r.finished_recving,
+            s.failed_recving | r.failed_recving,
         )
-        if done(seen):
-            return seen
-        time.sleep(0.01)
-    raise AssertionError(f"not done within 20 s: {seen}")
+        return done(seen[0])
+
+    try:
+        wait_for(report, 20, "the worker's results", poll=0.01)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {seen[0]}") from None
+    return seen[0]
 
 
 def test_blocks_arrive_byte_for_byte(pair: tuple) -> None:  # type: ignore[type-arg]

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import numpy as np
+
+from kvconn.errors import ArgumentError, ArgumentTypeError
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -31,12 +33,12 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
+        raise ArgumentError(f"{attribute.name} must be positive, got {value}")
 
 
 def _kind(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value not in MEMORY_KINDS:
-        raise ValueError(f"memory kind must be one of {MEMORY_KINDS}, not {value!r}")
+        raise ArgumentError(f"memory kind must be one of {MEMORY_KINDS}, not {value!r}")
 
 
 @attrs.frozen(slots=True)
@@ -77,7 +79,7 @@ class Buffer:
             return _of_host(obj)
         if hasattr(obj, "__dlpack__"):
             return _of_dlpack(obj)
-        raise TypeError(
+        raise ArgumentTypeError(
             f"cannot take the memory of a {type(obj).__name__}: expected a Buffer, a torch tensor, or an "
             "object with __cuda_array_interface__, the buffer protocol, __array_interface__ or __dlpack__"
         )
@@ -88,10 +90,12 @@ def buffers_of(objs: Sequence[object]) -> tuple[Buffer, ...]:
     or devices (one transport registration covers one device)."""
     bufs = tuple(Buffer.of(o) for o in objs)
     if not bufs:
-        raise ValueError("at least one buffer is needed")
+        raise ArgumentError("at least one buffer is needed")
     places = {(b.kind, b.device if b.kind == "vram" else 0) for b in bufs}
     if len(places) > 1:
-        raise ValueError(f"buffers live in several places {sorted(places)}: one region or writer needs one")
+        raise ArgumentError(
+            f"buffers live in several places {sorted(places)}: one region or writer needs one"
+        )
     return bufs
 
 
@@ -99,16 +103,21 @@ class FlatSpace:
     """Buffers laid end to end as one offset space, and the way back from
     offsets to addresses (vectorised: no Python work per segment)."""
 
-    __slots__ = ("_bases", "_ends", "_starts", "buffers", "device", "kind", "nbytes")
+    __slots__ = ("_bases", "_ends", "_shift", "_starts", "_unit", "buffers", "device", "kind", "nbytes")
 
     def __init__(self, buffers: Sequence[Buffer]) -> None:
         self.buffers = tuple(buffers)
         if not self.buffers:
-            raise ValueError("at least one buffer is needed")
+            raise ArgumentError("at least one buffer is needed")
         sizes = np.array([b.nbytes for b in self.buffers], dtype=np.int64)
         self._starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         self._ends = self._starts + sizes
         self._bases = np.array([b.address for b in self.buffers], dtype=np.int64)
+        #: A flat offset in buffer i plus _shift[i] is its address.
+        self._shift = self._bases - self._starts
+        #: Every buffer's size when they are all alike (an engine's K and V
+        #: buffers), else 0: then an offset's buffer is a division, not a search.
+        self._unit = int(sizes[0]) if (sizes == sizes[0]).all() else 0
         self.nbytes = int(sizes.sum())
         self.kind = self.buffers[0].kind
         self.device = self.buffers[0].device
@@ -130,20 +139,43 @@ class FlatSpace:
                 i = int(np.flatnonzero(bad)[0])
                 self._raise(int(offsets[i]), int(lengths[i]))
             return offsets + self._bases[0], np.zeros(len(offsets), dtype=np.int64)
-        index = np.searchsorted(self._starts, offsets, side="right") - 1
-        bad = (offsets < 0) | (offsets + lengths > self._ends[np.maximum(index, 0)])
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            self._raise(int(offsets[i]), int(lengths[i]))
-        return offsets - self._starts[index] + self._bases[index], index
+        if not len(offsets):
+            return offsets + 0, np.zeros(0, dtype=np.int64)
+        # Few passes and fewer new arrays: a chunk of 20,000 segments makes
+        # arrays of 160 KB, each new one fresh pages to fault in (glibc maps
+        # and trims blocks that large). The checks are whole-array reductions;
+        # the range at fault is looked for only when one fails.
+        if offsets.min() < 0 or offsets.max() >= self.nbytes:
+            self._raise_first(offsets, lengths, (offsets < 0) | (offsets >= self.nbytes))
+        if not self._unit:
+            index = np.searchsorted(self._starts, offsets, side="right") - 1
+            if (offsets + lengths > self._ends[index]).any():
+                self._raise_first(offsets, lengths, offsets + lengths > self._ends[index])
+            return offsets + self._shift[index], index
+        # Buffers all alike: the buffer is a division, the check is on the
+        # offset within it.
+        index = offsets // self._unit
+        within = index * self._unit
+        np.subtract(offsets, within, out=within)
+        if within.max() + lengths.max() > self._unit and (within + lengths > self._unit).any():
+            self._raise_first(offsets, lengths, within + lengths > self._unit)
+        address = self._bases[index]
+        address += within
+        return address, index
 
     def address(self, offset: int, nbytes: int) -> int:
         """The address of one range (see :meth:`locate`)."""
         addresses, _ = self.locate(np.array([offset], np.int64), np.array([nbytes], np.int64))
         return int(addresses[0])
 
-    def _raise(self, offset: int, nbytes: int) -> None:
-        raise ValueError(
+    def _raise_first(
+        self, offsets: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], bad: npt.NDArray[np.bool_]
+    ) -> NoReturn:
+        i = int(np.flatnonzero(bad)[0])
+        self._raise(int(offsets[i]), int(lengths[i]))
+
+    def _raise(self, offset: int, nbytes: int) -> NoReturn:
+        raise ArgumentError(
             f"range [{offset}, {offset + nbytes}) lies outside the buffers or across two of them "
             f"(buffer starts {self.starts}, {self.nbytes} bytes in all)"
         )
@@ -200,14 +232,16 @@ def _is_torch_tensor(obj: object) -> bool:
 
 def _of_torch(t: Any) -> Buffer:
     if not t.is_contiguous():
-        raise TypeError("a torch tensor must be contiguous to be registered (its bytes are one range)")
+        raise ArgumentTypeError(
+            "a torch tensor must be contiguous to be registered (its bytes are one range)"
+        )
     nbytes = int(t.numel()) * int(t.element_size())
     device_type = t.device.type
     if device_type == "cpu":
         return Buffer(int(t.data_ptr()), nbytes, "dram", 0, owner=t)
     if device_type == "cuda":
         return Buffer(int(t.data_ptr()), nbytes, "vram", int(t.device.index or 0), owner=t)
-    raise TypeError(f"torch tensors on {device_type!r} cannot be registered (cpu or cuda only)")
+    raise ArgumentTypeError(f"torch tensors on {device_type!r} cannot be registered (cpu or cuda only)")
 
 
 def _contiguous_nbytes(shape: Sequence[int], typestr: str, strides: Sequence[int] | None) -> int:
@@ -221,14 +255,16 @@ def _contiguous_nbytes(shape: Sequence[int], typestr: str, strides: Sequence[int
         if count > 1 and [s for s, d in zip(strides, shape, strict=True) if d > 1] != [
             s for s, d in zip(reversed(expected), shape, strict=True) if d > 1
         ]:
-            raise TypeError(f"memory must be C-contiguous to be registered, strides are {tuple(strides)}")
+            raise ArgumentTypeError(
+                f"memory must be C-contiguous to be registered, strides are {tuple(strides)}"
+            )
     return count * itemsize
 
 
 def _of_cuda_array_interface(obj: Any, cai: dict[str, Any]) -> Buffer:
     address, readonly = cai["data"]
     if readonly:
-        raise TypeError("read-only device memory cannot be registered")
+        raise ArgumentTypeError("read-only device memory cannot be registered")
     nbytes = _contiguous_nbytes(cai["shape"], cai["typestr"], cai.get("strides"))
     device = getattr(obj, "device", None)
     index = getattr(device, "id", None)  # CuPy
@@ -254,16 +290,16 @@ def _of_host(obj: Any) -> Buffer:
     except TypeError:
         arr = np.asarray(obj)
         if not arr.flags.c_contiguous:
-            raise TypeError("memory must be C-contiguous to be registered") from None
+            raise ArgumentTypeError("memory must be C-contiguous to be registered") from None
         if not arr.flags.writeable:
-            raise TypeError("read-only memory cannot be registered") from None
+            raise ArgumentTypeError("read-only memory cannot be registered") from None
         return Buffer(int(arr.ctypes.data), int(arr.nbytes), "dram", 0, owner=obj)
     if not view.c_contiguous:
-        raise TypeError("memory must be C-contiguous to be registered")
+        raise ArgumentTypeError("memory must be C-contiguous to be registered")
     if view.readonly:
-        raise TypeError("read-only memory cannot be registered")
+        raise ArgumentTypeError("read-only memory cannot be registered")
     if view.nbytes == 0:
-        raise ValueError("an empty buffer cannot be registered")
+        raise ArgumentError("an empty buffer cannot be registered")
     arr = np.frombuffer(view, dtype=np.uint8)
     return Buffer(int(arr.ctypes.data), view.nbytes, "dram", 0, owner=obj)
 
@@ -311,4 +347,4 @@ def _of_dlpack(obj: Any) -> Buffer:
         return Buffer(address, nbytes, "dram", 0, owner=owner)
     if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
         return Buffer(address, nbytes, "vram", device_id, owner=owner)
-    raise TypeError(f"DLPack device type {device_type} cannot be registered (CPU or CUDA only)")
+    raise ArgumentTypeError(f"DLPack device type {device_type} cannot be registered (CPU or CUDA only)")

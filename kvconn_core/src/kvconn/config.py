@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import attrs
 
+from kvconn.protocol.write_deadline import check_writer_deadline
+
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if value <= 0:
@@ -84,7 +86,7 @@ class Config:
     tracing: bool = False
 
     def __attrs_post_init__(self) -> None:
-        check_deadlines(self.write_timeout_s, self.abort_timeout_s)
+        check_writer_deadline(self.write_timeout_s, self.abort_timeout_s)
         for name in ("transfer_timeout_s", "room_bootstrap_timeout_s", "owner_fence_after_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -109,9 +111,6 @@ class Config:
             sys.setswitchinterval(self.gil_switch_interval_s)
 
 
-def check_deadlines(write_timeout_s: float, abort_timeout_s: float, what: str = "write_timeout_s") -> None:
-    if write_timeout_s >= abort_timeout_s:
-        raise ValueError(
-            f"{what} ({write_timeout_s} s) must be shorter than decode's abort_timeout_s "
-            f"({abort_timeout_s} s): a live writer has to give up before decode quarantines"
-        )
+#: The rule itself lives in the protocol core (kvconn.protocol.write_deadline);
+#: this name stays for the callers that import it from here.
+check_deadlines = check_writer_deadline

@@ -61,8 +61,32 @@ class FinishRefusedError(RoomStateError):
     ``Receiver.finish()`` and ``HoldTracker.finish()`` raised before.)"""
 
 
+class ArgumentError(KvconnError, ValueError):
+    """Arguments kvconn cannot take as given: an endpoint's ``buffers=``
+    without ``layout=``, both forms of a region at once or neither (a prefill
+    rank's ``source_bytes`` and ``buffers=``/``layout=``), a sender for no
+    decode, a negative drain grace. (Also a ValueError: what these calls
+    raised before.)"""
+
+
+class ArgumentTypeError(KvconnError, TypeError):
+    """An object kvconn cannot use as given: memory that is not contiguous,
+    read-only, or on a device it cannot register. (Also a TypeError: what
+    these calls raised before.)"""
+
+
+class DeadlineError(ArgumentError):
+    """A writer's deadline (``write_timeout_s``, or the transport's own
+    longest wait for a write) not shorter than decode's ``abort_timeout_s``:
+    a live writer could land after decode quarantined its pages. (Also a
+    ValueError: what this check raised before.)"""
+
+
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "BootstrapError",
+    "DeadlineError",
     "FinishRefusedError",
     "IncompleteRoomError",
     "KvconnError",

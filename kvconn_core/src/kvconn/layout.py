@@ -34,6 +34,7 @@ import numpy as np
 
 from kvconn.buffers import Buffer, buffers_of
 from kvconn.chunk import SegmentTable
+from kvconn.errors import KvconnError
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -42,8 +43,9 @@ ORDERS = ("HND", "NHD")
 _FORMAT = 1
 
 
-class LayoutError(ValueError):
-    """A layout that does not describe memory, or two that cannot exchange pages."""
+class LayoutError(KvconnError, ValueError):
+    """A layout that does not describe memory, or two that cannot exchange
+    pages. (Also a ValueError: what it was before.)"""
 
 
 def _at_least(low: int) -> attrs._ValidatorType[int]:
@@ -152,7 +154,7 @@ def _sizes(value: Iterable[int]) -> tuple[int, ...]:
     return sizes
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, cache_hash=True)
 class KVLayout:
     """One side's KV memory: ``buffers`` (pages in each registered buffer),
     the sizes of the registered buffers (``buffer_nbytes``, in registration
@@ -356,6 +358,20 @@ class _Group:
     src_off: npt.NDArray[np.int64]
     dst_off: npt.NDArray[np.int64]
     lens: npt.NDArray[np.int64]
+    #: One row a page (k = 1): the (source, destination) page steps that
+    #: would make a buffer's row of one page continue the previous page's,
+    #: ``step x stride == bytes`` on both sides (empty: rows never merge).
+    merge_steps: tuple[tuple[int, int], ...]
+
+
+def _merge_steps(
+    lens: npt.NDArray[np.int64], src_stride: npt.NDArray[np.int64], dst_stride: npt.NDArray[np.int64]
+) -> tuple[tuple[int, int], ...]:
+    steps = set()
+    for n, ss, ds in zip(lens.tolist(), src_stride.tolist(), dst_stride.tolist(), strict=True):
+        if n % ss == 0 and n % ds == 0:
+            steps.add((n // ss, n // ds))
+    return tuple(sorted(steps))
 
 
 @attrs.frozen(slots=True)
@@ -383,15 +399,19 @@ def _plan(src: KVLayout, dst: KVLayout) -> _Plan:
     groups = []
     for parts in by_rows.values():
         patterns = np.stack([p[4] for p in parts])  # (buffers, k, 3)
+        src_stride = np.array([p[2] for p in parts], dtype=np.int64)
+        dst_stride = np.array([p[3] for p in parts], dtype=np.int64)
+        lens = np.ascontiguousarray(patterns[:, :, 2])
         groups.append(
             _Group(
                 np.array([p[0] for p in parts], dtype=np.int64),
                 np.array([p[1] for p in parts], dtype=np.int64),
-                np.array([p[2] for p in parts], dtype=np.int64),
-                np.array([p[3] for p in parts], dtype=np.int64),
+                src_stride,
+                dst_stride,
                 np.ascontiguousarray(patterns[:, :, 0]),
                 np.ascontiguousarray(patterns[:, :, 1]),
-                np.ascontiguousarray(patterns[:, :, 2]),
+                lens,
+                _merge_steps(lens[:, 0], src_stride, dst_stride) if lens.shape[1] == 1 else (),
             )
         )
     return _Plan(tuple(groups))
@@ -491,6 +511,9 @@ def _lower(
     n = len(src_pages)
     for g in plan.groups:
         buffers, k = g.src_off.shape
+        if k == 1 and not _any_step(g.merge_steps, src_pages, dst_pages):
+            out.append(_rows_unmerged(g, src_pages, dst_pages))
+            continue
         # (buffers, pages, k): base + page * stride + offset in the page
         src = (
             g.src_base[:, None, None]
@@ -505,3 +528,29 @@ def _lower(
         lens = np.broadcast_to(g.lens[:, None, :], (buffers, n, k))
         out.append(_merge(src.ravel(), dst.ravel(), lens.ravel(), np.arange(0, buffers * n * k, n * k)))
     return out[0] if len(out) == 1 else np.concatenate(out)
+
+
+def _any_step(
+    steps: tuple[tuple[int, int], ...], src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]
+) -> bool:
+    """Whether two consecutive pages step by one of ``steps`` on both sides
+    (so some buffer's rows of the two merge)."""
+    if len(src_pages) < 2 or not steps:
+        return False
+    ds, dd = np.diff(src_pages), np.diff(dst_pages)
+    return any(bool(((ds == a) & (dd == b)).any()) for a, b in steps)
+
+
+def _rows_unmerged(
+    g: _Group, src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """A one-row-a-page group's rows, buffer by buffer, page by page, when
+    none merge (scattered pages: the common case): what ``_merge`` would
+    return, written in place without its passes."""
+    rows = np.empty((len(g.src_base), len(src_pages), 3), dtype=np.int64)
+    np.multiply(g.src_stride[:, None], src_pages[None, :], out=rows[:, :, 0])
+    rows[:, :, 0] += (g.src_base + g.src_off[:, 0])[:, None]
+    np.multiply(g.dst_stride[:, None], dst_pages[None, :], out=rows[:, :, 1])
+    rows[:, :, 1] += (g.dst_base + g.dst_off[:, 0])[:, None]
+    rows[:, :, 2] = g.lens[:, 0][:, None]
+    return rows.reshape(-1, 3)

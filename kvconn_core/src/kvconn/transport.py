@@ -195,8 +195,9 @@ class Backend(Protocol):
     #     """Register a prefill rank's engine-owned source ``buffers``."""
 
 
-class EngineMemoryUnsupported(TypeError):
-    """The backend cannot register memory the engine owns."""
+class EngineMemoryUnsupported(KvconnError, TypeError):
+    """The backend cannot register memory the engine owns. (Also a
+    TypeError: what it was before.)"""
 
 
 def register_region(backend: Backend, buffers: Sequence[object], options: Mapping[str, str]) -> PageRegion:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
@@ -62,7 +63,46 @@ def _engine_class() -> Any:
             "cannot import mooncake.engine; install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
             "(CPU) or mooncake-transfer-engine==0.3.13.post1 (CUDA), never both: " + str(exc)
         ) from exc
+    apply_glog_minloglevel()
     return TransferEngine
+
+
+#: glog's minimum level, a global int of the libglog the engine links (C++ name mangled).
+_GLOG_MINLOGLEVEL = "_ZN3fLI17FLAGS_minloglevelE"
+
+
+def apply_glog_minloglevel() -> bool:
+    """Give the engine's glog the level ``GLOG_minloglevel`` names (0 INFO,
+    1 WARNING, 2 ERROR, 3 FATAL), as glog itself would: importing
+    ``mooncake.engine`` sets it from ``MC_LOG_LEVEL``, which stops at ERROR,
+    so an ERROR the engine logs on every start ("Local segment descriptor
+    not found") could not be quieted. Whether it was set; nothing is done
+    without the variable, or where the library is not found (never fatal)."""
+    wanted = os.environ.get("GLOG_minloglevel", "").strip()  # noqa: SIM112 (glog spells it so)
+    if not wanted.isdigit():
+        return False
+    path = _loaded_library("libglog")
+    if path is None:
+        return False
+    try:
+        library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        ctypes.c_int.in_dll(library, _GLOG_MINLOGLEVEL).value = int(wanted)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _loaded_library(stem: str) -> str | None:
+    """The path of a shared library this process has loaded whose name starts with ``stem``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith(stem):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def engine_settings(options: Mapping[str, str]) -> tuple[str, str, str]:

@@ -565,14 +565,17 @@ class MooncakeBackend:
         host, protocol, _ = engine_settings(options)
         MemoryOptions.parse(options)
         WriterOptions.parse(options)
+        # The engine timeout as the engines made from now on will read it (the
+        # environment may have changed since this backend was loaded).
+        caps = attrs.evolve(self.capabilities, max_write_timeout_s=engine_timeout_s())
         if protocol != "tcp":
             # Untested: writes already handed to an RDMA NIC, and its own
             # retries, are not shown to stop with the engine.
-            return attrs.evolve(self.capabilities, writer_fence=False, owner_fence=False, cross_host=False)
+            return attrs.evolve(caps, writer_fence=False, owner_fence=False, cross_host=False)
         if _loopback(host):
             # Peers on other hosts cannot reach an engine bound to loopback.
-            return attrs.evolve(self.capabilities, cross_host=False)
-        return self.capabilities
+            return attrs.evolve(caps, cross_host=False)
+        return caps
 
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> MooncakeRegion:
         return MooncakeRegion(nbytes, options)

@@ -9,6 +9,10 @@ The API matches :mod:`kvconn_nixl.raw`::
     w.transfer(peer, segments)         # batched async writes, wait for each batch
     w.close()
 
+``prepare(peer, segments)`` then ``transfer_prepared(prepared)`` split the
+same write in two: the address lists a raw API user holds, built once and
+cut into batches, then only the library's calls, each time.
+
 ``segments`` are ``(src, dst, nbytes)`` byte offsets (tuples, kvconn
 ``Segment`` s, or an ``(n, 3)`` integer array). ``options`` are the backend's
 (``host``, ``protocol``, ``device``, ``memory``, ``gpu_device``).
@@ -21,9 +25,10 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -32,7 +37,15 @@ from kvconn_mooncake._engine import engine_settings, new_engine, unpack_buffers,
 from kvconn_mooncake._memory import MemoryOptions, open_space, register_space, unregister_space
 from kvconn_mooncake._options import read as read_options
 
-__all__ = ["MAX_BATCH", "RawWriter", "open_engine", "open_source", "segment_lists", "write_segments"]
+__all__ = [
+    "MAX_BATCH",
+    "Prepared",
+    "RawWriter",
+    "open_engine",
+    "open_source",
+    "segment_lists",
+    "write_segments",
+]
 
 #: Requests per batch: the engine rejects more than ~1024 queued per peer.
 MAX_BATCH = 512
@@ -49,22 +62,51 @@ def segment_lists(segments: Iterable[Any]) -> tuple[list[int], list[int], list[i
     return [s for s, _, _ in segs], [d for _, d, _ in segs], [n for _, _, n in segs]
 
 
-def _write(
-    engine: Any, session: str, src_base: int, dst_base: int, segments: Iterable[Any], max_batch: int
-) -> int:
+#: One batch's source addresses, destination addresses and lengths.
+Batch = tuple[list[int], list[int], list[int]]
+
+
+@attrs.frozen
+class Prepared:
+    """One write as the engine takes it: a session and batches of at most
+    ``max_batch`` requests, addresses resolved."""
+
+    session: str
+    batches: tuple[Batch, ...]
+    nbytes: int
+
+
+def _batches(
+    src_base: int, dst_base: int, segments: Iterable[Any], max_batch: int
+) -> tuple[list[Batch], int]:
     srcs, dsts, lens = segment_lists(segments)
-    for i in range(0, len(lens), max_batch):
-        bid = engine.batch_transfer_async_write(
-            session,
+    batches = [
+        (
             [src_base + s for s in srcs[i : i + max_batch]],
             [dst_base + d for d in dsts[i : i + max_batch]],
             lens[i : i + max_batch],
         )
+        for i in range(0, len(lens), max_batch)
+    ]
+    return batches, sum(lens)
+
+
+def _run(engine: Any, session: str, batches: Iterable[Batch]) -> None:
+    """Each batch submitted, then waited for, before the next."""
+    for srcs, dsts, lens in batches:
+        bid = engine.batch_transfer_async_write(session, srcs, dsts, lens)
         if bid == 0:  # get_batch_transfer_status([0]) would segfault
             raise RuntimeError("batch_transfer_async_write failed")
         if engine.get_batch_transfer_status([bid]) != 0:
             raise RuntimeError("batch failed or timed out (its bytes may still land)")
-    return sum(lens)
+
+
+def _write(
+    engine: Any, session: str, src_base: int, dst_base: int, segments: Iterable[Any], max_batch: int
+) -> int:
+    batches, nbytes = _batches(src_base, dst_base, segments, max_batch)
+    _run(engine, session, batches)
+    return nbytes
 
 
 class RawWriter:
@@ -105,16 +147,33 @@ class RawWriter:
         time, each awaited with ``get_batch_transfer_status``. Returns the bytes
         written; raises RuntimeError on a failed batch (whose bytes may land)."""
         session, dst_base, _ = self._peers[peer]
-        space = self._spaces[peer]
-        if self._mem.single and len(space.buffers) == 1:
+        if self._mem.single and len(self._spaces[peer].buffers) == 1:
             return _write(self._engine, session, self.base, dst_base, segments, self.max_batch)
-        # Several buffers on a side: offsets become addresses (vectorised), then bases are 0.
+        return _write(self._engine, session, 0, 0, self._addresses(peer, segments), self.max_batch)
+
+    def prepare(self, peer: str, segments: Iterable[Any]) -> Prepared:
+        """``segments`` as :meth:`transfer` would submit them, in batches."""
+        session, dst_base, _ = self._peers[peer]
+        if self._mem.single and len(self._spaces[peer].buffers) == 1:
+            batches, nbytes = _batches(self.base, dst_base, segments, self.max_batch)
+        else:
+            batches, nbytes = _batches(0, 0, self._addresses(peer, segments), self.max_batch)
+        return Prepared(session, tuple(batches), nbytes)
+
+    def transfer_prepared(self, prepared: Prepared, clock: Callable[[], float] | None = None) -> None:
+        """Submit and wait for ``prepared``'s batches, one after another. The
+        engine's calls post and wait in turn: there is no post on its own to
+        time (None; ``clock`` is not read)."""
+        _run(self._engine, prepared.session, prepared.batches)
+
+    def _addresses(self, peer: str, segments: Iterable[Any]) -> npt.NDArray[np.int64]:
+        """Several buffers on a side: rows of addresses (vectorised), bases 0."""
         srcs, dsts, lens = (np.asarray(c, dtype=np.int64) for c in segment_lists(segments))
         rows = np.empty((len(lens), 3), dtype=np.int64)
         rows[:, 0] = self._mem.flat.locate(srcs, lens)[0]
-        rows[:, 1] = space.locate(dsts, lens)[0]
+        rows[:, 1] = self._spaces[peer].locate(dsts, lens)[0]
         rows[:, 2] = lens
-        return _write(self._engine, session, 0, 0, rows, self.max_batch)
+        return rows
 
     def close(self) -> None:
         if self._engine is None:

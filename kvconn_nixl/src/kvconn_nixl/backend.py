@@ -157,6 +157,24 @@ class Posted:
     nbytes: int
 
 
+def unreachable(options: Options, agent_name: str, exc: BaseException) -> str:
+    """What a writer says when UCX cannot reach a region's agent (UCX itself
+    only logs "Destination is unreachable" and NIXL raises NIXL_ERR_BACKEND):
+    which interface it was pinned to, and the likely cause."""
+    devices = options.net_devices or "UCX's choice"
+    hint = (
+        "net_devices=lo reaches this host only: a writer and a region on different hosts each need "
+        "net_devices=<their host's interface on the network they share>"
+        if "lo" in {d.strip() for d in options.net_devices.split(",")}
+        else "the region's agent may listen on an interface this host cannot reach (its net_devices=lo, "
+        "or another network): every endpoint needs net_devices=<its host's interface on the network they share>"
+    )
+    return (
+        f"nixl: this writer (net_devices={devices}, ucx_tls={options.ucx_tls}) cannot reach the region's "
+        f"agent {agent_name}: {exc}; {hint}"
+    )
+
+
 class NixlWriter:
     """A prefill rank's source memory and NIXL agent.
 
@@ -225,7 +243,10 @@ class NixlWriter:
                 with contextlib.suppress(Exception):  # best effort, peer may be gone
                     self._agent.remove_remote_agent(old.info.agent_name)
             if old is None or old.metadata != metadata:
-                name = self._agent.add_remote_agent(info.agent_md)
+                try:
+                    name = self._agent.add_remote_agent(info.agent_md)
+                except Exception as exc:
+                    raise ConnectionError(unreachable(self.options, info.agent_name, exc)) from exc
                 if isinstance(name, bytes):
                     name = name.decode()
                 if name != info.agent_name:

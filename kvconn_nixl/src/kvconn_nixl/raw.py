@@ -9,6 +9,10 @@ The API matches :mod:`kvconn_mooncake.raw`::
     w.transfer(peer, segments)         # post every segment, wait until DONE
     w.close()
 
+``prepare(peer, segments)`` then ``transfer_prepared(prepared)`` split the
+same write in two: the descriptor arrays a raw API user holds (addresses,
+lengths, device), built once, then only the library's calls, each time.
+
 ``segments`` are ``(src, dst, nbytes)`` byte offsets (tuples, kvconn
 ``Segment`` s, or an ``(n, 3)`` integer array). ``options`` are the nixl
 backend's own (``ucx_tls`` etc.), so the raw path runs on the same UCX
@@ -19,9 +23,10 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -29,7 +34,7 @@ from kvconn.buffers import Buffer, FlatSpace
 from kvconn_nixl import _nixl
 from kvconn_nixl._nixl import Options, RegionInfo, make_agent, open_memory, options_for, register, write_xfer
 
-__all__ = ["RawWriter", "open_source", "raw_write", "segment_rows"]
+__all__ = ["Prepared", "RawWriter", "open_source", "raw_write", "segment_rows"]
 
 
 def segment_rows(segments: Iterable[Any]) -> npt.NDArray[np.int64]:
@@ -45,6 +50,18 @@ def _triples(segments: Iterable[Any]) -> list[tuple[int, int, int]]:
 
 def _rows_of(triples: list[tuple[int, int, int]]) -> npt.NDArray[np.int64]:
     return np.array(triples, dtype=np.int64).reshape(-1, 3)
+
+
+@attrs.frozen
+class Prepared:
+    """One write's descriptors as nixl takes them: ``(n, 3)`` uint64 rows of
+    address, bytes and device id, for each side."""
+
+    agent_name: str
+    local: npt.NDArray[np.uint64]
+    remote: npt.NDArray[np.uint64]
+    remote_mem: str
+    nbytes: int
 
 
 class RawWriter:
@@ -98,10 +115,46 @@ class RawWriter:
         if not len(rows):
             return 0
         nbytes = sum(n for _, _, n in rows) if isinstance(rows, list) else int(rows[:, 2].sum())
+        handle = write_xfer(self._agent, self.options, self._mem, info, rows, self._spaces[peer])
+        self._finish(handle, self._agent.transfer(handle), timeout_s)
+        return nbytes
+
+    def prepare(self, peer: str, segments: Iterable[Any]) -> Prepared:
+        """``segments``' descriptors, each side's addresses resolved: what
+        :meth:`transfer_prepared` hands the library."""
+        info = self._peers[peer]
+        rows = segment_rows(segments)
+        local = np.empty((len(rows), 3), dtype=np.uint64)
+        remote = np.empty((len(rows), 3), dtype=np.uint64)
+        local[:, 0] = self._mem.flat.locate(rows[:, 0], rows[:, 2])[0]
+        remote[:, 0] = self._spaces[peer].locate(rows[:, 1], rows[:, 2])[0]
+        local[:, 1] = remote[:, 1] = rows[:, 2]
+        local[:, 2], remote[:, 2] = self._mem.dev_id, info.dev_id
+        return Prepared(info.agent_name, local, remote, info.mem, int(rows[:, 2].sum()))
+
+    def transfer_prepared(
+        self, prepared: Prepared, clock: Callable[[], float] = time.perf_counter, timeout_s: float = 60.0
+    ) -> float:
+        """Write ``prepared`` (descriptor lists, ``initialize_xfer``,
+        ``transfer``) and wait until DONE. Returns the post's time by
+        ``clock``: until ``transfer`` returned."""
+        t0 = clock()
         agent = self._agent
-        handle = write_xfer(agent, self.options, self._mem, info, rows, self._spaces[peer])
+        handle = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(prepared.local, self._mem.mem_type),
+            agent.get_xfer_descs(prepared.remote, prepared.remote_mem),
+            prepared.agent_name,
+        )
+        state = agent.transfer(handle)
+        posted = clock() - t0
+        self._finish(handle, state, timeout_s)
+        return posted
+
+    def _finish(self, handle: Any, state: str, timeout_s: float) -> None:
+        """Poll ``check_xfer_state`` until DONE, then release the handle."""
+        agent = self._agent
         try:
-            state = agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             spins = 0
             while state == "PROC":
@@ -114,7 +167,6 @@ class RawWriter:
         finally:
             agent.release_xfer_handle(handle)
             del handle
-        return nbytes
 
     def close(self) -> None:
         if self._agent is None:

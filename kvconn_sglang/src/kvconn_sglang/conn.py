@@ -30,8 +30,7 @@ from sglang.srt.disaggregation.base.conn import (
 
 from kvconn.errors import BootstrapError, KvconnError
 from kvconn.plugins import get_backend
-from kvconn.protocol.drain import DrainReport
-from kvconn.runtime.decode import DecodeEndpoint, Release
+from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Release
 from kvconn.runtime.decode import Receiver as KvconnReceiver
 from kvconn.runtime.drain_signal import drain_on_signal
 from kvconn.runtime.prefill import KVPoll as KvconnPoll
@@ -472,6 +471,7 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._aborted = False
         self._finished = False
         self._cleared = False
+        self._forgot = False
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         self._prefill_dp_rank = int(prefill_dp_rank or 0)
@@ -513,6 +513,17 @@ class KVConnKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.bootstrap_infos = [{"rank": r} for r in range(len(self._prefill))]
 
     def poll(self) -> int:
+        status = self._status()
+        if status == int(KVPoll.Failed) and not self._forgot:
+            # Its ranks may be gone or draining (a restarted instance
+            # registers new addresses at the same bootstrap server): the next
+            # request for this instance reads them there again, instead of
+            # failing on the old ranks for good.
+            self._forgot = True
+            self.kv_mgr.forget_prefill(self.bootstrap_addr, self._prefill_dp_rank)
+        return status
+
+    def _status(self) -> int:
         if self._failure is not None or self._aborted:
             return int(KVPoll.Failed)
         if self._finished:

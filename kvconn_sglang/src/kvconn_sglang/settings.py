@@ -38,8 +38,9 @@ class Settings:
     ``drain_grace_s`` (``KVCONN_SGLANG_DRAIN_GRACE_S``): how long a drain at
     teardown or SIGTERM gives held rooms to complete (a decode endpoint:
     how long it waits for the proofs of what it aborts). ``drain_on_sigterm``
-    (``KVCONN_SGLANG_DRAIN_ON_SIGTERM=1``): the scheduler process drains on
-    SIGTERM before it exits (SGLang's shutdown terminates it)."""
+    (``KVCONN_SGLANG_DRAIN_ON_SIGTERM=1``): a scheduler process that gets
+    SIGTERM (a group-wide stop; SGLang's own stop sends it none) drains
+    before it exits."""
 
     transport: str
     host: str

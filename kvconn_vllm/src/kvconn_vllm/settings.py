@@ -15,6 +15,8 @@ from kvconn.config import Config
 
 #: Keys that become :class:`kvconn.config.Config` fields as they are.
 _CONFIG_NUMBERS = ("write_timeout_s", "abort_timeout_s", "resend_interval_s", "bootstrap_timeout_s")
+#: The owner fence (docs/multi-host.md): off unless set; Config checks them.
+_OWNER_FENCE_NUMBERS = ("owner_fence_after_s", "owner_fence_min_interval_s")
 #: Deadlines kvconn's Config leaves off by default that vLLM needs on.
 _DEADLINE_DEFAULT_S = 120.0
 _KEYS = frozenset(
@@ -29,6 +31,7 @@ _KEYS = frozenset(
         "conformance",
         "drain_grace_s",
         *_CONFIG_NUMBERS,
+        *_OWNER_FENCE_NUMBERS,
     }
 )
 
@@ -75,7 +78,7 @@ class Settings:
         if not isinstance(options, Mapping):
             raise SettingsError(f"backend_options must be a mapping of strings, got {options!r}")
         fields: dict[str, Any] = {"backend_options": {str(k): str(v) for k, v in options.items()}}
-        for key in _CONFIG_NUMBERS:
+        for key in (*_CONFIG_NUMBERS, *_OWNER_FENCE_NUMBERS):
             if key in extra:
                 fields[key] = _number(key, extra[key])
         if "host" in extra:

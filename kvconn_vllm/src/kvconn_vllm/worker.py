@@ -28,8 +28,7 @@ from kvconn.layout import KVLayout
 from kvconn.metrics import Metrics
 from kvconn.metrics_relay import Reporter
 from kvconn.plugins import get_backend
-from kvconn.protocol.drain import DrainReport
-from kvconn.runtime.decode import DecodeEndpoint, Receiver, Release
+from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Receiver, Release
 from kvconn.runtime.prefill import KVPoll, PrefillRank, Sender
 from kvconn.transport import Backend
 from kvconn_vllm.conformance import check_transport

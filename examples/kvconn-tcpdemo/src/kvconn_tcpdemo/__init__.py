@@ -92,6 +92,9 @@ class TcpRegion:
     def __init__(self, source: int | Sequence[Buffer]) -> None:
         self._mem = _Memory(source)
         self.nbytes = self._mem.nbytes
+        # Loopback only: hence cross_host=False. Across hosts this would bind
+        # the address a `host` option names, and the metadata would carry it
+        # (README, "Across hosts").
         self._server = socket.create_server(("127.0.0.1", 0))
         host, port = self._server.getsockname()[:2]
         info = {"host": host, "port": port, "nbytes": self.nbytes, "sizes": self._mem.sizes}
@@ -320,6 +323,9 @@ class TcpBackend:
     capabilities = Capabilities(
         writer_fence=True,
         memory=frozenset({"dram"}),
+        # Claiming it takes a `host` option bound by the region, host_options
+        # = {"host": "{ip}"} and `kvconn conformance tcpdemo --cross-host`
+        # passing (README, "Across hosts").
         cross_host=False,
         notes="tutorial transport: TCP frames applied by a receiver thread in the page owner",
     )

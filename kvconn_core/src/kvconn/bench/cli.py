@@ -30,7 +30,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvconn.bench import child as child_mod
 from kvconn.bench import curve as curve_mod
 from kvconn.bench import hosts_run
 from kvconn.bench import overhead as overhead_mod
@@ -48,6 +47,7 @@ from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, scenarios
+from kvconn.testing.child import StderrLog
 from kvconn.transport import Backend, capabilities_of
 
 
@@ -63,11 +63,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 #: Environment that quiets a transport library's own logging unless --verbose:
-#: Mooncake logs warnings through glog on every run ("No RDMA devices found",
-#: "Using default malloc/free") at the level MC_LOG_LEVEL sets when it loads
-#: (it ignores GLOG_minloglevel). Its one ERROR line, "Local segment
-#: descriptor not found", is not below any level that keeps real errors.
-QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR"}
+#: Mooncake logs through glog on every run, warnings ("No RDMA devices
+#: found", "Using default malloc/free") at the level MC_LOG_LEVEL sets when it
+#: loads, and an ERROR, "Local segment descriptor not found", that no
+#: MC_LOG_LEVEL silences: kvconn_mooncake applies GLOG_minloglevel (3: FATAL
+#: only) after Mooncake loads. A child that fails still says why (its
+#: Python error); -v shows every line.
+QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}
 
 
 def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
@@ -196,16 +198,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--curve",
-        choices=sorted(curve_mod.AXES),
+        choices=curve_mod.CHOICES,
         default=None,
         help="instead of both modes: kvconn's mode at each point of one axis (rooms: --concurrency, "
-        "ranks: --ranks, storm: --abort-fraction), and each point's ratios to the first",
+        "ranks: --ranks, storm: --abort-fraction), and each point's ratios to the first; or segments "
+        "(kvconn's lowering and post against the raw library's, scattered KV, --backend a,b), "
+        "tombstones (a rank's ledger in an abort storm), fleet (a simulated fleet's control messages)",
     )
     p.add_argument(
         "--curve-points",
         default=None,
         metavar="A,B,...",
-        help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9)",
+        help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9; segments "
+        "118,1000,5000,20000 per chunk; tombstones 10000,100000 rooms; fleet 0.1,1,10 x 100 decodes)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
     p.add_argument(
@@ -231,18 +236,22 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     unused = _unused_options(parser, args)
     if unused:
         bench = "--transport" if args.transport else "the abort bench (no --transport)"
+        if _own_curve(args):
+            bench = f"--curve {args.curve}"
         err.print(f"[red]kvconn bench: {bench} does not use {escape(', '.join(unused))}[/red]")
         return 2
-    child_mod.VERBOSE = args.verbose
+    StderrLog.verbose = args.verbose
     quiet_native_logs(args.verbose)
     try:
         with _interruptible():
             if args.transport:
                 return transport_mod.main(args, _options(args.backend_option), console, err)
+            if _own_curve(args):
+                return curve_mod.run_own(args, _options(args.backend_option), console, err)
             return _run(args, console, err)
-    except KeyboardInterrupt:
-        err.print("kvconn bench: interrupted (Ctrl-C); no results")
-        return 130
+    except Interrupted as stop:
+        err.print(f"kvconn bench: {stop.why}; no results")
+        return 128 + stop.signum
     except (ValueError, RuntimeError, OSError, LookupError, ImportError, KvconnError) as exc:
         # ImportError: a transport's native library that does not load here
         # (Mooncake without libibverbs), raised when decode opens its region.
@@ -250,29 +259,47 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, raised in the main thread: a KeyboardInterrupt, so
+    every ``except Exception`` on the way lets it through to the ``finally``
+    blocks that close children, endpoints and hosts."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.why = (
+            "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        )
+
+
 @contextmanager
 def _interruptible() -> Iterator[None]:
-    """Ctrl-C stops the run with one line: the interrupt unwinds the main
-    thread through every ``finally`` that closes children and endpoints,
-    while the logging and thread tracebacks of that teardown (connections
-    closing under the runtime's threads, until the process exits) are
-    silenced."""
+    """Ctrl-C or SIGTERM stops the run with one line: the signal unwinds the
+    main thread through every ``finally`` that closes children, endpoints
+    and hosts (the fault phase's threads are stopped by
+    :func:`kvconn.testing.scenarios.run`), while the logging and thread
+    tracebacks of that teardown (connections closing under the runtime's
+    threads, until the process exits) are silenced. A second signal during
+    the teardown is ignored: it would cut the teardown short and print."""
     interrupted = False
     previous_hook = threading.excepthook
 
-    def on_interrupt(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         nonlocal interrupted
+        if interrupted:
+            return
         interrupted = True
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda args: None
-        raise KeyboardInterrupt
+        raise Interrupted(signum)
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
         if not interrupted:  # else threads still winding down stay quiet until the exit
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             threading.excepthook = previous_hook
             logging.disable(logging.NOTSET)
 
@@ -320,6 +347,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 #: Options both benches read; every other one belongs to one of them.
 _SHARED = frozenset({"backend", "backend_option", "json", "no_progress", "seed", "transport", "verbose"})
+#: What a --curve with a module of its own reads besides its curve.OWN options.
+_OUTPUT = frozenset({"curve", "curve_points", "json", "no_progress", "verbose"})
+
+
+def _own_curve(args: argparse.Namespace) -> bool:
+    """``--curve segments|tombstones|fleet`` (without ``--transport``)."""
+    return not args.transport and args.curve in curve_mod.OWN
 
 
 def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -327,11 +361,15 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     never reads (``--profile`` without ``--transport``, say), so that a run
     does not silently measure something other than what was asked."""
     unused = []
+    own = curve_mod.OWN[args.curve] | _OUTPUT if _own_curve(args) else None
     for action in parser._actions:  # argparse has no public list of a parser's options
         dest = action.dest
-        if dest in _SHARED or dest == "help" or not action.option_strings:
+        if dest == "help" or not action.option_strings:
             continue
-        if (dest in transport_mod.OPTIONS) == args.transport:
+        if own is not None:
+            if dest in own:
+                continue
+        elif dest in _SHARED or (dest in transport_mod.OPTIONS) == args.transport:
             continue  # read by the bench that runs
         if getattr(args, dest, None) != parser.get_default(dest):
             unused.append(action.option_strings[0])
@@ -451,7 +489,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
                     if window is None:
                         window = stream_info["latency_p50_ms"] / 1e3 or 0.01
                     if args.compare_raw and raw is None:
-                        t = progress.add_task(f"raw {args.backend} (same writes, no kvconn)", total=1)
+                        t = progress.add_task(escape(f"raw {args.backend} (same writes, no kvconn)"), total=1)
                         raw = run_raw(
                             args.backend,
                             backend,

@@ -1,5 +1,7 @@
 """``kvconn bench --curve rooms|ranks|storm``: kvconn's mode at each point of
 one axis, back to back in one run, and each point's ratios to the first.
+(``--curve segments|tombstones|fleet`` are benches of their own: see
+:data:`OWN` and :func:`run_own`.)
 
 * ``rooms``: requests in flight (``--concurrency``), default 8 and 512;
 * ``ranks``: prefill rank processes (``--ranks``), default 2 and 8;
@@ -21,9 +23,12 @@ from typing import Any
 
 import attrs
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
+from kvconn.bench import fleet, segments, tombstones
 from kvconn.bench.mode_result import ModeResult
+from kvconn.bench.output import write_json
 from kvconn.bench.workload import ModeRun, Workload, plan
 
 #: Each axis: the Workload field it varies, and its default points.
@@ -32,6 +37,77 @@ AXES: dict[str, tuple[str, tuple[float, ...]]] = {
     "ranks": ("ranks", (2, 8)),
     "storm": ("abort_fraction", (0.1, 0.9)),
 }
+
+
+#: Curves with a module of their own, and the options each reads besides
+#: ``--curve``, ``--curve-points`` and the output's (``--json``, ``-v``,
+#: ``--no-progress``):
+#:
+#: * ``segments``: kvconn's lowering and post against the raw library's for
+#:   the same scattered descriptors (:mod:`kvconn.bench.segments`); points:
+#:   segments per chunk;
+#: * ``tombstones``: a rank's ledger through an abort storm
+#:   (:mod:`kvconn.bench.tombstones`); points: room ids aborted;
+#: * ``fleet``: control messages and memory of a simulated fleet
+#:   (:mod:`kvconn.bench.fleet`); points: the fleet's size, as factors of
+#:   100 decodes and 100 prefill instances of 8 ranks.
+OWN: dict[str, frozenset[str]] = {
+    "segments": frozenset({"backend", "backend_option", "repeat", "seed"}),
+    "tombstones": frozenset(),
+    "fleet": frozenset({"seed"}),
+}
+OWN_POINTS = {"tombstones": "10000,100000", "fleet": "0.1,1,10"}
+CHOICES = sorted([*AXES, *OWN])
+
+
+def run_own(args: argparse.Namespace, options: dict[str, str], console: Console, err: Console) -> int:
+    """``--curve segments|tombstones|fleet``: print its report, write its
+    JSON; exit code 1 if a segments point's checked bytes came out wrong."""
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        console=err,
+        disable=args.no_progress,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(f"--curve {args.curve}", total=None)
+        return _run_own(args, options, console, lambda what: progress.update(task, description=what))
+
+
+def _run_own(
+    args: argparse.Namespace, options: dict[str, str], console: Console, step: Callable[[str], None]
+) -> int:
+    code = 0
+    if args.curve == "segments":
+        report = segments.run(args, options, step)
+        segments.print_report(console, report)
+        code = 0 if all(b["verified"] for b in report["backends"]) else 1
+    elif args.curve == "tombstones":
+        rows = []
+        for rooms in _own_points(args, int):
+            step(f"{rooms:,} tombstones")
+            rows.append(tombstones.measure(int(rooms)))
+            console.print(tombstones.report(rows[-1]))
+        report = {"curve": "tombstones", "points": rows}
+    else:
+        base = fleet.Fleet(seed=args.seed)
+        rows = []
+        for scale in _own_points(args, float):
+            step(f"fleet x {scale:g}")
+            rows.append(fleet.simulate(base.scaled(scale)))
+        console.print(fleet.report(rows, base))
+        report = {"curve": "fleet", "points": rows}
+    if args.json:
+        write_json(args.json, report)
+    return code
+
+
+def _own_points(args: argparse.Namespace, cast: Callable[[str], float]) -> list[float]:
+    text = args.curve_points or OWN_POINTS[args.curve]
+    values = [cast(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) <= 0:
+        raise ValueError(f"--curve-points for --curve {args.curve} must be > 0, got {text!r}")
+    return values
 
 
 def points(axis: str, text: str | None) -> list[float]:
@@ -71,8 +147,11 @@ def run(
             mode.close()
         rows.append(_row(field, value, result))
     first = rows[0]
+    # A point without aborts (a storm's baseline of 0) has no release p99:
+    # the p99s compare with the first point that has one.
+    first_p99 = next((row["release_p99_ms"] for row in rows if row["release_p99_ms"]), 0.0)
     for row in rows:
-        row["p99_ratio"] = _ratio(row["release_p99_ms"], first["release_p99_ms"])
+        row["p99_ratio"] = _ratio(row["release_p99_ms"], first_p99) if row["release_p99_ms"] else None
         row["throughput_ratio"] = _ratio(row["throughput_gbps"], first["throughput_gbps"])
         row["p99_vs_timeout"] = row["release_p99_ms"] / (args.abort_timeout * 1e3)
     return {"curve": args.curve, "axis": field, "window_ms": (window_s or 0.0) * 1e3, "points": rows}
@@ -87,8 +166,10 @@ def _row(field: str, value: float, r: ModeResult) -> dict[str, Any]:
         "aborted": r.aborted_mid_transfer + r.prefill_failed,
         "release_p50_ms": lat.get("p50", 0.0),
         "release_p99_ms": lat.get("p99", 0.0),
+        "prefill_fail_p99_ms": s["prefill_fail_release_latency_ms"].get("p99", 0.0),
         "throughput_gbps": s["throughput_gbps"],
         "violations": len(r.violations),
+        "violation_examples": [v.as_dict() for v in r.violations[:5]],
         "unreleased_end": r.rooms_unreleased_end,
         "releases_by_proof": dict(r.releases_by_proof),
         "cpu": dict(r.cpu),
@@ -105,6 +186,7 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     for col in (field, "requests / aborted", "release p50 / p99 ms", "p99 x first", "GB/s", "GB/s x first"):
         table.add_column(col, justify="right")
     table.add_column("p99 / timeout", justify="right")
+    table.add_column("prefill-failed p99 ms", justify="right")
     table.add_column("violations, unreleased", justify="right")
     table.add_column("CPU busy / stolen", justify="right")
     for row in report["points"]:
@@ -117,6 +199,7 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             f"{row['throughput_gbps']:.3f}",
             _x(row["throughput_ratio"]),
             f"{row['p99_vs_timeout']:.1e}",
+            f"{row['prefill_fail_p99_ms']:.2f}",
             f"{row['violations']}, {row['unreleased_end']}",
             f"{cpu.get('busy', 0):.0f}% / {cpu.get('steal', 0):.0f}%" if cpu else "n/a",
         )
@@ -125,10 +208,15 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         "goals (issue 35): rooms and ranks, p99 within 2x and throughput within 10% of the first point; "
         "storm, 0 violations and every room released by proof."
     )
+    for row in report["points"]:
+        for v in row["violation_examples"]:
+            console.print(
+                f"violation at {field} {row[field]:g}: {v['kind']}, room {v['room']}: {v['detail']}"
+            )
 
 
 def _x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
-__all__ = ["AXES", "points", "print_report", "run"]
+__all__ = ["AXES", "CHOICES", "OWN", "points", "print_report", "run", "run_own"]

@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from kvconn.bench.child import quiet_interrupts
 from kvconn.bench.workload import ModeRun, PrefillProcs, Workload, plan
 from kvconn.plugins import get_backend
-from kvconn.testing.child import emit, load_args
+from kvconn.testing.child import emit, load_args, quiet_interrupts
 
 
 def main() -> None:

@@ -18,14 +18,14 @@ from typing import Any
 
 import attrs
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from kvconn.bench.child import StderrLog
 from kvconn.bench.output import write_json
 from kvconn.bench.workload import Workload, rank_args
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, hosts
-from kvconn.testing.child import Child
+from kvconn.testing.child import Child, StderrLog
 from kvconn.transport import capabilities_of
 
 #: Where each run puts the ranks.
@@ -85,7 +85,7 @@ def _run(
         window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
         runs: dict[str, dict[str, Any]] = {}
         for placement in (ONE_HOST, ACROSS):
-            err.print(f"kvconn bench --hosts: {placement.replace('_', ' ')}, {wl.requests} requests")
+            err.print(escape(f"kvconn bench --hosts: {placement.replace('_', ' ')}, {wl.requests} requests"))
             on = [fabric["decode"]] * wl.ranks if placement == ONE_HOST else [
                 fabric[names[1 + r % (args.hosts - 1)]] for r in range(wl.ranks)
             ]  # fmt: skip
@@ -102,7 +102,7 @@ def _run(
                 args.backend,
                 options,
                 faults,
-                lambda s: err.print(f"  {s}"),
+                lambda s: err.print(escape(f"  {s}")),
                 quiet=not args.verbose,
                 modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
             )
@@ -205,7 +205,7 @@ def _x(v: float | None) -> str:
 
 def print_report(console: Console, rep: Mapping[str, Any]) -> None:
     one, across = rep["runs"][ONE_HOST]["summary"], rep["runs"][ACROSS]["summary"]
-    t = Table(title=f"{rep['backend']}: across {rep['hosts']} hosts vs one host (kvconn's mode)")
+    t = Table(title=escape(f"{rep['backend']}: across {rep['hosts']} hosts vs one host (kvconn's mode)"))
     for col in ("", "one host", f"across hosts ({rep['hosts']})", "across / one"):
         t.add_column(col, justify="right" if col else "left")
     r = rep["ratios"]
@@ -240,7 +240,7 @@ def print_report(console: Console, rep: Mapping[str, Any]) -> None:
     )
     for placement in (ONE_HOST, ACROSS):
         for v in rep["runs"][placement]["summary"]["violations"]:
-            console.print(f"violation [{placement}] {v['kind']} room={v['room']}: {v['detail']}")
+            console.print(escape(f"violation [{placement}] {v['kind']} room={v['room']}: {v['detail']}"))
     if "faults" in rep:
         _print_faults(console, rep["faults"])
 
@@ -261,5 +261,7 @@ def _print_faults(console: Console, faults: Sequence[Mapping[str, Any]]) -> None
             if f["mode"] == "kvconn"
             else "timeout-only"
         )
-        t.add_row(f["fault"], mode, str(f["corrupted_pages"]), str(f["held_pages"]), back, others)
+        t.add_row(
+            escape(f["fault"]), mode, str(f["corrupted_pages"]), str(f["held_pages"]), escape(back), others
+        )
     console.print(t)

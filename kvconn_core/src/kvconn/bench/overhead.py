@@ -45,13 +45,13 @@ def _wait_requested(rank: PrefillRank, room: int) -> None:
 def measure(chunks: int = 20000, rooms: int = 100) -> Overhead:
     backend = NullBackend()
     page_bytes = 4096
-    rank = PrefillRank(backend, 0, chunks * page_bytes, Config())
-    # rooms 3.. of step 3 each take the page of their own number
+    # rooms 3.. of step 3 each take the page of their own number, on both
+    # sides: fewer chunks than 3 + rooms still need that many pages.
+    npages = max(chunks, 3 + rooms)
+    rank = PrefillRank(backend, 0, npages * page_bytes, Config())
     # Rooms 1 and 2 share their pages on purpose (room 1 is written by calling
     # the worker directly and never finished): no page-ownership check.
-    decode = DecodeEndpoint(
-        backend, max(chunks, 3 + rooms), page_bytes, [rank.address], Config(check_pages=False)
-    )
+    decode = DecodeEndpoint(backend, npages, page_bytes, [rank.address], Config(check_pages=False))
     try:
         pages = tuple(range(chunks))
         # 1. the worker's path, called directly

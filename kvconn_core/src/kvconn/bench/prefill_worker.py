@@ -12,9 +12,9 @@ import json
 import logging
 import sys
 
-from kvconn.bench.child import quiet_interrupts
 from kvconn.metrics import Metrics
 from kvconn.runtime.trace_export import write_spans_to
+from kvconn.testing.child import quiet_interrupts
 from kvconn.testing.prefill_proc import Driver
 
 

@@ -10,7 +10,8 @@ hooks, called directly: no pluggy, ledger or control plane.
 bench runs one kvconn prefill process per rank, all started together; each
 fills its source pages with the pattern before every chunk, as the bench's
 prefill processes do, then writes the chunk and waits for it. Run as
-``python -m kvconn.bench.raw rank`` this file is that process.
+``python -m kvconn.bench.raw ARGS_JSON`` this file is that process
+(a :class:`kvconn.testing.child.Child`).
 """
 
 from __future__ import annotations
@@ -20,18 +21,22 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
-from kvconn.bench.child import Child, quiet_interrupts, read_config
 from kvconn.buffers import Buffer
-from kvconn.chunk import Chunk, Segment
+from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.plugins import get_backend
 from kvconn.runtime.layout import PageLayout
+from kvconn.testing.child import Child, ChildError, StderrLog, load_args, quiet_interrupts
 from kvconn.testing.patterns import shard_bytes
 from kvconn.transport import Backend, Settlement, register_writer
+
+#: How long a bench child gets to report and exit once its stdin closes.
+CLOSE_S = 90.0
 
 #: One room of the raw run: (room id, destination pages).
 RawRoom = tuple[int, Sequence[int]]
@@ -64,12 +69,30 @@ class HookRaw:
         self._w.connect(peer, metadata)
 
     def transfer(self, peer: str, segments: Sequence[Segment]) -> int:
+        self._post_and_wait(peer, segments)
+        return sum(s.nbytes for s in segments)
+
+    def prepare(self, peer: str, segments: Any) -> tuple[str, SegmentTable]:
+        """``segments`` (Segments or ``(n, 3)`` rows) as the table the hooks take."""
+        return peer, SegmentTable(segments) if isinstance(segments, np.ndarray) else SegmentTable.of(segments)
+
+    def transfer_prepared(
+        self, prepared: tuple[str, SegmentTable], clock: Callable[[], float] = time.perf_counter
+    ) -> float:
+        """Post and wait; ``on_post``'s time by ``clock``."""
+        return self._post_and_wait(*prepared, clock=clock)
+
+    def _post_and_wait(
+        self, peer: str, segments: Sequence[Segment], clock: Callable[[], float] = time.perf_counter
+    ) -> float:
         chunk = Chunk(0, 0, True, 0, peer, (), ())
+        t0 = clock()
         posted = self._w.on_post(chunk=chunk, segments=segments)
+        seconds = clock() - t0
         settled = self._w.on_done_barrier(chunk=chunk, posted=posted, deadline=time.monotonic() + 60)
         if settled is not Settlement.LANDED:
             raise RuntimeError(f"raw write settled {settled}")
-        return sum(s.nbytes for s in segments)
+        return seconds
 
     def close(self) -> None:
         self._w.close()
@@ -79,7 +102,10 @@ def open_raw(name: str, nbytes: int | Sequence[Buffer], options: Mapping[str, st
     """Backend ``name``'s raw writer of ``nbytes`` source bytes (or over the
     engine buffers ``nbytes`` lists), and how it writes. Both kinds have ``write(offset, data)`` (fill the source),
     ``connect(peer, metadata)``, ``transfer(peer, segments)`` (write and wait;
-    the bytes written) and ``close()``; a ``RawWriter`` takes the segments'
+    the bytes written), ``prepare(peer, segments)`` then
+    ``transfer_prepared(prepared)`` (the same write, its descriptors built
+    first; returns the post's seconds, or None where the library posts and
+    waits in one) and ``close()``; a ``RawWriter`` takes the segments'
     ``rows`` array, the form a raw API user holds."""
     try:
         mod = importlib.import_module(f"kvconn_{name}.raw")
@@ -119,19 +145,26 @@ def run_raw(
             "rooms": [[room, list(dst)] for room, dst in rooms],
         }
         for rank in range(num_ranks):
-            children.append(Child("kvconn.bench.raw", "rank", {**common, "rank": rank}, "ready"))
-            how = str(children[-1].hello)
+            child = Child(
+                "kvconn.bench.raw",
+                {**common, "rank": rank},
+                log=StderrLog(),
+                name="bench rank child",
+                failure=ChildError,
+            )
+            children.append(child)
+            how = str(child.next_with("ready", 120, "the raw writer's start")["ready"])
         t0 = time.perf_counter()
         for child in children:
-            child.send({"op": "run"})
-        replies = [child.recv("done", timeout_s=600) for child in children]
+            child.send_line(json.dumps({"op": "run"}))
+        replies = [child.next_with("done", 600, "the raw writer's run") for child in children]
         seconds = time.perf_counter() - t0
         bad = _spot_check(region, rooms, page_bytes, num_ranks)
     except (RuntimeError, OSError) as exc:  # a child that could not start, or died
         return RawResult(False, f"raw path could not run: {exc}")
     finally:
         for child in children:
-            child.close()
+            child.close(CLOSE_S)
         region.close()
     errors = [r["error"] for r in replies if r.get("error")]
     if errors:
@@ -162,7 +195,7 @@ def _spot_check(region: Any, rooms: Sequence[RawRoom], page_bytes: int, num_rank
 def _rank_main() -> None:
     """One raw writer process: every room's chunks, filled then written."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = read_config()
+    cfg = load_args(sys.argv[1])
     rank, cp = int(cfg["rank"]), int(cfg["chunk_pages"])
     layout = PageLayout(int(cfg["page_bytes"]), int(cfg["num_ranks"]))
     shard = layout.shard
@@ -188,7 +221,7 @@ def _rank_main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["rank"]:
-        raise SystemExit("usage: python -m kvconn.bench.raw rank  (config JSON on stdin)")
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m kvconn.bench.raw ARGS_JSON")
     quiet_interrupts()
     _rank_main()

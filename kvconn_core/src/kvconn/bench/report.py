@@ -175,8 +175,10 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
     }
     w = rep["workload"]
     t = Table(
-        title=f"kvconn bench: {rep['backend']}, {w['requests']} requests/mode, "
-        f"{w['ranks']} prefill rank(s) -> {w['decodes']} decode(s)"
+        title=escape(
+            f"kvconn bench: {rep['backend']}, {w['requests']} requests/mode, "
+            f"{w['ranks']} prefill rank(s) -> {w['decodes']} decode(s)"
+        )
     )
     t.add_column("metric")
     for m in names:
@@ -205,7 +207,7 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
     )
     row(
         "releases by proof",
-        lambda d: ", ".join(f"{k}={v}" for k, v in sorted(d["releases_by_proof"].items())),
+        lambda d: escape(", ".join(f"{k}={v}" for k, v in sorted(d["releases_by_proof"].items()))),
     )
     row(
         "acks received / sent", lambda d: f"{d['acks_received']:.0f} / {d['prefill'].get('acks_sent', 0):.0f}"
@@ -258,9 +260,11 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
     raw = rep["raw"]
     if raw.get("available"):
         console.print(
-            f"raw {rep['backend']}: {raw['gbps']:.2f} GB/s ({raw['detail']}); kvconn streaming "
-            f"{s.get('gbps', 0):.2f} GB/s = {raw.get('kvconn_over_raw', 0):.0%} of raw "
-            f"(overhead ratio {raw.get('overhead_ratio', 0):.2f}x)"
+            escape(
+                f"raw {rep['backend']}: {raw['gbps']:.2f} GB/s ({raw['detail']}); kvconn streaming "
+                f"{s.get('gbps', 0):.2f} GB/s = {raw.get('kvconn_over_raw', 0):.0%} of raw "
+                f"(overhead ratio {raw.get('overhead_ratio', 0):.2f}x)"
+            )
         )
     else:
         console.print(f"raw comparison: {escape(raw['detail'])}")
@@ -348,7 +352,7 @@ def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
         if k is None or leg is None:
             continue
         if k["skipped"]:
-            t.add_row(fault, "-", "-", f"not run: {escape(k['skipped'])}")
+            t.add_row(escape(fault), "-", "-", f"not run: {escape(k['skipped'])}")
             continue
         back = ", ".join(f"{s:.2f} s" for s in k["recovery_s"]) or "-"
         cost = f"{k['quarantined_pages']} of {k['pages']} pages, {back} ({', '.join(k['proofs'])})"
@@ -356,7 +360,7 @@ def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
             cost += f"; {k['unreleased']} rooms still held"
         bad = leg["corrupted_pages"]
         t.add_row(
-            fault,
+            escape(fault),
             f"[red]{bad}[/red] of {leg['pages']}" if bad else f"0 of {leg['pages']}",
             f"[red]{k['corrupted_pages']}[/red]" if k["corrupted_pages"] else "[green]0[/green]",
             escape(cost),

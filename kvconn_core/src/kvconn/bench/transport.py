@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kvconn.bench.output import check_output_paths, write_json
@@ -83,10 +84,10 @@ def main(args: argparse.Namespace, options: Mapping[str, str], console: Console,
         transient=True,
     ) as progress:
         for name in names:
-            task = progress.add_task(name, total=None)
+            task = progress.add_task(escape(name), total=None)
 
             def step(what: str, task: Any = task, name: str = name) -> None:
-                progress.update(task, description=f"{name}: {what}")
+                progress.update(task, description=escape(f"{name}: {what}"))
 
             reports.append(
                 run_backend(

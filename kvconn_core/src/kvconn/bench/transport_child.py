@@ -1,5 +1,6 @@
-"""The two child processes of ``kvconn bench --transport``, each configured
-by a JSON line on stdin (:mod:`kvconn.bench.child`):
+"""The two child processes of ``kvconn bench --transport``, each a
+:class:`kvconn.testing.child.Child` given its arguments, ``role`` among
+them, as JSON:
 
 * ``rank``: a prefill rank (:class:`PrefillRank`, one worker) whose engine
   stand-in sends a room's chunks with ``Sender.send`` as soon as decode asks;
@@ -7,7 +8,7 @@ by a JSON line on stdin (:mod:`kvconn.bench.child`):
 * ``raw``: writes the very same segments through the transport's raw API
   (:mod:`kvconn.bench.raw`), one chunk at a time, on each ``run`` command.
 
-``python -m kvconn.bench.transport_child rank|raw``.
+``python -m kvconn.bench.transport_child ARGS_JSON``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections import deque
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from kvconn.bench.child import quiet_interrupts, read_config
 from kvconn.bench.raw import HookRaw, open_raw
 from kvconn.bench.shapes import Shape, kv_side, source_pattern, split_room
 from kvconn.chunk import Chunk, Segment
@@ -30,13 +30,13 @@ from kvconn.layout import KVLayout
 from kvconn.plugins import get_backend
 from kvconn.runtime.layout import PageLayout
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.child import load_args, quiet_interrupts
 from kvconn.transport import Settlement
 
 
-def _rank_child() -> None:
+def _rank_child(cfg: dict[str, Any]) -> None:
     """A prefill rank whose 'engine' sends a room's chunks as soon as decode asks."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = read_config()
     backend = get_backend(cfg["backend"])
     src_plans: list[list[list[int]]] = cfg["src"]
     chunk_pages: list[int] = cfg["chunk_pages"]
@@ -104,10 +104,9 @@ class _Profiler:
         return result
 
 
-def _raw_child() -> None:
+def _raw_child(cfg: dict[str, Any]) -> None:
     """Writes the same segments through the raw API on command."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    cfg = read_config()
     pattern = source_pattern(int(cfg["source_bytes"]), int(cfg["seed"]))
     kv = Shape(**cfg["kv"]) if cfg.get("kv") else None
     if kv is not None:
@@ -153,10 +152,10 @@ def _raw_child() -> None:
 
 if __name__ == "__main__":
     quiet_interrupts()
-    role = sys.argv[1] if len(sys.argv) > 1 else ""
-    if role == "rank":
-        _rank_child()
-    elif role == "raw":
-        _raw_child()
+    args = load_args(sys.argv[1]) if len(sys.argv) == 2 else {}
+    if args.get("role") == "rank":
+        _rank_child(args)
+    elif args.get("role") == "raw":
+        _raw_child(args)
     else:
-        raise SystemExit("usage: python -m kvconn.bench.transport_child rank|raw  (config JSON on stdin)")
+        raise SystemExit('usage: python -m kvconn.bench.transport_child \'{"role": "rank"|"raw", ...}\'')

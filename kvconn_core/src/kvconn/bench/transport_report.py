@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvconn.bench.results import PROFILE_PARTS, TARGET
@@ -27,7 +28,7 @@ def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
     ]
     if not rows:
         return  # not Linux: no /proc
-    t = Table(title=f"CPU per chunk on {rep['backend']}, every process (ms; medians)")
+    t = Table(title=escape(f"CPU per chunk on {rep['backend']}, every process (ms; medians)"))
     for col in (
         "shape",
         "kvconn: decode + rank",
@@ -52,7 +53,7 @@ def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
             else f"{extra:.0f}, {r['cpu']['kvconn_extra_us_per_segment']:.2f} ({r['segments_per_chunk']:.0f})"
         )
         t.add_row(
-            r["shape"],
+            escape(r["shape"]),
             *cells,
             own,
             f"{r['lowering_us_per_chunk']:.0f}",
@@ -70,7 +71,7 @@ def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
     )
     if saturated:
         console.print(
-            f"[yellow]CPUs saturated[/yellow] during kvconn's runs of {', '.join(saturated)}: its control "
+            f"[yellow]CPUs saturated[/yellow] during kvconn's runs of {escape(', '.join(saturated))}: its control "
             "plane (decode + rank, above) took CPU time from a transport that copies with the CPU, and "
             "threads waited for a core. More cores, or a transport whose copies the NIC does, "
             "narrow that gap (docs/bench.md)."
@@ -86,7 +87,7 @@ _VERDICT_STYLE = {
 
 def print_report(console: Console, rep: dict[str, Any]) -> None:
     opts = ", ".join(f"{k}={v}" for k, v in rep["backend_options"].items())
-    t = Table(title=f"kvconn bench --transport: {rep['backend']}" + (f" ({opts})" if opts else ""))
+    t = Table(title=escape(f"kvconn bench --transport: {rep['backend']}" + (f" ({opts})" if opts else "")))
     for col, just in (
         ("shape (per chunk)", "left"),
         ("room / run", "right"),
@@ -103,7 +104,7 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
             ok += f" [red]({r['verify_bad_pages']} pages WRONG)[/red]"
         lo, hi = r["ratio_interval"]
         t.add_row(
-            r["shape"],
+            escape(r["shape"]),
             f"{format_size(r['chunk_bytes'] * r['room_chunks'])} / {format_size(r['bytes_per_run'])}",
             f"{r['kvconn_gbps']:.3f}  [{min(r['kvconn_gbps_all']):.2f}-{max(r['kvconn_gbps_all']):.2f}]",
             f"{r['raw_gbps']:.3f}  [{min(r['raw_gbps_all']):.2f}-{max(r['raw_gbps_all']):.2f}]",
@@ -124,10 +125,10 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
     _print_cpu(console, rep)
     prof = [r for r in rep["shapes"] if r.get("profile")]
     if prof:
-        pt = Table(title=f"--profile: where kvconn's time goes on {rep['backend']} (ms per chunk)")
+        pt = Table(title=escape(f"--profile: where kvconn's time goes on {rep['backend']} (ms per chunk)"))
         pt.add_column("")
         for r in prof:
-            pt.add_column(r["shape"], justify="right")
+            pt.add_column(escape(r["shape"]), justify="right")
 
         def prow(label: str, fn: Callable[[dict[str, Any]], float]) -> None:
             pt.add_row(label, *(f"{fn(r):.3f}" for r in prof))
@@ -156,10 +157,13 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
         )
     missed = [f"{r['shape']} ({r['verdict']})" for r in rep["shapes"] if not r["target_met"]]
     pairs = f"{rep['shapes'][0]['repeats']} pairs; raw path: {rep['raw_path']}"
+    backend = escape(rep["backend"])
     if missed:
-        console.print(f"[red]5% target NOT met[/red] on {rep['backend']} for: {', '.join(missed)} ({pairs})")
+        console.print(
+            f"[red]5% target NOT met[/red] on {backend} for: {escape(', '.join(missed))} ({escape(pairs)})"
+        )
     else:
-        console.print(f"[green]5% target met[/green] on {rep['backend']} for every shape ({pairs})")
+        console.print(f"[green]5% target met[/green] on {backend} for every shape ({escape(pairs)})")
     console.print(
         "exit code: 1 only if a spot-checked page came out wrong (the bytes are checked after every "
         "measurement); the 95% target is judged here and does not gate the exit code: it depends on "

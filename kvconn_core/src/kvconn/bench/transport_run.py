@@ -24,6 +24,7 @@ source.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import Any
 import attrs
 
 from kvconn.bench import cpu
-from kvconn.bench.child import Child
+from kvconn.bench.raw import CLOSE_S
 from kvconn.bench.results import TARGET, ShapeResult, breakdown
 from kvconn.bench.shapes import (
     Plan,
@@ -54,6 +55,7 @@ from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.messages import Message, RoomStatus
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.runtime.layout import PageLayout
+from kvconn.testing.child import Child, ChildError, StderrLog
 from kvconn.transport import capabilities_of
 
 
@@ -69,6 +71,12 @@ class _Endpoint(DecodeEndpoint):
         super()._on_message(msg)
         if isinstance(msg, RoomStatus):
             self.changed.set()
+
+
+def _child(args: dict[str, Any]) -> Child:
+    """A child process of this bench (:mod:`kvconn.bench.transport_child`)."""
+    name = f"bench {args['role']} child"
+    return Child("kvconn.bench.transport_child", args, log=StderrLog(), name=name, failure=ChildError)
 
 
 def _kvconn_run(
@@ -154,33 +162,32 @@ def run_backend(
         "kv": attrs.asdict(shapes[0]) if kv else None,
     }
     step("starting the prefill rank process")
-    rank = Child(
-        "kvconn.bench.transport_child",
-        "rank",
+    rank = _child(
         {
             **common,
+            "role": "rank",
             "src": [p.src for p in plans],
             "chunk_pages": [p.shape.chunk_pages for p in plans],
             "write_timeout_s": min(20.0, abort_s / 2),
             "abort_timeout_s": abort_s,
             "profile": profile,
         },
-        "address",
     )
     room_log: dict[int, list[float]] | None = {} if profile else None
     child_profile: dict[str, Any] = {}
     endpoints: list[_Endpoint] = []
     raw: Child | None = None
     try:
+        address = str(rank.next_with("address", 120, "the prefill rank's start")["address"])
         config = Config(
             write_timeout_s=min(20.0, abort_s / 2), abort_timeout_s=abort_s, backend_options=options
         )
         for p in plans:
             if kv:
                 arrays, layout = kv_side(p.shape, p.pool_pages)
-                ep = _Endpoint(backend, prefill=[rank.hello], config=config, buffers=arrays, layout=layout)
+                ep = _Endpoint(backend, prefill=[address], config=config, buffers=arrays, layout=layout)
             else:
-                ep = _Endpoint(backend, p.pool_pages, p.shape.page_bytes, [rank.hello], config)
+                ep = _Endpoint(backend, p.pool_pages, p.shape.page_bytes, [address], config)
             endpoints.append(ep)
         step("starting the raw writer process")
         shapes_cfg = [
@@ -194,8 +201,8 @@ def run_backend(
             }
             for p, ep in zip(plans, endpoints, strict=True)
         ]
-        raw = Child("kvconn.bench.transport_child", "raw", {**common, "shapes": shapes_cfg}, "ready")
-        raw_how = str(raw.hello)
+        raw = _child({**common, "role": "raw", "shapes": shapes_cfg})
+        raw_how = str(raw.next_with("ready", 120, "the raw writer's start")["ready"])
         results = [ShapeResult(p) for p in plans]
         for p, ep, res in zip(plans, endpoints, results, strict=True):
             if ep.layout is not None:
@@ -209,8 +216,8 @@ def run_backend(
         def measure_raw(i: int, rooms: int) -> tuple[float, float]:
             assert raw is not None
             t0 = time.perf_counter()
-            raw.send({"op": "run", "shape": i, "rooms": rooms})
-            reply = raw.recv("seconds")
+            raw.send_line(json.dumps({"op": "run", "shape": i, "rooms": rooms}))
+            reply = raw.next_with("seconds", 300, f"the raw writer's run of shape {i}")
             return time.perf_counter() - t0, float(reply["seconds"])
 
         # warm-up: connections, first-touch page faults, caches
@@ -246,10 +253,11 @@ def run_backend(
                             res.bad_pages += 1
     finally:
         if raw is not None:
-            raw.close()
+            raw.close(CLOSE_S)
         for ep in endpoints:
             ep.close()
-        child_profile = rank.close().get("profile", {})
+        rank.close(CLOSE_S)  # it reports its profile once its stdin closes
+        child_profile = rank.last_with("profile") or {}
     rows = [res.summary() for res in results]
     if room_log is not None and child_profile:
         for i, row in enumerate(rows):

@@ -16,11 +16,8 @@ Verification:
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -30,13 +27,13 @@ from typing import Any
 import attrs
 
 from kvconn.bench import cpu
-from kvconn.bench.child import StderrLog, exited
 from kvconn.bench.mode_result import ModeResult, Violation
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
+from kvconn.testing.child import Child, ChildError, StderrLog
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend
 
@@ -167,61 +164,39 @@ class PrefillProcs:
     """N prefill rank processes (:mod:`kvconn.bench.prefill_worker`)."""
 
     def __init__(self, args: Sequence[dict[str, Any]]) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[Child] = []
         self.addresses: list[str] = []
         self.metrics: list[dict[str, float]] = []
-        self._logs: list[StderrLog] = []
         try:
             for a in args:
-                self._logs.append(StderrLog())
                 self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "kvconn.bench.prefill_worker", json.dumps(a)],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=self._logs[-1].file,
-                        text=True,
+                    Child(
+                        "kvconn.bench.prefill_worker",
+                        a,
+                        log=StderrLog(),
+                        name="a prefill rank process",
+                        failure=ChildError,
                     )
                 )
-            for p, log in zip(self.procs, self._logs, strict=True):
-                assert p.stdout is not None
-                while True:  # a transport library may print its own lines first
-                    line = p.stdout.readline()
-                    if not line:
-                        raise exited("a prefill rank process", p.wait(), log)
-                    with contextlib.suppress(ValueError):
-                        msg = json.loads(line)
-                        if isinstance(msg, dict) and "address" in msg:
-                            self.addresses.append(msg["address"])
-                            break
+            for i, p in enumerate(self.procs):
+                self.addresses.append(
+                    str(p.next_with("address", 120, f"prefill rank {i}'s start")["address"])
+                )
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.stdin is not None and not p.stdin.closed:
+        for p in self.procs:  # all at once: each exits once its stdin closes
+            if p.proc.stdin is not None and not p.proc.stdin.closed:
                 with contextlib.suppress(OSError):
-                    p.stdin.close()
+                    p.proc.stdin.close()
         for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            out = p.stdout.read() if p.stdout is not None else ""
-            if p.stdout is not None:
-                p.stdout.close()
-            for line in (out or "").splitlines():
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(msg, dict) and "metrics" in msg:
-                    self.metrics.append(msg["metrics"])
-        for log in self._logs:
-            log.close()
-        self.procs, self._logs = [], []
+            p.close(15)
+            metrics = p.last_with("metrics")  # printed on its way out
+            if metrics is not None:
+                self.metrics.append(metrics)
+        self.procs = []
 
 
 class ModeRun:
@@ -265,6 +240,11 @@ class ModeRun:
         self._owner: dict[int, int] = {}  # page -> room that last owned it
         self._aborted: dict[int, _Aborted] = {}
         self._held_expected = 0
+        #: The rooms in flight of the phase running (stream or run).
+        self._active: dict[int, _Active] = {}
+        #: Rooms decode failed itself whose pages came back before the
+        #: bench's loop polled them.
+        self._released_unpolled: set[int] = set()
         self._canary = canary(wl.page_bytes)
         self._now = time.monotonic
         #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
@@ -364,6 +344,13 @@ class ModeRun:
             self.result.releases_by_proof[proof] = self.result.releases_by_proof.get(proof, 0) + 1
             entry = self._aborted.pop(release.room, None)
             if entry is None:
+                active = self._active.get(release.room)
+                if active is not None and active.rx.poll() is KVPoll.FAILED:
+                    # Decode failed the room itself (a rank found down or
+                    # restarted) and it came back on proof before the loop
+                    # polled it: the loop counts it as failed when it does.
+                    self._released_unpolled.add(release.room)
+                    return
                 self._violation("unexpected_release", release.room, f"released by {proof}, never aborted")
                 return
             self._held_expected -= entry.npages
@@ -372,6 +359,15 @@ class ModeRun:
                 self.result.prefill_fail_latencies_ms.append(ms)
             elif proof != "completed":
                 self.result.latencies_ms.append(ms)
+
+    def _failed(self, room: int, active: _Active) -> None:
+        """A room the loop found FAILED (a rank failed it, or decode did):
+        given up as the engine would, unless its pages are back already."""
+        with self._lock:
+            if room in self._released_unpolled:
+                self._released_unpolled.discard(room)
+                return
+        self._abort(room, active, "prefill_fail")
 
     def _abort(self, room: int, active: _Active, kind: str) -> None:
         with self._lock:
@@ -384,6 +380,11 @@ class ModeRun:
         with self._lock:
             held = self.decode.held_pages()
             expected = self._held_expected
+            if held > expected:
+                # Rooms decode failed itself (a rank found down or restarted)
+                # are aborted as the bench's are, and hold their pages until
+                # proven; the loop has not polled them yet.
+                expected += self._failed_unseen()
             self.result.peak_pages_held = max(self.result.peak_pages_held, held)
             self.result.peak_pages_aborted_unreleased = max(
                 self.result.peak_pages_aborted_unreleased, expected
@@ -392,6 +393,15 @@ class ModeRun:
                 self._violation(
                     "held_exceeds_aborted", None, f"kvconn holds {held} pages, aborted rooms {expected}"
                 )
+
+    def _failed_unseen(self) -> int:
+        """Pages of the rooms in flight that decode already failed, and the
+        bench has not counted as aborted."""
+        return sum(
+            len(a.pages)
+            for room, a in self._active.items()
+            if room not in self._aborted and a.rx.poll() is KVPoll.FAILED
+        )
 
     # -- verification --------------------------------------------------------
     def _verify(self, room: int, pages: Sequence[int]) -> bool:
@@ -426,6 +436,7 @@ class ModeRun:
         wl = self.wl
         todo = deque(rooms)
         active: dict[int, _Active] = {}
+        self._active = active
         done: list[tuple[int, tuple[int, ...]]] = []
         lat: list[float] = []
         failed = 0
@@ -450,7 +461,7 @@ class ModeRun:
                     progress(1)
                 elif st is KVPoll.FAILED:
                     failed += 1
-                    self._abort(room, a, "prefill_fail")
+                    self._failed(room, a)
                     del active[room]
                     progress(1)
             self._pause(len(active))
@@ -476,6 +487,7 @@ class ModeRun:
         wl, res = self.wl, self.result
         todo = deque(work)
         active: dict[int, _Active] = {}
+        self._active = active
         res.pages_verified = 0  # the workload's pages only, not the streaming phase's
         t0 = self._now()
         cpu_before = cpu.sample()
@@ -501,7 +513,7 @@ class ModeRun:
                     res.bytes_completed += len(a.pages) * wl.page_bytes
                 elif st is KVPoll.FAILED:
                     res.prefill_failed += 1
-                    self._abort(room, a, "prefill_fail")
+                    self._failed(room, a)
                 elif a.abort_at is not None and now >= a.abort_at:
                     res.aborted_mid_transfer += 1
                     self._abort(room, a, "decode")

@@ -23,16 +23,17 @@ These are the decisions; ``runtime/`` calls them and waits.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvconn.errors import RequestError
+from kvconn.errors import ArgumentError, RequestError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import Action, Drop, Request
 from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import LIVE, KVPoll, NotifyDecode, RoomKey
-from kvconn.protocol.messages import RankDraining, RoomOutcome
+from kvconn.protocol.messages import RankDraining, RoomOutcome, TcpConnection
 
 if TYPE_CHECKING:
     from kvconn.protocol.endpoint import EndpointState
@@ -58,28 +59,6 @@ class DrainingError(RequestError):
     to another instance, or recompute it."""
 
 
-# -- prefill ------------------------------------------------------------------
-@attrs.define(slots=True)
-class RankDrain:
-    """A prefill rank's drain: when its grace ends and how far it got."""
-
-    since: float
-    grace_over_at: float
-    #: The grace ran out and the rooms still live were failed.
-    grace_over: bool = False
-    #: Every decode was told ``done``: nothing of this rank can land.
-    done: bool = False
-
-
-@attrs.frozen(slots=True)
-class Announce:
-    """Send ``RankDraining(done)`` to decode ``decode`` (the runtime adds
-    the connections its fences closed)."""
-
-    decode: str
-    done: bool
-
-
 @attrs.frozen(slots=True)
 class DrainReport:
     """How a drain ended: ``drained`` (nothing of the endpoint's can land
@@ -95,20 +74,85 @@ class DrainReport:
     pages_left: int = 0
 
 
+@attrs.define(slots=True)
+class Drain:
+    """One side's drain: when its grace ends, how far it got, and when the
+    wait of the caller that asked for it stops and reports what is left."""
+
+    since: float
+    grace_over_at: float
+    #: The grace ran out: the rooms still live were failed (prefill), the
+    #: rooms the engine left were aborted (decode).
+    grace_over: bool = False
+    #: Nothing of the endpoint can land any more (prefill: every decode was
+    #: told ``done``; decode: every page is back).
+    done: bool = False
+    #: When the wait reports what is left, drained or not (inf: never).
+    report_at: float = math.inf
+
+    def report(self, now: float, rooms_left: int, pages_left: int = 0) -> DrainReport | None:
+        """The report at ``now`` once the drain is done or its wait is up
+        (None: wait on)."""
+        if not self.done and now < self.report_at:
+            return None
+        return DrainReport(self.done, now - self.since, rooms_left, pages_left)
+
+
+def check_grace(grace_s: float) -> None:
+    """A drain's grace is at least 0 s (both sides)."""
+    if grace_s < 0:
+        raise ArgumentError(f"a drain's grace period is at least 0 s, got {grace_s}")
+
+
+#: What a rank's wait allows beyond its grace and write deadline by default:
+#: time for a write in flight, failed at its deadline, to be fenced.
+SETTLE_S = 1.0
+
+
+def rank_report_after(grace_s: float, write_timeout_s: float, timeout_s: float | None = None) -> float:
+    """How long a prefill rank's drain() waits for the rank to drain before
+    it reports what is left: ``timeout_s``, by default the grace, then the
+    write deadline, then :data:`SETTLE_S`."""
+    return grace_s + write_timeout_s + SETTLE_S if timeout_s is None else timeout_s
+
+
+# -- prefill ------------------------------------------------------------------
+@attrs.define(slots=True)
+class RankDrain(Drain):
+    """A prefill rank's drain (its wait: :func:`rank_report_after`)."""
+
+
+@attrs.frozen(slots=True)
+class Announce:
+    """Send ``RankDraining(done, closed)`` to decode ``decode``: ``closed``,
+    the TCP connections the rank's fences closed (decode counts ``done``
+    only with none, as it holds a fenced ack until its ends drained)."""
+
+    decode: str
+    done: bool
+    closed: tuple[TcpConnection, ...] = ()
+
+
 def busy(state: RankState[Any]) -> list[RoomKey]:
     """The rooms that may still be written: live, or with chunks counted and
     not settled (a poisoned room waits for its fence)."""
     return state.ledger.unsettled_keys()
 
 
-def begin_rank_drain(state: RankState[Any], now: float, grace_s: float) -> list[RankAction]:
-    """Start draining (a second call changes nothing)."""
-    if grace_s < 0:
-        raise ValueError(f"a drain's grace period is at least 0 s, got {grace_s}")
+def begin_rank_drain(
+    state: RankState[Any], now: float, grace_s: float, report_after_s: float = math.inf
+) -> list[RankAction]:
+    """Start draining; the drain's :meth:`~Drain.report` gives up waiting
+    ``report_after_s`` from now. A second call (an engine's drain, then its
+    close) keeps the grace and what was done, and starts the wait over, as a
+    new caller's."""
+    check_grace(grace_s)
     if state.drain is not None:
+        state.drain.since, state.drain.report_at = now, now + report_after_s
         return []
-    state.drain = RankDrain(now, now + grace_s)
-    actions: list[RankAction] = [Announce(decode, False) for decode in sorted(state.peers)]
+    state.drain = RankDrain(now, now + grace_s, report_at=now + report_after_s)
+    closed = state.ledger.closed_by_fences
+    actions: list[RankAction] = [Announce(decode, False, closed) for decode in sorted(state.peers)]
     return actions + rank_drain_tick(state, now)[1]
 
 
@@ -131,7 +175,16 @@ def rank_drain_tick(state: RankState[Any], now: float) -> tuple[bool, list[RankA
     if busy(state):
         return False, actions
     drain.done = True
-    return True, actions + [Announce(decode, True) for decode in sorted(state.peers)]
+    closed = ledger.closed_by_fences
+    return True, actions + [Announce(decode, True, closed) for decode in sorted(state.peers)]
+
+
+def rank_drain_report(state: RankState[Any], now: float) -> tuple[DrainReport | None, list[RankAction]]:
+    """:func:`rank_drain_tick`, then the drain's report once the rank
+    drained or its wait is up (None: wait on, or no drain began)."""
+    _, actions = rank_drain_tick(state, now)
+    drain = state.drain
+    return (None if drain is None else drain.report(now, len(busy(state)))), actions
 
 
 def refuse_request(
@@ -156,7 +209,7 @@ def refuse_request(
 def refuse_if_draining(state: EndpointState, instance_ids: tuple[int, ...], room: int) -> None:
     """Raise :class:`DrainingError` if this endpoint drains, or a rank of
     the instance (its current process) announced it drains."""
-    if state.closing:
+    if state.drain is not None:
         raise DrainingError("this decode endpoint is draining: it takes no new rooms", room)
     for rank in instance_ids:
         if state.leaving.get(rank) == state.writers[rank].session:
@@ -204,9 +257,43 @@ def _asked(request: Request | None, rank: int, writer: object) -> bool:
     return request is not None and request.writers.get(rank) == writer
 
 
-def begin_decode_drain(state: EndpointState) -> None:
-    """Refuse new requests from now on."""
-    state.closing = True
+@attrs.define(slots=True)
+class DecodeDrain(Drain):
+    """A decode endpoint's drain: after the grace, its wait gives the
+    rooms it aborted ``settle_s`` to come back by proof."""
+
+    settle_s: float = 0.0
+
+
+def begin_decode_drain(
+    state: EndpointState, now: float, grace_s: float, settle_s: float, at: float
+) -> list[Action]:
+    """Refuse new requests from now on; abort what the engine has not
+    finished ``grace_s`` from ``at``, and report ``settle_s`` after that
+    (``at``: the clock the drain's caller waits on; ``now``: the endpoint's,
+    for the holds). A second call (the endpoint refuses requests already)
+    starts the wait over, as a new caller's."""
+    check_grace(grace_s)
+    state.drain = DecodeDrain(at, at + grace_s, settle_s=settle_s)
+    return decode_drain_tick(state, now, at)[1]
+
+
+def decode_drain_tick(state: EndpointState, now: float, at: float) -> tuple[DrainReport | None, list[Action]]:
+    """Abort the rooms the engine left once the grace ran out (unless every
+    page is back by then); report once every page is back or the settle
+    time after the grace is up. Returns (the report or None, actions)."""
+    drain = state.drain
+    if drain is None:
+        return None, []
+    actions: list[Action] = []
+    rooms, pages = decode_left(state)
+    if rooms and not drain.grace_over and at >= drain.grace_over_at:
+        drain.grace_over = True
+        drain.report_at = at + drain.settle_s
+        actions = abort_unfinished(state, now)
+        rooms, pages = decode_left(state)
+    drain.done = rooms == 0
+    return drain.report(at, rooms, pages), actions
 
 
 def abort_unfinished(state: EndpointState, now: float) -> list[Action]:
@@ -233,18 +320,25 @@ __all__ = [
     "Announce",
     "DECODE_DRAINING",
     "DRAIN_REASONS",
+    "DecodeDrain",
+    "Drain",
     "DrainReport",
     "DrainingError",
     "GRACE_OVER",
     "RANK_DRAINED",
     "REFUSED",
     "RankDrain",
+    "SETTLE_S",
     "abort_unfinished",
     "begin_decode_drain",
     "begin_rank_drain",
     "busy",
+    "check_grace",
+    "decode_drain_tick",
     "decode_left",
+    "rank_report_after",
     "rank_draining",
+    "rank_drain_report",
     "rank_drain_tick",
     "refuse_if_draining",
     "refuse_request",

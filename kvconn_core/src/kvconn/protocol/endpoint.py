@@ -32,13 +32,14 @@ from typing import TypeVar
 
 import attrs
 
-from kvconn.errors import BootstrapError, FinishRefusedError, PageError, RequestError, RoomInUseError
-from kvconn.protocol import drain, liveness, wire
+from kvconn.errors import FinishRefusedError, PageError, RequestError, RoomInUseError
+from kvconn.protocol import bootstrap, drain, liveness
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
     AckCounted,
     Action,
     Answered,
+    BootstrapTick,
     CheckDrain,
     Drop,
     ExitsProbed,
@@ -140,8 +141,8 @@ class EndpointState:
         #: Ranks whose process announced a drain (rank id -> its session):
         #: refused while that process is the rank's (protocol/drain.py).
         self.leaving: dict[int, int] = {}
-        #: This endpoint drains: it takes no new request.
-        self.closing = False
+        #: This endpoint's drain, if it drains: it takes no new request.
+        self.drain: drain.DecodeDrain | None = None
         self.owner_fence = owner_fence or OwnerFencePolicy()
         #: The region's metadata since the last owner fence (None: none yet,
         #: each instance's Hello has it).
@@ -155,6 +156,8 @@ class EndpointState:
         instance = self.instance(addresses)
         if instance is None:
             raise RequestError(f"no bootstrapped prefill instance {addresses}")
+        if not 0 <= rank < len(instance.ids):
+            raise RequestError(f"no rank {rank} in a prefill instance of {len(instance.ids)} ranks")
         return self.writers[instance.ids[rank]].session
 
     def current(self, request: Request) -> bool:
@@ -187,76 +190,28 @@ class EndpointState:
             live = frozenset(self.writers[r] for r in self.ranks if r not in self.down)
         return Probes(tuple(self.draining.values()), owed, live)
 
-    # -- bootstrap ---------------------------------------------------------
-    def begin_bootstrap(self, addresses: tuple[str, ...], hello: Hello) -> Instance:
-        """Start bootstrapping the instance at ``addresses`` (send it
-        :meth:`hellos` until :meth:`unanswered` is empty or time is up, then
-        :meth:`end_bootstrap`; :meth:`forget_bootstrap` in any case)."""
-        if not addresses:
-            raise RequestError("a prefill instance needs at least one rank address")
-        if len(set(addresses)) != len(addresses):
-            raise RequestError(f"prefill addresses {list(addresses)} name one rank twice")
-        taken = [a for a in addresses if a in self._id_at or a in self.pending]
-        if taken:
-            raise RequestError(
-                f"prefill addresses {taken} are ranks of another prefill instance of this endpoint"
-            )
-        instance = Instance(addresses, hello)
-        for address in addresses:
-            self.pending[address] = instance
-        return instance
-
-    def hellos(self, instance: Instance) -> list[Send]:
-        """Hellos to the ranks of a bootstrap that have not answered yet (a
-        Hello or its HelloAck can be lost; a rank answers a repeated Hello
-        as the first)."""
-        return [Send(a, self._hello(instance)) for a in self.unanswered(instance)]
+    # -- bootstrap (protocol/bootstrap.py) -----------------------------------
+    def begin_bootstrap(
+        self,
+        addresses: tuple[str, ...],
+        hello: Hello,
+        at: float,
+        *,
+        timeout_s: float,
+        resend_interval_s: float,
+    ) -> Instance:
+        """Start bootstrapping the instance at ``addresses`` (``at``: on the
+        clock its :class:`BootstrapTick` s will carry): feed them until one
+        returns ``Bootstrapped`` or ``GiveUp`` (within ``timeout_s``);
+        :meth:`forget_bootstrap` if it is left early."""
+        return bootstrap.begin(self, addresses, hello, at, timeout_s, resend_interval_s)
 
     def unanswered(self, instance: Instance) -> list[str]:
-        answered = {w.address for w in instance.answers.values()} | set(instance.refusals)
-        return [a for a in instance.addresses if a not in answered]
-
-    def end_bootstrap(self, instance: Instance, now: float, timeout_s: float | None = None) -> None:
-        """The bootstrap of ``instance`` is over (``timeout_s``: it ran out of
-        time): the instance is kept, or :class:`BootstrapError` says why not."""
-        unanswered = self.unanswered(instance)
-        if unanswered and timeout_s is not None:
-            answered = len(instance.addresses) - len(unanswered)
-            # A rank of another wire version or key drops every Hello unread
-            # and cannot answer: only its own drop counter can tell which.
-            raise BootstrapError(
-                f"{answered} of {len(instance.addresses)} prefill ranks answered within {timeout_s} s"
-                f" (unanswered: {', '.join(unanswered)}; a rank that counts Hellos as dropped, "
-                f"bad_version or bad_mac, speaks another wire version than this side's {wire.VERSION} "
-                "or holds another key)"
-            )
-        if instance.refusals:
-            raise BootstrapError("; ".join(f"{a}: {e}" for a, e in instance.refusals.items()))
-        if sorted(instance.answers) != list(range(len(instance.addresses))):
-            raise BootstrapError(
-                f"ranks {sorted(instance.answers)} answered, expected 0..{len(instance.addresses) - 1}"
-            )
-        # Ids follow on from the instances before: the first instance's
-        # ranks keep their own numbers.
-        first = max(self.ranks, default=-1) + 1
-        instance.ids = tuple(range(first, first + len(instance.addresses)))
-        for rank, writer in instance.answers.items():
-            rank_id = instance.ids[rank]
-            self.writers[rank_id] = writer
-            self._rank_of[rank_id] = (instance, rank)
-            self._id_at[writer.address] = rank_id
-            self._id_of_session[rank, writer.session] = rank_id
-            self._heard[rank_id] = now
-        if not self.ranks:
-            self._next_heartbeat = now + self.heartbeat_interval_s
-        self.ranks |= frozenset(instance.ids)
-        self.instances[instance.addresses] = instance
+        return bootstrap.unanswered(instance)
 
     def forget_bootstrap(self, instance: Instance) -> None:
         """``instance``'s bootstrap is over, kept or not: its later HelloAcks are heartbeats."""
-        for address in instance.addresses:
-            if self.pending.get(address) is instance:
-                del self.pending[address]
+        bootstrap.forget(self, instance)
 
     # -- the engine's requests -----------------------------------------------
     def open(
@@ -347,6 +302,22 @@ class EndpointState:
         request.finished = True
         self._forget(request.room)
         return pages
+
+    def begin_drain(
+        self, now: float, grace_s: float, settle_s: float, at: float | None = None
+    ) -> list[Action]:
+        """Drain: refuse new requests, give the engine ``grace_s`` to finish
+        its rooms (see protocol/drain.py); then :meth:`drain_tick` until it
+        reports. ``at``: the time on the clock the drain's caller waits on
+        (None: ``now``)."""
+        return drain.begin_decode_drain(self, now, grace_s, settle_s, now if at is None else at)
+
+    def drain_tick(
+        self, now: float, at: float | None = None
+    ) -> tuple[drain.DrainReport | None, list[Action]]:
+        """(the drain's report, or None while it waits on; actions): aborts
+        what the engine left once the grace ran out."""
+        return drain.decode_drain_tick(self, now, now if at is None else at)
 
     # -- stimuli -------------------------------------------------------------
     @functools.singledispatchmethod
@@ -468,6 +439,10 @@ class EndpointState:
         return actions
 
     @handle.register
+    def _(self, event: BootstrapTick, now: float) -> list[Action]:
+        return bootstrap.step(self, event.instance, now, now if event.at is None else event.at)
+
+    @handle.register
     def _(self, event: ExitsProbed, now: float) -> list[Action]:
         return self._exits(event.gone, event.peers_drained, now)
 
@@ -482,11 +457,7 @@ class EndpointState:
 
     # -- internals -----------------------------------------------------------
     def _hello(self, instance: Instance) -> Hello:
-        """``instance``'s Hello, with this endpoint's name and region metadata
-        since its last owner fence."""
-        if self.metadata is None:
-            return instance.hello
-        return attrs.evolve(instance.hello, decode=self.name, metadata=self.metadata)
+        return bootstrap.hello(self, instance)
 
     def _for_us(self, msg: _R) -> _R | DropReason:
         """``msg`` with its rank as this endpoint's id, if it is for this

@@ -5,8 +5,11 @@ out."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
+from kvconn.errors import BootstrapError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.hold import Quarantine, Release
 from kvconn.protocol.ledger import KVPoll
@@ -68,6 +71,12 @@ class Instance:
     #: While bootstrapping: identities by the rank's own rank, refusals by address.
     answers: dict[int, WriterIdentity] = attrs.Factory(dict)
     refusals: dict[str, str] = attrs.Factory(dict)
+    #: ... and its schedule (protocol/bootstrap.py): its deadline, when the
+    #: unanswered ranks are Hello'd next, and how often.
+    timeout_s: float = math.inf
+    give_up_at: float = math.inf
+    resend_at: float = 0.0
+    resend_every: float = math.inf
 
 
 # -- the owner fence: its action, the runtime's answers and its report (policy: owner_fence.py)
@@ -153,7 +162,21 @@ class Undrained:
     drained: bool
 
 
-Stimulus = Message | Tick | ExitsProbed | Identified | Undrained | OwnerFenceDone | OwnerFenceError
+@attrs.frozen(slots=True)
+class BootstrapTick:
+    """The waiter of ``instance``'s bootstrap woke: an answer came, or the
+    wait :class:`AwaitAnswers` asked for ran out. ``at``: the time on the
+    waiter's clock, which the bootstrap's schedule runs on (None: the
+    endpoint's ``now``; the runtime's waiter blocks an engine call, so it
+    waits in real time whatever clock the endpoint's timers run on)."""
+
+    instance: Instance
+    at: float | None = None
+
+
+Stimulus = (
+    Message | Tick | ExitsProbed | Identified | Undrained | OwnerFenceDone | OwnerFenceError | BootstrapTick
+)
 
 
 # -- actions -----------------------------------------------------------------
@@ -224,6 +247,29 @@ class Answered:
     address: str
 
 
+@attrs.frozen(slots=True)
+class AwaitAnswers:
+    """A bootstrap's waiter waits until ``until`` (or an :class:`Answered`),
+    then feeds :class:`BootstrapTick` again."""
+
+    until: float
+
+
+@attrs.frozen(slots=True)
+class Bootstrapped:
+    """A bootstrap is over: ``instance`` is kept, its ranks have endpoint-wide ids."""
+
+    instance: Instance
+
+
+@attrs.frozen(slots=True)
+class GiveUp:
+    """A bootstrap is over and its instance is not kept: the engine's call
+    that asked for it raises ``error``."""
+
+    error: BootstrapError
+
+
 Action = (
     Send
     | Drop
@@ -234,6 +280,9 @@ Action = (
     | RankRestarted
     | RoomFailed
     | Answered
+    | AwaitAnswers
+    | Bootstrapped
+    | GiveUp
     | Release
     | Quarantine
     | FenceAsOwner
@@ -254,10 +303,14 @@ __all__ = [
     "AckCounted",
     "Action",
     "Answered",
+    "AwaitAnswers",
+    "BootstrapTick",
+    "Bootstrapped",
     "CheckDrain",
     "Drop",
     "ExitsProbed",
     "FenceAsOwner",
+    "GiveUp",
     "Identified",
     "Identify",
     "Instance",

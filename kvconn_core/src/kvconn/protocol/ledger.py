@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import copy
 import itertools
-import sys
-from typing import ClassVar, NamedTuple, TypeVar
+from collections import deque
+from typing import ClassVar
 
 import attrs
 
 from kvconn.protocol.deadlines import DeadlineQueue
-from kvconn.protocol.messages import Abort, AbortAck, RoomOutcome, RoomStatus
+from kvconn.protocol.messages import Abort, AbortAck, RoomOutcome, RoomStatus, TcpConnection
 from kvconn.protocol.room_entry import (
+    _POS_BITS,
+    _POS_MASK,
     LIVE,
     KVPoll,
     LedgerAction,
@@ -36,11 +38,19 @@ from kvconn.protocol.room_entry import (
     SendAck,
     _expirable,
     _idle,
+    _Pending,
+    _pos,
     _reusable,
     _Room,
+    _shrunk,
 )
 
+#: How many fences' closed connections a fenced ack names: a room fenced by
+#: one fence may be acked after later ones (its ABORT came late).
+FENCES_REMEMBERED = 16
+
 __all__ = [
+    "FENCES_REMEMBERED",
     "LIVE",
     "KVPoll",
     "LedgerAction",
@@ -95,6 +105,10 @@ class RoomLedger:
         #: forgetting later, so forgetting keeps up with any abort rate.
         self._credit = 0
         self._incarnations = itertools.count(1)
+        #: The TCP connections the last fences closed, and their union, which
+        #: every fenced ack names (decode counts it once its ends drained).
+        self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
+        self.closed_by_fences: tuple[TcpConnection, ...] = ()
 
     # -- queries -----------------------------------------------------------
     def status(self, key: RoomKey) -> KVPoll | None:
@@ -291,9 +305,12 @@ class RoomLedger:
             self._poisoned.add(key)
         return self._settle(key, entry, actions)
 
-    def fenced(self) -> list[LedgerAction]:
-        """The writer's fence returned: nothing posted before it can land, so
-        the stuck chunks of every poisoned room are settled now."""
+    def fenced(self, closed: frozenset[TcpConnection] = frozenset()) -> list[LedgerAction]:
+        """The writer's fence returned, having closed the TCP connections
+        ``closed``: nothing posted before it can land, so the stuck chunks of
+        every poisoned room are settled now."""
+        self._fence_closed.append(closed)
+        self.closed_by_fences = tuple(sorted(frozenset().union(*self._fence_closed)))
         actions: list[LedgerAction] = []
         poisoned, self._poisoned = self._poisoned, set()
         for key in sorted(poisoned):
@@ -447,6 +464,7 @@ class RoomLedger:
         new._tombs = dict(self._tombs)
         new._poisoned = set(self._poisoned)
         new._touched = set(self._touched)
+        new._fence_closed = self._fence_closed.copy()
         new._expiry = self._expiry.copy(
             lambda tag: tag if isinstance(tag, str) else entries.get(id(tag), tag)
         )
@@ -547,7 +565,8 @@ class RoomLedger:
         actions: list[LedgerAction] = []
         for decode, (reply_to, generation) in entry.targets.items():
             entry.acked.add((decode, generation))
-            ack = AbortAck(key.room, self.rank, generation, entry.fenced, decode, self.session)
+            closed = self.closed_by_fences if entry.fenced else ()
+            ack = AbortAck(key.room, self.rank, generation, entry.fenced, decode, self.session, closed)
             actions.append(SendAck(reply_to, ack))
         entry.targets.clear()
         return actions
@@ -559,42 +578,10 @@ class RoomLedger:
             self._drop(key)
 
 
-# -- compact tombstones and their deadlines ----------------------------------
-
-#: A compact tombstone's acked generation sits above its queue slot's number.
-_POS_BITS = 48
-_POS_MASK = (1 << _POS_BITS) - 1
-
-
-class _Pending(NamedTuple):
-    """A compact tombstone whose ack is still to be sent."""
-
-    decode: str
-    reply_to: str
-    generation: int
-    pos: int
-
-
 def _key(decode: str, room: int) -> RoomKey:
     """RoomKey(decode, room) without the Python-level ``__new__`` of a
     NamedTuple (on the abort path, several times per message)."""
     return tuple.__new__(RoomKey, (decode, room))
-
-
-def _pos(item: int | _Pending) -> int:
-    return item.pos if isinstance(item, _Pending) else item & _POS_MASK
-
-
-_C = TypeVar(
-    "_C", dict[RoomKey, _Room], dict[int, dict[str, _Room]], dict[int, "int | _Pending"], set[RoomKey]
-)
-
-
-def _shrunk(container: _C) -> _C:
-    """An empty container in place of an emptied one: neither a dict nor a
-    set gives its table back as it empties, so an expired storm would keep
-    its peak's memory."""
-    return type(container)() if sys.getsizeof(container) > 512 else container
 
 
 _Tag = str | _Room

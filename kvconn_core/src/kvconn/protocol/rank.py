@@ -23,176 +23,61 @@ Why this is the one place:
 * **Verdicts.** A sender's status is the sum of its legs: FAILED if any leg
   failed, SUCCESS once all succeeded; it is *settled* only once no chunk of
   any leg is still being written (its source pages may then be reused).
+* **A chunk's end.** The worker reports how each counted chunk ended
+  (:meth:`RankState.chunk_ended`); one that may still land poisons its room
+  until a fence this rank's writer is proven to have (:class:`WriterTerms`),
+  and a fenced ack names the connections the fences closed.
+
+Its stimuli's values, actions and records are in ``rank_events.py``; a
+Hello's checks in ``rank_bootstrap.py``; a drain's in ``drain.py``.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
+import math
 import weakref
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic
 
-import attrs
-
-from kvconn.errors import IncompleteRoomError, KvconnError, PageError, RoomStateError
+from kvconn.errors import ArgumentError, IncompleteRoomError, KvconnError, PageError, RoomStateError
 from kvconn.protocol import drain as _drain
-from kvconn.protocol.drain import Announce, RankDrain
+from kvconn.protocol import rank_bootstrap as _bootstrap
+from kvconn.protocol.drain import DrainReport, RankDrain
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import (
     LIVE,
     KVPoll,
-    LedgerAction,
     NotifyDecode,
     RoomEntry,
     RoomKey,
     RoomLedger,
 )
-from kvconn.protocol.messages import Abort, Hello, RoomOutcome, TransferRequest
-
-#: The layout of a decode's pages as the runtime lowers chunks with it
-#: (opaque here: only compared, never read).
-L = TypeVar("L")
+from kvconn.protocol.messages import Abort, Hello, RoomOutcome, TcpConnection, TransferRequest
+from kvconn.protocol.rank_events import (
+    AbortHook,
+    Action,
+    AnswerHello,
+    Bootstrap,
+    ChunkEnd,
+    Connect,
+    Drop,
+    Fence,
+    GaveUp,
+    L,
+    Leg,
+    LegChunk,
+    Pairing,
+    Peer,
+    Requested,
+    SenderState,
+    SendPlan,
+    Verdict,
+    WriterTerms,
+)
 
 CONCLUDED = frozenset({KVPoll.SUCCESS, KVPoll.FAILED})
-
-
-# -- actions -----------------------------------------------------------------
-@attrs.frozen(slots=True)
-class Drop:
-    """Count the message as dropped; do nothing else."""
-
-    reason: DropReason
-
-
-@attrs.frozen(slots=True)
-class Requested:
-    """Tell the engine decode asked for ``room`` (``npages`` pages)."""
-
-    room: int
-    npages: int
-
-
-@attrs.frozen(slots=True)
-class Bootstrap:
-    """Check and connect the decode a Hello names (I/O), then call
-    :meth:`RankState.hello` and :meth:`RankState.add_peer`."""
-
-    hello: Hello
-
-
-@attrs.frozen(slots=True)
-class AbortHook:
-    """Run the plugins' abort hook, then call :meth:`RankState.abort_hooked`
-    (the ack waits for it: a raising hook poisons the room)."""
-
-    abort: Abort
-    known: bool
-
-
-@attrs.frozen(slots=True)
-class Fence:
-    """Run the writer's fence (off the listener thread): nothing else would
-    settle the room a raising hook poisoned."""
-
-
-@attrs.frozen(slots=True)
-class GaveUp:
-    """A sender stopped waiting for decode's requests (count it)."""
-
-    room: int
-
-
-Action = LedgerAction | Drop | Requested | Bootstrap | AbortHook | Fence | GaveUp | Announce
-
-
-class HelloPlan(enum.Enum):
-    """What a Hello from a decode asks of the rank."""
-
-    KNOWN = "known"  #: the same decode again: answer, change nothing
-    NEW = "new"  #: connect it
-    #: connect it; another decode listened at its address before (it is gone:
-    #: one endpoint binds an address), so drop the connection to it first
-    NEW_AT_REUSED_ADDRESS = "new_at_reused_address"
-
-
-# -- state -------------------------------------------------------------------
-@attrs.define(slots=True, eq=False)
-class Peer(Generic[L]):
-    """A bootstrapped decode endpoint."""
-
-    reply_to: str
-    layout: L
-    #: Its layout's tensor-parallel size (1 for a decode of equal page shards).
-    tp_size: int = 1
-    #: Its last request's sequence number: a fresh request's is higher.
-    last_seq: int = 0
-
-
-@attrs.define(slots=True, eq=False)
-class Leg:
-    """One decode's request a sender writes: the ledger entry, as the sender
-    first saw it (its identity is the request's incarnation)."""
-
-    key: RoomKey
-    entry: RoomEntry
-
-
-@attrs.frozen(slots=True)
-class Verdict:
-    """How a sender's room ended: SUCCESS or FAILED, with why."""
-
-    status: KVPoll
-    #: No chunk of the room is being written any more, at any of its
-    #: decodes: the source pages may be reused.
-    settled: bool
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status is KVPoll.SUCCESS
-
-
-@attrs.define(slots=True, eq=False, weakref_slot=True)
-class SenderState:
-    """The machine's record of one engine sender (see :meth:`RankState.open_sender`)."""
-
-    room: int
-    decodes: int
-    #: When it stops waiting for decodes' requests (None: never).
-    deadline: float | None
-    legs: list[Leg] = attrs.Factory(list)
-    verdict: KVPoll | None = None
-    cleared: bool = False
-    gave_up: bool = False
-    #: Pages queued so far (into each leg), chunks queued, the last one queued.
-    sent: int = 0
-    index: int = 0
-    last_sent: bool = False
-    #: Why the engine failed it ("" if it did not).
-    reason: str = ""
-
-
-@attrs.frozen(slots=True)
-class LegChunk(Generic[L]):
-    """One leg's share of a chunk to queue: tagged with its incarnation."""
-
-    key: RoomKey
-    incarnation: int
-    dst_pages: tuple[int, ...]
-    #: decode's extras slot, on a last chunk of a room with extras
-    extras: int | None
-    layout: L
-
-
-@attrs.frozen(slots=True)
-class SendPlan(Generic[L]):
-    """A checked send, not yet queued (:meth:`RankState.commit_send`)."""
-
-    index: int
-    last: bool
-    npages: int
-    legs: tuple[LegChunk[L], ...]
+_LANDED = ChunkEnd.LANDED
 
 
 class RankState(Generic[L]):
@@ -203,12 +88,16 @@ class RankState(Generic[L]):
         ledger: RoomLedger,
         bootstrap_timeout: float | None = None,
         reachable: Callable[[str], bool] = lambda address: True,
+        writer: WriterTerms | None = None,
     ) -> None:
         """``bootstrap_timeout``: how long a sender waits for every decode's
         request (None: for ever). ``reachable``: whether a reply address can
         be sent to at all (an abort naming one that cannot is dropped whole,
-        or the ledger would keep an ack target that fails every send)."""
+        or the ledger would keep an ack target that fails every send).
+        ``writer``: what the rank's writer offers (None: no bootstrap is
+        taken and no fence trusted)."""
         self.ledger = ledger
+        self.writer = writer
         self.bootstrap_timeout = bootstrap_timeout
         self._reachable = reachable
         self.peers: dict[str, Peer[L]] = {}
@@ -264,7 +153,16 @@ class RankState(Generic[L]):
 
     @handle.register
     def _hello(self, msg: Hello, now: float) -> list[Action]:
-        return [Bootstrap(msg)]
+        return _bootstrap.hello(self, msg)
+
+    def bootstrap(self, msg: Hello, pairing: Pairing[L]) -> list[Action]:
+        """The runtime paired this rank's layout with ``msg``'s (a
+        :class:`Bootstrap` asked it to): refuse, ack, or :class:`Connect`."""
+        return _bootstrap.paired(self, msg, pairing)
+
+    def connected(self, connect: Connect, error: str = "") -> list[Action]:
+        """The writer connected to a decode (``error``: why it could not)."""
+        return _bootstrap.connected(self, connect, error)
 
     def abort_hooked(self, abort: Abort, raised: bool) -> list[Action]:
         """The abort hook ran (``raised``: it raised, and may have left
@@ -273,26 +171,54 @@ class RankState(Generic[L]):
         actions: list[Action] = []
         if raised:
             actions += self.ledger.poison(key, "on_abort_notification raised")
-            actions.append(Fence())
+            actions += self._fence()
         actions += self.ledger.try_ack(key)
         return actions
 
-    def hello(self, decode: str, reply_to: str, layout: L) -> HelloPlan:
-        """What a checked Hello asks. Raises ValueError for a Hello that
-        would change a known decode: a decode's name is new with every
-        endpoint, so it is not that decode's own (nor may a replay reset it)."""
-        known = self.peers.get(decode)
-        if known is None:
-            if any(peer.reply_to == reply_to for peer in self.peers.values()):
-                return HelloPlan.NEW_AT_REUSED_ADDRESS
-            return HelloPlan.NEW
-        if (known.reply_to, known.layout) != (reply_to, layout):
-            raise ValueError(f"decode {decode} is already bootstrapped with another address or layout")
-        return HelloPlan.KNOWN
+    def add_peer(self, decode: str, reply_to: str, pairing: Pairing[L]) -> None:
+        """``decode`` is connected: :meth:`connected` without a Hello (a
+        second one that raced it keeps the first)."""
+        self.peers.setdefault(decode, Peer(reply_to, pairing))
 
-    def add_peer(self, decode: str, reply_to: str, layout: L, tp_size: int = 1) -> None:
-        """``decode`` is connected (a second Hello that raced this one keeps the first)."""
-        self.peers.setdefault(decode, Peer(reply_to, layout, tp_size))
+    # -- the chunk path ----------------------------------------------------------
+    def chunk_ended(
+        self, key: RoomKey, end: ChunkEnd, last: bool = False, reason: str = ""
+    ) -> Sequence[Action]:
+        """A worker's counted chunk of ``key`` ended (``last``: the room's
+        last chunk; ``reason``: what raised, for a plugin error)."""
+        if end is _LANDED:  # on every chunk: a module global, not an enum lookup
+            return self.ledger.landed(key, last)
+        if end is ChunkEnd.SKIPPED:
+            return self.ledger.skipped(key)
+        reason = reason or f"transfer {end.value}"
+        if end is ChunkEnd.FAILED_SETTLED:
+            return self.ledger.failed(key, True, reason)
+        # Unsettled, or a plugin raised with the chunk counted: bytes may
+        # still land. The count stays until a fence proves none can.
+        return self.ledger.failed(key, False, reason) + self._fence()
+
+    def fence_begins(self) -> frozenset[RoomKey]:
+        """The rooms a fence starting now settles if it succeeds (none: no
+        fence is needed, as when an earlier one settled them all)."""
+        return self.ledger.poisoned() if self._fences else frozenset()
+
+    def fence_ended(self, ok: bool, closed: frozenset[TcpConnection] = frozenset()) -> Sequence[Action]:
+        """The writer's fence returned (``ok``: it said it fenced), having
+        closed the TCP connections ``closed``: every poisoned room is
+        settled, if this writer's fence is proven. Their acks, and every
+        later fenced ack, name the connections the fences closed."""
+        if not ok or not self._fences:
+            return []  # unproven or failed: the rooms wait for the writer's exit
+        return self.ledger.fenced(closed)
+
+    @property
+    def _fences(self) -> bool:
+        return self.writer is not None and self.writer.writer_fence
+
+    def _fence(self) -> list[Action]:
+        # Without a proven fence nothing settles a poisoned room here: decode
+        # takes its pages back on the writer's exit.
+        return [Fence()] if self._fences else []
 
     def tick(self, now: float) -> list[Action]:
         """Forget what expired: idle tombstones and cleared rooms, given-up rooms."""
@@ -301,15 +227,22 @@ class RankState(Generic[L]):
             del self._given_up[room]
         return []
 
-    def begin_drain(self, now: float, grace_s: float) -> list[Action]:
+    def begin_drain(self, now: float, grace_s: float, report_after_s: float = math.inf) -> list[Action]:
         """Drain: refuse new requests, give held rooms ``grace_s`` to finish
-        (see protocol/drain.py); then :meth:`drain_tick` until drained."""
-        return _drain.begin_rank_drain(self, now, grace_s)
+        (see protocol/drain.py); then :meth:`drain_tick` until drained, or
+        :meth:`drain_report` until it reports (drained, or ``report_after_s``
+        from now: :func:`~kvconn.protocol.drain.rank_report_after`)."""
+        return _drain.begin_rank_drain(self, now, grace_s, report_after_s)
 
     def drain_tick(self, now: float) -> tuple[bool, list[Action]]:
         """(drained, actions): fails live rooms once the grace ran out, and
         announces ``done`` once nothing of this rank can be written."""
         return _drain.rank_drain_tick(self, now)
+
+    def drain_report(self, now: float) -> tuple[DrainReport | None, list[Action]]:
+        """:meth:`drain_tick`, and the drain's report once it is drained or
+        its wait is up (None: wait on)."""
+        return _drain.rank_drain_report(self, now)
 
     def given_up(self, room: int, now: float) -> bool:
         until = self._given_up.get(room)
@@ -326,7 +259,7 @@ class RankState(Generic[L]):
 
     def open_sender(self, room: int, decodes: int, now: float) -> SenderState:
         if decodes < 1:
-            raise ValueError(f"room {room}: a sender writes into at least one decode, got decodes={decodes}")
+            raise ArgumentError(f"a sender writes into at least one decode, got decodes={decodes}", room)
         deadline = None if self.bootstrap_timeout is None else now + self.bootstrap_timeout
         return SenderState(room, decodes, deadline)
 
@@ -386,7 +319,7 @@ class RankState(Generic[L]):
         return Verdict(status, self.settled(s), reason), actions
 
     def plan_next(
-        self, s: SenderState, npages: int, last: bool, now: float
+        self, s: SenderState, src_pages: Sequence[int], last: bool, now: float, extras_slot: int | None = None
     ) -> tuple[SendPlan[L] | KvconnError, list[Action]]:
         """:meth:`poll`, then :meth:`plan_send`, as one stimulus: the poll's
         actions (a give-up) are the caller's to carry out even when the send
@@ -397,23 +330,31 @@ class RankState(Generic[L]):
         bound = len(s.legs) >= s.decodes and s.verdict is None
         polled, actions = (KVPoll.TRANSFERRING, []) if bound else self.poll(s, now)
         try:
-            return self.plan_send(s, npages, last, polled), actions
+            return self.plan_send(s, src_pages, last, polled, extras_slot), actions
         except KvconnError as exc:
             if not bound:
                 return exc, actions
         # Refused: polled after all, for the refusal to say what poll() says.
         polled, actions = self.poll(s, now)
         try:
-            self.plan_send(s, npages, last, polled)
+            self.plan_send(s, src_pages, last, polled, extras_slot)
         except KvconnError as exc:
             return exc, actions
         raise AssertionError("plan_send refused a send, then took it")  # pragma: no cover
 
-    def plan_send(self, s: SenderState, npages: int, last: bool, polled: KVPoll) -> SendPlan[L]:
-        """Check the sender's next chunk of ``npages`` pages (``polled``: its
-        status just now) and say where each leg's share goes. Raises, and
-        changes nothing, if it may not be sent."""
-        room = s.room
+    def plan_send(
+        self,
+        s: SenderState,
+        src_pages: Sequence[int],
+        last: bool,
+        polled: KVPoll,
+        extras_slot: int | None = None,
+    ) -> SendPlan[L]:
+        """Check the sender's next chunk, of the source pages ``src_pages``
+        (with a last chunk, this rank's extras slot ``extras_slot``;
+        ``polled``: its status just now), and say where each leg's share
+        goes. Raises, and changes nothing, if it may not be sent."""
+        room, npages = s.room, len(src_pages)
         if s.last_sent:
             raise RoomStateError("its last chunk was sent, no chunk may follow it", room)
         ledger = self.ledger
@@ -459,11 +400,11 @@ class RankState(Generic[L]):
                     f"room's {len(dst_all)} destination pages unwritten",
                     room,
                 )
-            extras = leg.entry.extras if last else None
-            legs.append(
-                LegChunk(leg.key, leg.entry.incarnation, dst, extras, self.peers[leg.key.decode].layout)
-            )
-        return SendPlan(s.index, last, npages, tuple(legs))
+            peer = self.peers[leg.key.decode]
+            _check_source(room, src_pages, peer.pairing.source_pages)
+            extras = _extras(room, peer.pairing, leg.entry.extras, extras_slot) if last else None
+            legs.append(LegChunk(leg.key, leg.entry.incarnation, dst, extras, peer.layout))
+        return SendPlan(s.index, last, npages, tuple(legs), extras_slot)
 
     def commit_send(self, s: SenderState, plan: SendPlan[L]) -> list[Action]:
         """The planned chunk is being queued (its legs' shares lowered)."""
@@ -572,20 +513,52 @@ class RankState(Generic[L]):
         self._given_up[room] = now + self.ledger.tombstone_ttl
 
 
+def _check_source(room: int, src_pages: Sequence[int], capacity: int) -> None:
+    """Every source page within this rank's source for that decode (min and
+    max, not a walk: this is on every chunk)."""
+    if src_pages and (min(src_pages) < 0 or max(src_pages) >= capacity):
+        bad = [p for p in src_pages if not 0 <= p < capacity]
+        raise PageError(f"source pages {bad[:8]} outside 0..{capacity - 1}", room)
+
+
+def _extras(room: int, pairing: Pairing[L], dst_slot: int | None, src_slot: int | None) -> int | None:
+    """Decode's extras slot a last chunk writes (None: none), once the chunk
+    names a slot of ours: without one decode would be told SUCCESS with its
+    extras unwritten."""
+    if dst_slot is None:
+        return None  # decode asked for none
+    if pairing.writes_extras is None:
+        raise PageError("decode asked for extras, but its pages are no engine layout", room)
+    if not pairing.writes_extras:
+        return None  # another prefill rank writes them
+    if src_slot is None:
+        raise IncompleteRoomError(
+            "decode asked for its extras; the last chunk must name this rank's slot", room
+        )
+    if not 0 <= src_slot < pairing.extras_slots:
+        raise PageError(f"extras slot {src_slot} outside this rank's {pairing.extras_slots} slots", room)
+    return dst_slot
+
+
 __all__ = [
     "Action",
     "AbortHook",
+    "AnswerHello",
     "Bootstrap",
+    "CONCLUDED",
+    "ChunkEnd",
+    "Connect",
     "Drop",
     "Fence",
     "GaveUp",
-    "HelloPlan",
     "Leg",
     "LegChunk",
+    "Pairing",
     "Peer",
     "RankState",
     "Requested",
     "SendPlan",
     "SenderState",
     "Verdict",
+    "WriterTerms",
 ]

@@ -6,7 +6,8 @@ forgotten."""
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+import sys
+from typing import NamedTuple, TypeVar
 
 import attrs
 
@@ -123,3 +124,35 @@ def _reusable(entry: _Room, seq: int) -> bool:
 def _expirable(entry: _Room) -> bool:
     """Idle, and either cleared by the engine or a tombstone."""
     return _idle(entry) and (entry.cleared or entry.expires is not None)
+
+
+# -- the ledger's compact tombstones -------------------------------------------
+
+#: A compact tombstone's acked generation sits above its queue slot's number.
+_POS_BITS = 48
+_POS_MASK = (1 << _POS_BITS) - 1
+
+
+class _Pending(NamedTuple):
+    """A compact tombstone whose ack is still to be sent."""
+
+    decode: str
+    reply_to: str
+    generation: int
+    pos: int
+
+
+def _pos(item: int | _Pending) -> int:
+    return item.pos if isinstance(item, _Pending) else item & _POS_MASK
+
+
+_C = TypeVar(
+    "_C", dict[RoomKey, _Room], dict[int, dict[str, _Room]], dict[int, "int | _Pending"], set[RoomKey]
+)
+
+
+def _shrunk(container: _C) -> _C:
+    """An empty container in place of an emptied one: neither a dict nor a
+    set gives its table back as it empties, so an expired storm would keep
+    its peak's memory."""
+    return type(container)() if sys.getsizeof(container) > 512 else container

@@ -17,27 +17,33 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvconn.config import Config
-from kvconn.errors import BootstrapError, RequestError
+from kvconn.errors import ArgumentError, BootstrapError, RequestError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
-from kvconn.protocol import drain
 from kvconn.protocol.drain import DrainReport
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
     Action,
+    AwaitAnswers,
+    Bootstrapped,
+    BootstrapTick,
     ExitsProbed,
+    GiveUp,
     Instance,
+    Send,
     Tick,
 )
 from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
-from kvconn.protocol.hold import HoldState, HoldTracker, Proof, Release
+from kvconn.protocol.hold import HoldTracker, Proof, Release
 from kvconn.protocol.messages import AbortAck, Hello, Message
 from kvconn.protocol.owner_fence import OwnerFencePolicy
+from kvconn.protocol.write_deadline import check_writer_deadline
 from kvconn.runtime.control import Listener, Outbox
-from kvconn.runtime.decode_actions import Carrier
+from kvconn.runtime.decode_actions import Carrier, gauge_hold_state
 from kvconn.runtime.procs import WriterIdentity, pid_namespace, proven_gone
 from kvconn.runtime.receiver import Receiver
 from kvconn.runtime.sockets import TcpTable, dead_peer_ends
@@ -45,6 +51,7 @@ from kvconn.runtime.tracing import decode_tracer
 from kvconn.transport import Backend, PageRegion, capabilities_of, owner_fence, register_region
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Called once per released room, outside kvconn's locks: the engine's
 #: allocator may hand these pages out again.
@@ -82,26 +89,23 @@ class DecodeEndpoint:
     ) -> None:
         engine_buffers = None
         if (buffers is None) != (layout is None):
-            raise ValueError("buffers= and layout= go together")
+            raise ArgumentError("buffers= and layout= go together")
         if layout is not None and buffers is not None:
             if num_pages is not None or page_bytes is not None:
-                raise ValueError(
+                raise ArgumentError(
                     "give a decode endpoint either num_pages and page_bytes, or buffers= and layout="
                 )
             engine_buffers = checked_buffers(buffers, layout)
             num_pages, page_bytes = layout.num_pages, 0
         elif num_pages is None or page_bytes is None:
-            raise ValueError("a decode endpoint needs num_pages and page_bytes, or buffers= and layout=")
+            raise ArgumentError("a decode endpoint needs num_pages and page_bytes, or buffers= and layout=")
         self.layout = layout
         self.config = config or Config()
         self.config.apply_to_process()
         caps = capabilities_of(backend, self.config.backend_options)
-        limit = caps.max_write_timeout_s
-        if limit is not None and limit >= self.config.abort_timeout_s:
-            raise ValueError(
-                f"{backend.name} may take {limit} s to fail a write; abort_timeout_s "
-                f"({self.config.abort_timeout_s} s) must be longer"
-            )
+        if caps.max_write_timeout_s is not None:
+            what = f"{backend.name}'s write timeout (the longest it may take to fail a write)"
+            check_writer_deadline(caps.max_write_timeout_s, self.config.abort_timeout_s, what)
         self.backend = backend
         self.page_bytes = page_bytes
         self.num_pages = num_pages
@@ -168,7 +172,7 @@ class DecodeEndpoint:
             owner_fence=lambda: owner_fence(self.region),
             tracer=self._tracer,
         )
-        self._gauge_hold_state()
+        gauge_hold_state(self.metrics, self._state, self._lock, self.clock)
         self.metrics_server: Exported | None = None
         if self.config.metrics_port is not None:
             try:
@@ -260,9 +264,11 @@ class DecodeEndpoint:
             self._tracer.opened(room, len(request.pages), sorted(request.writers), self.name)
             outgoing = self._tracer.outgoing
             unsent = [s.rank for s in sends if not self._outbox.send(s.address, outgoing(s.message))]
-            releases = self._run(self._state.sent(request, [r for r in unsent if r is not None], now), now)
+            releases = self._carrier.run(
+                self._state.sent(request, [r for r in unsent if r is not None], now), now
+            )
         self._notify(releases)
-        return Receiver(self, request)
+        return Receiver(self, request, self._tracer)
 
     #: How often drain() looks whether every page came back.
     DRAIN_POLL_S = 0.005
@@ -277,29 +283,15 @@ class DecodeEndpoint:
         their pages come back through ``on_release`` with proof, within
         ``timeout_s`` more (default: ``Config.abort_timeout_s``). A report
         with ``drained`` False says what is left: those pages stay held (and
-        the region registered, see :meth:`close`), never freed on a timeout."""
-        start = time.monotonic()
-        with self._lock:
-            drain.begin_decode_drain(self._state)
-        if not self._wait_empty(start + grace_s):
-            now = self.clock()
-            with self._lock:
-                releases = self._run(drain.abort_unfinished(self._state, now), now)
-            self._notify(releases)
-            extra = self.config.abort_timeout_s if timeout_s is None else timeout_s
-            self._wait_empty(time.monotonic() + extra)
-        with self._lock:
-            rooms, pages = drain.decode_left(self._state)
-        return DrainReport(rooms == 0, time.monotonic() - start, rooms, pages)
-
-    def _wait_empty(self, until: float) -> bool:
-        while True:
-            with self._lock:
-                if drain.decode_left(self._state) == (0, 0):
-                    return True
-            if time.monotonic() >= until:
-                return False
+        the region registered, see :meth:`close`), never freed on a timeout.
+        When to abort and when to report are ``EndpointState``'s
+        (protocol/drain.py); this only waits (in real time, whatever
+        ``clock`` the endpoint's timers run on)."""
+        settle_s = self.config.abort_timeout_s if timeout_s is None else timeout_s
+        self.step(lambda state, now: (None, state.begin_drain(now, grace_s, settle_s, time.monotonic())))
+        while (report := self.step(lambda state, now: state.drain_tick(now, time.monotonic()))) is None:
             time.sleep(self.DRAIN_POLL_S)
+        return report
 
     def close(self) -> None:
         """Stop listening. The page region is freed only if no page is held
@@ -347,7 +339,10 @@ class DecodeEndpoint:
                     self.region.metadata,
                     b"" if self.layout is None else self.layout.to_bytes(),
                 )
-                instance = self._state.begin_bootstrap(key, hello)
+                timeout_s, every_s = self.config.bootstrap_timeout_s, self.config.resend_interval_s
+                instance = self._state.begin_bootstrap(
+                    key, hello, time.monotonic(), timeout_s=timeout_s, resend_interval_s=every_s
+                )
             try:
                 self._bootstrap(instance)
             finally:
@@ -356,30 +351,42 @@ class DecodeEndpoint:
         return instance
 
     def _bootstrap(self, instance: Instance) -> None:
-        # Re-sent until answered: a rank's connection to an earlier decode at
-        # our address, not yet seen closed, takes the HelloAck with it.
-        timeout = self.config.bootstrap_timeout_s
-        every = min(self.config.resend_interval_s, timeout / 4)
-        deadline = time.monotonic() + timeout
+        """Wait out ``instance``'s bootstrap: its Hellos, re-sends and
+        deadline are ``EndpointState``'s (protocol/bootstrap.py). It blocks
+        an engine call: its schedule runs in real time, whatever ``clock``
+        the endpoint's timers run on."""
         with self._bootstrapped:
-            while hellos := self._state.hellos(instance):
-                for send in hellos:
-                    self._outbox.send(send.address, send.message)
-                resend_at = min(deadline, time.monotonic() + every)
-                while (left := resend_at - time.monotonic()) > 0 and self._state.unanswered(instance):
-                    self._bootstrapped.wait(left)
-                if self._state.unanswered(instance) and time.monotonic() >= deadline:
-                    self._state.end_bootstrap(instance, self.clock(), timeout_s=timeout)
-            self._state.end_bootstrap(instance, self.clock())
+            while True:
+                now, at = self.clock(), time.monotonic()
+                actions = self._state.handle(BootstrapTick(instance, at), now)
+                self._carrier.run([a for a in actions if isinstance(a, Send)], now)
+                end = actions[-1]
+                if isinstance(end, GiveUp):
+                    raise end.error
+                if isinstance(end, Bootstrapped):
+                    return
+                assert isinstance(end, AwaitAnswers)
+                self._bootstrapped.wait(max(0.0, end.until - at))
 
     # -- control plane -----------------------------------------------------
+    def step(self, call: Callable[[EndpointState, float], tuple[T, Sequence[Action]]]) -> T:
+        """Run ``call(state, now)`` under the endpoint's lock and carry out
+        the actions it returns (``on_release`` after the lock): how a
+        :class:`Receiver` asks the state machine."""
+        with self._lock:
+            now = self.clock()
+            result, actions = call(self._state, now)
+            releases = self._carrier.run(actions, now)
+        self._notify(releases)
+        return result
+
     def _on_message(self, msg: Message) -> None:
         self.metrics.messages.labels(type(msg).__name__).inc()
         now = self.clock()
         with self._lock:
             actions = self._state.handle(msg, now)
             self._tracer.received(msg, actions)
-            releases = self._run(actions, now)
+            releases = self._carrier.run(actions, now)
         self._notify(releases)
 
     def _on_idle(self) -> float | None:
@@ -394,7 +401,7 @@ class DecodeEndpoint:
             # A dead writer's kernel still delivers what it had sent: its exit
             # proves nothing until our ends of its connections drained.
             peers_drained = not (gone & probes.owed) or not dead_peer_ends()
-            releases = self._run(self._state.handle(Tick(gone, peers_drained, drained), now), now)
+            releases = self._carrier.run(self._state.handle(Tick(gone, peers_drained, drained), now), now)
             next_deadline = self._state.next_wakeup()
             draining = bool(self._state.draining)
         self._notify(releases)
@@ -409,38 +416,11 @@ class DecodeEndpoint:
         with self._lock:
             gone = frozenset(w for w in self._state.owed() if self._gone(w))
             event = ExitsProbed(gone, not gone or not dead_peer_ends())
-            releases = self._run(self._state.handle(event, now), now)
+            releases = self._carrier.run(self._state.handle(event, now), now)
         self._notify(releases)
 
     def _gone(self, writer: WriterIdentityBase) -> bool:
         return proven_gone(writer, self._pid_namespace)
-
-    def _run(self, actions: Sequence[Action], now: float) -> list[Release]:
-        """(With the lock.) Carry out the state machine's actions; releases
-        are returned so the engine's callback runs outside the lock."""
-        return self._carrier.run(actions, now)
-
-    def _gauge_hold_state(self) -> None:
-        """The hold gauges read the tracker when scraped, under the lock: kept
-        up to date on every message instead, they cost a scan of the held
-        rooms each time, and the quarantine's age went stale between messages."""
-
-        def locked(read: Callable[[], float]) -> Callable[[], float]:
-            def value() -> float:
-                with self._lock:
-                    return read()
-
-            return value
-
-        state, m = self._state, self.metrics
-        tracker, quarantined = state.tracker, HoldState.QUARANTINED
-        m.rooms_held.set_function(
-            locked(lambda: len(tracker.rooms_in(HoldState.HELD)) + len(tracker.rooms_in(quarantined)))
-        )
-        m.pages_held.set_function(self.held_pages)
-        m.pages_quarantined.set_function(locked(lambda: tracker.pages_in(quarantined)))
-        m.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(self.clock())))
-        m.acks_draining.set_function(locked(lambda: len(state.draining)))
 
     def _notify(self, releases: list[Release]) -> None:
         if self.on_release is None:
@@ -455,4 +435,12 @@ class DecodeEndpoint:
         self.metrics.dropped.labels(reason).inc()
 
 
-__all__ = ["BootstrapError", "DecodeEndpoint", "Proof", "Receiver", "Release", "WriterIdentity"]
+__all__ = [
+    "BootstrapError",
+    "DecodeEndpoint",
+    "DrainReport",
+    "Proof",
+    "Receiver",
+    "Release",
+    "WriterIdentity",
+]

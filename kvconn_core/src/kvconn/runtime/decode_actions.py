@@ -1,6 +1,8 @@
 """How a decode endpoint carries out its state machine's actions: sends,
-``/proc`` probes the machine asked for (answered at once), metrics and logs.
-Called with the endpoint's lock held; nothing here decides anything."""
+``/proc`` probes the machine asked for (answered at once), metrics and logs
+(:class:`Carrier`, called with the endpoint's lock held), and the gauges that
+read its holds when scraped (:func:`gauge_hold_state`). Nothing here decides
+anything."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from kvconn.protocol.endpoint_events import (
     Send,
     Undrained,
 )
-from kvconn.protocol.hold import Quarantine, Release
+from kvconn.protocol.hold import HoldState, Quarantine, Release
 from kvconn.protocol.messages import Abort
 from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenced, OwnerFenceDone, OwnerFenceError
 from kvconn.runtime.control import Outbox
@@ -168,3 +170,28 @@ class Carrier:
     @_do.register
     def _(self, action: Answered, now: float, releases: list[Release]) -> None:
         self._bootstrapped.notify_all()
+
+
+def gauge_hold_state(
+    metrics: Metrics, state: EndpointState, lock: threading.Lock, clock: Callable[[], float]
+) -> None:
+    """The hold gauges read the tracker when scraped, under the endpoint's
+    ``lock``: kept up to date on every message instead, they cost a scan of
+    the held rooms each time, and the quarantine's age went stale between
+    messages."""
+
+    def locked(read: Callable[[], float]) -> Callable[[], float]:
+        def value() -> float:
+            with lock:
+                return read()
+
+        return value
+
+    tracker, held, quarantined = state.tracker, HoldState.HELD, HoldState.QUARANTINED
+    metrics.rooms_held.set_function(
+        locked(lambda: len(tracker.rooms_in(held)) + len(tracker.rooms_in(quarantined)))
+    )
+    metrics.pages_held.set_function(locked(state.held_pages))
+    metrics.pages_quarantined.set_function(locked(lambda: tracker.pages_in(quarantined)))
+    metrics.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(clock())))
+    metrics.acks_draining.set_function(locked(lambda: len(state.draining)))

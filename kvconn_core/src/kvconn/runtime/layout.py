@@ -9,6 +9,8 @@ import numpy as np
 
 from kvconn.chunk import SegmentTable
 from kvconn.layout import KVLayout
+from kvconn.protocol.messages import Hello
+from kvconn.protocol.rank_events import Pairing
 
 #: From this many pages on, :meth:`PageLayout.segments` lowers with numpy:
 #: its ~20 us of fixed cost beats the per-page Python loop (~0.35 us a page)
@@ -121,3 +123,21 @@ def peer_layout(
             f"decode's layout has {len(dst.extras)} extras buffers, this rank's {len(own.extras)}"
         )
     return EngineLayout(own, dst)
+
+
+def pairing(
+    own: KVLayout | None, source_bytes: int | None, hello: Hello
+) -> Pairing[PageLayout | EngineLayout]:
+    """What the core needs to know of this rank's pages paired with the
+    decode that sent ``hello``: how chunks are lowered into it, or why the
+    two do not fit (any error of the layouts' own checks)."""
+    try:
+        layout = peer_layout(own, hello.page_bytes, hello.num_ranks, hello.layout)
+    except Exception as exc:
+        return Pairing(None, str(exc) or type(exc).__name__)
+    if isinstance(layout, EngineLayout):
+        src, dst = layout.src, layout.dst
+        writes = src.writes_extras_to(dst)
+        return Pairing(layout, "", dst.tp_size, src.num_pages, writes, src.num_slots if writes else 0)
+    assert source_bytes is not None  # a rank without a layout allocated its source
+    return Pairing(layout, "", 1, source_bytes // layout.shard)

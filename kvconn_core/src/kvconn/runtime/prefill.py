@@ -10,47 +10,32 @@ hook decide an ack.
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from kvconn.buffers import Buffer
-from kvconn.config import Config, check_deadlines
+from kvconn.config import Config
+from kvconn.errors import ArgumentError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
-from kvconn.protocol.drain import DrainReport
-from kvconn.protocol.drops import DropReason
-from kvconn.protocol.ledger import KVPoll, RoomLedger
-from kvconn.protocol.messages import Hello, HelloAck, Message, TcpConnection
-from kvconn.protocol.rank import (
-    AbortHook,
-    Action,
-    Bootstrap,
-    Fence,
-    HelloPlan,
-    Peer,
-    RankState,
-    Requested,
-    Verdict,
-)
+from kvconn.protocol.drain import DrainReport, rank_report_after
+from kvconn.protocol.ledger import FENCES_REMEMBERED, KVPoll, RoomLedger
+from kvconn.protocol.messages import Message
+from kvconn.protocol.rank import Peer, RankState, Verdict, WriterTerms
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
-from kvconn.runtime.layout import EngineLayout, PageLayout, peer_layout
+from kvconn.runtime.layout import EngineLayout, PageLayout
 from kvconn.runtime.procs import pid_namespace, proc_stat
 from kvconn.runtime.sender import Sender
 from kvconn.runtime.tracing import rank_tracer
-from kvconn.runtime.transfer import _STOP, FENCES_REMEMBERED, FenceGate, TransferPath
+from kvconn.runtime.transfer import _STOP, FenceGate, TransferPath
 from kvconn.transport import Backend, Writer, capabilities_of, register_writer
 
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 PeerLayout = PageLayout | EngineLayout
 
 
@@ -107,10 +92,7 @@ class PrefillRank(TransferPath):
         self._process = (pid_namespace(), pid, proc_stat(pid)[1])
         self._gate = FenceGate()
         self._poisoned_shown = 0
-        #: The TCP connections recent fences closed: every fenced ack names
-        #: them, so decode can wait for its ends to drain (runtime/sockets.py).
-        self._fence_closed: deque[frozenset[TcpConnection]] = deque(maxlen=FENCES_REMEMBERED)
-        self._closed_by_fences: tuple[TcpConnection, ...] = ()  # their union, as acks carry it
+        self._thread = threading.local()
         self.writer: Writer
         if engine_buffers is not None:
             self.writer = register_writer(backend, engine_buffers, self.config.backend_options)
@@ -125,11 +107,18 @@ class PrefillRank(TransferPath):
         self._hooks = ChunkHooks(self.pm)
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._outbox = Outbox(self.config.auth_key, self._count_drop)
-        #: Every decision above the chunk path (requests, senders, verdicts).
+        #: Every decision: bootstraps, requests, senders, verdicts, chunks' ends.
+        terms = WriterTerms(
+            backend.name,
+            self.config.write_timeout_s,
+            self.capabilities.max_write_timeout_s,
+            self.capabilities.writer_fence,
+        )
         self.state: RankState[PeerLayout] = RankState(
             RoomLedger(rank, self.config.tombstone_ttl_s, self._session),
             self.config.room_bootstrap_timeout_s,
             self._outbox.reachable,
+            terms,
         )
         # SimpleQueue (C): a get or put costs well under a microsecond, against
         # a few for queue.Queue's Python-level condition variables.
@@ -200,26 +189,6 @@ class PrefillRank(TransferPath):
     def _peers(self) -> dict[str, Peer[PeerLayout]]:
         return self.state.peers
 
-    def step(self, call: Callable[[RankState[PeerLayout], float], tuple[T, list[Action]]]) -> T:
-        """Run ``call(state, now)`` under the rank's lock and carry out the
-        actions it returns: how a :class:`Sender` asks the state machine."""
-        with self._lock:
-            result, actions = call(self.state, self.clock())
-            deferred = self._execute(actions)
-        self._after(deferred)
-        return result
-
-    def commit(self, call: Callable[[RankState[PeerLayout]], list[Action]]) -> None:
-        """:meth:`step` for a stimulus that needs no clock (a send's commit,
-        on every chunk)."""
-        with self._lock:
-            deferred = self._execute(call(self.state))
-        self._after(deferred)
-
-    def carry_out(self, actions: Sequence[Action]) -> None:
-        """Carry out ``actions`` (with the rank's lock held, as :meth:`step` does)."""
-        self._after(self._execute(actions))
-
     #: How often drain() looks whether the rank drained.
     DRAIN_POLL_S = 0.005
 
@@ -234,23 +203,20 @@ class PrefillRank(TransferPath):
         posted write landed, failed settled, or was fenced), having told
         every decode so: their pages come back by proof, with no timeout.
         Waits at most ``timeout_s`` (default: ``grace_s`` plus the write
-        deadline plus 1 s, time for writes in flight to fail and be fenced);
-        a report with ``drained`` False says what was left.
+        deadline plus 1 s, time for writes in flight to fail and be fenced:
+        ``kvconn.protocol.drain.rank_report_after``); a report with
+        ``drained`` False says what was left. A second call keeps the grace
+        and starts its own wait.
 
         The rank keeps answering (aborts are acked, requests refused) until
         :meth:`close`. A signal path: ``kvconn.runtime.drain_signal``."""
-        start = time.monotonic()
-        limit = grace_s + self.config.write_timeout_s + 1.0 if timeout_s is None else timeout_s
-        self.step(lambda state, now: (None, state.begin_drain(now, grace_s)))
-        drained = False
-        while True:
-            drained = self.step(lambda state, now: state.drain_tick(now))
-            if drained or time.monotonic() - start >= limit:
-                break
+        # When to fail rooms and when to report are RankState's; the drain
+        # runs on the clock this call waits on (as decode's does).
+        report_after = rank_report_after(grace_s, self.config.write_timeout_s, timeout_s)
+        self.step(lambda state, _: (None, state.begin_drain(time.monotonic(), grace_s, report_after)))
+        while (report := self.step(lambda state, _: state.drain_report(time.monotonic()))) is None:
             time.sleep(self.DRAIN_POLL_S)
-        with self._lock:
-            left = len(self.state.ledger.unsettled_keys())
-        return DrainReport(drained, time.monotonic() - start, left)
+        return report
 
     @property
     def draining(self) -> bool:
@@ -276,64 +242,9 @@ class PrefillRank(TransferPath):
         self.metrics.messages.labels(type(msg).__name__).inc()
         self.step(lambda state, now: (None, self._tracer.request(msg, self.rank, state.handle(msg, now))))
 
-    def _on_hello(self, msg: Hello) -> None:
-        error = ""
-        try:
-            if msg.backend != self.backend.name:
-                raise ValueError(f"decode uses backend {msg.backend!r}, this rank {self.backend.name!r}")
-            check_deadlines(self.config.write_timeout_s, msg.abort_timeout_ms / 1000)
-            limit = self.capabilities.max_write_timeout_s
-            if limit is not None:
-                check_deadlines(limit, msg.abort_timeout_ms / 1000, f"{self.backend.name}'s write timeout")
-            layout = peer_layout(self.layout, msg.page_bytes, msg.num_ranks, msg.layout)
-            with self._lock:
-                plan = self.state.hello(msg.decode, msg.reply_to, layout)
-            if plan is not HelloPlan.KNOWN:
-                if plan is HelloPlan.NEW_AT_REUSED_ADDRESS:
-                    # Our connection to the decode that listened there may not
-                    # have been seen to close yet.
-                    self._outbox.reset(msg.reply_to)
-                self.writer.connect(msg.decode, msg.metadata)
-                tp = layout.dst.tp_size if isinstance(layout, EngineLayout) else 1
-                with self._lock:
-                    self.state.add_peer(msg.decode, msg.reply_to, layout, tp)
-        except Exception as exc:
-            log.warning("refusing bootstrap from %s: %s", msg.decode, exc)
-            error = str(exc) or type(exc).__name__
-        ack = HelloAck(self.rank, self.address, *self._process, error, self._session)
-        self._outbox.send(msg.reply_to, ack)
-
-    def _on_abort_hook(self, action: AbortHook) -> None:
-        raised = False
-        try:
-            self.pm.hook.on_abort_notification(abort=action.abort, known=action.known)
-        except Exception as exc:
-            self._plugin_error("on_abort_notification", exc)
-            raised = True
-        self.step(lambda state, now: (None, state.abort_hooked(action.abort, raised)))
-
     def _on_idle(self) -> float | None:
         self.step(lambda state, now: (None, state.tick(now)))
         return None
-
-    # -- helpers -----------------------------------------------------------
-    def _after(self, actions: Sequence[Action]) -> None:
-        """Carry out the actions that run engine callbacks, hooks or
-        threads: never under the lock."""
-        for action in actions:
-            if isinstance(action, Requested):
-                if self.on_request is not None:
-                    self.on_request(action.room, action.npages)
-            elif isinstance(action, Bootstrap):
-                self._on_hello(action.hello)
-            elif isinstance(action, AbortHook):
-                self._on_abort_hook(action)
-            elif isinstance(action, Fence):
-                # Off the listener thread: the fence waits for running posts.
-                threading.Thread(target=self._fence, name=f"kvconn-fence-{self.rank}", daemon=True).start()
-
-    def _count_drop(self, reason: DropReason) -> None:
-        self.metrics.dropped.labels(reason).inc()
 
 
 def _source_buffers(
@@ -342,13 +253,13 @@ def _source_buffers(
     """The engine's source buffers, checked against the layout (None: kvconn
     allocates ``source_bytes``)."""
     if (buffers is None) != (layout is None):
-        raise ValueError("buffers= and layout= go together")
+        raise ArgumentError("buffers= and layout= go together")
     if (buffers is None) == (source_bytes is None):
-        raise ValueError("give a prefill rank either source_bytes or buffers= and layout=")
+        raise ArgumentError("give a prefill rank either source_bytes or buffers= and layout=")
     if buffers is None or layout is None:
         return None
     if layout.tp_rank != rank:
-        raise ValueError(f"rank {rank} with a layout for tp_rank {layout.tp_rank}")
+        raise ArgumentError(f"rank {rank} with a layout for tp_rank {layout.tp_rank}")
     return checked_buffers(buffers, layout)
 
 

@@ -8,6 +8,7 @@ import time
 import attrs
 
 from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
+from kvconn.protocol.liveness import PidSeen, exit_proven, pid_names_writer
 from kvconn.protocol.messages import HelloAck
 
 
@@ -107,16 +108,22 @@ class WriterIdentity(WriterIdentityBase):
         return proven_gone(self, local_pid_namespace)
 
 
-def proven_gone(writer: WriterIdentityBase, local_pid_namespace: str) -> bool:
-    """True only when this very process certainly no longer runs: its pids
-    are ours (same kernel boot, same pid namespace, and neither unknown),
-    and its pid is free, reused by another process, or a zombie."""
-    if not local_pid_namespace or writer.pid_namespace != local_pid_namespace:
-        return False  # elsewhere only a closed transport connection proves it
+def pid_seen(pid: int) -> PidSeen:
+    """What this process's ``/proc`` shows at ``pid`` (the probe the core's
+    :func:`~kvconn.protocol.liveness.exit_proven` decides on)."""
     try:
-        state, start_time = proc_stat(writer.pid)
+        state, start_time = proc_stat(pid)
     except FileNotFoundError:
-        return True
+        return PidSeen.free()
     except (OSError, ValueError, IndexError):
-        return False
-    return start_time != writer.start_time or state in ("Z", "X")
+        return PidSeen.unreadable()
+    return PidSeen.process(state, start_time)
+
+
+def proven_gone(writer: WriterIdentityBase, local_pid_namespace: str) -> bool:
+    """True only when this very process certainly no longer runs (the rule is
+    the core's :func:`~kvconn.protocol.liveness.exit_proven`); ``/proc`` is
+    read only where its pids name the writer, never for one on another host."""
+    if not pid_names_writer(writer, local_pid_namespace):
+        return False  # elsewhere only decode's owner fence stands for an exit
+    return exit_proven(writer, local_pid_namespace, pid_seen(writer.pid))

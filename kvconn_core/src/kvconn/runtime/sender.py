@@ -9,14 +9,14 @@ and queues it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.errors import IncompleteRoomError, KvconnError, PageError, RoomStateError
+from kvconn.errors import KvconnError
 from kvconn.protocol.ledger import KVPoll
-from kvconn.protocol.rank import LegChunk, Verdict
+from kvconn.protocol.rank import LegChunk, SendPlan, Verdict
 from kvconn.runtime.layout import EngineLayout, PageLayout
 
 if TYPE_CHECKING:
@@ -91,15 +91,13 @@ class Sender:
         :class:`~kvconn.errors.RoomStateError` (a room id decode reuses
         starts over with its request). A refused send queues nothing.
         """
-        if self._state.last_sent:
-            raise RoomStateError("its last chunk was sent, no chunk may follow it", self.room)
-        rank, s, npages = self._rank, self._state, len(src_pages)
-        checked = rank.step(lambda state, now: state.plan_next(s, npages, last, now))
+        rank, s = self._rank, self._state
+        checked = rank.step(lambda state, now: state.plan_next(s, src_pages, last, now, extras_slot))
         if isinstance(checked, KvconnError):
             raise checked
         # Lowered here, on the engine's thread, while the worker writes the
         # previous chunk (1024 scattered pages: ~0.08 ms); a refusal queues nothing.
-        work = [self._lowered(leg, checked.index, src_pages, last, extras_slot) for leg in checked.legs]
+        work = [self._lowered(leg, checked, src_pages) for leg in checked.legs]
         # Committed without a clock reading: one planned-and-polled step, one
         # commit, where a send took three steps.
         rank.commit(lambda state: state.commit_send(s, checked))
@@ -110,27 +108,18 @@ class Sender:
             rank.enqueue(chunk, segments, leg.incarnation, leg.key)
 
     def _lowered(
-        self,
-        leg: LegChunk[PageLayout | EngineLayout],
-        index: int,
-        src_pages: Sequence[int],
-        last: bool,
-        extras_slot: int | None,
+        self, leg: LegChunk[PageLayout | EngineLayout], plan: SendPlan[Any], src_pages: Sequence[int]
     ) -> tuple[Chunk, SegmentTable]:
-        """One leg's chunk, checked against the source and lowered."""
+        """One leg's chunk of a checked send, lowered."""
         rank, layout = self._rank, leg.layout
-        if isinstance(layout, EngineLayout):
-            capacity = layout.src.num_pages
-        else:
-            assert rank.source_bytes is not None  # a rank without a layout allocated its source
-            capacity = rank.source_bytes // layout.shard
-        bad = [p for p in src_pages if not 0 <= p < capacity]
-        if bad:
-            raise PageError(f"source pages {bad[:8]} outside 0..{capacity - 1}", self.room)
-        chunk = Chunk(self.room, index, last, rank.rank, leg.key.decode, tuple(src_pages), leg.dst_pages)
+        chunk = Chunk(
+            self.room, plan.index, plan.last, rank.rank, leg.key.decode, tuple(src_pages), leg.dst_pages
+        )
         segments = layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
-        if last and leg.extras is not None:
-            segments = _with_extras(self.room, layout, segments, extras_slot, leg.extras)
+        if leg.extras is not None:
+            assert isinstance(layout, EngineLayout) and plan.extras_slot is not None  # the core checked
+            extras = layout.src.extra_segments(layout.dst, plan.extras_slot, leg.extras)
+            segments = SegmentTable(np.concatenate([segments.rows, extras.rows]))
         return chunk, segments
 
     def settled(self) -> bool:
@@ -148,22 +137,6 @@ class Sender:
         live fails, and its decode is told: its queued chunks will not be
         written. Afterwards :meth:`poll` says Success or Failed for good."""
         self._rank.step(lambda state, now: (None, state.clear(self._state, now)))
-
-
-def _with_extras(
-    room: int, layout: PageLayout | EngineLayout, segments: SegmentTable, src_slot: int | None, dst_slot: int
-) -> SegmentTable:
-    """A last chunk's segments, and its room's extras after them."""
-    if not isinstance(layout, EngineLayout):
-        raise PageError("decode asked for extras, but its pages are no engine layout", room)
-    if not layout.src.writes_extras_to(layout.dst):
-        return segments
-    if src_slot is None:
-        raise IncompleteRoomError(
-            "decode asked for its extras; the last chunk must name this rank's slot", room
-        )
-    extras = layout.src.extra_segments(layout.dst, src_slot, dst_slot)
-    return SegmentTable(np.concatenate([segments.rows, extras.rows]))
 
 
 if TYPE_CHECKING:

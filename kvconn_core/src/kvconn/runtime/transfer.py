@@ -1,45 +1,33 @@
-"""A prefill rank's chunk path: transfer workers, the fence gate, the fence.
+"""A prefill rank's chunk path: transfer workers and the fence gate.
 
 Each worker takes a chunk, lets the ledger count and decide it (invariant
-D), posts it through the plugins and waits at its DONE barrier; a chunk
-that failed unsettled poisons its room until the writer's fence. The ledger
-decides; this module carries out its answers. :class:`TransferPath` is a
-part of :class:`~kvconn.runtime.prefill.PrefillRank`, which sets up what it
+D), posts it through the plugins, waits at its DONE barrier and reports how
+the chunk ended to :meth:`RankState.chunk_ended`, which decides what that
+means (a chunk that may still land poisons its room until a fence) and
+returns the actions this module carries out (a :class:`Fence` among them:
+the worker runs it before its next chunk). :class:`TransferPath` is a part
+of :class:`~kvconn.runtime.prefill.PrefillRank`, which sets up what it
 declares.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import attrs
-
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.config import Config
-from kvconn.metrics import Metrics
-from kvconn.protocol.drain import Announce
-from kvconn.protocol.ledger import NotifyDecode, RoomKey, SendAck
-from kvconn.protocol.messages import RankDraining, TcpConnection
-from kvconn.protocol.rank import Action, Drop, GaveUp, RankState
-from kvconn.runtime.control import Outbox
-from kvconn.runtime.dispatch import ChunkHooks, HookManager
-from kvconn.runtime.sockets import own_connections
-from kvconn.runtime.tracing import NoTracer
-from kvconn.transport import Capabilities, Settlement
-
-log = logging.getLogger(__name__)
+from kvconn.protocol.ledger import RoomKey
+from kvconn.protocol.rank import ChunkEnd
+from kvconn.runtime.dispatch import ChunkHooks
+from kvconn.runtime.rank_actions import RankActions
+from kvconn.transport import Settlement
 
 _STOP = object()
-#: How many fences' closed connections a fenced ack names: a room fenced by
-#: one fence may be acked after later ones (its ABORT came late).
-FENCES_REMEMBERED = 16
+_LANDED = ChunkEnd.LANDED  # on every chunk: a module global, not an enum lookup
 
 
 class FenceGate:
@@ -83,25 +71,13 @@ class FenceGate:
                 self._cond.notify_all()
 
 
-class TransferPath:
+class TransferPath(RankActions):
     """The chunk path of a prefill rank (see the module doc)."""
 
-    rank: int
-    config: Config
-    capabilities: Capabilities
-    metrics: Metrics
-    pm: HookManager
-    state: RankState[Any]
-    _lock: threading.Lock
     _gate: FenceGate
     _hooks: ChunkHooks
-    _outbox: Outbox
     _queues: list[queue.SimpleQueue[Any]]
     _chunk_outcomes: Any
-    _poisoned_shown: int
-    _fence_closed: deque[frozenset[TcpConnection]]
-    _closed_by_fences: tuple[TcpConnection, ...]
-    _tracer: NoTracer
 
     # -- transfer workers --------------------------------------------------
     def enqueue(
@@ -124,6 +100,7 @@ class TransferPath:
         # Sender's) meets a concluded room at dequeue and is skipped, instead
         # of being posted while decode hears SUCCESS. With nothing queued, a
         # landed chunk is accounted for at once too.
+        self._thread.worker = True
         landed: tuple[Chunk, RoomKey] | None = None
         while True:
             if landed is None:
@@ -151,7 +128,8 @@ class TransferPath:
                     landed = (chunk, key)
 
     def _transfer(self, chunk: Chunk, segments: SegmentTable, incarnation: int | None = None) -> None:
-        """One chunk's whole path, accounted for at once."""
+        """One chunk's whole path, accounted for at once (on the caller's thread)."""
+        self._thread.worker = True
         key = _key(chunk)
         in_flight = self._post(chunk, segments, incarnation, key)
         if in_flight is not None and self._settle(chunk, *in_flight):
@@ -171,12 +149,10 @@ class TransferPath:
             if not write and hooks.has_skip:
                 hooks.skip(chunk)
         except Exception as exc:
-            self._fail_chunk(chunk, "on_dequeue/on_skip", exc)
+            self._fail_chunk(key, "on_dequeue/on_skip", exc)
             return None
         if not write:
-            with self._lock:
-                self._chunk_outcomes["skipped"] += 1
-                self._execute(self.state.ledger.skipped(key))
+            self._ended(key, ChunkEnd.SKIPPED)
             return None
         self._gate.enter()
         # The deadline covers post and write: a writer frozen inside on_post
@@ -193,7 +169,7 @@ class TransferPath:
             # The gate is left first: _fail_chunk fences, and a fence waits for
             # every shared holder (this worker included).
             self._gate.leave()
-            self._fail_chunk(chunk, "on_post", exc)
+            self._fail_chunk(key, "on_post", exc)
             return None
         return hooks, posted, deadline
 
@@ -210,18 +186,11 @@ class TransferPath:
         finally:
             self._gate.leave()
         if failure is not None:
-            self._fail_chunk(chunk, "on_done_barrier", failure)
+            self._fail_chunk(_key(chunk), "on_done_barrier", failure)
             return False
         if settlement is Settlement.LANDED:
             return True
-        with self._lock:
-            self._chunk_outcomes[settlement.value] += 1
-            reason = f"transfer {settlement.value}"
-            self._execute(
-                self.state.ledger.failed(_key(chunk), settlement is Settlement.FAILED_SETTLED, reason)
-            )
-        if settlement is Settlement.UNSETTLED:
-            self._fence()
+        self._ended(_key(chunk), _ENDS[settlement])
         return False
 
     def _account_landed(self, chunk: Chunk, key: RoomKey) -> None:
@@ -229,110 +198,29 @@ class TransferPath:
             self._chunk_outcomes["landed"] += 1
             if self._tracer.enabled:  # per chunk: not even a call when off
                 self._tracer.landed(key)
-            self._execute(self.state.ledger.landed(key, chunk.last))
+            later = self._execute(self.state.chunk_ended(key, _LANDED, chunk.last))
+        if later:
+            self._after(later)
 
-    def _fail_chunk(self, chunk: Chunk, hook: str, exc: Exception) -> None:
-        """A hook raised with the chunk counted: poison, never uncount."""
+    def _ended(self, key: RoomKey, end: ChunkEnd, reason: str = "") -> None:
+        """Tell the core how a chunk that did not land ended; carry out its answer."""
+        with self._lock:
+            self._chunk_outcomes[end.value] += 1
+            later = self._execute(self.state.chunk_ended(key, end, reason=reason))
+        self._after(later)
+
+    def _fail_chunk(self, key: RoomKey, hook: str, exc: Exception) -> None:
+        """A hook raised with the chunk counted."""
         self._plugin_error(hook, exc)
-        with self._lock:
-            self._chunk_outcomes["plugin_error"] += 1
-            self._execute(
-                self.state.ledger.failed(_key(chunk), settled=False, reason=f"{hook} raised: {exc!r}")
-            )
-        self._fence()
+        self._ended(key, ChunkEnd.PLUGIN_ERROR, f"{hook} raised: {exc!r}")
 
-    def _fence(self) -> None:
-        """Un-poison rooms through the writer's fence, if it has one."""
-        if not self.capabilities.writer_fence:
-            self._update_poisoned()
-            return
-        with self._gate.exclusive():
-            with self._lock:
-                rooms = self.state.ledger.poisoned()
-                if not rooms:
-                    return
-                contexts = self._tracer.contexts(rooms)
-            with self._tracer.fence(contexts, len(rooms), self.rank) as traced:
-                self._fence_rooms(traced)
 
-    def _fence_rooms(self, traced: dict[str, object]) -> None:
-        """(Holding the gate.) The fence itself; ``traced`` gets its result."""
-        before = own_connections()
-        try:
-            fenced = self.pm.hook.on_fence()
-        except Exception as exc:
-            self._plugin_error("on_fence", exc)
-            fenced = None
-        if fenced is not True:
-            self.metrics.fences.labels("failed").inc()
-            self._update_poisoned()
-            return
-        self.metrics.fences.labels("ok").inc()
-        traced["result"] = "ok"
-        with self._lock:
-            closed = before - own_connections()
-            traced["closed"] = len(closed)
-            self._fence_closed.append(closed)
-            self._closed_by_fences = tuple(sorted(frozenset().union(*self._fence_closed)))
-            self._execute(self.state.ledger.fenced())
-
-    def _execute(self, actions: Sequence[Action]) -> list[Action]:
-        """Carry out the actions that send or count (with the lock held);
-        returns those that run hooks or threads, for :meth:`_after`."""
-        deferred: list[Action] = []
-        for action in actions:
-            if isinstance(action, SendAck):
-                if self.config.acks_enabled:
-                    ack = action.ack
-                    if ack.fenced and self._closed_by_fences:
-                        ack = attrs.evolve(ack, closed=self._closed_by_fences)
-                    if self._outbox.send(action.reply_to, ack):
-                        self.metrics.acks_sent.inc()
-                        self._tracer.acked(ack, self.rank)
-            elif isinstance(action, NotifyDecode):
-                peer = self.state.peers.get(action.decode)
-                if peer is not None and self._outbox.send(peer.reply_to, action.status):
-                    self._tracer.notified(action.decode, action.status)
-            elif isinstance(action, Announce):
-                peer = self.state.peers.get(action.decode)
-                if peer is not None:
-                    ledger = self.state.ledger
-                    closed = self._closed_by_fences
-                    notice = RankDraining(ledger.rank, ledger.session, action.decode, action.done, closed)
-                    self._outbox.send(peer.reply_to, notice)
-            elif isinstance(action, Drop):
-                self.metrics.dropped.labels(action.reason).inc()
-            elif isinstance(action, GaveUp):
-                self.metrics.room_bootstrap_timeouts.inc()
-            else:
-                deferred.append(action)
-        poisoned = self.state.ledger.poisoned_count()
-        if poisoned != self._poisoned_shown:
-            self._poisoned_shown = poisoned
-            self.metrics.poisoned_rooms.set(poisoned)
-        return deferred
-
-    def _update_poisoned(self) -> None:
-        with self._lock:
-            self._poisoned_shown = self.state.ledger.poisoned_count()
-            self.metrics.poisoned_rooms.set(self._poisoned_shown)
-
-    def _plugin_error(self, hook: str, exc: Exception) -> None:
-        """Log and count a hook that raised; then let go of its frames."""
-        log.error("kvconn plugin raised in %s: %r; failing safe", hook, exc)
-        self.metrics.plugin_errors.labels(hook).inc()
-        # The traceback keeps the raising hook's frames alive, and with them
-        # what the hook held: an agent the fence that follows must destroy
-        # (nixl's fence refuses while anything else holds its agent).
-        chained: list[BaseException | None] = [exc]
-        seen: set[int] = set()
-        while chained:
-            e = chained.pop()
-            if e is not None and id(e) not in seen:
-                seen.add(id(e))
-                e.__traceback__ = None
-                chained += [e.__cause__, e.__context__]
+#: How a DONE barrier's answer ends a chunk that did not land.
+_ENDS = {Settlement.FAILED_SETTLED: ChunkEnd.FAILED_SETTLED, Settlement.UNSETTLED: ChunkEnd.UNSETTLED}
 
 
 def _key(chunk: Chunk) -> RoomKey:
     return RoomKey(chunk.peer, chunk.room)
+
+
+__all__ = ["FenceGate", "TransferPath"]

@@ -3,10 +3,14 @@
 The parent's end is :class:`Child`: it starts ``python -m MODULE ARGS_JSON``
 in a session of its own, collects every JSON line the child prints as an
 event, and signals, freezes, closes and reaps it (and whatever it started).
-The child's end is :func:`load_args` (the argument, inline or ``@FILE``),
-:func:`emit` (one timestamped event line) and :func:`stop_self`. Prefill
-rank processes, bare writers, decode processes of the conformance suite and
-the fault-injection rank of :mod:`kvconn.testing.cluster` all use them.
+With a :class:`StderrLog`, the child's stderr goes to a file and a child
+that dies is reported as one line, the last it wrote there (a traceback's
+exception), not a screen of tracebacks. The child's end is
+:func:`load_args` (the argument, inline or ``@FILE``), :func:`emit` (one
+timestamped event line), :func:`quiet_interrupts` and :func:`stop_self`.
+Prefill rank processes, bare writers, decode processes of the conformance
+suite, the fault-injection rank of :mod:`kvconn.testing.cluster` and every
+child process of ``kvconn bench`` use them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvconn.runtime.procs import all_threads_stopped
 from kvconn.testing.waiting import wait_for
@@ -30,7 +34,7 @@ from kvconn.testing.waiting import wait_for
 if TYPE_CHECKING:
     from kvconn.testing.hosts import Host
 
-__all__ = ["Child", "emit", "load_args", "stop_self"]
+__all__ = ["Child", "ChildError", "StderrLog", "emit", "load_args", "quiet_interrupts", "stop_self"]
 
 _out_lock = threading.Lock()
 
@@ -56,6 +60,13 @@ def load_args(arg: str) -> dict[str, Any]:
     return args
 
 
+def quiet_interrupts() -> None:
+    """In a child: ignore Ctrl-C, which the terminal sends to every process of
+    a run at once. The parent tears the run down and closes our stdin, and we
+    exit then, without a traceback of our own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def stop_self() -> None:
     """SIGSTOP this whole process, the calling thread included, before this returns.
 
@@ -68,14 +79,52 @@ def stop_self() -> None:
     signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
+class ChildError(RuntimeError):
+    """A child process exited before it reported what was waited for (what a
+    tool that runs children, ``kvconn bench``, raises; a test's wait fails
+    with an AssertionError)."""
+
+
+class StderrLog:
+    """Where one child's stderr goes: a temporary file, read back for the
+    cause of a failure; this process's own stderr when :attr:`verbose`."""
+
+    #: Children write their stderr to ours (``kvconn bench --verbose``).
+    verbose: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.file = (  # closed in close(), when the child is gone
+            None if self.verbose else tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        )
+
+    def cause(self) -> str:
+        """The last line the child wrote (a traceback ends with its exception)."""
+        if self.file is None:
+            return "see its output above"
+        self.file.flush()
+        self.file.seek(0)
+        lines = [line.strip() for line in self.file.read().splitlines() if line.strip()]
+        return lines[-1] if lines else "it wrote nothing to stderr"
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def exited(what: str, code: int, log: StderrLog) -> str:
+    """One line for a child that exited with ``code``, and why."""
+    how = "after Ctrl-C" if code in (-signal.SIGINT, 130) else f"with {code}"
+    return f"{what} exited {how}: {log.cause()}"
+
+
 class Child:
     """A child process that reports JSON lines on stdout, in a session of its
     own: whatever it starts stays in that session unless it leaves on purpose,
     so a test can tell what outlived it (:meth:`survivors`)."""
 
     #: What a wait on the child raises when it runs out (the conformance
-    #: suite's children raise its ConformanceFailure).
-    failure: type[AssertionError] = AssertionError
+    #: suite's children raise its ConformanceFailure, the bench's ChildError).
+    failure: type[Exception] = AssertionError
 
     #: Longer arguments go through a file (a command line holds ~128 KiB).
     INLINE_ARGS = 64 << 10
@@ -88,13 +137,24 @@ class Child:
         env: Mapping[str, str] | None = None,
         host: Host | None = None,
         stderr: Any = None,
+        *,
+        log: StderrLog | None = None,
+        name: str = "",
+        failure: type[Exception] | None = None,
     ) -> None:
         """Run ``python -m module ARGS_JSON`` under the command ``prefix``
         (``ip netns exec NS``, ``unshare ...``), with ``env`` added to this
         process's environment. ``host``: on that host
         (:mod:`kvconn.testing.hosts`), ``prefix`` inside it; the child's pid
         is then the command's own, not its wrappers'. ``stderr``: where its
-        stderr goes (``subprocess.Popen``'s; ours by default)."""
+        stderr goes (``subprocess.Popen``'s; ours by default), or ``log``
+        (closed with the child), whose last line a wait on a child that
+        exited reports, as ``name exited with CODE: LINE``. ``failure``:
+        what such a wait raises (the class's :attr:`failure` by default)."""
+        self.log = log
+        self.name = name or f"python -m {module}"
+        if failure is not None:
+            self.failure = failure
         payload = json.dumps(dict(args))
         self._args_file: str | None = None
         if len(payload) > self.INLINE_ARGS:
@@ -110,7 +170,7 @@ class Child:
             text=True,
             start_new_session=True,
             env=None if env is None else {**os.environ, **env},
-            stderr=stderr,
+            stderr=log.file if log is not None else stderr,
         )
         #: Signals, freezes and kills go here: on another host, the command
         #: itself (its wrappers, pid 1 of its PID namespace among them,
@@ -119,9 +179,10 @@ class Child:
         #: Everything it starts stays in this session.
         self.session = self.proc.pid
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.log: list[dict[str, Any]] = []
+        self._history: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True, name=f"kvconn-child-read-{self.pid}").start()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"kvconn-child-read-{self.pid}")
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -129,14 +190,20 @@ class Child:
             try:
                 event = json.loads(line)
             except ValueError:
+                continue  # a transport library's own line (nixl prints to stdout)
+            if not isinstance(event, dict):
                 continue
             with self._log_lock:
-                self.log.append(event)
+                self._history.append(event)
             self.events.put(event)
 
     def history(self) -> list[dict[str, Any]]:
         with self._log_lock:
-            return list(self.log)
+            return list(self._history)
+
+    def last_with(self, key: str) -> Any:
+        """The ``key`` field of the last event that had one (None: none had)."""
+        return next((e[key] for e in reversed(self.history()) if key in e), None)
 
     def expect(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
         """The next event whose fields equal ``match`` (others are skipped)."""
@@ -152,8 +219,13 @@ class Child:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or (self.proc.poll() is not None and self.events.empty()):
+            gone = self.proc.poll() is not None
+            if gone and self.events.empty():
+                self._reader.join(1.0)  # the lines it wrote before it exited come first
+            if left <= 0 or (gone and self.events.empty()):
                 code = self.proc.poll()
+                if code is not None and self.log is not None:
+                    raise self.failure(exited(self.name, code, self.log))
                 # A child a signal ended says which (a crash: SIGSEGV, SIGBUS).
                 how = (
                     f"killed by {signal.Signals(-code).name}"
@@ -213,18 +285,23 @@ class Child:
             with contextlib.suppress(OSError):
                 os.kill(int(line.split()[0]), signal.SIGKILL)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Close its stdin and give it ``timeout`` s to exit (then kill it);
+        its last lines are events too (:meth:`last_with`)."""
         if self.proc.poll() is None:
             self.signal(signal.SIGCONT)
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.close()
-                self.proc.wait(10)
+                self.proc.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
+        self.reap_survivors()  # one of them may hold its stdout open
+        self._reader.join(5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        self.reap_survivors()
+        if self.log is not None:
+            self.log.close()
         if self._args_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._args_file)

@@ -5,8 +5,11 @@ host and started again, while the parent cuts links and freezes hosts.
 Its pages are :class:`~kvconn.testing.pages.CanaryPages`: every page not in
 use holds the canary, so a late write into a page handed back is found.
 Driven by JSON lines on stdin, it reports JSON lines on stdout (``emit``,
-stamped with the host's shared monotonic clock)::
+stamped with the host's shared monotonic clock). Started with ``"prefill":
+null`` it imports the transport's library at once (what takes a start its
+seconds) and waits for the ranks' addresses::
 
+    {"op": "bootstrap", "prefill": [addresses]}  -> {"event": "ready"} (once bootstrapped)
     {"op": "open", "room": R, "pages": N, "ranks": [r]} -> {"event": "opened", "pages": [...]}
     {"op": "abort", "room": R}                  -> {"event": "aborted"}
     {"op": "landed", "room": R}                 -> {"event": "landed", "bytes": B}
@@ -32,6 +35,7 @@ from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.testing.child import emit, load_args
+from kvconn.testing.libraries import LIBRARIES, why_unavailable
 from kvconn.testing.pages import CanaryPages
 
 #: Room ids of the background stream start here (the faults' own are small).
@@ -89,6 +93,11 @@ def main() -> None:
     args = load_args(sys.argv[1])
     page_bytes, num_ranks = int(args["page_bytes"]), int(args["num_ranks"])
     holder: list[CanaryPages] = []
+    prefill = args["prefill"]
+    if prefill is None:  # the ranks start meanwhile: import now, bootstrap once they are up
+        if args["backend"] in LIBRARIES:
+            why_unavailable(args["backend"])
+        prefill = json.loads(sys.stdin.readline())["prefill"]
 
     def on_release(release: Release) -> None:
         holder[0].give_back(release.pages)  # canary first, then free: checked for late writes
@@ -98,7 +107,7 @@ def main() -> None:
         get_backend(args["backend"]),
         int(args["num_pages"]),
         page_bytes,
-        list(args["prefill"]),
+        list(prefill),
         Config(**args["config"]),
         on_release=on_release,
     )

@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -105,13 +106,16 @@ class _Run:
         self.decode: Child | None = None
         self.addresses: list[str] = []
         try:
+            # The ranks and decode import their libraries at once (the seconds
+            # a start takes); decode bootstraps once the ranks say where they are.
             for r, name in enumerate(("prefill0", "prefill1")):
                 self.ranks.append(self._rank(r, fabric[name]))
+            self.spawn_decode()
             self.addresses = [
                 str(c.next_with("address", 60, f"rank {r} start")["address"])
                 for r, c in enumerate(self.ranks)
             ]
-            self.start_decode()
+            self.bootstrap_decode()
         except BaseException:
             self.close()
             raise
@@ -138,6 +142,11 @@ class _Run:
         return Child("kvconn.testing.faults", args, env=_ENV, host=host, stderr=self.stderr)
 
     def start_decode(self) -> None:
+        self.spawn_decode()
+        self.bootstrap_decode()
+
+    def spawn_decode(self) -> None:
+        """Decode's process, importing its transport until :meth:`bootstrap_decode`."""
         host = self.fabric["decode"]
         config: dict[str, Any] = {
             "write_timeout_s": self.dl.write_s,
@@ -153,14 +162,17 @@ class _Run:
             config.update(owner_fence_config(OWNER_FENCE_AFTER_S))
         args = {
             "backend": self.backend,
-            "prefill": self.addresses,
+            "prefill": None,
             "num_pages": 4096,
             "page_bytes": PAGE_BYTES,
             "num_ranks": 2,
             "config": config,
         }
         self.decode = Child("kvconn.testing.host_decode", args, env=_ENV, host=host, stderr=self.stderr)
-        self.decode.expect(60, "decode start", event="ready")
+
+    def bootstrap_decode(self) -> None:
+        self.dec.send_line(json.dumps({"op": "bootstrap", "prefill": self.addresses}))
+        self.dec.expect(60, "decode start", event="ready")
 
     @property
     def dec(self) -> Child:
@@ -184,7 +196,11 @@ class _Run:
         return " | ".join(line.strip() for line in self.stderr.read().splitlines()[-lines:])
 
     def close(self) -> None:
+        """Kill every child: a fault's figures are taken, and a graceful exit
+        (endpoints and transports closing) took seconds a fault."""
         for c in [*self.ranks, *([self.decode] if self.decode else [])]:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                c.kill()
             c.close()
         if self.stderr is not None:
             self.stderr.close()

@@ -12,7 +12,7 @@ normal exit, on an exception, on SIGINT and on SIGTERM.
 
 A partition is a host's bridge port set down (a pulled cable: the host
 keeps its address and routes, its packets go nowhere), healed by setting it
-up. A lost host is its port down first, then every process in its network
+up. A slow host sends through a tc token bucket (``Host.slow``). A lost host is its port down first, then every process in its network
 namespace killed with SIGKILL by pid, so no FIN or RST reaches anyone (pid 1
 of a PID namespace ignores SIGTERM from outside).
 
@@ -287,6 +287,18 @@ class Host:
     def heal(self) -> None:
         ip("-n", self.fabric.switch, "link", "set", self.port, "up")
 
+    def slow(self, rate: str = "2mbit") -> None:
+        """Limit what this host sends to ``rate`` (a tc token bucket on its
+        interface; tc's units, e.g. "2mbit"): a write from it then takes long
+        enough to be cut, frozen or aborted mid-way. :meth:`unslow` undoes it."""
+        if shutil.which("tc") is None:
+            raise HostsUnavailable("slowing a host needs `tc` (iproute2) on PATH")
+        qdisc = ["qdisc", "replace", "dev", self.iface, "root", "tbf", "rate", rate]
+        _tc(self.netns, *qdisc, "burst", "16kb", "latency", "2s")
+
+    def unslow(self) -> None:
+        _tc(self.netns, "qdisc", "del", "dev", self.iface, "root")
+
     def lose(self) -> None:
         """The host is gone: its link down first, then all its processes killed."""
         self.cut()
@@ -353,6 +365,14 @@ class Host:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name}: the command of pid {proc.pid} did not start in its host")
             time.sleep(0.005)
+
+
+def _tc(netns: str, *args: str) -> None:
+    done = subprocess.run(
+        ["ip", "netns", "exec", netns, "tc", *args], capture_output=True, text=True, timeout=10
+    )
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, ["tc", *args], done.stdout, done.stderr)
 
 
 def _cmdline(pid: int) -> list[str]:

@@ -16,11 +16,16 @@ timeout-only legacy mode, on loopback with real rank processes
 Per fault and mode: the pages written after decode handed them back
 (corrupted: the next request's KV), and what kvconn paid instead: pages
 quarantined and the time from the abort to the release, with its proof.
+
+Interrupted (Ctrl-C, or a SIGTERM handler that raises), :func:`run` stops
+both modes' threads, closes their clusters (a frozen rank is continued and
+told to exit) and their hosts, and re-raises, within seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import time
@@ -29,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from kvconn.runtime.procs import wait_until_stopped
+from kvconn.runtime.procs import all_threads_stopped
 from kvconn.testing import hosts
 from kvconn.testing.cluster import Cluster
 from kvconn.testing.hosts import Host, HostsUnavailable
@@ -60,25 +65,97 @@ class Outcome:
         return attrs.asdict(self)
 
 
+class Stopped(Exception):
+    """Raised in a mode's thread once :func:`run` was interrupted."""
+
+
+#: How long an interrupted :func:`run` waits for its threads to unwind
+#: (their hosts go with them) after it closed their clusters.
+UNWIND_S = 15.0
+
+
+@attrs.define(eq=False)
+class _Stop:
+    """What an interrupted :func:`run` tears down: every wait of a mode's
+    thread checks :attr:`event`, and the clusters the threads made are
+    closed from the interrupted thread, once each."""
+
+    event: threading.Event = attrs.Factory(threading.Event)
+    _open: list[Cluster] = attrs.Factory(list)
+    _lock: threading.Lock = attrs.Factory(threading.Lock)
+
+    def check(self) -> None:
+        if self.event.is_set():
+            raise Stopped("the fault run was interrupted")
+
+    def until(self, cond: Callable[[], bool]) -> Callable[[], bool]:
+        """``cond`` for :func:`wait_for`, raising :class:`Stopped` once stopped."""
+
+        def checked() -> bool:
+            self.check()
+            return cond()
+
+        return checked
+
+    def sleep(self, seconds: float) -> None:
+        if self.event.wait(max(0.0, seconds)):
+            self.check()
+
+    def opened(self, cluster: Cluster) -> None:
+        with self._lock:
+            self._open.append(cluster)
+        self.check()  # stopped while it started: closed by whoever stopped, or below
+
+    def close(self, cluster: Cluster) -> None:
+        with self._lock:
+            if cluster not in self._open:
+                return
+            self._open.remove(cluster)
+        cluster.close()
+
+    def stop(self) -> None:
+        self.event.set()
+        with self._lock:
+            clusters, self._open = self._open, []
+        for cluster in clusters:
+            with contextlib.suppress(Exception):
+                cluster.close()
+
+
 def run(rooms: int = 1, on_step: Callable[[str], None] = print) -> list[Outcome]:
     """Every fault, ``rooms`` rooms each, in both modes (side by side, on two
     threads: most of a fault is waiting for a deadline)."""
     results: dict[str, list[Outcome]] = {}
-    threads = [
-        threading.Thread(target=lambda m=m: results.__setitem__(m, _mode(m, rooms, on_step)), name=m)
-        for m in ("kvconn", "legacy")
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    stop = _Stop()
+
+    def one(mode: str) -> None:
+        try:
+            results[mode] = _mode(mode, rooms, on_step, stop)
+        except BaseException:
+            if not stop.event.is_set():  # else it failed because its cluster was closed under it
+                raise
+
+    # Daemons: an interrupted run returns once its clusters are closed and
+    # its hosts gone (below), never waiting on a thread that has not noticed.
+    threads = [threading.Thread(target=one, args=(m,), name=m, daemon=True) for m in ("kvconn", "legacy")]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:
+        stop.stop()
+        deadline = time.monotonic() + UNWIND_S
+        for t in threads:  # each leaves its hosts on the way out
+            t.join(max(0.0, deadline - time.monotonic()))
+        raise
     missing = [m for m in ("kvconn", "legacy") if m not in results]
     if missing:
         raise RuntimeError(f"the fault run of {', '.join(missing)} failed (its error is above)")
     return results["kvconn"] + results["legacy"]
 
 
-def _mode(mode: str, rooms: int, on_step: Callable[[str], None]) -> list[Outcome]:
+def _mode(mode: str, rooms: int, on_step: Callable[[str], None], stop: _Stop) -> list[Outcome]:
     """One cluster: its ranks in a namespace of their own when one can be
     built (then also the partition), every fault in turn."""
     legacy = mode == "legacy"
@@ -98,6 +175,7 @@ def _mode(mode: str, rooms: int, on_step: Callable[[str], None]) -> list[Outcome
         where: dict[str, str] = {}
         on_decode_host: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         try:
+            stop.check()
             fabric = stack.enter_context(hosts.hosts(("decode", "prefill0")))
             link = fabric["prefill0"]
             where = {"decode_host": fabric["decode"].ip, "rank_host": link.ip, "netns": link.netns}
@@ -109,14 +187,15 @@ def _mode(mode: str, rooms: int, on_step: Callable[[str], None]) -> list[Outcome
         # look written before its rank wrote a byte.
         npages = rooms * (2 * PAGES + 2 * PAGES)
         with on_decode_host:
-            c = stack.enter_context(_cluster(legacy, options, num_pages=npages, chunk_pages=1, **where))
+            c = stack.enter_context(_cluster(legacy, options, stop, num_pages=npages, chunk_pages=1, **where))
         out = []
         for fault in FAULTS:
+            stop.check()
             on_step(f"{mode}: {fault}")
             if fault == "partition" and link is None:
                 out.append(Outcome(fault, mode, skipped=skipped))
             else:
-                out.append(_measure(c, fault, mode, rooms, link))
+                out.append(_measure(c, fault, mode, rooms, link, stop))
         return out
 
 
@@ -146,40 +225,41 @@ class _Tally:
         )
 
 
-def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: Host | None) -> Outcome:
+def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: Host | None, stop: _Stop) -> Outcome:
     tally = _Tally()
     npages = 2 * PAGES if fault == "partition" else PAGES
     for i in range(rooms):
         room = _room(fault, i)
         before = _rank_counts(c)
         rx, pages = c.open(room, npages, exclude=sorted(c.pages.returned_once))
-        if fault == "frozen":
-            wait_until_stopped(c.ranks[0].proc.pid, timeout=30)  # half way through its chunk
+        if fault == "frozen":  # half way through its chunk
+            frozen = functools.partial(all_threads_stopped, c.ranks[0].proc.pid)
+            wait_for(stop.until(frozen), 30, "rank 0 stopped", poll=0.001)
         elif fault == "late_queue":  # rank 0 posted the chunk: its first half is in
-            wait_for(lambda page=pages[0]: _rank_wrote(c, page, 0), 30, "rank 0's first bytes")  # type: ignore[misc]
+            wait_for(stop.until(functools.partial(_rank_wrote, c, pages[0], 0)), 30, "rank 0's first bytes")
         else:
-            wait_for(lambda pages=pages: c.landed_bytes(pages) > 0, 30, "first bytes")  # type: ignore[misc]
+            wait_for(stop.until(functools.partial(_landed, c, pages)), 30, "first bytes")
         if fault == "partition" and link is not None:
             link.cut()
         t0 = time.monotonic()
         rx.abort()
         if fault == "late_queue":
-            _until(t0 + LATE_S)  # the queued half lands about now
+            stop.sleep(t0 + LATE_S - time.monotonic())  # the queued half lands about now
         else:
-            _until(t0 + DEADLINE_S + PAST_DEADLINE_S)
+            stop.sleep(t0 + DEADLINE_S + PAST_DEADLINE_S - time.monotonic())
             if fault == "frozen":
                 c.ranks[0].signal(signal.SIGCONT)
             elif link is not None:
                 link.heal()
-        _settle(c, room, tally)
-        _quiet(c, before, fault)
+        _settle(c, room, tally, stop)
+        _quiet(c, before, fault, stop)
         tally.corrupted += len(c.late_pages(pages))
         tally.quarantined += npages if _was_quarantined(c, room) else 0
     return tally.outcome(fault, mode, rooms, npages)
 
 
 @contextlib.contextmanager
-def _cluster(legacy: bool, options: dict[str, str], **kw: Any) -> Iterator[Cluster]:
+def _cluster(legacy: bool, options: dict[str, str], stop: _Stop, **kw: Any) -> Iterator[Cluster]:
     c = Cluster(
         write_timeout_s=WRITE_S,
         abort_timeout_s=DEADLINE_S,
@@ -188,13 +268,10 @@ def _cluster(legacy: bool, options: dict[str, str], **kw: Any) -> Iterator[Clust
         **kw,
     )
     try:
+        stop.opened(c)
         yield c
     finally:
-        c.close()
-
-
-def _first_bytes(c: Cluster, pages: list[int]) -> None:
-    wait_for(lambda: c.landed_bytes(pages) > 0, 30, "first bytes")
+        stop.close(c)
 
 
 def _rank_counts(c: Cluster) -> list[tuple[float, float]]:
@@ -207,17 +284,25 @@ def _rank_counts(c: Cluster) -> list[tuple[float, float]]:
     return out
 
 
-def _quiet(c: Cluster, before: list[tuple[float, float]], fault: str) -> None:
+def _quiet(c: Cluster, before: list[tuple[float, float]], fault: str, stop: _Stop) -> None:
     """Wait until the fault's late bytes have had their chance to land."""
     if fault in ("frozen", "late_queue"):
         # Rank 0 fences the chunk it could not settle in time, and the fence
         # returns only once the transfer handed to hardware has landed.
-        wait_for(lambda: _rank_counts(c)[0][1] > before[0][1], 60, "rank 0's fence")
+        wait_for(stop.until(lambda: _rank_counts(c)[0][1] > before[0][1]), 60, "rank 0's fence")
         return
     # Partitioned ranks write on until the healed link brings the ABORT; a
     # chunk in flight then ends by its writer deadline.
-    wait_for(lambda: all(n[0] > b[0] for n, b in zip(_rank_counts(c), before, strict=True)), 60, "ABORTs")
-    time.sleep(2 * WRITE_S)
+    wait_for(
+        stop.until(lambda: all(n[0] > b[0] for n, b in zip(_rank_counts(c), before, strict=True))),
+        60,
+        "ABORTs",
+    )
+    stop.sleep(2 * WRITE_S)
+
+
+def _landed(c: Cluster, pages: list[int]) -> bool:
+    return c.landed_bytes(pages) > 0
 
 
 def _rank_wrote(c: Cluster, page: int, rank: int) -> bool:
@@ -225,14 +310,10 @@ def _rank_wrote(c: Cluster, page: int, rank: int) -> bool:
     return shard.count(CANARY) < len(shard)
 
 
-def _until(t: float) -> None:
-    time.sleep(max(0.0, t - time.monotonic()))
-
-
-def _settle(c: Cluster, room: int, tally: _Tally) -> None:
+def _settle(c: Cluster, room: int, tally: _Tally, stop: _Stop) -> None:
     """Wait (bounded) for the room's release; late bytes land or not."""
     try:
-        wait_for(lambda: c.released(room) is not None, 20, f"release of room {room}")
+        wait_for(stop.until(lambda: c.released(room) is not None), 20, f"release of room {room}")
     except AssertionError:
         tally.unreleased += 1
         return

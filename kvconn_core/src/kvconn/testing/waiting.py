@@ -13,7 +13,7 @@ def wait_for(
     timeout: float,
     what: str = "condition",
     poll: float = 0.005,
-    failure: type[AssertionError] = AssertionError,
+    failure: type[Exception] = AssertionError,
 ) -> float:
     """Poll ``cond`` every ``poll`` s until it is true and return the time it
     took; past ``timeout`` s raise ``failure`` (an AssertionError, so pytest
