@@ -95,7 +95,8 @@ def kill_rank(rank: Child, what: str, owners: Sequence[int | None] = ()) -> None
     session of its own among them) is frozen first, so that the rank dies
     with each of them where it was; then, the rank killed, one that still
     maps the shared memory of a page owner (``owners``: their pids; decode's
-    regions) fails at once, with the threads it holds. Its writes land only
+    regions), or holds it or the owner's ``/proc/PID/mem`` open, fails at
+    once, with the threads it holds. Its writes land only
     after it is resumed, once decode could act on the exit: in released
     pages, for the run's guard to see. The others are resumed and get
     :data:`SURVIVOR_GRACE_S` to exit (the interpreter's own helpers, e.g.
@@ -118,7 +119,7 @@ def kill_rank(rank: Child, what: str, owners: Sequence[int | None] = ()) -> None
     mapping: list[str] = []
     try:
         rank.kill()
-        mapping = guard.holders(left(), memory) if memory else []
+        mapping = guard.holders(left(), memory, [pid for pid in owners if pid is not None])
     finally:
         if not mapping:
             guard.signal_all(started, signal.SIGCONT)

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import attrs
 
@@ -257,17 +257,41 @@ def threads_of(pid: int) -> list[str]:
     return names
 
 
-def holders(processes: list[str], memory: set[tuple[str, int]]) -> list[str]:
-    """Of ``processes`` ("pid cmdline"), those that map any of ``memory``,
-    each with what it maps and the threads that could write through it."""
+def _open_files(pid: int, memory: set[tuple[str, int]], owners: Collection[int]) -> list[str]:
+    """What ``pid`` holds open that writes into an owner's memory without a
+    mapping: one of the shared memory objects of ``memory`` (a later mmap
+    or pwrite away), or ``/proc/OWNER/mem`` of an owner (pwrite into any
+    address of it)."""
+    found = []
+    mem = {f"/proc/{owner}/mem" for owner in owners}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        with contextlib.suppress(OSError):
+            target = os.readlink(path)
+            st = os.stat(path)
+            key = (f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)
+            if target in mem or key in memory:
+                found.append(f"fd {fd} -> {target}")
+    return found
+
+
+def holders(processes: list[str], memory: set[tuple[str, int]], owners: Collection[int] = ()) -> list[str]:
+    """Of ``processes`` ("pid cmdline"), those that map any of ``memory``
+    or hold it (or an owner's ``/proc/PID/mem``) open, each with what it
+    maps or holds and the threads that could write through it."""
     found = []
     for line in processes:
         pid = int(line.split()[0])
         paths = sorted({path for key, path in _mappings(pid) if key in memory})
+        paths += _open_files(pid, memory, owners)
         if paths:
             threads = threads_of(pid)
             found.append(
-                f"{line} maps {', '.join(paths[:2])} ({len(threads)} threads: {', '.join(threads[:6])})"
+                f"{line} maps or holds {', '.join(paths[:2])} ({len(threads)} threads: {', '.join(threads[:6])})"
             )
     return found
 
