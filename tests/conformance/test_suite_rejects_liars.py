@@ -162,7 +162,15 @@ def _reason(out: str, check: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("lie", sorted(TWO_CHECKS))
+#: Lies whose run is long and whose checks other lies of the list fail too
+#: (outlive and outlive_detached): slow, to keep CI's 2 cores for the rest.
+SLOW_LIES = {"outlive_linger"}
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [pytest.param(lie, marks=pytest.mark.slow) if lie in SLOW_LIES else lie for lie in sorted(TWO_CHECKS)],
+)
 def test_each_lie_fails_two_different_checks(liar_env: dict[str, str], lie: str) -> None:
     options, checks = TWO_CHECKS[lie]
     assert len({check.split("[")[0] for check, _ in checks}) >= 2, "a lie needs two different checks"
@@ -257,6 +265,7 @@ def test_the_honest_liar_passes_the_checks_through_a_rank_and_over_engine_buffer
         assert f"PASSED   {check}" in out, out
 
 
+@pytest.mark.slow  # about 30 s: a full writer-fence check with its guard
 def test_a_transport_that_lands_every_write_inside_on_post_passes_the_writer_fence_check(
     liar_env: dict[str, str],
 ) -> None:
