@@ -4,9 +4,11 @@ the writers on two others (kvconn.testing.hosts). It needs root; without it,
 it skips saying so.
 
 CI runs one or more checks of every kind the cross_host claim rests on:
-integrity, engine memory, aborts racing a chunk, acks, fences, a frozen
-writer, a frozen page owner, a killed writer, a partition healed after the
-deadline, the owner fence. ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
+integrity, engine memory, aborts racing a chunk, acks, fences (through a
+bare writer and through a rank), a frozen writer, a frozen page owner, a
+killed writer, a partition healed after the deadline, the owner fence (a
+writer caught mid-write, a stale one), the cross_host claim (a bare writer,
+a rank). ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
 docs/multi-host.md reports)."""
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavaila
 
 CI_CHECKS = (
     "integrity or engine_tp_fan_in or abort_races_chunk or forged or fanout or writer_fence_stops "
-    "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim or owner_fence"
+    "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim or owner_fence "
+    "or barrier_answer or fence_after"
 )
 #: Checks that exist or behave differently across hosts: each must have run and passed.
 MUST_PASS = (
     "test_cross_host_claim",
+    "test_cross_host_claim_through_a_rank",
     "test_killed_writer_proves_exit",
     "test_frozen_owner_killed_writer_gets_pages_back_only_after_drain",
     "test_partition_healed_after_the_deadline_lands_nothing_late",
     "test_frozen_owner_gets_pages_back_only_after_drain",
     "test_writer_fence_stops_frozen_writer",
     "test_owner_fence_stops_frozen_writer",
+    "test_owner_fence_refuses_stale_writers",
+    "test_fence_after_a_raise_stops_the_write",
 )
 
 

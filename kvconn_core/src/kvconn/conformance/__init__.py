@@ -19,9 +19,10 @@ are then watched for ``--watch`` seconds (2; 10 with ``--strict`` or
 ``--thorough``) for what runs outside it, and guarded on to the end of the
 run (the last check, ``test_nothing_landed_late_in_the_whole_run``). A
 rank's exit counts as proof only if nothing it started outlives it (its
-session, and the orphans re-parented to the suite, a child subreaper). The
-plugin's regions live in a harness process: a stray write that crashes it
-fails a check, naming the signal, instead of the suite.
+session, and the orphans re-parented to the suite, a child subreaper; none
+may still map decode's memory once the rank died). The plugin's regions,
+engine buffers included, live in a harness process: a stray write that
+crashes it fails a check, naming the signal, instead of the suite.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ outlives it."""
 
 from __future__ import annotations
 
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -85,32 +86,66 @@ def no_late_bytes(cluster: Cluster, room: int | str, pages: list[int], settle_s:
 SURVIVOR_GRACE_S = 1.0
 
 
-def kill_rank(rank: Child, what: str) -> None:
+def kill_rank(rank: Child, what: str, owners: Sequence[int | None] = ()) -> None:
     """Kill a rank and check that nothing it started outlives it: the core
     takes the rank's exit as proof that none of its writes can land, which
     a helper process (an offload engine, a daemon) still writing makes false.
 
-    Two ways of seeing one: the processes of the rank's session, and (this
-    process being a child subreaper, :func:`guard.become_subreaper`) the
-    orphans re-parented here when the rank died, a daemon in a session of
-    its own among them. What is found is left alive until the end of the
-    run, so that the run's guard sees what it writes too."""
+    What the rank started (its session and its descendants, a daemon in a
+    session of its own among them) is frozen first, so that the rank dies
+    with each of them where it was; then, the rank killed, one that still
+    maps the shared memory of a page owner (``owners``: their pids; decode's
+    regions), or holds it or the owner's ``/proc/PID/mem`` open, fails at
+    once, with the threads it holds. Its writes land only
+    after it is resumed, once decode could act on the exit: in released
+    pages, for the run's guard to see. The others are resumed and get
+    :data:`SURVIVOR_GRACE_S` to exit (the interpreter's own helpers, e.g.
+    multiprocessing's resource tracker, exit within milliseconds); what is
+    still there then fails. This process being a child subreaper
+    (:func:`guard.become_subreaper`), the orphans re-parented here when the
+    rank died are seen too. What is found is left alive until the end of
+    the run."""
+    memory: set[tuple[str, int]] = set()
+    for pid in owners:
+        if pid is not None:
+            memory |= guard.shared_memory_of(pid)
+    started = guard.descendants(rank.pid, rank.session)
+    guard.signal_all(started, signal.SIGSTOP)
     before = guard.children()
-    rank.kill()
 
     def left() -> list[str]:
         return rank.survivors() + guard.orphans_since(before, {rank.proc.pid})
 
+    mapping: list[str] = []
+    try:
+        rank.kill()
+        mapping = guard.holders(left(), memory, [pid for pid in owners if pid is not None])
+    finally:
+        if not mapping:
+            guard.signal_all(started, signal.SIGCONT)
+
+    def keep(found: list[str]) -> None:
+        guard.GUARD.keep(
+            f"processes that outlived a rank ({'; '.join(found[:3])})",
+            lambda: "",
+            guard.kill_later([int(line.split()[0]) for line in found]),
+        )
+
+    if mapping:
+        keep(left())
+        time.sleep(SURVIVOR_GRACE_S)  # decode acts on the exit: what they write now is late
+        guard.signal_all(started, signal.SIGCONT)
+        raise ConformanceFailure(
+            f"{what}: processes the rank started still map decode's memory after it died "
+            f"({'; '.join(mapping[:3])}): whatever they can write still lands after the rank's exit, "
+            "which then proves nothing"
+        )
     try:
         wait_for(lambda: not left(), SURVIVOR_GRACE_S, what, poll=0.05)
     except ConformanceFailure:
         found = left()
         if found:
-            guard.GUARD.keep(
-                f"processes that outlived a rank ({'; '.join(found[:3])})",
-                lambda: "",
-                guard.kill_later([int(line.split()[0]) for line in found]),
-            )
+            keep(found)
             raise ConformanceFailure(
                 f"{what}: processes the rank started outlived it ({'; '.join(found[:3])}): whatever they "
                 "can write still lands after the rank's exit, which then proves nothing"

@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-x", "--exitfirst", action="store_true", help="stop at the first failed check (a start-up gate)"
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="terse pytest output")
+    parser.add_argument(
+        "--durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="list the N slowest checks (pytest's --durations)",
+    )
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -121,6 +128,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         argv += ["--kvconn-option", item]
     if args.exitfirst:
         argv.append("--exitfirst")
+    if args.durations is not None:
+        argv.append(f"--durations={args.durations}")
     argv.append("-q" if args.quiet else "-v")
     with tempfile.TemporaryDirectory(prefix="kvconn-conformance-") as rootdir:
         argv += ["--rootdir", rootdir, "-c", os.devnull]

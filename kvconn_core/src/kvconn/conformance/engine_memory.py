@@ -6,10 +6,13 @@ their heads; one writer filling two decode regions), plus MLA (one writer
 per decode rank).
 
 Each check runs bare writer processes (:mod:`kvconn.conformance.engine_writer_proc`)
-that drive the plugin's hooks, with decode's buffers in the test process,
-and then compares every byte of every buffer: a byte that went to another
-layer, head, token or page, or a byte written outside the room's pages,
-fails the check.
+that drive the plugin's hooks. Decode's buffers live in the harness's region
+host process (:mod:`kvconn.conformance.region_host`), never in the process
+that gives the verdict: a write outside them that crashes a process crashes
+that one, and the check fails naming the signal and the last operation.
+The host then compares every byte of every buffer: a byte that went to
+another layer, head, token or page, or a byte written outside the room's
+pages, fails the check.
 """
 
 from __future__ import annotations
@@ -17,16 +20,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 import pytest
 
+from kvconn.conformance import region_host
 from kvconn.conformance.harness import Child, ConformanceFailure, Settings, decode_host, prefill_host
 from kvconn.conformance.plugin import require_capability
-from kvconn.layout import KVLayout
-from kvconn.testing.kvpattern import EngineShape, wrong_buffers
-from kvconn.testing.patterns import CANARY
-from kvconn.transport import PageRegion, Settlement, register_region
+from kvconn.conformance.region_host import RemoteRegion
+from kvconn.testing.kvpattern import EngineShape
+from kvconn.transport import Settlement
 
 ENGINE_ROOM = 0xE0_0001
 #: Pages the checks send: runs that merge and pages scattered out of order.
@@ -44,9 +45,8 @@ SHAPES = {
 @attrs.define
 class _Decode:
     peer: str
-    arrays: list[npt.NDArray[np.uint8]]
-    layout: KVLayout
-    region: PageRegion
+    layout_hex: str
+    region: RemoteRegion
 
 
 def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, decode_tp: int) -> None:
@@ -60,9 +60,15 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
     what = f"engine memory {shape.order}{' mla' if shape.replicated else ''} tp {prefill_tp}->{decode_tp}"
     try:
         for d in range(decode_tp):
-            arrays = shape.buffers(decode_tp, fill=CANARY)
-            region = register_region(settings.backend, arrays, settings.options_on(decode_host()))
-            decodes.append(_Decode(f"decode-{d}", arrays, shape.layout(decode_tp, d), region))
+            region = region_host.register_region(
+                settings.backend_name,
+                shape.to_args(),
+                decode_tp,
+                d,
+                settings.options_on(decode_host()),
+                decode_host(),
+            )
+            decodes.append(_Decode(f"decode-{d}", shape.layout(decode_tp, d).to_bytes().hex(), region))
         for r in range(prefill_tp):
             host = prefill_host(r)
             args: dict[str, Any] = {
@@ -76,11 +82,7 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
                 "dst_pages": DST_PAGES,
                 "write_timeout_s": max(settings.write_timeout_s, 10.0),
                 "decodes": [
-                    {
-                        "peer": dec.peer,
-                        "metadata": dec.region.metadata.hex(),
-                        "layout": dec.layout.to_bytes().hex(),
-                    }
+                    {"peer": dec.peer, "metadata": dec.region.metadata.hex(), "layout": dec.layout_hex}
                     for dec in decodes
                 ],
             }
@@ -96,32 +98,14 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
                         f"{what}: a healthy write by rank {r} settled {event['settlement']!r}"
                     )
         for dec in decodes:
-            _check_decode(what, shape, dec)
+            found = dec.region.engine_diff(ENGINE_ROOM, DST_PAGES)
+            if found:
+                raise ConformanceFailure(f"{what}: {dec.peer}: {found}")
     finally:
         for child in children:
             child.close()
         for dec in decodes:
             dec.region.close()
-
-
-def _check_decode(what: str, shape: EngineShape, dec: _Decode) -> None:
-    bad = {
-        p: wrong_buffers(shape, dec.layout, dec.arrays, ENGINE_ROOM, i, p) for i, p in enumerate(DST_PAGES)
-    }
-    wrong = [p for p, buffers in bad.items() if buffers]
-    if wrong:
-        buffers = sorted({b for p in wrong for b in bad[p]})
-        raise ConformanceFailure(
-            f"{what}: {dec.peer}'s pages {wrong} hold wrong bytes after LANDED, in buffers {buffers[:8]} "
-            "(a slice written into another buffer, head, token or page)"
-        )
-    others = sorted(set(range(shape.pages)) - set(DST_PAGES))
-    for b, (arr, part) in enumerate(zip(dec.arrays, dec.layout.buffers, strict=True)):
-        stray = arr.reshape(-1, part.page_bytes)[others] != CANARY
-        if stray.any():
-            raise ConformanceFailure(
-                f"{what}: {int(stray.sum())} bytes landed outside the room's pages in {dec.peer}'s buffer {b}"
-            )
 
 
 @pytest.mark.kvconn_conformance

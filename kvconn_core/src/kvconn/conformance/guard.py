@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import attrs
 
@@ -159,6 +159,40 @@ def children() -> set[int]:
     return set(_children())
 
 
+def descendants(root: int, session: int) -> list[int]:
+    """Live processes ``root`` started (its descendants, a daemon that left
+    its session included) and those of ``session``, ``root`` itself not."""
+    parent: dict[int, int] = {}
+    found: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2 :].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        if fields[0] in ("Z", "X"):
+            continue
+        parent[int(entry)] = int(fields[1])
+        if int(fields[3]) == session:
+            found.add(int(entry))
+    frontier = [root]
+    while frontier:
+        below = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in found]
+        found.update(below)
+        frontier = below
+    found.discard(root)
+    return sorted(found)
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
 def orphans_since(before: set[int], known: set[int]) -> list[str]:
     """Live children of this process that were not its children in
     ``before`` and are not ``known`` (processes it started): orphans it
@@ -178,6 +212,88 @@ def reap_orphans(keep: set[int]) -> None:
         if state == "Z" and pid not in keep:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, os.WNOHANG)
+
+
+#: Shared mappings that can hold a page region: POSIX shared memory, memfds,
+#: System V segments, shared anonymous memory.
+_SHARED_MEMORY = ("/dev/shm/", "/memfd:", "/SYSV", "/dev/zero")
+#: The suite's own scratch buffer between it and the region host (region_host.py).
+_SCRATCH = "/memfd:kvconn-conformance-scratch"
+
+
+def _mappings(pid: int) -> list[tuple[tuple[str, int], str]]:
+    """``pid``'s shared mappings of shared memory: ((device, inode), path)."""
+    found = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or parts[1][3] != "s" or parts[4] == "0":
+            continue
+        path = parts[5].strip()
+        if path.startswith(_SHARED_MEMORY) and not path.startswith(_SCRATCH):
+            found.append(((parts[3], int(parts[4])), path))
+    return found
+
+
+def shared_memory_of(pid: int) -> set[tuple[str, int]]:
+    """The shared memory ``pid`` maps (a page owner: its regions), as
+    (device, inode): the same object whatever name or address it has elsewhere."""
+    return {key for key, _ in _mappings(pid)}
+
+
+def threads_of(pid: int) -> list[str]:
+    """The names of ``pid``'s threads (/proc/PID/task)."""
+    names = []
+    try:
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+    except OSError:
+        pass
+    return names
+
+
+def _open_files(pid: int, memory: set[tuple[str, int]], owners: Collection[int]) -> list[str]:
+    """What ``pid`` holds open that writes into an owner's memory without a
+    mapping: one of the shared memory objects of ``memory`` (a later mmap
+    or pwrite away), or ``/proc/OWNER/mem`` of an owner (pwrite into any
+    address of it)."""
+    found = []
+    mem = {f"/proc/{owner}/mem" for owner in owners}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        with contextlib.suppress(OSError):
+            target = os.readlink(path)
+            st = os.stat(path)
+            key = (f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)
+            if target in mem or key in memory:
+                found.append(f"fd {fd} -> {target}")
+    return found
+
+
+def holders(processes: list[str], memory: set[tuple[str, int]], owners: Collection[int] = ()) -> list[str]:
+    """Of ``processes`` ("pid cmdline"), those that map any of ``memory``
+    or hold it (or an owner's ``/proc/PID/mem``) open, each with what it
+    maps or holds and the threads that could write through it."""
+    found = []
+    for line in processes:
+        pid = int(line.split()[0])
+        paths = sorted({path for key, path in _mappings(pid) if key in memory})
+        paths += _open_files(pid, memory, owners)
+        if paths:
+            threads = threads_of(pid)
+            found.append(
+                f"{line} maps or holds {', '.join(paths[:2])} ({len(threads)} threads: {', '.join(threads[:6])})"
+            )
+    return found
 
 
 def kill_later(pids: list[int]) -> Callable[[], None]:

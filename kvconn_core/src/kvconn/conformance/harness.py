@@ -179,8 +179,11 @@ class RankProc(Child):
         source_pages: int,
         faults: Mapping[int, Mapping[str, Any]] | None = None,
         workers: int = 1,
+        on: Host | None = None,
     ) -> None:
-        host = prefill_host(rank)
+        """``on``: the host it runs on (default: the fabric's prefill host
+        of ``rank``, in cross-host mode; else this one)."""
+        host = on if on is not None else prefill_host(rank)
         super().__init__(
             "kvconn.conformance.rank_proc",
             {
@@ -210,7 +213,17 @@ class OwnerProc(Child):
     """A decode endpoint in its own process (:mod:`kvconn.conformance.decode_proc`),
     which the suite can freeze while writes to it are in flight."""
 
-    def __init__(self, settings: Settings, prefill: Sequence[str], num_pages: int, page_bytes: int) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        prefill: Sequence[str],
+        num_pages: int,
+        page_bytes: int,
+        on: Host | None = None,
+        num_ranks: int = 1,
+    ) -> None:
+        """``on``: the host it runs on (default: decode's, in cross-host mode)."""
+        host = on if on is not None else decode_host()
         config = settings.config()
         super().__init__(
             "kvconn.conformance.decode_proc",
@@ -219,16 +232,17 @@ class OwnerProc(Child):
                 "prefill": list(prefill),
                 "num_pages": num_pages,
                 "page_bytes": page_bytes,
+                "num_ranks": num_ranks,
                 "config": {
                     "write_timeout_s": config.write_timeout_s,
                     "abort_timeout_s": config.abort_timeout_s,
                     "resend_interval_s": config.resend_interval_s,
                     "bootstrap_timeout_s": config.bootstrap_timeout_s,
-                    "host": config.host,
-                    "backend_options": dict(config.backend_options),
+                    "host": settings.control_host(host),
+                    "backend_options": settings.options_on(host),
                 },
             },
-            host=decode_host(),
+            host=host,
         )
         #: Handed to the run's guard: closed at the end of the suite.
         self.guarded = False
@@ -236,7 +250,7 @@ class OwnerProc(Child):
     def command(self, timeout: float, what: str, op: str, **args: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (the event named ``op``'s past)."""
         self.send_line(json.dumps({"op": op, **args}))
-        answer = {"open": "opened", "abort": "aborted", "changed": "changed"}[op]
+        answer = {"open": "opened", "abort": "aborted", "changed": "changed", "finish": "finished"}[op]
         return self.expect(timeout, what, event=answer)
 
 
@@ -306,16 +320,22 @@ class Cluster:
         workers: int = 1,
         ranks_of: Cluster | None = None,
         seed: int = 0xC0F,
+        room_ids_of: Cluster | None = None,
     ) -> None:
         """``ranks_of``: another cluster whose rank processes this one's decode
-        also reads from (two decodes on the same ranks); they stay its own."""
+        also reads from (two decodes on the same ranks); they stay its own.
+        ``room_ids_of``: another cluster whose room ids this one's decode uses
+        too, in the same order (a room id is unique per decode only)."""
         self.settings = settings
         self.page_bytes = page_bytes
         self.num_ranks = num_ranks
         self.shard = page_bytes // num_ranks
         self.num_pages = num_pages
         self.rng = random.Random(seed)
-        self._room_ids = iter(range(self.rng.randrange(1 << 40, 1 << 41), 1 << 62))
+        self.first_room = self.rng.randrange(1 << 40, 1 << 41)
+        if room_ids_of is not None:
+            self.first_room = room_ids_of.first_room
+        self._room_ids = iter(range(self.first_room, 1 << 62))
         self.ranks: list[RankProc] = []
         self._own_ranks = ranks_of is None
         self.decode: DecodeEndpoint | None = None
@@ -359,6 +379,13 @@ class Cluster:
     def endpoint(self) -> DecodeEndpoint:
         assert self.decode is not None
         return self.decode
+
+    @property
+    def owner_pid(self) -> int | None:
+        """The process holding decode's region (the region host), if its pid
+        means something here."""
+        pid = getattr(self.region, "owner_pid", None)
+        return pid if isinstance(pid, int) else None
 
     # -- pages ---------------------------------------------------------------
     def new_room(self) -> int:

@@ -166,3 +166,60 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
             writer.close()
         owner.close()
     return figures
+
+
+def stale_writer_check(settings: Settings) -> dict[str, Any]:
+    """The owner-fence check's second half, independent of catching a write
+    mid-flight (``test_owner_fence_refuses_stale_writers``): a writer that
+    connected before the fence posts a new write with the old metadata
+    after it. Whatever its barrier answers, not one byte of the region
+    changes."""
+    size = 8 * MiB
+    rows = scattered_rows(random.Random(0x57A1), 300, 9999, size, size)
+    watch_s = settings.late_write_watch_s
+    figures: dict[str, Any] = {}
+    owner = Child(
+        "kvconn.conformance.owner_fence_proc",
+        {"backend": settings.backend_name, "options": settings.options_on(decode_host()), "nbytes": size},
+        host=decode_host(),
+    )
+    writer: BareWriter | None = None
+    try:
+        ready = owner.expect(60, "stale writer: the region opens", event="ready")
+        writer = BareWriter(
+            settings,
+            {"a": bytes.fromhex(ready["metadata"])},
+            [
+                round_of([[0, 0, 4096]], ["post", "barrier"]),  # connected before the fence
+                round_of(rows, ["wait", "post", "barrier"]),
+            ],
+            size,
+            write_timeout_s=max(settings.write_timeout_s, 5.0) + limit_of(settings),
+            host=prefill_host(0),
+        )
+        writer.expect(60, "stale writer: writer start", event="ready")
+        first = writer.expect(
+            60 + limit_of(settings), "stale writer: a first write", event="barrier", round=1
+        )
+        if first["settlement"] != LANDED:
+            raise ConformanceFailure(f"stale writer: a healthy 4 KiB write settled {first['settlement']!r}")
+        owner.send_line(json.dumps({"cmd": "fence"}))
+        owner.expect(60 + limit_of(settings), "stale writer: owner_fence() returns", event="fenced")
+        writer.send_line()  # post with the metadata from before the fence
+        answer = writer.expect(
+            60 + 2 * limit_of(settings), "stale writer: the barrier answers", event="barrier", round=2
+        )
+        figures["settlement"] = answer["settlement"]
+        owner.send_line(json.dumps({"cmd": "watch", "seconds": watch_s}))
+        watched = owner.expect(watch_s + 60, "stale writer: the region is watched", event="watched")
+        if watched["changed"]:
+            raise ConformanceFailure(
+                f"owner fence does not cut off old writers: one posting with the metadata from before "
+                f"owner_fence() wrote {watched['changed']} bytes into the region (the first at offset "
+                f"{watched['first']}; its barrier answered {answer['settlement']!r})"
+            )
+    finally:
+        if writer is not None:
+            writer.close()
+        owner.close()
+    return figures

@@ -9,13 +9,21 @@ so the parent can order a chunk's life against decode's release.
 ``faults`` in the JSON argument maps a room (as a string) to::
 
     {"pause": POINT, "pause_s": 0.15,   # sleep at POINT (chunk ``index``)
-     "stop": POINT,                      # SIGSTOP this whole process at POINT
+     "stop": POINT or [POINT, ...],      # SIGSTOP this whole process at each POINT
      "raise": POINT,                     # raise from the hook at POINT
+     "await_abort": POINT,               # at POINT, wait (10 s at most) until the
+                                         # room's ABORT reached on_abort_notification
+     "hold": POINT, "hold_s": 2.5,       # after the stop at POINT, hold the hook that
+                                         # long (the core acts on its answer only then),
+                                         # if the answer is one the suite watches after:
+                                         # FAILED_SETTLED, a fence that answered True
      "index": 0,                         # which chunk (default: the first)
      "raise_index": 0}                   # which chunk raises (default: index)
 
 POINT is one of ``dequeue``, ``skip``, ``before_post``, ``after_post``,
-``before_barrier``, ``after_barrier``, ``abort``.
+``before_barrier``, ``after_barrier``, ``abort``; a ``stop`` may also name
+``fenced``: right after ``on_fence`` returned (before the core acts on it),
+whichever room the fence was for.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -44,6 +53,13 @@ class Faults:
 
     def __init__(self, spec: dict[str, dict[str, Any]]) -> None:
         self.spec = {int(room): rule for room, rule in spec.items()}
+        self._aborted: set[int] = set()
+        self._abort_seen = threading.Condition()
+
+    @staticmethod
+    def _stops(rule: dict[str, Any]) -> list[str]:
+        stop = rule.get("stop", [])
+        return [stop] if isinstance(stop, str) else list(stop)
 
     def _point(self, point: str, room: int, index: int = -1, **extra: Any) -> None:
         rule = self.spec.get(room)
@@ -57,9 +73,15 @@ class Faults:
         if rule.get("pause") == point and at("index"):
             emit({"event": "paused", "point": point, "room": room, "index": index})
             time.sleep(float(rule.get("pause_s", 0.15)))
-        if rule.get("stop") == point and at("index"):
+        if rule.get("await_abort") == point and at("index"):
+            with self._abort_seen:
+                seen = self._abort_seen.wait_for(lambda: room in self._aborted, timeout=10.0)
+            emit({"event": "awaited_abort", "room": room, "index": index, "seen": seen})
+        if point in self._stops(rule) and at("index"):
             emit({"event": "stopping", "point": point, "room": room, "index": index})
             stop_self()
+            if extra.get("settlement", Settlement.FAILED_SETTLED.value) == Settlement.FAILED_SETTLED.value:
+                self._hold(rule, point)
         if rule.get("raise") == point and at("raise_index"):
             emit({"event": "raising", "point": point, "room": room, "index": index})
             raise InjectedFault(f"conformance: injected failure at {point} of room {room}")
@@ -89,16 +111,38 @@ class Faults:
         self._point("after_barrier", chunk.room, chunk.index, settlement=settlement)
         return result
 
-    @hookimpl
-    def on_abort_notification(self, abort: Abort, known: bool) -> None:
+    @hookimpl(wrapper=True)
+    def on_abort_notification(self, abort: Abort, known: bool) -> Generator[None, object, object]:
         self._point("abort", abort.room, -1, generation=abort.generation)
+        try:
+            return (yield)
+        finally:  # the transport has seen it (``await_abort`` waits for this)
+            with self._abort_seen:
+                self._aborted.add(abort.room)
+                self._abort_seen.notify_all()
 
     @hookimpl(wrapper=True)
     def on_fence(self) -> Generator[None, object, object]:
         emit({"event": "fencing"})
         result = yield
         emit({"event": "fenced", "result": result is True})
+        for rule in self.spec.values():
+            if "fenced" in self._stops(rule):
+                emit({"event": "stopping", "point": "fenced", "result": result is True})
+                stop_self()
+                if result is True:
+                    self._hold(rule, "fenced")
+                break
         return result
+
+    @staticmethod
+    def _hold(rule: dict[str, Any], point: str) -> None:
+        """Resumed after a stop: the transport's threads run on while the
+        hook holds its answer back from the core (no ack, no release)."""
+        hold_s = float(rule.get("hold_s", 0.0))
+        if rule.get("hold") == point and hold_s > 0:
+            emit({"event": "holding", "hold_s": hold_s})
+            time.sleep(hold_s)
 
 
 def main() -> None:

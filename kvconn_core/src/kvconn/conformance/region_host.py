@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvconn.testing.hosts import Host
@@ -58,9 +58,14 @@ class RegionHost:
             )
         finally:
             os.close(fd)
+        #: The process itself (on another host: under its wrappers); None if
+        #: its pid means nothing here (another PID namespace).
+        self.pid: int | None = self.proc.pid if host is None else None
         self._lock = threading.Lock()
         self._ids = 0
         self.last = "start"
+        #: A check already failed naming this host's death.
+        self.reported = False
         self._answer()  # ready
 
     def alive(self) -> bool:
@@ -82,6 +87,7 @@ class RegionHost:
         from kvconn.conformance.harness import ConformanceFailure  # harness imports this module
 
         code = self.proc.wait(10)
+        self.reported = True
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return ConformanceFailure(
             f"the process holding the plugin's regions (pid {self.proc.pid}) {how} during {self.last}: "
@@ -111,17 +117,40 @@ class RegionHost:
             )
         return RemoteRegion(self, rid, nbytes, bytes.fromhex(answer["metadata"]))
 
-    def read(self, rid: int, offset: int, nbytes: int) -> bytes:
-        out = bytearray(nbytes)
+    def register(
+        self, shape: Mapping[str, Any], tp: int, rank: int, options: Mapping[str, str]
+    ) -> RemoteRegion:
+        """Engine buffers of decode's TP rank ``rank`` of ``tp`` (an
+        :class:`~kvconn.testing.kvpattern.EngineShape` as ``shape``),
+        allocated in the host and registered with the plugin."""
         with self._lock:
+            self._ids += 1
+            rid = self._ids
+            answer = self._ask_locked(
+                {
+                    "op": "register",
+                    "id": rid,
+                    "shape": dict(shape),
+                    "tp": tp,
+                    "rank": rank,
+                    "options": dict(options),
+                },
+                f"register_region(engine buffers of decode rank {rank} of {tp})",
+            )
+        return RemoteRegion(self, rid, 0, bytes.fromhex(answer["metadata"]))
+
+    def read(self, rid: int, offset: int, nbytes: int) -> bytes:
+        with self._lock:
+            pieces = []
             for at in range(0, nbytes, SCRATCH_BYTES):
                 n = min(SCRATCH_BYTES, nbytes - at)
                 self._ask_locked(
                     {"op": "read", "id": rid, "offset": offset + at, "nbytes": n},
                     f"region {rid}.read({offset + at}, {n})",
                 )
-                out[at : at + n] = self._scratch[:n]
-        return bytes(out)
+                pieces.append(self._scratch[:n])  # a copy: the scratch is reused
+        # One piece (every read but those over 64 MiB) is returned as it is.
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def write(self, rid: int, offset: int, data: bytes) -> None:
         view = memoryview(data)
@@ -134,9 +163,9 @@ class RegionHost:
                     f"region {rid}.write({offset + at}, {len(piece)} bytes)",
                 )
 
-    def call(self, rid: int, op: str) -> dict[str, Any]:
+    def call(self, rid: int, op: str, **args: Any) -> dict[str, Any]:
         with self._lock:
-            return self._ask_locked({"op": op, "id": rid}, f"region {rid}.{op}()")
+            return self._ask_locked({"op": op, "id": rid, **args}, f"region {rid}.{op}()")
 
     def close(self) -> None:
         if self.proc.stdin is not None and self.alive():
@@ -161,6 +190,11 @@ class RemoteRegion:
         self.metadata = metadata
         self._closed = False
 
+    @property
+    def owner_pid(self) -> int | None:
+        """The region host's pid (None on another host)."""
+        return self._host.pid
+
     def read(self, offset: int, nbytes: int) -> bytes:
         return self._host.read(self._id, offset, nbytes)
 
@@ -171,10 +205,51 @@ class RemoteRegion:
         self.metadata = bytes.fromhex(self._host.call(self._id, "owner_fence")["metadata"])
         return self.metadata
 
+    def changed_pages(self, pages: Sequence[int], page_bytes: int, value: int) -> list[int]:
+        """Those of ``pages`` that do not hold ``value`` in every byte,
+        compared in the host (a canary check reads no bytes across)."""
+        answer = self._host.call(
+            self._id, "changed_pages", pages=list(pages), page_bytes=page_bytes, value=value
+        )
+        return [int(p) for p in answer["pages"]]
+
+    def wrong_pattern_pages(
+        self, room: int, pages: Sequence[int], page_bytes: int, num_ranks: int, ranks: Sequence[int]
+    ) -> list[int]:
+        """Those of ``pages`` not holding ``room``'s pattern (see
+        :func:`kvconn.testing.pages.wrong_pattern_pages`), compared in the host."""
+        answer = self._host.call(
+            self._id,
+            "wrong_pattern_pages",
+            room=room,
+            pages=list(pages),
+            page_bytes=page_bytes,
+            num_ranks=num_ranks,
+            ranks=list(ranks),
+        )
+        return [int(p) for p in answer["pages"]]
+
+    def engine_diff(self, room: int, pages: Sequence[int]) -> str:
+        """(Engine buffers, :meth:`RegionHost.register`.) "" if ``pages``
+        hold ``room``'s pattern and nothing else changed; else what differs."""
+        return str(self._host.call(self._id, "engine_diff", room=room, pages=list(pages))["diff"])
+
+    def memory_kind(self) -> str | None:
+        """Where the region's memory lives, by CUDA's word (None: the region
+        does not say where it starts)."""
+        kind = self._host.call(self._id, "memory_kind")["kind"]
+        return None if kind is None else str(kind)
+
     def close(self) -> None:
-        if not self._closed and self._host.alive():
-            self._closed = True
+        """Close it in the host. A host that died since its last answer
+        makes this the failed check naming the signal, once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._host.alive():
             self._host.call(self._id, "close")
+        elif not self._host.reported:
+            raise self._host.crashed()
 
 
 _hosts: dict[tuple[str, str], RegionHost] = {}
@@ -184,6 +259,11 @@ _hosts_lock = threading.Lock()
 def open_region(backend: str, nbytes: int, options: Mapping[str, str], host: Host | None) -> RemoteRegion:
     """A region of ``backend`` in the run's region host on ``host`` (started,
     or started again after a crash, as needed)."""
+    return _host_of(backend, host).open(nbytes, options)
+
+
+def _host_of(backend: str, host: Host | None) -> RegionHost:
+    """The run's region host on ``host`` (started, or started again after a crash)."""
     key = (backend, "" if host is None else host.name)
     with _hosts_lock:
         found = _hosts.get(key)
@@ -191,7 +271,20 @@ def open_region(backend: str, nbytes: int, options: Mapping[str, str], host: Hos
             if found is not None:
                 found.close()
             found = _hosts[key] = RegionHost(backend, host)
-    return found.open(nbytes, options)
+    return found
+
+
+def register_region(
+    backend: str,
+    shape: Mapping[str, Any],
+    tp: int,
+    rank: int,
+    options: Mapping[str, str],
+    host: Host | None,
+) -> RemoteRegion:
+    """Engine buffers registered as a region of ``backend``, in the run's
+    region host on ``host`` (see :meth:`RegionHost.register`)."""
+    return _host_of(backend, host).register(shape, tp, rank, options)
 
 
 def close_all() -> None:

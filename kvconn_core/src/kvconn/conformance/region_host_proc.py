@@ -11,6 +11,14 @@ created (a memfd it inherits: ``scratch_fd``), never through the pipe::
     {"op": "write", "id": I, "offset": o, "nbytes": n}     -> {} (bytes from the scratch)
     {"op": "owner_fence", "id": I}                         -> {"metadata": hex}
     {"op": "close", "id": I}                               -> {}
+    {"op": "register", "id": I, "shape": {...}, "tp": T, "rank": R, "options": {...}}
+        -> {"metadata": hex}  (engine buffers, canary everywhere, registered)
+    {"op": "engine_diff", "id": I, "room": R, "pages": [...]} -> {"diff": "" or what differs}
+    {"op": "memory_kind", "id": I}                         -> {"kind": CUDA's word, or null}
+    {"op": "changed_pages", "id": I, "pages": [...], "page_bytes": n, "value": v}
+        -> {"pages": those not all v} (compared here: no bytes cross the scratch)
+    {"op": "wrong_pattern_pages", "id": I, "room": R, "pages": [...], "page_bytes": n,
+     "num_ranks": N, "ranks": [...]}                      -> {"pages": those not holding R's pattern}
 
 An answer with ``error`` carries the exception the region raised.
 """
@@ -22,8 +30,11 @@ import mmap
 import sys
 from typing import Any
 
+from kvconn.conformance.host_side import EngineRegion, memory_kind
 from kvconn.plugins import get_backend
 from kvconn.testing.child import load_args
+from kvconn.testing.kvpattern import EngineShape
+from kvconn.testing.pages import changed_pages, wrong_pattern_pages
 from kvconn.transport import owner_fence
 
 
@@ -54,6 +65,28 @@ def main() -> None:
                 answer["metadata"] = owner_fence(regions[int(cmd["id"])]).hex()
             elif op == "close":
                 regions.pop(int(cmd["id"])).close()
+            elif op == "register":
+                shape = EngineShape.from_args(cmd["shape"])
+                engine = EngineRegion.open(backend, shape, int(cmd["tp"]), int(cmd["rank"]), cmd["options"])
+                regions[int(cmd["id"])] = engine
+                answer["metadata"] = engine.metadata.hex()
+            elif op == "engine_diff":
+                answer["diff"] = regions[int(cmd["id"])].diff(int(cmd["room"]), list(cmd["pages"]))
+            elif op == "changed_pages":
+                answer["pages"] = changed_pages(
+                    regions[int(cmd["id"])], list(cmd["pages"]), int(cmd["page_bytes"]), int(cmd["value"])
+                )
+            elif op == "wrong_pattern_pages":
+                answer["pages"] = wrong_pattern_pages(
+                    regions[int(cmd["id"])],
+                    int(cmd["room"]),
+                    list(cmd["pages"]),
+                    int(cmd["page_bytes"]),
+                    int(cmd["num_ranks"]),
+                    list(cmd["ranks"]),
+                )
+            elif op == "memory_kind":
+                answer["kind"] = memory_kind(regions[int(cmd["id"])])
         except Exception as exc:
             answer["error"] = f"{type(exc).__name__}: {exc}"
         out.write(json.dumps(answer) + "\n")

@@ -24,6 +24,7 @@ from kvconn.conformance import guard
 from kvconn.conformance.checking import MiB, generous, no_late_bytes, open_cluster, settled_before
 from kvconn.conformance.engine_memory import EngineMemoryChecks
 from kvconn.conformance.harness import ACK_PROOFS, Cluster, ConformanceFailure, Settings, wait_for
+from kvconn.conformance.rank_checks import RankChecks
 from kvconn.conformance.transport_checks import TransportChecks
 from kvconn.conformance.writer_faults import WriterFaultChecks
 from kvconn.protocol.hold import Proof
@@ -38,7 +39,7 @@ FORGED_ROOM = 0xF06_0001
 
 
 @pytest.mark.kvconn_conformance
-class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
+class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMemoryChecks):
     """Subclass it (named ``Test...``) in a plugin's tests."""
 
     #: The backend under test; ``None``: the ``--kvconn-backend`` option.
@@ -109,18 +110,19 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, EngineMemoryChecks):
         self, request: pytest.FixtureRequest, kvconn_settings: Settings
     ) -> None:
         """Two decodes read from the same two ranks (two workers each) at once,
-        then one decode restarts (a new endpoint and region): every room lands
-        in its own decode's pages and nowhere else."""
+        with the same room ids (a room id is unique per decode only), then one
+        decode restarts (a new endpoint and region) and uses its room ids
+        again: every room lands in its own decode's pages and nowhere else."""
         kwargs: dict[str, Any] = {"num_ranks": 2, "num_pages": 256, "chunk_pages": 3, "workers": 2}
         plans = [(7, True), (2, False), (30, True), (11, True), (64, False), (5, True)]
         settings = generous(kvconn_settings)
         with open_cluster(settings, **kwargs) as first:
-            second = Cluster(settings, ranks_of=first, seed=0xDEC2, **kwargs)
+            second = Cluster(settings, ranks_of=first, seed=0xDEC2, room_ids_of=first, **kwargs)
             try:
                 self._integrity_of([first, second], plans)
             finally:
                 second.close()
-            restarted = Cluster(settings, ranks_of=first, seed=0xDEC3, **kwargs)
+            restarted = Cluster(settings, ranks_of=first, seed=0xDEC3, room_ids_of=second, **kwargs)
             try:
                 self._integrity_of([restarted, first], plans)
             finally:

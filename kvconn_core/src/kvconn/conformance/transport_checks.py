@@ -1,5 +1,6 @@
 """Checks of what the transport itself promises, through a bare writer
-process (:mod:`kvconn.conformance.writer_proc`) and regions in this process.
+process (:mod:`kvconn.conformance.writer_proc`) and regions in the
+harness's region host (:mod:`kvconn.conformance.region_host`).
 
 Each check gates the writer the same way: the writer freezes itself (every
 thread of it) right after the hook whose answer is checked, so the suite
@@ -12,19 +13,19 @@ process) is watched for ``Settings.late_write_watch_s``.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 
-from kvconn.conformance import region_host
+from kvconn.conformance import region_host, writer_fence
 from kvconn.conformance.harness import (
     Child,
     ConformanceFailure,
+    OwnerProc,
+    RankProc,
     RegionImage,
     Settings,
     decode_host,
@@ -32,8 +33,9 @@ from kvconn.conformance.harness import (
     gpu_on_host,
     scattered_rows,
 )
-from kvconn.conformance.owner_fence import figures_line, owner_fence_check
+from kvconn.conformance.owner_fence import figures_line, owner_fence_check, stale_writer_check
 from kvconn.conformance.plugin import require_capability
+from kvconn.conformance.writer_fence import frozen_past_deadline
 from kvconn.conformance.writing import (
     LANDED,
     UNSETTLED,
@@ -51,14 +53,6 @@ from kvconn.transport import PageRegion, capabilities_of
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-
-
-def _fenced(child: BareWriter, round_no: int) -> None:
-    fenced = child.answer("fence", round_no)["fenced"]
-    if fenced is not True:
-        raise ConformanceFailure(
-            f"writer fence: the backend declares writer_fence but on_fence answered {fenced!r}"
-        )
 
 
 class TransportChecks:
@@ -130,117 +124,32 @@ class TransportChecks:
         """A writer frozen right after posting, resumed past its deadline: the
         barrier answers LANDED only if every byte is there (UNSETTLED is the
         honest answer for bytes still in flight). A backend with a fence has
-        this checked on the way to its fence (the next check)."""
+        this checked on the way to its fence (the next check); the rank-level
+        check (``test_barrier_answer_holds_in_a_rank``) checks it independently."""
         require_capability(
             not kvconn_settings.capabilities.writer_fence,
             "writer_fence declared: test_writer_fence_stops_frozen_writer checks this barrier",
         )
-        self._frozen_past_deadline(kvconn_settings, fence=False)
+        frozen_past_deadline(kvconn_settings)
 
     @pytest.mark.kvconn_releases
-    def test_writer_fence_stops_frozen_writer(self, kvconn_settings: Settings) -> None:
-        """Two fences, each with a write really in flight. First the writer
-        is frozen right after posting 32 MiB: the bytes still pending then
-        (a quarter of them at least, else the run proves nothing and fails
-        saying so) are in flight when the resumed writer fences at once, and
-        not one of them lands after on_fence answered. Then a writer frozen
+    def test_writer_fence_stops_frozen_writer(
+        self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
+    ) -> None:
+        """Two fences, each with a write in flight. First the writer is
+        frozen right after posting 32 MiB: the bytes still pending then are in
+        flight when the resumed writer fences at once, and not one of them
+        lands after on_fence answered. (If on_post landed more than three
+        quarters before it returned, the writer is frozen from outside 2 ms
+        into a later post: a quarter must still be pending there, else the
+        run proves nothing and fails saying so.) Then a writer frozen
         mid-write, resumed past its deadline: its barrier answers LANDED only
         if every byte is there; it fences, and nothing lands after. Both
         regions and the writer stay guarded until the end of the run."""
         require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
-        self._fences(kvconn_settings)
-
-    def _fences(self, settings: Settings) -> None:
-        size = 32 * MiB
-        rows = [[i * MiB, (i * 7 % 32) * MiB, MiB] for i in range(32)]
-        rounds = [
-            round_of(rows, ["post", "freeze", "fence", "freeze"], "a"),
-            round_of(rows, ["post", "freeze", "barrier", "freeze", "fence", "freeze"], "b"),
-        ]
-        late = "bytes landed after on_fence returned True (the fence does not stop a resumed writer)"
-        with open_regions(settings, {"a": size, "b": size}) as regions:
-            images = {name: RegionImage(region, size) for name, region in regions.items()}
-            child = BareWriter(settings, metadata_of(regions), rounds, size)
-            kept = False
-            try:
-                child.expect(60, "writer fence: writer start", event="ready")
-                child.frozen(30, "writer fence: the write is posted", round=1)
-                first = images["a"]
-                first.land(1, rows)
-                pending = first.differing()
-                if pending < size // 4:
-                    raise ConformanceFailure(
-                        f"writer fence: {size - pending} of {size} bytes had landed when the writer froze "
-                        "right after on_post returned: too little in flight to show that the fence stops "
-                        "a write, so this run proves nothing (a transport that lands every write inside "
-                        "on_post has nothing to fence: do not declare writer_fence)"
-                    )
-                child.resume()  # its next step is the fence, with those bytes in flight
-                child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=1)
-                _fenced(child, 1)
-                log.info("writer fence: %d of %d bytes in flight when the fence ran", pending, size)
-                first.recanary(rows)  # the writer is frozen: from here on, nothing may change
-                child.resume()
-                self._past_deadline(settings, child, images["b"], rows, 2, [first], late)
-                _fenced(child, 2)
-                images["b"].last = rows
-                images["b"].recanary()
-                child.resume()
-                watch(
-                    settings,
-                    list(images.values()),
-                    f"writer fence: within {settings.late_write_watch_s:.1f} s, {late}",
-                )
-                keep_for_the_run(regions, images, "regions a writer fenced", child)
-                kept = True
-            finally:
-                if not kept:
-                    child.close()
-
-    def _frozen_past_deadline(self, settings: Settings, fence: bool) -> None:
-        size = 32 * MiB
-        rows = [[i * MiB, (i * 7 % 32) * MiB, MiB] for i in range(32)]
-        with open_regions(settings, {"a": size}) as regions:
-            image = RegionImage(regions["a"], size)
-            rounds = [round_of(rows, ["post", "freeze", "barrier", "freeze"])]
-            child = BareWriter(settings, metadata_of(regions), rounds, size)
-            try:
-                child.expect(60, "past deadline: writer start", event="ready")
-                self._past_deadline(settings, child, image, rows, 1, [], "")
-            finally:
-                child.close()
-
-    def _past_deadline(
-        self,
-        settings: Settings,
-        child: BareWriter,
-        image: RegionImage,
-        rows: list[list[int]],
-        round_no: int,
-        fenced: Sequence[RegionImage],
-        late: str,
-    ) -> None:
-        """Round ``round_no``: frozen right after its post, resumed past its
-        deadline, its barrier must tell the truth. ``fenced`` regions must not
-        change meanwhile."""
-        child.frozen(30, "past deadline: write posted", round=round_no)
-        time.sleep(settings.write_timeout_s + 0.1)
-        for done in fenced:
-            found = done.diff()
-            if found:
-                raise ConformanceFailure(f"writer fence: {late}: {found}")
-        child.resume()
-        settlement = child.settlement(settings, "past deadline: the barrier answers", round_no)
-        if settlement == LANDED:
-            image.land(round_no, rows)
-            found = image.diff()
-            if found:
-                raise ConformanceFailure(
-                    f"DONE barrier answered LANDED past its deadline while bytes were still in flight: {found}"
-                )
-        if fenced:
-            child.resume()
-            child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=round_no)
+        record_property(
+            "figures", writer_fence.figures_line(writer_fence.writer_fence_check(kvconn_settings))
+        )
 
     # -- the owner fence ---------------------------------------------------------
     def test_owner_fence_stops_frozen_writer(
@@ -256,6 +165,19 @@ class TransportChecks:
         require_capability(settings.capabilities.owner_fence, "owner_fence not declared")
         figures = owner_fence_check(settings)
         record_property("figures", figures_line(figures))
+
+    def test_owner_fence_refuses_stale_writers(
+        self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
+    ) -> None:
+        """(owner_fence) A writer that connected before the region fenced as
+        owner posts a new write with the old metadata after it: whatever its
+        barrier answers, not one byte of the region changes over the watch
+        window. (The previous check's blind spot is timing: it needs a write
+        caught in flight; this one has none.)"""
+        settings = kvconn_settings
+        require_capability(settings.capabilities.owner_fence, "owner_fence not declared")
+        figures = stale_writer_check(settings)
+        record_property("figures", f"the stale write's barrier answered {figures['settlement']}")
 
     # -- a cancel ------------------------------------------------------------
     @pytest.mark.kvconn_releases
@@ -301,19 +223,21 @@ class TransportChecks:
     def test_each_chunk_lands_in_its_decode(self, kvconn_settings: Settings) -> None:
         """One writer, two decodes: every chunk lands in the decode it names and
         nowhere else, also after one decode restarts (a new region, connected
-        again under the same name)."""
+        again under the same name). Each decode numbers its rooms from 1 (a
+        room id is unique per decode only), the restarted one again."""
         settings = kvconn_settings
         size = 4 * MiB
         rng = random.Random(0x2DEC)
         plan = ["a", "b", "a", "b", "restart-a", "b", "a"]
         go = ["wait", "post", "barrier", "freeze"]
         rounds, rows_of = [], []
+        rooms: dict[str, int] = {}
         for peer in plan:
             rows = scattered_rows(rng, 40, 9999, size, size)
             restart = peer.startswith("restart-")
-            rounds.append(
-                round_of(rows, (["connect"] if restart else []) + go, peer.removeprefix("restart-"))
-            )
+            name = peer.removeprefix("restart-")
+            rooms[name] = 1 if restart else rooms.get(name, 0) + 1
+            rounds.append(round_of(rows, (["connect"] if restart else []) + go, name, rooms[name]))
             rows_of.append(rows)
         with open_regions(settings, {"a": size, "b": size}) as regions:
             images = {name: RegionImage(region, size) for name, region in regions.items()}
@@ -361,16 +285,16 @@ class TransportChecks:
 
     # -- claims ------------------------------------------------------------
     def test_vram_claim_is_device_memory(self, kvconn_settings: Settings) -> None:
-        """A backend that declares vram: a memory=vram region is device memory
-        (a CUDA pointer query says so), and on a host without a GPU it cannot
-        open at all."""
+        """A backend that declares vram: a memory=vram region (in the region
+        host) is device memory (a CUDA pointer query there says so), and on
+        a host without a GPU it cannot open at all."""
         settings = kvconn_settings
         require_capability("vram" in settings.capabilities.memory, "memory kind 'vram' not declared")
         options = {**settings.options_on(decode_host()), "memory": "vram"}
         gpu = gpu_on_host()
         try:
-            region = settings.backend.open_region(MiB, options)
-        except Exception as exc:
+            region = region_host.open_region(settings.backend_name, MiB, options, decode_host())
+        except RuntimeError as exc:  # the region's own error, from the region host
             if gpu:
                 raise ConformanceFailure(
                     f"vram declared, but a memory=vram region fails to open: {exc}"
@@ -382,10 +306,9 @@ class TransportChecks:
                     "vram declared, and a memory=vram region opened on a host without a GPU "
                     "(no /dev/nvidiactl): the region is host memory"
                 )
-            address = _region_address(region)
-            if address is None:
+            kind = region.memory_kind()
+            if kind is None:
                 pytest.skip("the region exposes no address (addr) to ask CUDA where it lives")
-            kind = _cuda_memory_type(address)
             if kind != "device":
                 raise ConformanceFailure(f"vram declared, but the memory=vram region is {kind} memory")
         finally:
@@ -395,49 +318,75 @@ class TransportChecks:
         """A backend that declares cross_host: a writer in another network, mount
         and PID namespace (no shared loopback, /dev/shm or processes) lands a
         round byte-exact through the barrier."""
-        settings = kvconn_settings
-        made = fabric()
-        if made is not None:
-            require_capability(settings.capabilities.cross_host, "cross_host not declared")
-            _cross_hostround_of(settings, made["decode"], made["prefill0"])
-            return
-        # Without the hosts made: what the backend claims once bound to a host.
-        sample = hosts_harness.Host("decode", "", "10.64.0.1", hosts_harness.IFACE, "", None)  # type: ignore[arg-type]
-        declared = capabilities_of(settings.backend, settings.options_on(sample)).cross_host
-        require_capability(declared, "cross_host not declared")
-        why = hosts_harness.unavailable()
-        if why:
-            pytest.skip(f"cross_host: {why}")
-        with hosts_harness.hosts(("decode", "prefill0")) as pair:
-            _cross_hostround_of(settings, pair["decode"], pair["prefill0"])
+        _across_hosts(kvconn_settings, _cross_hostround_of)
+
+    def test_cross_host_claim_through_a_rank(self, kvconn_settings: Settings) -> None:
+        """A backend that declares cross_host: a prefill rank (the kvconn
+        runtime) on another host writes rooms into a decode endpoint's pages
+        on its own host, byte-exact. (The previous check drives the hooks
+        from a bare writer; this one goes through connect on decode's Hello,
+        the runtime's chunks and the control plane across hosts.)"""
+        _across_hosts(kvconn_settings, _cross_host_rooms)
 
 
-def _region_address(region: PageRegion) -> int | None:
-    """Where the region's memory starts, if it says: a public ``address``
-    (or ``addr``), else the :class:`kvconn.memory.Memory` it holds."""
-    for owner in (region, getattr(region, "_mem", None)):
-        for name in ("address", "addr"):
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+def _across_hosts(settings: Settings, check: Callable[[Settings, Host, Host], None]) -> None:
+    """Run ``check`` with decode on one host and a writer on another: the
+    fabric's hosts in cross-host mode, else a pair made for it."""
+    made = fabric()
+    if made is not None:
+        require_capability(settings.capabilities.cross_host, "cross_host not declared")
+        check(settings, made["decode"], made["prefill0"])
+        return
+    # Without the hosts made: what the backend claims once bound to a host.
+    sample = hosts_harness.Host("decode", "", "10.64.0.1", hosts_harness.IFACE, "", None)  # type: ignore[arg-type]
+    declared = capabilities_of(settings.backend, settings.options_on(sample)).cross_host
+    require_capability(declared, "cross_host not declared")
+    why = hosts_harness.unavailable()
+    if why:
+        pytest.skip(f"cross_host: {why}")
+    with hosts_harness.hosts(("decode", "prefill0")) as pair:
+        check(settings, pair["decode"], pair["prefill0"])
 
 
-def _cuda_memory_type(address: int) -> str:
-    """CUDA's word on where ``address`` lives: device, host, or unknown."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuInit(0)
-    # The calling thread needs a context; the device's primary one is the
-    # one CuPy and PyTorch allocate in.
-    context = ctypes.c_void_p()
-    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0) == 0:
-        cuda.cuCtxSetCurrent(context)
-    value = ctypes.c_uint(0)
-    pointer_memory_type = 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
-    err = cuda.cuPointerGetAttribute(ctypes.byref(value), pointer_memory_type, ctypes.c_ulonglong(address))
-    if err != 0:
-        return f"unknown to CUDA (error {err}), i.e. not device"
-    return {1: "host", 2: "device", 3: "array", 4: "unified"}.get(value.value, f"type {value.value}")
+def _cross_host_rooms(settings: Settings, decode: Host, writer_host: Host) -> None:
+    page_bytes, num_pages = 64 << 10, 96
+    rank = RankProc(settings, 0, 1, page_bytes, 4, num_pages, on=writer_host)
+    owner: OwnerProc | None = None
+    try:
+        owner = OwnerProc(settings, [rank.ready()], num_pages, page_bytes, on=decode)
+        started = owner.next_event(
+            60,
+            "cross_host through a rank: decode starts",
+            lambda e: e.get("event") in ("ready", "failed"),
+            "ready",
+        )
+        if started["event"] == "failed":
+            raise ConformanceFailure(
+                f"cross_host declared, but a decode endpoint cannot start with a rank on another host "
+                f"(network, mount and PID namespace): {started['error']}"
+            )
+        for room, pages in ((0xC4_0001, list(range(0, 40, 2))), (0xC4_0002, list(range(41, 96)))):
+            owner.command(10, "cross_host through a rank: open a room", "open", room=room, pages=pages)
+            timeout = 30.0 + limit_of(settings)
+            done = owner.command(
+                timeout + 10, "cross_host through a rank: the room ends", "finish", room=room, within=timeout
+            )
+            if done["state"] != "SUCCESS":
+                failed = [e for e in rank.history() if e.get("event") in ("raising", "connect_failed")]
+                raise ConformanceFailure(
+                    f"cross_host declared, but a room of {len(pages)} pages written by a rank on another host "
+                    f"(network, mount and PID namespace) ended {done['state']} within {timeout:.0f} s"
+                    + (f" ({failed[0]})" if failed else "")
+                )
+            if done["bad"]:
+                raise ConformanceFailure(
+                    f"cross_host: a room written by a rank on another host holds wrong bytes in pages "
+                    f"{done['bad'][:8]}"
+                )
+    finally:
+        if owner is not None:
+            owner.close()
+        rank.close()
 
 
 def _cross_hostround_of(settings: Settings, decode: Host, writer_host: Host) -> None:

@@ -73,7 +73,7 @@ def _killed_across_hosts(cluster: Cluster, victim: RankProc, room: int, pages: l
     before = {c for c, state in _connections_with(tcp_ends_of(victim.pid)).items() if state == _ESTABLISHED}
     if not before:
         raise ConformanceFailure("killed writer across hosts: decode holds no connection from the writer")
-    kill_rank(victim, "killed writer")
+    kill_rank(victim, "killed writer", [cluster.owner_pid])
     killed = time.monotonic()
     ends = {(c.remote_host, c.remote_port) for c in before}
 
@@ -228,7 +228,7 @@ class WriterFaultChecks:
             if kvconn_settings.cross_host:
                 _killed_across_hosts(cluster, victim, KILLED_ROOM, pages)
                 return
-            kill_rank(victim, "killed writer")
+            kill_rank(victim, "killed writer", [cluster.owner_pid])
             release, _ = cluster.wait_released(KILLED_ROOM, 3.0, "writer exit: killed rank proven gone")
             if release.proof is not Proof.WRITER_EXIT:
                 raise ConformanceFailure(
@@ -273,7 +273,9 @@ class WriterFaultChecks:
             except ConformanceFailure:
                 if kvconn_settings.capabilities.writer_fence:
                     raise
-                kill_rank(writer, "frozen writer")  # no fence declared: only its exit proves it
+                kill_rank(
+                    writer, "frozen writer", [cluster.owner_pid]
+                )  # no fence declared: only its exit proves it
                 release, released_at = cluster.wait_released(FROZEN_ROOM, 3.0, "L2: writer exit")
             if released_at < resumed:
                 raise ConformanceFailure("S2 violated: released before the frozen writer resumed")
@@ -323,7 +325,7 @@ class WriterFaultChecks:
         with _frozen_owner(kvconn_settings) as (rank, owner, pages):
             rank.expect(10, "frozen owner: the writer posts", event="after_post")
             time.sleep(0.2)  # the transport fills the socket buffers towards the frozen owner
-            kill_rank(rank, "frozen owner, killed writer")
+            kill_rank(rank, "frozen owner, killed writer", [owner.pid])
             if kvconn_settings.cross_host:
                 _resume_across_hosts(kvconn_settings, owner, pages)
                 return
@@ -414,7 +416,7 @@ class WriterFaultChecks:
                 deadline + 1.5,
                 "L2: rooms with a raising hook are released or quarantined by the deadline",
             )
-            kill_rank(writer, "raising hooks")
+            kill_rank(writer, "raising hooks", [cluster.owner_pid])
             raised_at = {e["room"]: e["t"] for e in writer.history() if e["event"] == "raising"}
             # Across hosts no proof of the exit comes: the rooms still held stay so.
             held = (

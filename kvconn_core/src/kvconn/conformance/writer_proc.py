@@ -4,13 +4,14 @@ what the transport itself promises.
 
 The JSON argument names the peers (``{name: metadata hex}``) and the rounds;
 a round is ``{"peer": NAME, "segments": [[src, dst, nbytes], ...], "steps":
-[...]}``, each step one of:
+[...]}`` (and ``"room"``: its chunk's room id, else the round's number; a
+room id is unique per decode only), each step one of:
 
 ``wait``     read a line from stdin (the parent says go);
 ``connect``  read a line, the peer's new metadata (hex): a decode restart;
 ``fill``     fill the source with the round's pattern (else ``post`` does);
 ``post``     fill the source with the round's pattern and ``on_post``;
-``abort``    ``on_abort_notification`` for the round's room (a cancel);
+``abort``    ``on_abort_notification`` for the round's room, from its peer (a cancel);
 ``barrier``  ``on_done_barrier`` (deadline fixed before ``post``);
 ``fence``    ``on_fence``;
 ``freeze``   SIGSTOP this whole process, right after the step before.
@@ -47,8 +48,6 @@ from kvconn.transport import Settlement
 #: A barrier's answer after its round's ``on_post`` raised.
 POST_RAISED = "post_raised"
 
-DECODE = "conformance-decode"
-
 
 def fill(writer: Any, round_no: int, rows: list[list[int]]) -> None:
     for j, (src, _, nbytes) in enumerate(rows):
@@ -73,7 +72,7 @@ def main() -> None:
     try:
         for i, spec in enumerate(args["rounds"], start=1):
             rows = spec["segments"]
-            chunk = Chunk(i, 0, True, 0, spec.get("peer", "a"), (), ())
+            chunk = Chunk(int(spec.get("room", i)), 0, True, 0, spec.get("peer", "a"), (), ())
             posted: object = None
             deadline = 0.0
             filled = False
@@ -97,7 +96,8 @@ def main() -> None:
                         event["error"] = f"{type(exc).__name__}: {exc}"
                         post_failed = event["error"]
                 elif step == "abort":
-                    pm.hook.on_abort_notification(abort=Abort(i, 1, DECODE, "conformance"), known=True)
+                    abort = Abort(chunk.room, 1, chunk.peer, "conformance")
+                    pm.hook.on_abort_notification(abort=abort, known=True)
                 elif step == "barrier" and post_failed:
                     event["settlement"] = POST_RAISED
                     event["error"] = post_failed

@@ -78,8 +78,15 @@ class BareWriter(Child):
         return str(self.answer("barrier", round_no)["settlement"])
 
 
-def round_of(rows: list[list[int]], steps: Sequence[str], peer: str = "a") -> dict[str, Any]:
-    return {"peer": peer, "segments": rows, "steps": list(steps)}
+def round_of(
+    rows: list[list[int]], steps: Sequence[str], peer: str = "a", room: int | None = None
+) -> dict[str, Any]:
+    """A round of a bare writer (``writer_proc``); ``room``: its chunk's
+    room id (else the round's number)."""
+    spec: dict[str, Any] = {"peer": peer, "segments": rows, "steps": list(steps)}
+    if room is not None:
+        spec["room"] = room
+    return spec
 
 
 @contextmanager

@@ -84,6 +84,13 @@ class CanaryPages:
             self._returned.update(pages)
             self.returned_once.update(pages)
 
+    def recanary(self, pages: Iterable[int]) -> None:
+        """Lay a fresh canary over ``pages``, held or free, changing nothing
+        else: a byte that changes it afterwards landed after now."""
+        pb = self.page_bytes
+        for first, count in _runs(sorted(pages)):
+            self.region.write(first * pb, canary(count * pb))
+
     def free_pages(self) -> list[int]:
         with self._lock:
             return sorted(self._free)
@@ -99,38 +106,59 @@ class CanaryPages:
         data = self.region.read(page * self.page_bytes, self.page_bytes)
         return len(data) - data.count(CANARY)
 
-    def _span(self, pages: Sequence[int]) -> tuple[int, memoryview]:
-        """The bytes of the pages from the lowest to the highest of ``pages``,
-        read at once (a region in another process answers each read)."""
-        lo, hi = min(pages), max(pages)
-        pb = self.page_bytes
-        return lo, memoryview(self.region.read(lo * pb, (hi - lo + 1) * pb))
-
     def changed(self, pages: Iterable[int]) -> list[int]:
-        """Those of ``pages`` whose canary changed."""
+        """Those of ``pages`` whose canary changed. A region that compares
+        pages with a canary itself (``changed_pages``: one held in another
+        process) does it where the bytes are."""
         pages = list(pages)
         if not pages:
             return []
-        want = canary(self.page_bytes)
-        pb = self.page_bytes
-        lo, data = self._span(pages)
-        return [p for p in pages if data[(p - lo) * pb : (p - lo + 1) * pb] != want]
+        where_they_are = getattr(self.region, "changed_pages", None)
+        if where_they_are is not None:
+            return list(where_they_are(pages, self.page_bytes, CANARY))
+        return changed_pages(self.region, pages, self.page_bytes, CANARY)
 
     def wrong_pattern(self, room: int, pages: Sequence[int], ranks: Iterable[int] | None = None) -> list[int]:
         """Those of ``pages`` (the room's, in order) in which a shard of
-        ``ranks`` (all) does not hold what that rank writes for ``room``."""
-        bad: list[int] = []
-        if not pages:
-            return bad
-        lo, data = self._span(pages)
-        for i, page in enumerate(pages):
-            for rank in range(self.num_ranks) if ranks is None else ranks:
-                at = (page - lo) * self.page_bytes + rank * self.shard
-                got = data[at : at + self.shard]
-                if got != shard_bytes(room, rank, i, self.shard):
-                    bad.append(page)
-                    break
+        ``ranks`` (all) does not hold what that rank writes for ``room``
+        (compared where the bytes are, as :meth:`changed`)."""
+        which = list(range(self.num_ranks) if ranks is None else ranks)
+        where_they_are = getattr(self.region, "wrong_pattern_pages", None)
+        if where_they_are is not None:
+            return list(where_they_are(room, list(pages), self.page_bytes, self.num_ranks, which))
+        return wrong_pattern_pages(self.region, room, pages, self.page_bytes, self.num_ranks, which)
+
+
+def changed_pages(region: _Region, pages: Sequence[int], page_bytes: int, value: int) -> list[int]:
+    """Those of ``pages`` of ``region`` that do not hold ``value`` in every
+    byte (their span read at once)."""
+    if not pages:
+        return []
+    lo, hi = min(pages), max(pages)
+    data = memoryview(region.read(lo * page_bytes, (hi - lo + 1) * page_bytes))
+    want = bytes([value]) * page_bytes
+    return [p for p in pages if data[(p - lo) * page_bytes : (p - lo + 1) * page_bytes] != want]
+
+
+def wrong_pattern_pages(
+    region: _Region, room: int, pages: Sequence[int], page_bytes: int, num_ranks: int, ranks: Sequence[int]
+) -> list[int]:
+    """Those of ``pages`` (``room``'s, in order) in which a shard of one of
+    ``ranks`` (of ``num_ranks``) does not hold what that rank writes for
+    ``room`` (their span read at once)."""
+    bad: list[int] = []
+    if not pages:
         return bad
+    shard = page_bytes // num_ranks
+    lo, hi = min(pages), max(pages)
+    data = memoryview(region.read(lo * page_bytes, (hi - lo + 1) * page_bytes))
+    for i, page in enumerate(pages):
+        for rank in ranks:
+            at = (page - lo) * page_bytes + rank * shard
+            if data[at : at + shard] != shard_bytes(room, rank, i, shard):
+                bad.append(page)
+                break
+    return bad
 
 
 def _runs(pages: Sequence[int]) -> list[tuple[int, int]]:

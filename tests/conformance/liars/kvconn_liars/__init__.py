@@ -13,7 +13,14 @@ lies to switch on by option.
 Options: ``piece_bytes`` (default 65536), ``pace_s`` (sleep per piece,
 default 0), ``memory`` (``dram``; ``vram`` only where declared),
 ``lie_delay_s`` (how late a lying backend delivers, default 1.5: a
-resumed fence's rewrite, an outliving helper's replay).
+resumed fence's rewrite, an outliving helper's replay; 0.5 for
+``outlive_linger``'s linger), ``sync_post`` (1: ``on_post`` copies every
+piece before it returns, as nixl's ``transfer()`` over tcp does on an idle
+machine; honest, and nothing is left in flight for a fence).
+
+Every backend also registers engine-owned buffers
+(:mod:`kvconn_liars.engine`): decode's private memory, written with
+``process_vm_writev``.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from collections.abc import Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
 from kvconn.protocol.messages import Abort
 from kvconn.transport import Capabilities, Settlement
+from kvconn_liars.engine import EngineRegion, ProcessPeer
 
 #: Each lie, and what it does wrong.
 LIES = {
@@ -53,6 +62,8 @@ LIES = {
     "late_landed": "answers LANDED at the deadline, whatever is still in flight",
     "owner_fence": "its owner fence only swaps the metadata: the old shared memory stays the region's",
     "stray": "after each chunk it writes 8 bytes just past the peer's region, where the region keeps the pointer it reads through: the next read crashes the region's process",
+    "room_route": "caches each room's route (the peer it wrote the room's first chunk to) by room id alone: a room id used again, by another decode or a restarted one, is written to the old peer's pages",
+    "outlive_linger": "outlive, but its helper writes nothing late: it keeps decode's memory mapped for lie_delay_s (0.5 s) after the rank died, then exits",
 }
 WIDE_AT = 24
 
@@ -69,16 +80,19 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 
 class Options:
-    KEYS = ("piece_bytes", "pace_s", "memory", "lie_delay_s")
+    KEYS = ("piece_bytes", "pace_s", "memory", "lie_delay_s", "sync_post")
 
-    def __init__(self, options: Mapping[str, str], memory_kinds: frozenset[str]) -> None:
+    def __init__(
+        self, options: Mapping[str, str], memory_kinds: frozenset[str], delay_s: float = 1.5
+    ) -> None:
         unknown = sorted(set(options) - set(self.KEYS))
         if unknown:
             raise ValueError(f"unknown liar option {unknown[0]!r}")
         self.piece_bytes = int(options.get("piece_bytes", 65536))
         self.pace_s = float(options.get("pace_s", 0.0))
         self.memory = options.get("memory", "dram")
-        self.lie_delay_s = float(options.get("lie_delay_s", 1.5))
+        self.lie_delay_s = float(options.get("lie_delay_s", delay_s))
+        self.sync_post = options.get("sync_post", "0") not in ("0", "", "false", "no", "off")
         if self.memory not in memory_kinds:
             raise ValueError(f"liar: memory {self.memory!r} not offered")
 
@@ -134,8 +148,10 @@ class Region:
 
 
 class _Job:
-    def __init__(self, room: int, pieces: list[tuple[int, int, int]]) -> None:
-        self.room = room
+    def __init__(self, key: tuple[str, int], peer: _Target, pieces: list[tuple[int, int, int]]) -> None:
+        #: (decode, room): a room id is unique per decode only
+        self.key = key
+        self.peer = peer
         self.pieces = pieces
         #: stray: (where, from where) 8 bytes are written once the pieces are
         self.stray: tuple[int, int] | None = None
@@ -145,69 +161,120 @@ class _Job:
 
 
 class _Peer:
-    def __init__(self, metadata: bytes) -> None:
-        info = json.loads(metadata)
+    """A peer's region in shared memory, mapped here: pieces are memmoves."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
         self.name = str(info["shm"])
         self.shm = _attach(self.name)
         self.base, self._anchor = _address(self.shm.buf)
         self.nbytes = int(info["nbytes"])
+        #: Just past the region: where the region keeps its pointer (stray).
+        self.tail = self.base + self.nbytes
+
+    def address(self, offset: int, nbytes: int) -> int:
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"segment ({offset}, {nbytes}) outside the peer")
+        return self.base + offset
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
 
     def close(self) -> None:
         del self._anchor
         self.shm.close()
 
 
+_Target = _Peer | ProcessPeer
+
+
+def _peer_of(metadata: bytes) -> _Target:
+    info = json.loads(metadata)
+    return ProcessPeer(info) if "pid" in info else _Peer(info)
+
+
 class Writer:
-    def __init__(self, lie: str, nbytes: int, options: Options) -> None:
+    def __init__(self, lie: str, source: int | Sequence[Buffer], options: Options) -> None:
         self.lie = lie
         self.opts = options
-        self.nbytes = nbytes
         self._lock = threading.Lock()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _Target] = {}
         self._last_peer = ""
-        self._aborted: set[int] = set()
+        #: room_route: room id -> the peer its first chunk went to; and the
+        #: peers replaced since, kept mapped for the routes that name them
+        self._routes: dict[int, _Target] = {}
+        self._retired: list[_Target] = []
+        self._aborted: set[tuple[str, int]] = set()
         self._jobs: list[_Job] = []
         #: fence_resume: the chunks posted since the last fence, written again after it
         self._parked: list[_Job] = []
-        if lie.startswith("outlive"):
-            self._src_shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        self._space: FlatSpace | None = None
+        if not isinstance(source, int):  # engine-owned buffers (register_writer)
+            self._space = FlatSpace(list(source))
+            self.nbytes = self._space.nbytes
+        elif lie.startswith("outlive"):
+            self.nbytes = source
+            self._src_shm = shared_memory.SharedMemory(create=True, size=max(source, 1))
             self._src_buf: Any = self._src_shm.buf
-            self._helper = _Helper(self._src_shm.name, lie == "outlive_detached", options.lie_delay_s)
         else:
-            self._src_buf = mmap.mmap(-1, max(nbytes, 1))
-        self._src_base, self._src_anchor = _address(self._src_buf)
+            self.nbytes = source
+            self._src_buf = mmap.mmap(-1, max(source, 1))
+        if self._space is None:
+            self._src_base, self._src_anchor = _address(self._src_buf)
+        #: outlive: the copy engine (for a source of its own in shared memory)
+        self._helper: _Helper | None = None
+        if lie.startswith("outlive") and self._space is None:
+            self._helper = _Helper(self._src_shm.name, lie, options.lie_delay_s)
         self._start()
 
     # -- Writer --------------------------------------------------------------
     def read(self, offset: int, nbytes: int) -> bytes:
+        if self._space is not None:
+            return self._space.read(offset, nbytes)
         return bytes(self._src_buf[offset : offset + nbytes])
 
     def write(self, offset: int, data: bytes) -> None:
+        if self._space is not None:
+            self._space.write(offset, data)
+            return
         self._src_buf[offset : offset + len(data)] = data
+
+    def _src_address(self, offset: int, nbytes: int) -> int:
+        if self._space is not None:
+            return self._space.address(offset, nbytes)
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"segment ({offset}, {nbytes}) outside the source")
+        return self._src_base + offset
 
     def connect(self, peer: str, metadata: bytes) -> None:
         with self._lock:
             old = self._peers.get(peer)
-            self._peers[peer] = _Peer(metadata)
+            self._peers[peer] = _peer_of(metadata)
             self._last_peer = peer
+            if old is not None and self.lie == "room_route":
+                self._retired.append(old)  # a cached route may still name it
+                old = None
         if old is not None:
             old.close()
 
     def close(self) -> None:
         self._stop()
-        if self.lie.startswith("outlive"):
+        if self._helper is not None:
             self._helper.close()
         with self._lock:
-            for peer in self._peers.values():
+            for peer in [*self._peers.values(), *self._retired]:
                 peer.close()
             self._peers.clear()
+            self._retired.clear()
 
     # -- hooks ---------------------------------------------------------------
     @hookimpl
     def on_post(self, chunk: Chunk, segments: Sequence[Segment]) -> _Job:
+        key = (chunk.peer, chunk.room)
         with self._lock:
             peer = self._peers[self._last_peer if self.lie == "any_decode" else chunk.peer]
-            aborted = chunk.room in self._aborted
+            if self.lie == "room_route":
+                peer = self._routes.setdefault(chunk.room, peer)
+            aborted = key in self._aborted
         rows = [tuple(int(x) for x in row) for row in SegmentTable.of(segments).rows]
         if self.lie == "wide" and len(rows) > WIDE_AT:
             dsts = [r[1] for r in rows[1:]] + [rows[-1][1]]
@@ -217,22 +284,24 @@ class Writer:
         step = self.opts.piece_bytes
         pieces = []
         for src, dst, n in rows:
-            if src < 0 or dst < 0 or src + n > self.nbytes or dst + n > peer.nbytes:
-                raise ValueError(f"segment ({src}, {dst}, {n}) outside the source or the peer")
+            src_at, dst_at = self._src_address(src, n), peer.address(dst, n)
             for off in range(0, n, step):
-                pieces.append((self._src_base + src + off, peer.base + dst + off, min(step, n - off)))
-        job = _Job(chunk.room, pieces)
+                pieces.append((src_at + off, dst_at + off, min(step, n - off)))
+        job = _Job(key, peer, pieces)
         if self.lie == "stray" and rows:
-            job.stray = (peer.base + peer.nbytes, self._src_base + rows[0][0])
+            job.stray = (peer.tail, self._src_address(rows[0][0], 8))
         if aborted:  # settled before a byte was written: the truthful FAILED_SETTLED
             job.cancelled = True
             job.done.set()
+            return job
+        if self.opts.sync_post:  # every byte moved before on_post returns: nothing in flight after
+            self._run(job, threading.Event())
             return job
         with self._lock:
             self._jobs.append(job)
             if self.lie == "fence_resume":
                 self._parked.append(job)
-        if self.lie.startswith("outlive"):
+        if self._helper is not None and isinstance(peer, _Peer):
             self._helper.submit(job, peer.name, peer.base, self._src_base)
         else:
             self._queue.put(job)
@@ -250,10 +319,11 @@ class Writer:
 
     @hookimpl
     def on_abort_notification(self, abort: Abort, known: bool) -> None:
+        key = (abort.decode, abort.room)
         with self._lock:
-            self._aborted.add(abort.room)
+            self._aborted.add(key)
             for job in self._jobs:
-                if job.room == abort.room:
+                if job.key == key:
                     job.cancel.set()
 
     @hookimpl
@@ -288,19 +358,7 @@ class Writer:
             job = jobs.get()
             if job is None or halt.is_set():
                 break
-            for src, dst, n in job.pieces:
-                if halt.is_set():
-                    job.cancelled = True
-                    break
-                if job.cancel.is_set() and self.lie != "cancel":
-                    job.cancelled = True
-                    break
-                if self.opts.pace_s:
-                    time.sleep(self.opts.pace_s)
-                ctypes.memmove(dst, src, n)
-            if job.stray is not None and not job.cancelled:
-                ctypes.memmove(job.stray[0], job.stray[1], 8)
-            job.done.set()
+            self._run(job, halt)
         while True:  # posted, never started: settled without a byte written
             try:
                 job = jobs.get_nowait()
@@ -310,25 +368,44 @@ class Writer:
                 job.cancelled = True
                 job.done.set()
 
+    def _run(self, job: _Job, halt: threading.Event) -> None:
+        """Copy ``job``'s pieces in order, unless halted (a fence) or cancelled."""
+        for src, dst, n in job.pieces:
+            if halt.is_set():
+                job.cancelled = True
+                break
+            if job.cancel.is_set() and self.lie != "cancel":
+                job.cancelled = True
+                break
+            if self.opts.pace_s:
+                time.sleep(self.opts.pace_s)
+            job.peer.copy(dst, src, n)
+        if job.stray is not None and not job.cancelled:
+            job.peer.copy(job.stray[0], job.stray[1], 8)
+        job.done.set()
+
     def _resume_later(self, parked: list[tuple[_Job, list[tuple[int, int, int]]]]) -> None:
         time.sleep(self.opts.lie_delay_s)
-        for _, pieces in parked:
+        for job, pieces in parked:
             for src, dst, n in pieces:
-                ctypes.memmove(dst, src, n)
+                job.peer.copy(dst, src, n)
 
 
 class _Helper:
-    """A copy engine in its own process (think: an offload daemon). While the
-    rank lives it copies what it is told; once the rank is gone it waits, then
-    replays the writes it was given last (a retry of unacknowledged work)."""
+    """A copy engine in its own process (think: an offload daemon), for
+    peers in shared memory. While the rank lives it copies what it is told;
+    once the rank is gone it waits, then replays the writes it was given
+    last (a retry of unacknowledged work); ``outlive_linger``'s only keeps
+    what it mapped for the delay, and writes nothing."""
 
-    def __init__(self, src_name: str, detached: bool, delay_s: float) -> None:
+    def __init__(self, src_name: str, lie: str, delay_s: float) -> None:
+        mode = "linger" if lie == "outlive_linger" else "replay"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconn_liars.helper", src_name, str(delay_s)],
+            [sys.executable, "-m", "kvconn_liars.helper", src_name, str(delay_s), mode],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            start_new_session=detached,
+            start_new_session=lie == "outlive_detached",
         )
         self._pending: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -374,15 +451,25 @@ class Backend:
         )
 
     def capabilities_for(self, options: Mapping[str, str]) -> Capabilities:
-        Options(options, self.capabilities.memory)
+        self._options(options)
         return self.capabilities
 
+    def _options(self, options: Mapping[str, str]) -> Options:
+        return Options(options, self.capabilities.memory, 0.5 if self.lie == "outlive_linger" else 1.5)
+
     def open_region(self, nbytes: int, options: Mapping[str, str]) -> Region:
-        Options(options, self.capabilities.memory)
+        self._options(options)
         return Region(nbytes, self.lie)
 
     def open_writer(self, nbytes: int, options: Mapping[str, str]) -> Writer:
-        return Writer(self.lie, nbytes, Options(options, self.capabilities.memory))
+        return Writer(self.lie, nbytes, self._options(options))
+
+    def register_region(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> EngineRegion:
+        self._options(options)
+        return EngineRegion(buffers)
+
+    def register_writer(self, buffers: Sequence[Buffer], options: Mapping[str, str]) -> Writer:
+        return Writer(self.lie, buffers, self._options(options))
 
 
 BACKENDS = {lie: Backend(lie) for lie in LIES}

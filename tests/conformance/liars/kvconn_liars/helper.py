@@ -2,7 +2,8 @@
 the rank tells it (JSON lines on stdin) and answers each job's key when done.
 When its stdin closes without a ``bye`` (the rank died) it waits the delay
 it was started with (``lie_delay_s``) and then replays the last jobs it was
-given, into pages the rank no longer owns."""
+given, into pages the rank no longer owns; in ``linger`` mode it only keeps
+what it mapped for that delay, writes nothing, and exits."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def main() -> None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     delay_s = float(sys.argv[2])
+    linger = len(sys.argv) > 3 and sys.argv[3] == "linger"
     for line in sys.stdin:
         if line.strip() == "bye":
             return
@@ -35,6 +37,8 @@ def main() -> None:
         sys.stdout.write(str(job["key"]) + "\n")
         sys.stdout.flush()
     time.sleep(delay_s)
+    if linger:
+        return
     for job in recent:
         dst = peers[str(job["peer"])]
         for s, d, n in job["rows"]:  # type: ignore[attr-defined]

@@ -1,0 +1,176 @@
+"""The writer-fence check through a bare writer
+(``test_writer_fence_stops_frozen_writer``), and the past-deadline barrier
+round it shares with ``test_done_barrier_past_deadline``.
+
+A fence proves something only if a write is in flight when it runs. The
+writer freezes itself right after ``on_post`` returned; the bytes of its
+32 MiB still pending then are what the fence must stop. A transport whose
+``on_post`` moves every byte before it returns (nixl's ``transfer()`` over
+tcp on an idle machine) has nothing in flight at any fence the runtime
+could run: for it the check proves instead that the write really was in
+flight inside ``on_post`` (the writer frozen from outside
+:data:`FREEZE_AFTER_S` into its post, a quarter of it at least still
+pending), and says so in its figures; only a transport that lands three
+quarters of 32 MiB within that time fails for proving nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvconn.conformance.harness import ConformanceFailure, RegionImage, Settings, wait_for
+from kvconn.conformance.writing import (
+    LANDED,
+    BareWriter,
+    keep_for_the_run,
+    limit_of,
+    metadata_of,
+    open_regions,
+    round_of,
+    watch,
+)
+
+MiB = 1 << 20
+SIZE = 32 * MiB
+ROWS = [[i * MiB, (i * 7 % 32) * MiB, MiB] for i in range(32)]
+#: How long into its post a writer whose ``on_post`` landed (nearly) all of
+#: it is frozen from outside, to show that the write was in flight there:
+#: a transport that lands 24 MiB within it has nothing for a fence to stop.
+FREEZE_AFTER_S = 0.002
+LATE = "bytes landed after on_fence returned True (the fence does not stop a resumed writer)"
+
+
+def _fenced(child: BareWriter, round_no: int) -> None:
+    fenced = child.answer("fence", round_no)["fenced"]
+    if fenced is not True:
+        raise ConformanceFailure(
+            f"writer fence: the backend declares writer_fence but on_fence answered {fenced!r}"
+        )
+
+
+def figures_line(figures: dict[str, Any]) -> str:
+    """What the writer-fence check measured, for the suite's summary."""
+    line = f"{figures['in_flight_at_fence'] / MiB:.1f} of 32 MiB in flight at the first fence"
+    if "in_flight_inside_post" in figures:
+        line += (
+            f" (on_post lands its write before it returns: {figures['in_flight_inside_post'] / MiB:.1f} "
+            f"MiB still pending {FREEZE_AFTER_S * 1000:.0f} ms into it)"
+        )
+    return line
+
+
+def writer_fence_check(settings: Settings) -> dict[str, Any]:
+    """Two fences: one right after the post, one after a barrier past its
+    deadline; nothing lands after either (see the test's docstring)."""
+    rounds = [
+        round_of(ROWS, ["post", "freeze", "fence", "freeze"], "a"),
+        round_of(ROWS, ["post", "freeze", "barrier", "freeze", "fence", "freeze"], "b"),
+        # Only if the first post left too little in flight: frozen from outside inside on_post.
+        round_of(ROWS, ["wait", "fill", "post", "barrier"], "c"),
+    ]
+    figures: dict[str, Any] = {}
+    with open_regions(settings, {"a": SIZE, "b": SIZE, "c": SIZE}) as regions:
+        images = {name: RegionImage(region, SIZE) for name, region in regions.items()}
+        child = BareWriter(settings, metadata_of(regions), rounds, SIZE)
+        kept = False
+        try:
+            child.expect(60, "writer fence: writer start", event="ready")
+            child.frozen(30, "writer fence: the write is posted", round=1)
+            first = images["a"]
+            first.land(1, ROWS)
+            pending = figures["in_flight_at_fence"] = first.differing()
+            child.resume()  # its next step is the fence, with those bytes in flight
+            child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=1)
+            _fenced(child, 1)
+            first.recanary(ROWS)  # the writer is frozen: from here on, nothing may change
+            child.resume()
+            past_deadline(settings, child, images["b"], ROWS, 2, [first])
+            _fenced(child, 2)
+            images["b"].last = ROWS
+            images["b"].recanary()
+            child.resume()
+            fenced = {name: images[name] for name in ("a", "b")}
+            watch(
+                settings,
+                list(fenced.values()),
+                f"writer fence: within {settings.late_write_watch_s:.1f} s, {LATE}",
+            )
+            if pending < SIZE // 4:
+                figures["in_flight_inside_post"] = _in_flight_inside_post(child, images["c"])
+            keep_for_the_run(regions, fenced, "regions a writer fenced", child)
+            kept = True
+        finally:
+            if not kept:
+                child.close()
+    return figures
+
+
+def _in_flight_inside_post(child: BareWriter, image: RegionImage) -> int:
+    """Round 3: the writer frozen from outside :data:`FREEZE_AFTER_S` after
+    its post began (its last round has no freeze of its own, so a stop is
+    ours alone); how many bytes were still pending then."""
+    image.land(3, ROWS)
+    child.send_line()
+    filled = child.expect(30, "writer fence: the third write is about to be posted", event="fill", round=3)
+    time.sleep(max(0.0, float(filled["t"]) + FREEZE_AFTER_S - time.monotonic()))
+    child.signal(signal.SIGSTOP)
+    try:
+        wait_for(child.stopped, 5, "writer fence: the writer froze inside its post")
+        pending = image.differing()
+    finally:
+        child.resume()
+    if pending < SIZE // 4:
+        raise ConformanceFailure(
+            f"writer fence: {SIZE - pending} of {SIZE} bytes had landed {FREEZE_AFTER_S * 1000:.0f} ms after "
+            "the post began, and on_post returned with less than a quarter of them in flight: too little "
+            "in flight to show that a fence stops a write, so this run proves nothing (a transport that "
+            "lands every write this fast has nothing to fence: do not declare writer_fence)"
+        )
+    return pending
+
+
+def past_deadline(
+    settings: Settings,
+    child: BareWriter,
+    image: RegionImage,
+    rows: list[list[int]],
+    round_no: int,
+    fenced: Sequence[RegionImage],
+) -> None:
+    """Round ``round_no``: frozen right after its post, resumed past its
+    deadline, its barrier must tell the truth. ``fenced`` regions must not
+    change meanwhile; if there are any, the round fences next."""
+    child.frozen(30, "past deadline: write posted", round=round_no)
+    time.sleep(settings.write_timeout_s + 0.1)
+    for done in fenced:
+        found = done.diff()
+        if found:
+            raise ConformanceFailure(f"writer fence: {LATE}: {found}")
+    child.resume()
+    settlement = child.settlement(settings, "past deadline: the barrier answers", round_no)
+    if settlement == LANDED:
+        image.land(round_no, rows)
+        found = image.diff()
+        if found:
+            raise ConformanceFailure(
+                f"DONE barrier answered LANDED past its deadline while bytes were still in flight: {found}"
+            )
+    if fenced:
+        child.resume()
+        child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=round_no)
+
+
+def frozen_past_deadline(settings: Settings) -> None:
+    """``test_done_barrier_past_deadline``: the past-deadline round alone."""
+    with open_regions(settings, {"a": SIZE}) as regions:
+        image = RegionImage(regions["a"], SIZE)
+        rounds = [round_of(ROWS, ["post", "freeze", "barrier", "freeze"])]
+        child = BareWriter(settings, metadata_of(regions), rounds, SIZE)
+        try:
+            child.expect(60, "past deadline: writer start", event="ready")
+            past_deadline(settings, child, image, ROWS, 1, [])
+        finally:
+            child.close()
