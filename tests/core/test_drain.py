@@ -378,4 +378,5 @@ def test_a_restarted_ranks_done_proves_nothing_its_earlier_process_was_asked() -
     later, _ = state.open(2, (2,), state.default, None, None, 0.2)
     actions = state.handle(_draining(True, session=2), 0.3)
     assert [a.room for a in actions if isinstance(a, Release)] == [2]
+    assert later.failure == drain.RANK_DRAINED
     assert state.hold_state(earlier) is HoldState.HELD  # its own process's proof is owed
