@@ -4,8 +4,9 @@ What the modes add, and what they cost (loopback, the three side by side
 on 2 busy shared cores; see docs/writing-a-transport-plugin.md): the
 default run watches each check's released pages 2 s and guards them all to
 the end of the run (its last check, at least 15 s after the last release):
-281 s there. --strict: a skip no
-capability rules out fails; 10 s watches and a 30 s guard: +18%.
+281 s there (alone, at load 1-12 on the same 2 shared cores: loopback
+112-124 s, tcpdemo 88-134 s, nixl 98-224 s, mooncake 141-180 s).
+--strict: a skip no capability rules out fails; 10 s watches and a 30 s guard: +18%.
 --thorough: 20000-segment chunks, 8192-page rooms, 10 s watches and a 30 s
 guard: +30%.
 """
