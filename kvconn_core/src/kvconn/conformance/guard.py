@@ -183,7 +183,12 @@ def descendants(root: int, session: int) -> list[int]:
         below = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in found]
         found.update(below)
         frontier = below
-    found.discard(root)
+    # root's own wrappers (on another host: ip netns exec, unshare, sh) share
+    # its session; frozen, the rank's kill could not reap through them
+    up = root
+    while up in parent and up not in (0, 1):
+        found.discard(up)
+        up = parent[up]
     return sorted(found)
 
 
