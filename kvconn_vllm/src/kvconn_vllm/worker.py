@@ -31,11 +31,8 @@ from kvconn.layout import KVLayout
 from kvconn.metrics import Metrics
 from kvconn.metrics_relay import Reporter
 from kvconn.plugins import get_backend
-from kvconn.protocol import drain
-from kvconn.protocol.drain import DrainReport
-from kvconn.protocol.messages import Abort
-from kvconn.runtime.decode import DecodeEndpoint, Receiver, Release
-from kvconn.runtime.prefill import KVPoll, PrefillRank, Sender
+from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Receiver, Release
+from kvconn.runtime.prefill import DRAIN_REFUSED, KVPoll, PrefillRank, Sender
 from kvconn.transport import Backend
 from kvconn_vllm.conformance import check_transport
 from kvconn_vllm.layout import KVGeometry, engine_memory
@@ -83,7 +80,7 @@ class _Wake:
             self.event.set()
 
     @hookimpl
-    def on_abort_notification(self, abort: Abort, known: bool) -> None:
+    def on_abort_notification(self, abort: object, known: bool) -> None:
         self.event.set()
 
 
@@ -364,7 +361,7 @@ class WorkerSide:
                         # kvconn gave it up (a draining rank takes no request now).
                         outgoing.given_up = True
                     elif sender is None and self.rank is not None and self.rank.draining:
-                        self._give_up(outgoing, drain.REFUSED)  # it refuses the request to come
+                        self._give_up(outgoing, DRAIN_REFUSED)  # it refuses the request to come
                 req_id = outgoing.send.req_id
                 # vLLM takes a send as finished only for a request it reported finished.
                 over = outgoing.sent or outgoing.given_up

@@ -23,6 +23,7 @@ from kvconn.config import Config
 from kvconn.errors import ArgumentError
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
+from kvconn.protocol.drain import REFUSED as DRAIN_REFUSED
 from kvconn.protocol.drain import DrainReport, rank_report_after
 from kvconn.protocol.ledger import FENCES_REMEMBERED, KVPoll, RoomLedger
 from kvconn.protocol.messages import Message
@@ -263,4 +264,13 @@ def _source_buffers(
     return checked_buffers(buffers, layout)
 
 
-__all__ = ["FENCES_REMEMBERED", "FenceGate", "KVPoll", "PrefillRank", "Sender", "Verdict", "_STOP"]
+__all__ = [
+    "DRAIN_REFUSED",
+    "FENCES_REMEMBERED",
+    "FenceGate",
+    "KVPoll",
+    "PrefillRank",
+    "Sender",
+    "Verdict",
+    "_STOP",
+]
