@@ -238,6 +238,9 @@ def _release_histogram(server: Server, sample: str) -> dict[str, float]:
     }
 
 
+# slow: whether the hang-up lands while kvconn holds the room is a race with
+# the transfer (one CI run of four saw no release in 60 s); run with -m slow.
+@pytest.mark.slow
 def test_a_client_hanging_up_mid_transfer_shows_its_release_on_decodes_metrics(
     servers: tuple[Server, Server, str],
 ) -> None:
