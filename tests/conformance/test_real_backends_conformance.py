@@ -25,6 +25,7 @@ class TestMooncakeConformance(ConformanceSuite):
     backend_name = "mooncake"
 
 
+@pytest.mark.slow  # a third full run (2 minutes on 2 cores); nixl's default runs above
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
 class TestNixlCmaConformance(ConformanceSuite):
     """UCX's own choice (cma on one host): no fence claimed, the rest holds."""

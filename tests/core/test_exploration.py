@@ -12,11 +12,13 @@ CONFIGS = [
     # 2 ranks x 2 chunks, one ERR (settled or not) anywhere, clear, fence and
     # abort at every point; decode's deadline is explored in the next ones.
     dict(ranks=2, chunks=2, errors=1, deadline=False),
-    dict(ranks=2, chunks=1, errors=1, deadline=True, reuse=False),
+    # the two biggest worlds (about a minute each on 2 cores) are slow: the
+    # smaller ones below and the mutant tests' worlds keep CI's 30 minutes
+    pytest.param(dict(ranks=2, chunks=1, errors=1, deadline=True, reuse=False), marks=pytest.mark.slow),
     dict(ranks=1, chunks=3, errors=2, deadline=True),
     # one rank serves the room to two decodes (prefill TP < decode TP), each
     # aborting at any point; ERRs, fences, clears and reuse on either lane
-    dict(ranks=1, chunks=2, errors=1, deadline=False, decodes=2),
+    pytest.param(dict(ranks=1, chunks=2, errors=1, deadline=False, decodes=2), marks=pytest.mark.slow),
 ]
 
 
