@@ -30,6 +30,7 @@ from kvconn.bench import cpu
 from kvconn.bench.mode_result import ModeResult, Violation
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
+from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
@@ -563,13 +564,17 @@ class ModeRun:
                     "n": buckets[-1][1],
                     **{f"p{q}_at_most": (bucket_bound(buckets, q / 100) or 0.0) * 1e3 for q in (50, 99)},
                 }
-        tracker = self.decode.tracker
-        with self.decode._lock:
-            res.pages_held_end = tracker.pages_in(HoldState.HELD)
-            res.pages_quarantined_end = tracker.pages_in(HoldState.QUARANTINED)
-            res.rooms_unreleased_end = len(tracker.rooms_in(HoldState.HELD)) + len(
-                tracker.rooms_in(HoldState.QUARANTINED)
-            )
+
+        def unreleased(state: EndpointState, now: float) -> tuple[tuple[int, int, int], tuple[()]]:
+            tracker = state.tracker
+            held, quarantined = tracker.rooms_in(HoldState.HELD), tracker.rooms_in(HoldState.QUARANTINED)
+            return (
+                tracker.pages_in(HoldState.HELD),
+                tracker.pages_in(HoldState.QUARANTINED),
+                len(held) + len(quarantined),
+            ), ()
+
+        res.pages_held_end, res.pages_quarantined_end, res.rooms_unreleased_end = self.decode.step(unreleased)
 
     def close(self) -> None:
         try:

@@ -459,8 +459,7 @@ class Cluster:
         return receiver.poll().name
 
     def state(self, room: int) -> HoldState | None:
-        with self.endpoint._lock:
-            return self.endpoint.tracker.state(room)
+        return self.endpoint.step(lambda state, now: (state.tracker.state(room), ()))
 
     def quarantined_or_released(self, room: int) -> bool:
         """Whether decode's deadline has done its part for ``room``: moved it

@@ -151,6 +151,31 @@ class TransportChecks:
             "figures", writer_fence.figures_line(writer_fence.writer_fence_check(kvconn_settings))
         )
 
+    @pytest.mark.kvconn_releases
+    def test_writer_fence_holds_across_a_partition(
+        self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
+    ) -> None:
+        """(cross_host) The writer's host is cut off with its 32 MiB write in
+        flight; it fences during the cut; the link heals: not one byte lands
+        after the fence returned, over the watch window and to the end of
+        the run. A fence that closes its TCP connections instead of
+        resetting them fails here: the kernel still holds their queued
+        bytes, and sends them once the link is back."""
+        require_capability(
+            kvconn_settings.cross_host, "a partition needs hosts to cut apart (--kvconn-cross-host)"
+        )
+        require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
+        figures = writer_fence.partition_fence_check(kvconn_settings)
+        record_property(
+            "figures",
+            f"{figures['in_flight_at_cut'] / MiB:.1f} of 32 MiB in flight at the cut; "
+            + (
+                "fenced during the cut"
+                if figures["fenced_while_cut"]
+                else "the fence returned only after the heal"
+            ),
+        )
+
     # -- the owner fence ---------------------------------------------------------
     def test_owner_fence_stops_frozen_writer(
         self, kvconn_settings: Settings, record_property: Callable[[str, object], None]

@@ -21,7 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvconn.conformance.harness import ConformanceFailure, RegionImage, Settings, wait_for
+from kvconn.conformance.harness import (
+    ConformanceFailure,
+    RegionImage,
+    Settings,
+    decode_host,
+    prefill_host,
+    wait_for,
+)
 from kvconn.conformance.writing import (
     LANDED,
     BareWriter,
@@ -32,6 +39,7 @@ from kvconn.conformance.writing import (
     round_of,
     watch,
 )
+from kvconn.testing.hosts import round_trip_s
 
 MiB = 1 << 20
 SIZE = 32 * MiB
@@ -161,6 +169,90 @@ def past_deadline(
     if fenced:
         child.resume()
         child.frozen(limit_of(settings) + 30, "writer fence: the fence returns", round=round_no)
+
+
+#: How long the fence may take while its writer's host is cut off before the
+#: link is healed anyway (a fence that waits for the peer returns after the
+#: heal; what lands before it returned is its right).
+FENCE_WHILE_CUT_S = 15.0
+#: The writer's host sends at this rate (a tc token bucket), so that its
+#: 32 MiB take about 3 s and the cut, :data:`CUT_AFTER_S` into the post,
+#: catches the write with its connections open and bytes queued in them.
+PARTITION_RATE = "100mbit"
+CUT_AFTER_S = 0.5
+
+
+def partition_fence_check(settings: Settings) -> dict[str, Any]:
+    """``test_writer_fence_holds_across_a_partition``: the writer's host is
+    cut off while its 32 MiB write is in flight, it fences during the cut,
+    and the link heals; once a message from the writer's host has crossed
+    the healed link (as the runtime's proof of the fence would, behind
+    whatever was already on the wire), nothing lands. (A TCP connection
+    closed with bytes still queued in the kernel, as when a fence destroys a
+    transport's connections, is left to the kernel, which sends those bytes
+    at its retransmission backoff once the link is back: the fence must
+    reset its connections, not close them.)"""
+    host = prefill_host(0)
+    assert host is not None, "cross-host mode only"
+    rounds = [round_of(ROWS, ["fill", "wait", "post", "wait", "fence", "freeze"], "a")]
+    figures: dict[str, Any] = {}
+    with open_regions(settings, {"a": SIZE}) as regions:
+        image = RegionImage(regions["a"], SIZE)
+        child = BareWriter(settings, metadata_of(regions), rounds, SIZE, host=host)
+        kept = False
+        try:
+            child.expect(60, "partition fence: writer start", event="ready")
+            child.expect(30, "partition fence: the write is ready", event="fill", round=1)
+            image.land(1, ROWS)
+            host.slow(PARTITION_RATE)
+            try:
+                child.send_line()
+                child.expect(30, "partition fence: the write is posted", event="post", round=1)
+                time.sleep(CUT_AFTER_S)
+                host.cut()
+                cut_at = time.monotonic()
+                try:
+                    figures["in_flight_at_cut"] = image.differing()
+                    child.send_line()  # it fences now, the link still cut
+                    try:
+                        child.frozen(FENCE_WHILE_CUT_S, "partition fence: the fence returns", round=1)
+                        figures["fenced_while_cut"] = True
+                    except ConformanceFailure:
+                        figures["fenced_while_cut"] = False
+                finally:
+                    host.heal()
+                cut_s = time.monotonic() - cut_at
+            finally:
+                host.unslow()
+            if not figures["fenced_while_cut"]:
+                child.frozen(
+                    limit_of(settings) + 30, "partition fence: the fence returns after the heal", round=1
+                )
+            _fenced(child, 1)
+            # What the writer's host had sent before the fence may still be on
+            # the wire (a link's queue holds it through the cut); the runtime's
+            # proof of the fence crosses after it. So a message from that host
+            # crosses the healed link first; then nothing may change.
+            decode = decode_host()
+            assert decode is not None
+            round_trip_s(host, decode, rounds=3)
+            image.recanary(ROWS)
+            child.resume()
+            # A kernel retransmits a queued segment at its backoff: within
+            # about twice the time the link was down, after the heal.
+            watch(
+                settings,
+                [image],
+                f"writer fence across a partition ({figures['in_flight_at_cut'] / MiB:.1f} MiB in flight at the "
+                f"cut, the link down {cut_s:.1f} s): {LATE}",
+                at_least_s=2 * cut_s + 1.0,
+            )
+            keep_for_the_run(regions, {"a": image}, "a region whose writer fenced across a partition", child)
+            kept = True
+        finally:
+            if not kept:
+                child.close()
+    return figures
 
 
 def frozen_past_deadline(settings: Settings) -> None:

@@ -112,9 +112,10 @@ def limit_of(settings: Settings) -> float:
     return settings.capabilities.max_write_timeout_s or 0.0
 
 
-def watch(settings: Settings, images: Sequence[RegionImage], what: str) -> None:
-    """Watch ``images`` for the late-write window: any change is a late write."""
-    deadline = time.monotonic() + settings.late_write_watch_s
+def watch(settings: Settings, images: Sequence[RegionImage], what: str, at_least_s: float = 0.0) -> None:
+    """Watch ``images`` for the late-write window (``at_least_s`` if that is
+    longer): any change is a late write."""
+    deadline = time.monotonic() + max(settings.late_write_watch_s, at_least_s)
     while True:
         for image in images:
             found = image.diff()
