@@ -7,7 +7,7 @@ CI runs one or more checks of every kind the cross_host claim rests on:
 integrity, engine memory, aborts racing a chunk, acks, fences (through a
 bare writer and through a rank), a frozen writer, a frozen page owner, a
 killed writer, a partition healed after the deadline, a writer fenced during
-a partition, the owner fence (a
+a partition, a write LANDED during one, the owner fence (a
 writer caught mid-write, a stale one), the cross_host claim (a bare writer,
 a rank). ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
 docs/multi-host.md reports)."""
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavaila
 CI_CHECKS = (
     "integrity or engine_tp_fan_in or abort_races_chunk or forged or fanout or writer_fence_stops "
     "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim or owner_fence "
-    "or barrier_answer or fence_after or writer_fence_holds"
+    "or barrier_answer or fence_after or writer_fence_holds or landed_across"
 )
 #: Checks that exist or behave differently across hosts: each must have run and passed.
 MUST_PASS = (
@@ -45,6 +45,7 @@ MUST_PASS = (
     "test_owner_fence_refuses_stale_writers",
     "test_fence_after_a_raise_stops_the_write",
     "test_writer_fence_holds_across_a_partition",
+    "test_landed_across_a_partition_means_delivered",
 )
 
 

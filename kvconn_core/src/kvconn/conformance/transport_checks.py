@@ -176,6 +176,21 @@ class TransportChecks:
             ),
         )
 
+    def test_landed_across_a_partition_means_delivered(
+        self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
+    ) -> None:
+        """(cross_host) After a first write over a healthy link, the writer's
+        host is cut off and it posts 64 KiB: a barrier that answers LANDED
+        must find every byte in decode's region already. A transport that
+        counts a write done once its kernel took it would let the rank ack a
+        chunk whose bytes still wait to cross, and land after decode reused
+        the pages."""
+        require_capability(
+            kvconn_settings.cross_host, "a partition needs hosts to cut apart (--kvconn-cross-host)"
+        )
+        figures = writer_fence.partition_landed_check(kvconn_settings)
+        record_property("figures", f"the barrier answered {figures['settlement']} with the link cut")
+
     # -- the owner fence ---------------------------------------------------------
     def test_owner_fence_stops_frozen_writer(
         self, kvconn_settings: Settings, record_property: Callable[[str, object], None]

@@ -266,3 +266,56 @@ def frozen_past_deadline(settings: Settings) -> None:
             past_deadline(settings, child, image, ROWS, 1, [])
         finally:
             child.close()
+
+
+#: A write small enough to fit the kernel's socket buffers (16 pieces of
+#: 4 KiB, scattered): a transport that calls it done once the kernel has it
+#: answers LANDED with nothing delivered.
+SMALL_ROWS = [[i * 4096, (i * 7 % 16) * 65536, 4096] for i in range(16)]
+
+
+def partition_landed_check(settings: Settings) -> dict[str, Any]:
+    """``test_landed_across_a_partition_means_delivered``: after a first
+    write over the link (its connections open), the writer's host is cut
+    off and it posts 64 KiB; if its barrier answers LANDED, every byte is in
+    decode's region already, though the link is still down. (A transport
+    that counts a write done once the kernel took it would let a rank ack a
+    chunk whose bytes are still queued, to land after decode reused the
+    pages.)"""
+    host = prefill_host(0)
+    assert host is not None, "cross-host mode only"
+    rounds = [
+        round_of(SMALL_ROWS, ["post", "barrier"], "a"),
+        round_of(SMALL_ROWS, ["fill", "wait", "post", "barrier", "freeze"], "a"),
+    ]
+    with open_regions(settings, {"a": SIZE}) as regions:
+        image = RegionImage(regions["a"], SIZE)
+        child = BareWriter(settings, metadata_of(regions), rounds, SIZE, host=host)
+        try:
+            child.expect(60, "partition LANDED: writer start", event="ready")
+            first = child.expect(
+                30 + limit_of(settings), "partition LANDED: the first write", event="barrier", round=1
+            )
+            child.expect(30, "partition LANDED: the second write is ready", event="fill", round=2)
+            host.cut()
+            try:
+                child.send_line()
+                settlement = child.settlement(settings, "partition LANDED: the barrier answers", 2)
+                image.land(2, SMALL_ROWS)
+                missing = image.differing() if settlement == LANDED else 0
+            finally:
+                host.heal()
+        finally:
+            child.close()
+    if first.get("settlement") != LANDED:
+        raise ConformanceFailure(
+            f"partition LANDED: the first write, over a healthy link, answered {first.get('settlement')!r}, not "
+            "LANDED: its connections may not be open, so the cut proves nothing"
+        )
+    if missing:
+        raise ConformanceFailure(
+            f"DONE barrier answered LANDED with the writer's host cut off and {missing} of {len(SMALL_ROWS) * 65536} "
+            "bytes not in the region: the write was only handed to the kernel (an ack sent on it would race "
+            "its bytes once the link is back)"
+        )
+    return {"first": first.get("settlement"), "settlement": settlement}
