@@ -22,7 +22,6 @@ import numpy.typing as npt
 from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
-from kvconn.sockets import resetting_closed_sockets
 from kvconn.transport import Capabilities, OwnerFenceFailed, OwnerFenceUnsupported, Settlement
 from kvconn_nixl._nixl import (
     LIST_MAX_ROWS,
@@ -436,11 +435,8 @@ class NixlWriter:
             # The counts above are CPython's and may differ elsewhere (3.14
             # borrows references): the proof is the agent itself being gone.
             agent_left = weakref.ref(binding)
-            # ~10-30 ms: UCX closes every endpoint and socket, reset rather than
-            # closed: a closed one's queued bytes would cross a healed partition.
-            with resetting_closed_sockets():
-                del wrapper, reg, binding
-                destroyed = agent_left() is None
+            del wrapper, reg, binding  # ~10-30 ms: UCX closes every endpoint and socket
+            destroyed = agent_left() is None
             try:
                 self._ensure_agent()
             except Exception as exc:
