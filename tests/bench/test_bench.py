@@ -65,7 +65,12 @@ def test_small_run_passes_and_reports(tmp_path: Path) -> None:
     assert fast["peak_pages_held"] <= fast["peak_pages_aborted_unreleased"]
     assert rep["overhead"]["direct_us"] > 0
     assert rep["raw"]["available"] is True and rep["raw"]["gbps"] > 0
-    assert {"legacy_timeout_s", "ratio_vs_30s_timeout_p99"} <= set(rep["comparison"])
+    assert "legacy_timeout_s" in rep["comparison"]
+    # The ratio needs an abort->release latency: under load every abort of so
+    # small a run can fall after its room completed (seen twice in CI), and
+    # then the report leaves the ratio out rather than print a made-up one.
+    has_latency = fast["release_latency_ms"]["n"] > 0
+    assert ("ratio_vs_30s_timeout_p99" in rep["comparison"]) == has_latency, rep["comparison"]
     assert any(t["target"].startswith("per-chunk overhead") for t in rep["targets"])
     assert {t["target"] for t in rep["targets"] if t["gates_exit"]} == {
         "peak pages held <= aborted, unreleased",
