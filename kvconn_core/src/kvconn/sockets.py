@@ -21,15 +21,19 @@ import stat
 import struct
 from collections.abc import Iterator
 
-__all__ = ["resetting_closed_sockets"]
+__all__ = ["resetting_closed_sockets", "socket_fds"]
 
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST and drops what is queued
 
 
-def _socket_fds() -> dict[int, int]:
-    """This process's socket descriptors: fd -> inode."""
-    found = {}
-    for name in os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"):
+def socket_fds() -> dict[int, int]:
+    """This process's socket descriptors: fd -> inode (none where it cannot list its descriptors)."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd")
+    except OSError:
+        return found
+    for name in names:
         fd = int(name)
         with contextlib.suppress(OSError):
             st = os.fstat(fd)
@@ -51,7 +55,7 @@ def resetting_closed_sockets() -> Iterator[None]:
     closes meanwhile is reset too (its close loses what it had queued).
     """
     held: dict[int, tuple[int, int]] = {}  # duplicate -> (fd, inode)
-    for fd, inode in _socket_fds().items():
+    for fd, inode in socket_fds().items():
         with contextlib.suppress(OSError):
             dup = os.dup(fd)
             if os.fstat(dup).st_ino == inode:
@@ -61,7 +65,7 @@ def resetting_closed_sockets() -> Iterator[None]:
     try:
         yield
     finally:
-        still = _socket_fds()
+        still = socket_fds()
         for dup, (fd, inode) in held.items():
             if still.get(fd) == inode:
                 os.close(dup)

@@ -156,9 +156,10 @@ class TransportChecks:
         self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
     ) -> None:
         """(cross_host) The writer's host is cut off with its 32 MiB write in
-        flight; it fences during the cut; the link heals: not one byte lands
-        after the fence returned, over the watch window and to the end of
-        the run. A fence that closes its TCP connections instead of
+        flight; it fences during the cut; the link heals: once a message
+        from that host has crossed the healed link (as the rank's proof of
+        the fence would), not one byte lands, over the watch window and to
+        the end of the run. A fence that closes its TCP connections instead of
         resetting them fails here: the kernel still holds their queued
         bytes, and sends them once the link is back."""
         require_capability(

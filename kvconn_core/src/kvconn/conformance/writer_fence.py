@@ -272,6 +272,7 @@ def frozen_past_deadline(settings: Settings) -> None:
 #: 4 KiB, scattered): a transport that calls it done once the kernel has it
 #: answers LANDED with nothing delivered.
 SMALL_ROWS = [[i * 4096, (i * 7 % 16) * 65536, 4096] for i in range(16)]
+SMALL_BYTES = sum(n for _, _, n in SMALL_ROWS)
 
 
 def partition_landed_check(settings: Settings) -> dict[str, Any]:
@@ -314,7 +315,7 @@ def partition_landed_check(settings: Settings) -> dict[str, Any]:
         )
     if missing:
         raise ConformanceFailure(
-            f"DONE barrier answered LANDED with the writer's host cut off and {missing} of {len(SMALL_ROWS) * 65536} "
+            f"DONE barrier answered LANDED with the writer's host cut off and {missing} of {SMALL_BYTES} "
             "bytes not in the region: the write was only handed to the kernel (an ack sent on it would race "
             "its bytes once the link is back)"
         )

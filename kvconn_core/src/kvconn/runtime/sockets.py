@@ -15,7 +15,6 @@ connection is named and a fence is taken as it is.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import struct
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ from collections.abc import Iterable
 import attrs
 
 from kvconn.protocol.messages import TcpConnection
+from kvconn.sockets import socket_fds
 
 # /proc/net/tcp state codes
 _LISTEN = 0x0A
@@ -72,19 +72,7 @@ def _rows() -> list[_Row]:
 
 
 def _own_inodes() -> set[int]:
-    inodes: set[int] = set()
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
+    return set(socket_fds().values())
 
 
 def _reversed(conn: TcpConnection) -> TcpConnection:
