@@ -62,6 +62,8 @@ posted before it can land; then a new NIC thread serves new posts.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import mmap
 import os
@@ -124,6 +126,22 @@ class LoopbackOptions:
         )
 
 
+#: Segments this process created and has not closed: pid -> name -> segment.
+_OPEN_HERE: dict[int, dict[str, shared_memory.SharedMemory]] = {}
+
+
+@atexit.register
+def _unlink_kept_segments() -> None:
+    """Decode keeps a region open past its endpoint's close while pages are
+    held (a writer may still reach them); at exit its name goes. Unlinking
+    frees nothing a writer still maps and lets no new writer attach, and
+    the resource tracker would do it anyway, with a warning on stderr. A
+    forked child that exits normally runs this too: it leaves its parent's."""
+    for shm in _OPEN_HERE.pop(os.getpid(), {}).values():
+        with contextlib.suppress(OSError):
+            shm.unlink()
+
+
 class LoopbackRegion:
     """Decode's pages in a fresh shared-memory segment."""
 
@@ -131,6 +149,7 @@ class LoopbackRegion:
         self.nbytes = nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
         _CREATED_HERE.add(self._shm._name)  # type: ignore[attr-defined]
+        _OPEN_HERE.setdefault(os.getpid(), {})[self._shm.name] = self._shm
         self._buf = _buffer(self._shm)
         self.metadata = self._shm.name.encode()
 
@@ -147,6 +166,7 @@ class LoopbackRegion:
         self._shm.close()
         self._shm.unlink()
         _CREATED_HERE.discard(self._shm._name)  # type: ignore[attr-defined]
+        _OPEN_HERE.get(os.getpid(), {}).pop(self._shm.name, None)
 
 
 class LoopbackEngineRegion:
