@@ -7,9 +7,10 @@ CI runs one or more checks of every kind the cross_host claim rests on:
 integrity, engine memory, aborts racing a chunk, acks, fences (through a
 bare writer and through a rank), a frozen writer, a frozen page owner, a
 killed writer, a partition healed after the deadline, a writer fenced during
-a partition, a write LANDED during one, the owner fence (a
-writer caught mid-write, a stale one), the cross_host claim (a bare writer,
-a rank). ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
+a partition, a write LANDED during one (and ``liar-mooncake``, whose
+barrier calls a write its engine took LANDED, failing that check), the
+owner fence (a writer caught mid-write, a stale one), the cross_host claim
+(a bare writer, a rank). ``KVCONN_CROSS_HOST_FULL=1`` runs the whole suite (as
 docs/multi-host.md reports)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 
 import pytest
+from conformance_cli import conformance
 
 from kvconn.testing import hosts
 from kvconn.testing.libraries import why_unavailable
@@ -85,3 +87,21 @@ def test_the_suite_passes_across_hosts_for_nixl_and_mooncake() -> None:
         f"\ncross-host suite ({'full' if full else 'CI'}) for {', '.join(backends)}: "
         f"{time.monotonic() - started:.0f} s"
     )
+
+
+def test_a_barrier_that_calls_a_submitted_write_landed_fails_across_a_partition(
+    liar_env: dict[str, str],
+) -> None:
+    """The LANDED check across a partition can fail: ``liar-mooncake`` answers
+    LANDED once its engine took the write. On one host its bytes arrive
+    before anyone looks; with the writer's host cut off they do not, and the
+    check finds all of them missing from decode's region."""
+    if why_unavailable("mooncake") is not None:
+        pytest.skip(f"mooncake: {why_unavailable('mooncake')}")
+    check = "test_landed_across_a_partition_means_delivered"
+    code, out = conformance(
+        "liar-mooncake", "--cross-host", "-k", check.removeprefix("test_"), env=liar_env, timeout=300
+    )
+    assert code != 0, out
+    assert re.search(rf"^FAILED\s+{check}\b", out, re.M), out
+    assert "with the writer's host cut off and 65536 of 65536 bytes not in the region" in out, out

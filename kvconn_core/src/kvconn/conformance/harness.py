@@ -532,6 +532,18 @@ class RegionImage:
         got = np.frombuffer(self.region.read(0, self.nbytes), dtype=np.uint8)
         return int(np.count_nonzero(got != self.want))
 
+    def missing(self, rows: Sequence[Sequence[int]]) -> int:
+        """How many bytes of these rows' destinations differ from what they
+        must hold (after :meth:`land` of them: how many have not landed)."""
+        return sum(
+            int(
+                np.count_nonzero(
+                    np.frombuffer(self.region.read(dst, n), dtype=np.uint8) != self.want[dst : dst + n]
+                )
+            )
+            for _, dst, n in rows
+        )
+
     def diff(self) -> str:
         """ "" if the region holds what it must, else what differs and where."""
         got = np.frombuffer(self.region.read(0, self.nbytes), dtype=np.uint8)

@@ -271,8 +271,12 @@ def frozen_past_deadline(settings: Settings) -> None:
 #: A write small enough to fit the kernel's socket buffers (16 pieces of
 #: 4 KiB, scattered): a transport that calls it done once the kernel has it
 #: answers LANDED with nothing delivered.
-SMALL_ROWS = [[i * 4096, (i * 7 % 16) * 65536, 4096] for i in range(16)]
-SMALL_BYTES = sum(n for _, _, n in SMALL_ROWS)
+CUT_ROWS = [[MiB + i * 4096, (i * 7 % 16) * 65536, 4096] for i in range(16)]
+CUT_BYTES = sum(n for _, _, n in CUT_ROWS)
+#: The write before the cut, beside it, from other source bytes: if it is
+#: still in flight when the cut write posts, none of its bytes can pass for
+#: the cut write's.
+WARM_ROWS = [[i * 4096, (i * 7 % 16) * 65536 + 32768, 4096] for i in range(16)]
 
 
 def partition_landed_check(settings: Settings) -> dict[str, Any]:
@@ -286,8 +290,8 @@ def partition_landed_check(settings: Settings) -> dict[str, Any]:
     host = prefill_host(0)
     assert host is not None, "cross-host mode only"
     rounds = [
-        round_of(SMALL_ROWS, ["post", "barrier"], "a"),
-        round_of(SMALL_ROWS, ["fill", "wait", "post", "barrier", "freeze"], "a"),
+        round_of(WARM_ROWS, ["post", "barrier"], "a"),
+        round_of(CUT_ROWS, ["fill", "wait", "post", "barrier", "freeze"], "a"),
     ]
     with open_regions(settings, {"a": SIZE}) as regions:
         image = RegionImage(regions["a"], SIZE)
@@ -302,8 +306,8 @@ def partition_landed_check(settings: Settings) -> dict[str, Any]:
             try:
                 child.send_line()
                 settlement = child.settlement(settings, "partition LANDED: the barrier answers", 2)
-                image.land(2, SMALL_ROWS)
-                missing = image.differing() if settlement == LANDED else 0
+                image.land(2, CUT_ROWS)
+                missing = image.missing(CUT_ROWS) if settlement == LANDED else 0
             finally:
                 host.heal()
         finally:
@@ -315,7 +319,7 @@ def partition_landed_check(settings: Settings) -> dict[str, Any]:
         )
     if missing:
         raise ConformanceFailure(
-            f"DONE barrier answered LANDED with the writer's host cut off and {missing} of {SMALL_BYTES} "
+            f"DONE barrier answered LANDED with the writer's host cut off and {missing} of {CUT_BYTES} "
             "bytes not in the region: the write was only handed to the kernel (an ack sent on it would race "
             "its bytes once the link is back)"
         )

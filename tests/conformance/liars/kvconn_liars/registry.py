@@ -23,7 +23,10 @@ def liar_path(root: Path) -> str:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvconn-liars\nVersion: 0.0\n")
     lines = ["[kvconn.backends]"]
     lines += [f"{b.name} = kvconn_liars:{lie.upper()}" for lie, b in BACKENDS.items()]
-    lines += ["liar-loopback = kvconn_liars.loopback:backend"]
+    lines += [
+        "liar-loopback = kvconn_liars.loopback:backend",
+        "liar-mooncake = kvconn_liars.mooncake:backend",
+    ]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     parts = [str(root), str(HERE), os.environ.get("PYTHONPATH", "")]
     return os.pathsep.join(p for p in parts if p)
