@@ -126,10 +126,6 @@ class LoopbackOptions:
         )
 
 
-#: Segments this process created and has not closed: pid -> name -> segment.
-_OPEN_HERE: dict[int, dict[str, shared_memory.SharedMemory]] = {}
-
-
 @atexit.register
 def _unlink_kept_segments() -> None:
     """Decode keeps a region open past its endpoint's close while pages are
@@ -137,9 +133,11 @@ def _unlink_kept_segments() -> None:
     frees nothing a writer still maps and lets no new writer attach, and
     the resource tracker would do it anyway, with a warning on stderr. A
     forked child that exits normally runs this too: it leaves its parent's."""
-    for shm in _OPEN_HERE.pop(os.getpid(), {}).values():
-        with contextlib.suppress(OSError):
-            shm.unlink()
+    me = os.getpid()
+    for pid, shm in list(_CREATED_HERE.values()):
+        if pid == me:
+            with contextlib.suppress(OSError):
+                shm.unlink()
 
 
 class LoopbackRegion:
@@ -148,8 +146,7 @@ class LoopbackRegion:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
-        _CREATED_HERE.add(self._shm._name)  # type: ignore[attr-defined]
-        _OPEN_HERE.setdefault(os.getpid(), {})[self._shm.name] = self._shm
+        _CREATED_HERE[self._shm._name] = (os.getpid(), self._shm)  # type: ignore[attr-defined]
         self._buf = _buffer(self._shm)
         self.metadata = self._shm.name.encode()
 
@@ -165,8 +162,7 @@ class LoopbackRegion:
         del self._buf
         self._shm.close()
         self._shm.unlink()
-        _CREATED_HERE.discard(self._shm._name)  # type: ignore[attr-defined]
-        _OPEN_HERE.get(os.getpid(), {}).pop(self._shm.name, None)
+        _CREATED_HERE.pop(self._shm._name, None)  # type: ignore[attr-defined]
 
 
 class LoopbackEngineRegion:

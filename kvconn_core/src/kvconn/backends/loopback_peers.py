@@ -46,8 +46,9 @@ def _address(buf: memoryview | mmap.mmap) -> tuple[int, ctypes.c_char]:
 
 
 #: Segments this process (or the one it forked from, which shares its
-#: resource tracker) created: attaching to one must leave its registration.
-_CREATED_HERE: set[str] = set()
+#: resource tracker) created and has not closed, by name: the creating pid
+#: and the segment. Attaching to one must leave its registration.
+_CREATED_HERE: dict[str, tuple[int, shared_memory.SharedMemory]] = {}
 
 
 def _buffer(shm: shared_memory.SharedMemory) -> memoryview:

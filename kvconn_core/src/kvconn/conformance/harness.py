@@ -526,22 +526,18 @@ class RegionImage:
             self.region.write(dst, canary(n))
             self.want[dst : dst + n] = canary(1)[0]
 
-    def differing(self) -> int:
-        """How many bytes of the region differ from what it must hold (after
-        :meth:`land`: how many of the round's bytes have not landed yet)."""
-        got = np.frombuffer(self.region.read(0, self.nbytes), dtype=np.uint8)
-        return int(np.count_nonzero(got != self.want))
-
-    def missing(self, rows: Sequence[Sequence[int]]) -> int:
-        """How many bytes of these rows' destinations differ from what they
-        must hold (after :meth:`land` of them: how many have not landed)."""
+    def differing(self, rows: Sequence[Sequence[int]] | None = None) -> int:
+        """How many bytes of the region (of ``rows``' destinations only, if
+        given) differ from what it must hold (after :meth:`land`: how many
+        of the round's bytes have not landed yet)."""
+        spans = [(0, self.nbytes)] if rows is None else [(d, n) for _, d, n in rows]
         return sum(
             int(
                 np.count_nonzero(
                     np.frombuffer(self.region.read(dst, n), dtype=np.uint8) != self.want[dst : dst + n]
                 )
             )
-            for _, dst, n in rows
+            for dst, n in spans
         )
 
     def diff(self) -> str:

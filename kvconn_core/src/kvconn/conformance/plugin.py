@@ -40,6 +40,10 @@ _no_hosts_key = pytest.StashKey[str]()
 _fabric_key = pytest.StashKey[hosts.Fabric]()
 
 
+#: Why a check that cuts a link skips without ``--kvconn-cross-host``.
+NEEDS_HOSTS = "a partition needs hosts to cut apart (--kvconn-cross-host)"
+
+
 def require_capability(declared: bool, reason: str) -> None:
     """Skip the running check unless the backend declares what it needs."""
     if not declared:

@@ -34,7 +34,7 @@ from kvconn.conformance.harness import (
     scattered_rows,
 )
 from kvconn.conformance.owner_fence import figures_line, owner_fence_check, stale_writer_check
-from kvconn.conformance.plugin import require_capability
+from kvconn.conformance.plugin import NEEDS_HOSTS, require_capability
 from kvconn.conformance.writer_fence import frozen_past_deadline
 from kvconn.conformance.writing import (
     LANDED,
@@ -162,9 +162,7 @@ class TransportChecks:
         the end of the run. A fence that closes its TCP connections instead of
         resetting them fails here: the kernel still holds their queued
         bytes, and sends them once the link is back."""
-        require_capability(
-            kvconn_settings.cross_host, "a partition needs hosts to cut apart (--kvconn-cross-host)"
-        )
+        require_capability(kvconn_settings.cross_host, NEEDS_HOSTS)
         require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
         figures = writer_fence.partition_fence_check(kvconn_settings)
         record_property(
@@ -186,9 +184,7 @@ class TransportChecks:
         counts a write done once its kernel took it would let the rank ack a
         chunk whose bytes still wait to cross, and land after decode reused
         the pages."""
-        require_capability(
-            kvconn_settings.cross_host, "a partition needs hosts to cut apart (--kvconn-cross-host)"
-        )
+        require_capability(kvconn_settings.cross_host, NEEDS_HOSTS)
         figures = writer_fence.partition_landed_check(kvconn_settings)
         record_property("figures", f"the barrier answered {figures['settlement']} with the link cut")
 

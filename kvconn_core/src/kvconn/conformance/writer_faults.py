@@ -31,7 +31,7 @@ from kvconn.conformance.harness import (
     Settings,
     wait_for,
 )
-from kvconn.conformance.plugin import require_capability
+from kvconn.conformance.plugin import NEEDS_HOSTS, require_capability
 from kvconn.protocol.hold import HoldState, Proof
 from kvconn.protocol.messages import TcpConnection
 from kvconn.runtime.sockets import TcpTable
@@ -340,9 +340,7 @@ class WriterFaultChecks:
         never released on that timeout. The link heals after the deadline; what
         was in flight may land then, in pages still held: the room is released
         only by a proof after the heal, and nothing lands after that."""
-        require_capability(
-            kvconn_settings.cross_host, "a partition needs hosts to cut apart (--kvconn-cross-host)"
-        )
+        require_capability(kvconn_settings.cross_host, NEEDS_HOSTS)
         faults = {PARTITION_ROOM: {"pause": "before_post", "pause_s": 0.5}}
         with open_cluster(
             kvconn_settings, page_bytes=MiB, num_pages=96, chunk_pages=16, faults=faults

@@ -307,7 +307,7 @@ def partition_landed_check(settings: Settings) -> dict[str, Any]:
                 child.send_line()
                 settlement = child.settlement(settings, "partition LANDED: the barrier answers", 2)
                 image.land(2, CUT_ROWS)
-                missing = image.missing(CUT_ROWS) if settlement == LANDED else 0
+                missing = image.differing(CUT_ROWS) if settlement == LANDED else 0
             finally:
                 host.heal()
         finally:
