@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(bool(hosts.unavailable()), reason=hosts.unavaila
 CI_CHECKS = (
     "integrity or engine_tp_fan_in or abort_races_chunk or forged or fanout or writer_fence_stops "
     "or frozen_writer or frozen_owner or killed_writer or partition or cross_host_claim or owner_fence "
-    "or barrier_answer or fence_after"  # "partition" selects the two partition-fence checks too
+    "or barrier_answer or fence_after"  # "partition" also selects the writer fence and LANDED checks across a partition
 )
 #: Checks that exist or behave differently across hosts: each must have run and passed.
 MUST_PASS = (

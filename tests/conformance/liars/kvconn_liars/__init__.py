@@ -9,7 +9,8 @@ through a throw-away ``.dist-info`` (see ``tests/conformance/liars/registry.py``
 never through the installed packages. ``liar-loopback``
 (:mod:`kvconn_liars.loopback`) is kvconn's own loopback transport with four
 lies to switch on by option; ``liar-mooncake`` (:mod:`kvconn_liars.mooncake`)
-is kvconn-mooncake whose barrier calls a write the engine took LANDED.
+is kvconn-mooncake with two (a barrier that calls a write its engine took
+LANDED, a fence that closes its connections instead of resetting them).
 
 Options: ``piece_bytes`` (default 65536), ``pace_s`` (sleep per piece,
 default 0), ``memory`` (``dram``; ``vram`` only where declared),
