@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from conformance_cli import conformance
+from conformance_cli import conformance, stop
 
 from kvconn.testing import hosts
 from kvconn.testing.libraries import why_unavailable
@@ -72,8 +72,7 @@ def test_the_suite_passes_across_hosts_for_nixl_and_mooncake() -> None:
             outputs[b], _ = proc.communicate(timeout=1200)
     finally:
         for proc in runs.values():
-            if proc.poll() is None:
-                proc.kill()
+            stop(proc)
     for b, out in outputs.items():
         assert runs[b].returncode == 0, f"{b} across hosts:\n{out[-6000:]}"
         summary = re.search(rf"^{b}: (\d+) passed, (\d+) skipped, (\d+) failed", out, re.M)
