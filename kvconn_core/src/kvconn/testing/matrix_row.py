@@ -466,8 +466,16 @@ def _capacity(row: Row) -> tuple[float | None, str]:
         wait_for(row.stop.until(lambda: held() <= before), CAPACITY_WAIT_S, "pages")
     if held() > before:
         return None, f"{held() - before} pages still held {time.monotonic() - proof:.1f} s after the proof"
-    lags = [min(float(e["held_for"]), float(e["t"]) - proof) for e in decode.named("released")]
-    return max([0.0, *lags]), ""
+    return capacity_back(decode.named("released"), proof), ""
+
+
+def capacity_back(releases: Sequence[dict[str, Any]], proof_at: float) -> float:
+    """The longest any released room (``{"t": released at, "held_for":
+    abort to release}``) stayed held after a proof for it became possible:
+    from the later of ``proof_at`` and its abort, to its release (0 for
+    those released before either)."""
+    lags = [min(float(e["held_for"]), float(e["t"]) - proof_at) for e in releases]
+    return max([0.0, *lags])
 
 
 def _hung_prefill(row: Row) -> int:
@@ -537,7 +545,7 @@ def _outcome(
         corrupted += sum(len(e["pages"]) for e in decode.named("corrupt"))
         downs += decode.named("rank_down")
         proofs |= {e["proof"] for e in decode.named("released")}
-        pinned += _integral(_held(decode), decode.gone_at or ended)
+        pinned += page_seconds(_held(decode), decode.gone_at or ended)
     corrupted += sum(len(f["late_pages"]) for f in finals)
     return Outcome(
         row.fault,
@@ -562,9 +570,9 @@ def _outcome(
     )
 
 
-def _integral(series: list[tuple[float, int]], end: float) -> float:
+def page_seconds(series: list[tuple[float, int]], end: float) -> float:
     """Page-seconds of a step function sampled at ``series``' times, up to ``end``."""
     total = 0.0
-    for (t, pages), (t_next, _) in zip(series, [*series[1:], (end, 0)], strict=True):
+    for (t, pages), (t_next, _) in zip(series, [*series[1:], (end, 0)][: len(series)], strict=True):
         total += pages * max(0.0, min(t_next, end) - t)
     return total
