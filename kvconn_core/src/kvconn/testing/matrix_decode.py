@@ -189,6 +189,7 @@ class Client:
             {
                 "event": "request",
                 "id": request.id,
+                "room": request.room,
                 "outcome": outcome,
                 "reason": reason,
                 "tries": request.tries,

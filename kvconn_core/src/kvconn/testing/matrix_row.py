@@ -104,6 +104,8 @@ class Outcome:
     capacity_note: str = ""  #: why capacity_back_s is None
     false_rank_downs: int = 0
     rank_downs: int = 0
+    #: Each rank-down: rank, seconds from the fault, reason, "(false)".
+    downs: tuple[str, ...] = ()
     proofs: tuple[str, ...] = ()  #: of the releases
     reasons: tuple[tuple[str, int], ...] = ()  #: failures and hangs, by reason
     load: float = 0.0  #: the machine's 1-minute load average as the row started
@@ -491,15 +493,25 @@ def false_downs(windows: Sequence[Window], downs: Sequence[dict[str, Any]]) -> i
     """Rank-downs (``{"rank", "at"}``) of a rank no fault window (rank or
     None for every rank, start, end or None for good) touched in the
     EVIDENCE_S before the call: it was alive and reachable all along."""
-    false = 0
-    for down in downs:
-        at, rank = float(down["at"]), int(down["rank"])
-        touched = any(
-            (who is None or who == rank) and start <= at and (end is None or end >= at - EVIDENCE_S)
-            for who, start, end in windows
-        )
-        false += not touched
-    return false
+    return sum(1 for down in downs if not _touched(windows, down))
+
+
+def _touched(windows: Sequence[Window], down: dict[str, Any]) -> bool:
+    at, rank = float(down["at"]), int(down["rank"])
+    return any(
+        (who is None or who == rank) and start <= at and (end is None or end >= at - EVIDENCE_S)
+        for who, start, end in windows
+    )
+
+
+def down_log(windows: Sequence[Window], downs: Sequence[dict[str, Any]], fault_at: float) -> list[str]:
+    """One line per rank-down: which rank, when (from the fault), why, and
+    whether it was false."""
+    return [
+        f"rank {d['rank']} at {float(d['at']) - fault_at:+.2f} s: {d['reason']}"
+        + ("" if _touched(windows, d) else " (false)")
+        for d in sorted(downs, key=lambda d: float(d["at"]))
+    ]
 
 
 _NUMBERS = re.compile(r"\d+(\.\d+)?")
@@ -564,6 +576,7 @@ def _outcome(
         capacity_note=capacity[1],
         false_rank_downs=false_downs(row.windows, downs),
         rank_downs=len(downs),
+        downs=tuple(down_log(row.windows, downs, row.fault_at)),
         proofs=tuple(sorted(proofs)),
         reasons=tuple(reasons.most_common()),
         load=round(load, 1),
