@@ -27,6 +27,7 @@ Driven by JSON lines on stdin; reports JSON lines on stdout, each stamped
     {"prefill": [addresses]}                     (first line) -> ready {address, segment}
     {"op": "start", "rate": R, "pages": N, "bound_s": B, "count": C}   C requests, R a second
     {"op": "stop"}                                  no more arrivals
+    {"op": "busy", "seconds": S}                    a thread computes in Python meanwhile
     {"op": "idle", "timeout_s": S}                 -> idle {open}: every request ended
     {"op": "victim", "room": R, "pages": N}        -> opened {room, pages}
     {"op": "abort", "room": R}                     -> aborted {room}
@@ -61,7 +62,7 @@ from kvconn.protocol.endpoint_events import Action, RankDown, RankRestarted
 from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
-from kvconn.testing.child import emit, load_args, quiet_interrupts
+from kvconn.testing.child import busy, emit, load_args, quiet_interrupts
 from kvconn.testing.pages import CanaryPages
 from kvconn.testing.patterns import CANARY
 
@@ -324,6 +325,8 @@ def _command(
         client.start(float(cmd["rate"]), int(cmd["pages"]), float(cmd["bound_s"]), int(cmd["count"]))
     elif op == "stop":
         client.stop()
+    elif op == "busy":
+        busy(float(cmd["seconds"]))
     elif op == "idle":
         deadline = time.monotonic() + float(cmd["timeout_s"])
         while client.open_count() and time.monotonic() < deadline:

@@ -108,7 +108,7 @@ class Outcome:
     downs: tuple[str, ...] = ()
     proofs: tuple[str, ...] = ()  #: of the releases
     reasons: tuple[tuple[str, int], ...] = ()  #: failures and hangs, by reason
-    load: float = 0.0  #: the machine's 1-minute load average as the row started
+    load: float = 0.0  #: the machine's 1-minute load average, the higher of the row's start and end
     misses: tuple[str, ...] = ()  #: kvconn's targets this row missed
     skipped: str = ""
     error: str = ""
@@ -435,6 +435,7 @@ def measure(row: Row, inject: Callable[[Row], None], span_s: float) -> Outcome:
     row.stop.sleep(2 * WRITE_S)  # late bytes have their chance to land
     hung_prefill = _hung_prefill(row)
     finals = [d.ask("final", op="final") for d in live]
+    load = max(load, os.getloadavg()[0])  # the 1-minute average lags: the busier end
     return _outcome(row, load, time.monotonic(), capacity, hung_prefill, finals)
 
 

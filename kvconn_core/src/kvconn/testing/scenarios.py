@@ -206,7 +206,12 @@ def _kill_decode(restart: bool) -> Callable[[Row], None]:
 
 
 def _overload(row: Row) -> None:
-    """No fault at all: the machine's CPUs busy with hogs (10 per core)."""
+    """No fault at all: the machine's CPUs busy with hogs (10 per core), and
+    every rank and decode busy in Python (an engine's step loop, taking the
+    GIL from kvconn's threads)."""
+    for rank in row.cluster.ranks:
+        rank.send_line(f"busy {OVERLOAD_S}")
+    row.decode.send_json({"op": "busy", "seconds": OVERLOAD_S})
     row.hogs.on()
     try:
         row.stop.sleep(OVERLOAD_S)
@@ -247,7 +252,8 @@ MATRIX: dict[str, Fault] = {
     "decode_frozen": Fault(_freeze_decode, DECODE_FROZEN_S, DECODE_FROZEN_S + SILENT_BOUND_S),
     "decode_killed": Fault(_kill_decode(restart=False), 0.0),
     "decode_restarted": Fault(_kill_decode(restart=True), 0.0),
-    "overload": Fault(_overload, OVERLOAD_S),
+    # A machine this busy serves slower: its users wait through it, then the usual bound.
+    "overload": Fault(_overload, OVERLOAD_S, OVERLOAD_S + SILENT_BOUND_S),
     "abort_storm": Fault(_abort_storm, 0.5),
 }
 FAULTS = tuple(MATRIX)
