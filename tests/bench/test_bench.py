@@ -233,6 +233,8 @@ def test_fault_matrix_short_selection_is_safe_and_live_in_kvconn_mode(tmp_path: 
         if fault in ("frozen", "late_queue", "partition"):
             assert legacy["corrupted"] > 0, legacy  # a late write reached a page the deadline freed
             assert "unsafe_timeout" in legacy["proofs"], legacy
+        if fault in ("killed", "restarted"):  # decode's calls are seen: 0 false ones is no blind spot
+            assert kvconn["rank_downs"] >= 1 and "exited" in kvconn["downs"][0], row
     assert "production faults" in proc.stdout
 
 

@@ -177,11 +177,11 @@ def test_cpu_hogs_are_shared_by_both_modes_and_killed_by_pid() -> None:
     try:
         hogs.on()
         hogs.on()  # the other mode's thread
-        pids = [p.pid for p in hogs._procs]
+        pids = hogs.pids()
         assert len(pids) == os.cpu_count() and all(os.path.exists(f"/proc/{p}") for p in pids)
         hogs.off()
-        assert all(p.poll() is None for p in hogs._procs)  # one mode still in the row
+        assert hogs.pids() == pids and all(os.path.exists(f"/proc/{p}") for p in pids)  # one mode left
         hogs.off()
-        assert hogs._procs == [] and not any(os.path.exists(f"/proc/{p}") for p in pids)
+        assert hogs.pids() == [] and not any(os.path.exists(f"/proc/{p}") for p in pids)
     finally:
         hogs.close()

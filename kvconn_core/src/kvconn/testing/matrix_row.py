@@ -202,6 +202,10 @@ class Hogs:
                     for _ in range(self.count)
                 ]
 
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [proc.pid for proc in self._procs]
+
     def off(self) -> None:
         with self._lock:
             self._users -= 1

@@ -28,6 +28,8 @@ Per row, what safety costs and what liveness gives:
 * ``false_rank_downs``: ranks called down although they had been alive and
   reachable for the whole peer timeout and two heartbeats before.
 
+How a row is run and each figure judged is :mod:`kvconn.testing.matrix_row`'s.
+
 Interrupted (Ctrl-C, or a SIGTERM handler that raises), :func:`run` stops
 both modes' threads, closes their processes (a frozen one is continued and
 told to exit), stops the CPU hogs and removes the hosts, and re-raises,
@@ -41,7 +43,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -84,6 +86,7 @@ from kvconn.testing.matrix_row import (
 from kvconn.testing.waiting import wait_for
 
 __all__ = [
+    "BOUNDS",
     "DEADLINE_S",
     "FAULTS",
     "HEARTBEAT_S",
@@ -95,7 +98,6 @@ __all__ = [
     "Fault",
     "Outcome",
     "Stopped",
-    "iter_rows",
     "misses",
     "run",
 ]
@@ -198,6 +200,7 @@ def _kill_decode(restart: bool) -> Callable[[Row], None]:
         row.capacity_note = "n/a: decode's pages died with it"
         if restart:
             port = int(old.address.rsplit(":", 1)[1])
+            # Its rooms numbered apart: a rank may still hold the killed one's.
             row.decodes.append(start_decode(row.mode, row.fabric, row.stop, port, first_room=2 << 20))
             bootstrap_at_same_address(row, port)
             row.start_client(TAIL_S)
@@ -380,12 +383,3 @@ def _row(fault: str, mode: str, fabric: Fabric | None, stop: Stop, hogs: Hogs) -
     finally:
         if row is not None:
             close_row(row)
-
-
-def iter_rows(outcomes: Sequence[Outcome]) -> Iterator[tuple[str, Outcome | None, Outcome | None]]:
-    """(fault, kvconn's outcome, legacy's outcome), in FAULTS order."""
-    by = {(o.fault, o.mode): o for o in outcomes}
-    for fault in FAULTS:
-        k, leg = by.get((fault, "kvconn")), by.get((fault, "legacy"))
-        if k or leg:
-            yield fault, k, leg
