@@ -34,7 +34,7 @@ from kvconn.testing.waiting import wait_for
 if TYPE_CHECKING:
     from kvconn.testing.hosts import Host
 
-__all__ = ["Child", "ChildError", "StderrLog", "emit", "load_args", "quiet_interrupts", "stop_self"]
+__all__ = ["Child", "ChildError", "StderrLog", "busy", "emit", "load_args", "quiet_interrupts", "stop_self"]
 
 _out_lock = threading.Lock()
 
@@ -65,6 +65,21 @@ def quiet_interrupts() -> None:
     a run at once. The parent tears the run down and closes our stdin, and we
     exit then, without a traceback of our own."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def busy(seconds: float) -> threading.Thread:
+    """In a child: a thread that computes in Python for ``seconds`` (an
+    engine's busy step loop), taking the GIL from the process's other
+    threads, kvconn's listener among them, at every switch interval."""
+
+    def spin() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, daemon=True, name="kvconn-busy-engine")
+    thread.start()
+    return thread
 
 
 def stop_self() -> None:
