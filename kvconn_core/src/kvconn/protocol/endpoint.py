@@ -425,8 +425,9 @@ class EndpointState:
             return [Drop(reason)]
         if msg.session == self.writers[rank].session:
             liveness.heard_from(self, rank, now)
-            self.down.pop(rank, None)
-            return []
+            if self.down.pop(rank, None) is None:
+                return []
+            return liveness.back_up(self, rank, now)
         return [Identify(msg)]
 
     @handle.register

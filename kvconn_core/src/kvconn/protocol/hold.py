@@ -260,6 +260,26 @@ class HoldTracker:
                 actions.append(self._release(room, entry, self._proof(entry), now))
         return actions
 
+    def reask(self, rank: int, rooms: Collection[int], now: float) -> list[HoldAction]:
+        """``rank`` is reachable again (it answered after being down): ask it
+        at once, with fresh generations, for each held room of ``rooms`` it
+        has not proven, instead of at the room's next re-send (backed off up
+        to ``max_resend_interval``), and re-send from the shortest interval
+        again."""
+        actions: list[HoldAction] = []
+        for room in sorted(rooms):
+            entry = self._holds.get(room)
+            if entry is None or rank not in entry.ranks or rank in entry.proven:
+                continue
+            generation = next(self._generations)
+            entry.generations.add(generation)
+            actions.append(SendAbort(rank, Abort(room, generation, self.decode, self.reply_to)))
+            if entry.state is HoldState.QUARANTINED:
+                entry.resend_every = self.resend_interval
+                entry.resend_at = now + entry.resend_every
+                self._schedule(room, entry)
+        return actions
+
     def owner_fenced(self, now: float) -> list[HoldAction]:
         """The page owner fenced: nothing sent to the region's old metadata
         can land, so every held or quarantined room (all were asked under

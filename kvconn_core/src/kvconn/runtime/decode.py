@@ -138,7 +138,9 @@ class DecodeEndpoint:
         else:
             self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
-        self._outbox = Outbox(self.config.auth_key, self._count_drop)
+        self._outbox = Outbox(
+            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+        )
         #: Requests are numbered and sent under one lock: a rank takes only a
         #: request numbered above the last it took.
         self._request_lock = threading.Lock()

@@ -107,7 +107,9 @@ class PrefillRank(TransferPath):
         self.pm.check_pending()
         self._hooks = ChunkHooks(self.pm)
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
-        self._outbox = Outbox(self.config.auth_key, self._count_drop)
+        self._outbox = Outbox(
+            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+        )
         #: Every decision: bootstraps, requests, senders, verdicts, chunks' ends.
         terms = WriterTerms(
             backend.name,
