@@ -131,6 +131,7 @@ def pytest_collection_modifyitems(
     its class that releases pages runs (``-k`` or not): it checks what they
     released. Checks that release pages run before those that do not."""
     finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
+    _name_checks_of_the_cli(config, items)
     yield
     # A stable sort within each class (classes stay where they are).
     rank = {cls: i for i, cls in enumerate(dict.fromkeys(getattr(item, "cls", None) for item in items))}
@@ -146,6 +147,23 @@ def pytest_collection_modifyitems(
         last = max(i for i, item in enumerate(order) if getattr(item, "cls", None) is cls)
         order.insert(last + 1, final)
     items[:] = order
+
+
+def _name_checks_of_the_cli(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``kvconn conformance``'s checks are named ``BACKEND::CHECK``: their
+    file is the suite's own collection module, whose path says nothing."""
+    import kvconn.conformance._collect as collect
+
+    backend = config.getoption("--kvconn-backend") or "conformance"
+    for item in items:
+        if str(item.path) != collect.__file__:
+            continue
+        name = f"{backend}::{item.name}"
+        # pytest keeps the name as ``_id`` (a NodeId, pytest 9) or ``_nodeid`` (before).
+        if hasattr(item, "_id"):
+            item._id = type(item._id).parse(name)
+        else:
+            item._nodeid = name  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
