@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvconn.conformance import guard, harness, region_host
+from kvconn.conformance import guard, harness, region_host, stakes
 from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S, Settings
 from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
@@ -114,7 +114,7 @@ def _make_hosts(config: pytest.Config) -> None:
         config.stash[_no_hosts_key] = why
         return
     try:
-        fabric = hosts.make(("decode", "prefill0", "prefill1"))
+        fabric = hosts.make(("decode", "prefill0", "prefill1"), sealed=True)
     except hosts.HostsUnavailable as exc:
         config.stash[_no_hosts_key] = str(exc)
         return
@@ -127,9 +127,10 @@ def _make_hosts(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> Generator[None, None, None]:
-    """The guard's final check runs last in its class, whenever a check of
-    its class that releases pages runs (``-k`` or not): it checks what they
-    released. Checks that release pages run before those that do not."""
+    """The guard's final check runs last in its class whenever any check of
+    its class runs (``-k`` or not): whatever a check released or fenced is
+    guarded to the end of the run. Checks that release pages run before
+    those that do not, which then fill the guard's window."""
     finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
     _name_checks_of_the_cli(config, items)
     yield
@@ -139,8 +140,7 @@ def pytest_collection_modifyitems(
         (item for item in items if item.name != FINAL_CHECK),
         key=lambda item: (rank[getattr(item, "cls", None)], item.get_closest_marker(RELEASES) is None),
     )
-    # Only where a check that gives pages to the guard runs: else it would check nothing.
-    classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(RELEASES)}
+    classes = {getattr(item, "cls", None) for item in order}
     for cls, final in finals.items():
         if cls not in classes:
             continue
@@ -218,6 +218,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if item.get_closest_marker(_MARK) is None:
         return report
+    if report.when == "call" and report.passed and not stakes.taken():
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.name} passed without stating what it put at stake (stakes.at_stake): a check that can "
+            "pass with nothing at stake proves nothing (a bug of the suite)"
+        )
     if report.skipped and item.config.getoption("--kvconn-strict"):
         reason = _skip_reason(report)
         if not reason.startswith(DECLARED):
@@ -240,6 +246,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     start = time.monotonic()
     guard.GUARD.check = item.name
+    stakes.begin()
     item.stash[_reports_key] = []
     result = yield
     reports = item.stash[_reports_key]
@@ -256,9 +263,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if rep.skipped:
             outcome, why = "skipped", _skip_reason(rep)
     if outcome == "passed":
-        # What a check measured (``record_property("figures", ...)``), on its summary line.
+        # What it put at stake, and what it measured (``record_property("figures", ...)``).
         figures = [v for rep in reports for k, v in rep.user_properties if k == "figures"]
-        why = "; ".join(dict.fromkeys(str(v) for v in figures))  # every phase's report carries them
+        said = ["at stake: " + "; ".join(stakes.taken())]
+        why = "; ".join(dict.fromkeys(said + [str(v) for v in figures]))  # every phase's report carries them
     item.config.stash[_results_key].append((_backend_of(item), item.name, outcome, why))
     return result
 

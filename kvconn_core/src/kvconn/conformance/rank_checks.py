@@ -23,6 +23,7 @@ import pytest
 from kvconn.conformance.checking import MiB, open_cluster
 from kvconn.conformance.harness import Cluster, ConformanceFailure, RankProc, Settings, wait_for
 from kvconn.conformance.plugin import require_capability
+from kvconn.conformance.stakes import at_stake
 from kvconn.transport import Settlement
 
 #: One chunk of 64 MiB (64 pages of 1 MiB): still being written for a while
@@ -36,11 +37,29 @@ def _cluster(settings: Settings, room: int, rule: dict[str, object]) -> Abstract
     return open_cluster(
         settings,
         page_bytes=MiB,
-        num_pages=PAGES,
+        num_pages=PAGES + WARM_PAGES,
         chunk_pages=PAGES,
         source_pages=PAGES,
         faults={room: rule},
     )
+
+
+#: A first room, before the checked one: the writer reaches the region.
+WARM_PAGES = 2
+
+
+def _reaches(cluster: Cluster, what: str) -> None:
+    """A small room lands byte-exact first: the rank can write into decode's
+    region at all (else what its barrier answers later has nothing at stake)."""
+    room = cluster.new_room()
+    pages = cluster.alloc(WARM_PAGES)
+    rx = cluster.receiver(room, pages)
+    state = cluster.wait_done(rx, 30 + (cluster.settings.capabilities.max_write_timeout_s or 0.0), what)
+    if state != "SUCCESS" or cluster.bad_pattern_pages(room, pages):
+        at_stake(
+            0, 1, f"a first room of {WARM_PAGES} pages ended {state}", "a writer that reaches the region"
+        )
+    cluster.finish(rx)
 
 
 def _hold_s(settings: Settings) -> float:
@@ -92,9 +111,18 @@ class RankChecks:
         when = "past its deadline" if case == "past_deadline" else "after the room's ABORT"
         with _cluster(settings, room, rule) as cluster:
             rank = cluster.ranks[0]
+            _reaches(cluster, f"barrier {when}: a first room lands")
             pages = cluster.alloc(PAGES)
             rx = cluster.receiver(room, pages)
             _frozen_at(rank, "after_post", f"barrier {when}: the rank posts")
+            pending = len(cluster.bad_pattern_pages(room, pages))
+            at_stake(
+                pending,
+                1,
+                f"a rank that reached the region (a first room landed) froze with {pending} of {PAGES} pages "
+                f"of a posted 64 MiB chunk not written, then asked {when}",
+                "pages of the chunk still to land when the barrier was asked",
+            )
             if case == "cancelled":
                 rx.abort()
                 time.sleep(0.3)  # the ABORT (and a re-send) reaches the frozen rank's socket
@@ -131,33 +159,79 @@ class RankChecks:
 
     @pytest.mark.kvconn_releases
     def test_fence_after_a_raise_stops_the_write(self, kvconn_settings: Settings) -> None:
-        """(writer_fence) A hook raises right after on_post returned with
-        64 MiB to write: the core poisons the room and fences with that write
-        in flight. The rank freezes right after on_fence answered True: not
-        one byte of the room's pages changes after that (fresh canaries, the
-        rank resumed, watched)."""
+        """(writer_fence) A rank with two transfer workers serves two decodes
+        (two peers); a room of each, 64 MiB in two chunks, is written at once
+        (each worker waits before its first post for the other, so both post
+        together),
+        and a hook raises right after each first post: the core fences with
+        both writes in flight, both rooms' second chunks queued behind them.
+        The rank freezes right after on_fence answered True: not one byte of
+        either room's pages changes after that (fresh canaries, the rank
+        resumed, watched), and the queued chunks are never written."""
         settings = kvconn_settings
         require_capability(settings.capabilities.writer_fence, "writer_fence not declared")
-        rule: dict[str, object] = {"raise": "after_post", "stop": ["fenced"], "hold": "fenced"}
-        rule["hold_s"] = _hold_s(settings)
-        with _cluster(settings, FENCE_ROOM, rule) as cluster:
-            rank = cluster.ranks[0]
-            pages = cluster.alloc(PAGES)
-            rx = cluster.receiver(FENCE_ROOM, pages)
-            fenced = _frozen_at(rank, "fenced", "fence after a raise: on_fence answers")
-            if fenced.get("result") is True:
-                pending = len(cluster.bad_pattern_pages(FENCE_ROOM, pages))
-                cluster.pages.recanary(pages)  # the rank is frozen: from here on nothing may change
-                rank.signal(signal.SIGCONT)
-                _watch(
-                    cluster,
-                    pages,
-                    settings.late_write_watch_s,
-                    lambda changed: (
-                        f"fence after a raise: on_fence returned True with {pending} of {PAGES} pages "
-                        f"still unwritten, and {len(changed)} pages changed after it (pages "
-                        f"{changed[:8]}): the fence does not stop a write in flight"
-                    ),
-                )
-            rank.signal(signal.SIGCONT)
+        rule: dict[str, object] = {
+            "gather": "before_post",
+            "gather_n": 2,
+            "raise": "after_post",
+            "stop": ["fenced"],
+            "hold": "fenced",
+            "hold_s": _hold_s(settings),
+        }
+        rooms = (FENCE_ROOM, FENCE_ROOM + 1)  # one per worker (room % workers)
+        shape: dict[str, object] = {
+            "page_bytes": MiB,
+            "num_pages": PAGES + WARM_PAGES,
+            "chunk_pages": PAGES // 2,
+            # Both rooms' source pages at once (the rank writes a room from its own).
+            "source_pages": 2 * (PAGES + WARM_PAGES),
+            "workers": 2,
+        }
+        with open_cluster(settings, faults={room: rule for room in rooms}, **shape) as first:
+            second = Cluster(settings, ranks_of=first, seed=0xFE2, **shape)  # type: ignore[arg-type]
+            try:
+                self._fence_two_peers(settings, (first, second), rooms)
+            finally:
+                second.close()
+
+    def _fence_two_peers(
+        self, settings: Settings, clusters: tuple[Cluster, Cluster], rooms: tuple[int, int]
+    ) -> None:
+        rank = clusters[0].ranks[0]
+        for cluster in clusters:  # both decodes connected first (a connect may wait for the workers)
+            _reaches(cluster, "fence after a raise: a first room lands in each decode")
+        pages = [cluster.alloc(PAGES) for cluster in clusters]
+        rxs = [cluster.receiver(room, p) for cluster, room, p in zip(clusters, rooms, pages, strict=True)]
+        fenced = _frozen_at(rank, "fenced", "fence after a raise: on_fence answers")
+        if fenced.get("result") is not True:
+            at_stake(0, 1, "on_fence did not answer True", "a fence that answered True")
+        posted = {e["room"] for e in rank.history() if e.get("event") == "after_post" and e["room"] in rooms}
+        pending = [
+            len(cluster.bad_pattern_pages(room, p))
+            for cluster, room, p in zip(clusters, rooms, pages, strict=True)
+        ]
+        for cluster, p in zip(clusters, pages, strict=True):
+            cluster.pages.recanary(p)  # the rank is frozen: from here on nothing may change
+        rank.signal(signal.SIGCONT)
+        for cluster, p in zip(clusters, pages, strict=True):
+            _watch(
+                cluster,
+                p,
+                settings.late_write_watch_s,
+                lambda changed: (
+                    f"fence after a raise: on_fence returned True with {pending} of {PAGES} pages of each "
+                    f"room unwritten, and {len(changed)} pages changed after it (pages {changed[:8]}): the "
+                    "fence does not stop every write in flight (or a queued chunk was written after it)"
+                ),
+            )
+        rank.signal(signal.SIGCONT)
+        writes = sum(1 for room, n in zip(rooms, pending, strict=True) if room in posted and n > PAGES // 2)
+        at_stake(
+            writes,
+            2,
+            f"{writes} writes to 2 decodes in flight at the fence ({pending[0]} and {pending[1]} of {PAGES} "
+            "pages of their rooms unwritten, each room's second chunk queued behind)",
+            "two writes in flight, to two peers, when the core fenced",
+        )
+        for rx in rxs:
             rx.abort()  # acked by the fence (or held); the release goes to the run's guard
