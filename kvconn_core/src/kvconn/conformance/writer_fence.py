@@ -86,7 +86,11 @@ def writer_fence_check(settings: Settings) -> dict[str, Any]:
     """Two fences: one right after :data:`MANY` writes to two peers were
     posted, one after a barrier past its deadline; nothing lands after
     either (see the test's docstring)."""
-    rounds = [round_of(rows, ["post"], peer) for peer, rows in MANY_ROUNDS[:-1]]
+    # Every source filled first, so that the posts follow each other at once.
+    rounds = [
+        round_of(rows, ["fill_all", "post"] if k == 0 else ["post"], peer)
+        for k, (peer, rows) in enumerate(MANY_ROUNDS[:-1])
+    ]
     rounds.append(round_of(MANY_ROUNDS[-1][1], ["post", "freeze", "fence", "freeze"], MANY_ROUNDS[-1][0]))
     fence_round = len(rounds)
     deadline_round, inside_round = fence_round + 1, fence_round + 2

@@ -343,7 +343,7 @@ def _sealing_script(host: Host) -> str:
         # would still reach this machine's folder).
         f"cd {shlex.quote(os.getcwd())} 2>/dev/null || cd /",
         "set +e",
-        'exec "$0" "$@"',
+        '"$0" "$@"',
     ]
     return "\n".join(lines)
 
