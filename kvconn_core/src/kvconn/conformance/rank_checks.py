@@ -219,9 +219,9 @@ class RankChecks:
                 p,
                 settings.late_write_watch_s,
                 lambda changed: (
-                    f"fence after a raise: on_fence returned True with {pending} of {PAGES} pages of each "
-                    f"room unwritten, and {len(changed)} pages changed after it (pages {changed[:8]}): the "
-                    "fence does not stop every write in flight (or a queued chunk was written after it)"
+                    f"fence after a raise: the fence does not stop every write in flight: {len(changed)} pages "
+                    f"changed after on_fence returned True (pages {changed[:8]}; {pending} of {PAGES} pages of "
+                    "each room were unwritten at the fence), or a queued chunk was written after it"
                 ),
             )
         rank.signal(signal.SIGCONT)

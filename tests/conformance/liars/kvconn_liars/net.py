@@ -42,7 +42,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from kvconn.chunk import Chunk, SegmentTable
