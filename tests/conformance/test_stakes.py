@@ -47,5 +47,6 @@ def test_the_guard_runs_whatever_k_selects() -> None:
     assert code == 0, out
     assert "PASSED   test_each_chunk_lands_in_its_decode  (at stake: 7 LANDED rounds" in out, out
     assert (
-        "SKIPPED  test_nothing_landed_late_in_the_whole_run  ([capability] no check of this run released" in out
+        "SKIPPED  test_nothing_landed_late_in_the_whole_run  ([capability] no check of this run released"
+        in out
     ), out
