@@ -223,7 +223,9 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
         rank = racing.ranks[0]
         # The ABORTs reach the rank (it reports each one of these rooms).
         wait_for(
-            lambda: {e.get("room") for e in rank.history() if e.get("event") == "abort"} >= set(TOMBSTONE_ROOMS),
+            lambda: (
+                {e.get("room") for e in rank.history() if e.get("event") == "abort"} >= set(TOMBSTONE_ROOMS)
+            ),
             5.0,
             "abort before request: every ABORT reached the rank",
         )
@@ -301,7 +303,9 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
         if release.proof not in ACK_PROOFS | {Proof.WRITER_FENCE}:
             raise ConformanceFailure(f"fan-out: released by {release.proof.value}")
         settled_before(wide, FANOUT_ROOM, released_at)
-        unacked = sum(1 for e in straggler.history() if e.get("room") == FANOUT_ROOM and e["event"] == "after_post")
+        unacked = sum(
+            1 for e in straggler.history() if e.get("room") == FANOUT_ROOM and e["event"] == "after_post"
+        )
         at_stake(
             unacked,
             1,

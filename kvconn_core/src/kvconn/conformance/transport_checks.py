@@ -328,7 +328,9 @@ class TransportChecks:
                 child.close()
                 for region in old:
                     region.close()
-            rounds_of = {name: sum(1 for peer in plan if peer.removeprefix("restart-") == name) for name in rooms}
+            rounds_of = {
+                name: sum(1 for peer in plan if peer.removeprefix("restart-") == name) for name in rooms
+            }
             at_stake(
                 min(rounds_of.values()),
                 1,
@@ -404,7 +406,9 @@ def _across_hosts(settings: Settings, check: Callable[[Settings, Host, Host], No
         check(settings, pair["decode"], pair["prefill0"])
 
 
-def _crossed(what: str, decode: Host, writer_host: Host, before: tuple[int, int, int, int], payload: int) -> None:
+def _crossed(
+    what: str, decode: Host, writer_host: Host, before: tuple[int, int, int, int], payload: int
+) -> None:
     """The payload crossed the network: the writer's host sent, and decode's
     received, at least that many bytes on their links while it was written
     (a transport that reaches the region another way, a file or memory
@@ -509,7 +513,11 @@ def _cross_hostround_of(settings: Settings, decode: Host, writer_host: Host) -> 
         if checked["bad"]:
             raise ConformanceFailure(f"cross_host: the round landed wrong: {checked['bad']}")
         _crossed(
-            "written by a bare writer on another host", decode, writer_host, before, sum(n for _, _, n in rows)
+            "written by a bare writer on another host",
+            decode,
+            writer_host,
+            before,
+            sum(n for _, _, n in rows),
         )
     finally:
         owner.close()

@@ -424,7 +424,8 @@ class WriterFaultChecks:
                 # Nothing crosses the cut link: the pages not written yet are what the heal may still bring.
                 pending = len(cluster.bad_pattern_pages(PARTITION_ROOM, pages))
                 posted = any(
-                    e.get("event") == "after_post" and e.get("room") == PARTITION_ROOM for e in writer.history()
+                    e.get("event") == "after_post" and e.get("room") == PARTITION_ROOM
+                    for e in writer.history()
                 )
             finally:
                 writer.host.heal()

@@ -166,7 +166,14 @@ class Child:
         self.host = host
         try:
             self.proc = subprocess.Popen(
-                [*(host.prefix() if host is not None else ()), *prefix, sys.executable, "-m", module, payload],
+                [
+                    *(host.prefix() if host is not None else ()),
+                    *prefix,
+                    sys.executable,
+                    "-m",
+                    module,
+                    payload,
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

@@ -271,7 +271,9 @@ def tcp_queues_to(host: Host, address: str) -> list[TcpQueue]:
         if remote[0] != address:
             continue
         tx, _ = fields[4].split(":")
-        found.append(TcpQueue(_endpoint(fields[1]), remote, int(fields[3], 16), int(tx, 16), fields[9] != "0"))
+        found.append(
+            TcpQueue(_endpoint(fields[1]), remote, int(fields[3], 16), int(tx, 16), fields[9] != "0")
+        )
     return found
 
 
