@@ -25,8 +25,9 @@ so the parent can order a chunk's life against decode's release.
 
 POINT is one of ``dequeue``, ``skip``, ``before_post``, ``after_post``,
 ``before_barrier``, ``after_barrier``, ``abort``; a ``stop`` may also name
-``fenced``: right after ``on_fence`` returned (before the core acts on it),
-whichever room the fence was for.
+``fencing``: right before ``on_fence`` is called, and ``fenced``: right
+after it returned (before the core acts on it), whichever room the fence
+was for.
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ class Faults:
     @hookimpl(wrapper=True)
     def on_fence(self) -> Generator[None, object, object]:
         emit({"event": "fencing"})
+        for rule in self.spec.values():
+            if "fencing" in self._stops(rule):
+                emit({"event": "stopping", "point": "fencing"})
+                stop_self()
+                break
         result = yield
         emit({"event": "fenced", "result": result is True})
         for rule in self.spec.values():
