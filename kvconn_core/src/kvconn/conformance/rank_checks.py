@@ -30,17 +30,22 @@ from kvconn.transport import Settlement
 #: after on_post returned, by any transport that does not land it inside on_post.
 PAGES = 64
 BARRIER_ROOMS = {"past_deadline": 0xBA_0001, "cancelled": 0xBA_0002}
+#: The past-deadline question asked inside a post (for an on_post that lands all before it returns).
+INSIDE_ROOM = 0xBA_0003
+#: How long into its post a rank whose on_post lands the whole chunk is frozen from outside.
+FREEZE_AFTER_S = 0.002
 FENCE_ROOM = 0xFE_0001
 
 
 def _cluster(settings: Settings, room: int, rule: dict[str, object]) -> AbstractContextManager[Cluster]:
+    inside: dict[str, object] = {"stop": ["after_barrier"]}
     return open_cluster(
         settings,
         page_bytes=MiB,
-        num_pages=PAGES + WARM_PAGES,
+        num_pages=2 * PAGES + WARM_PAGES,
         chunk_pages=PAGES,
-        source_pages=PAGES,
-        faults={room: rule},
+        source_pages=2 * PAGES + WARM_PAGES,
+        faults={room: rule, INSIDE_ROOM: inside},
     )
 
 
@@ -116,6 +121,23 @@ class RankChecks:
             rx = cluster.receiver(room, pages)
             _frozen_at(rank, "after_post", f"barrier {when}: the rank posts")
             pending = len(cluster.bad_pattern_pages(room, pages))
+            if not pending and case == "past_deadline":
+                # on_post landed the whole chunk before it returned (nixl over cma):
+                # the same question of a rank frozen inside its post instead.
+                rank.signal(signal.SIGCONT)
+                _frozen_at(rank, "after_barrier", f"barrier {when}: the barrier answers")
+                rank.signal(signal.SIGCONT)
+                rx.abort()
+                pending = self._inside_post(settings, cluster, rank)
+                at_stake(
+                    pending,
+                    1,
+                    f"on_post lands its chunk before it returns; a rank that reached the region froze "
+                    f"{FREEZE_AFTER_S * 1000:.0f} ms into the post of another with {pending} of {PAGES} pages "
+                    f"not written, then asked {when}",
+                    "pages of the chunk still to land when the barrier was asked",
+                )
+                return
             at_stake(
                 pending,
                 1,
@@ -156,6 +178,41 @@ class RankChecks:
             rank.signal(signal.SIGCONT)
             if case == "past_deadline":
                 rx.abort()  # the room ends either way; its release goes to the run's guard
+
+    @staticmethod
+    def _inside_post(settings: Settings, cluster: Cluster, rank: RankProc) -> int:
+        """The rank frozen from outside :data:`FREEZE_AFTER_S` into its post of
+        :data:`INSIDE_ROOM`, held past its deadline, resumed, frozen again
+        right after its barrier answered: LANDED must hold. How many pages
+        were still unwritten at the first freeze."""
+        pages = cluster.alloc(PAGES)
+        rx = cluster.receiver(INSIDE_ROOM, pages)
+        posting = rank.expect(
+            40, "barrier inside a post: the rank posts", event="before_post", room=INSIDE_ROOM
+        )
+        time.sleep(max(0.0, float(posting["t"]) + FREEZE_AFTER_S - time.monotonic()))
+        rank.signal(signal.SIGSTOP)
+        try:
+            wait_for(rank.stopped, 5, "barrier inside a post: the rank froze")
+            pending = len(cluster.bad_pattern_pages(INSIDE_ROOM, pages))
+            time.sleep(settings.write_timeout_s + 0.1)
+        finally:
+            rank.signal(signal.SIGCONT)
+        answered = _frozen_at(rank, "after_barrier", "barrier inside a post: the barrier answers")
+        del answered
+        settled = [
+            e for e in rank.history() if e.get("event") == "after_barrier" and e.get("room") == INSIDE_ROOM
+        ]
+        if settled and settled[-1]["settlement"] == Settlement.LANDED.value:
+            bad = cluster.bad_pattern_pages(INSIDE_ROOM, pages)
+            if bad:
+                raise ConformanceFailure(
+                    f"a rank's DONE barrier answered LANDED past its deadline, but {len(bad)} of {PAGES} pages "
+                    f"do not hold what was posted (pages {bad[:8]}): bytes were still in flight"
+                )
+        rank.signal(signal.SIGCONT)
+        rx.abort()
+        return pending
 
     @pytest.mark.kvconn_releases
     def test_fence_after_a_raise_stops_the_write(self, kvconn_settings: Settings) -> None:

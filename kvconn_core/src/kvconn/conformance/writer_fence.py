@@ -374,22 +374,63 @@ def _watch_until_drained(
 
 
 def frozen_past_deadline(settings: Settings) -> None:
-    """``test_done_barrier_past_deadline``: the past-deadline round alone."""
-    with open_regions(settings, {"a": SIZE}) as regions:
-        image = RegionImage(regions["a"], SIZE)
-        rounds = [round_of(ROWS, ["post", "freeze", "barrier", "freeze"])]
+    """``test_done_barrier_past_deadline``: the past-deadline round alone. If
+    ``on_post`` had landed the whole write before it returned (nixl over
+    cma: a copy in the calling thread), nothing was in flight past the
+    deadline; the writer is then frozen from outside :data:`FREEZE_AFTER_S`
+    into a second post instead, held past its deadline there, and its
+    barrier asked once it returns: what was still to land inside ``on_post``
+    is what was at stake."""
+    with open_regions(settings, {"a": SIZE, "c": SIZE}) as regions:
+        images = {name: RegionImage(region, SIZE) for name, region in regions.items()}
+        rounds = [
+            round_of(ROWS, ["post", "freeze", "barrier", "freeze"], "a"),
+            round_of(ROWS, ["wait", "fill", "post", "barrier", "freeze"], "c"),
+        ]
         child = BareWriter(settings, metadata_of(regions), rounds, SIZE)
         try:
             child.expect(60, "past deadline: writer start", event="ready")
-            pending = past_deadline(settings, child, image, ROWS, 1, [])
-            at_stake(
-                pending,
-                1,
-                f"{pending / MiB:.1f} of 32 MiB still to land when the writer froze, asked past its deadline",
-                "bytes in flight when the deadline passed",
+            pending = past_deadline(settings, child, images["a"], ROWS, 1, [])
+            said = (
+                f"{pending / MiB:.1f} of 32 MiB still to land when the writer froze, asked past its deadline"
             )
+            if not pending:
+                child.resume()
+                pending = _past_deadline_inside_post(settings, child, images["c"], 2)
+                said = (
+                    f"on_post lands its write before it returns; {pending / MiB:.1f} of 32 MiB still to land "
+                    f"{FREEZE_AFTER_S * 1000:.0f} ms into a post frozen past its deadline"
+                )
+            at_stake(pending, 1, said, "bytes in flight when the deadline passed")
         finally:
             child.close()
+
+
+def _past_deadline_inside_post(
+    settings: Settings, child: BareWriter, image: RegionImage, round_no: int
+) -> int:
+    """Round ``round_no`` frozen from outside inside its post, held past its
+    deadline, resumed: its barrier tells the truth. How many bytes were
+    still to land at the freeze."""
+    image.land(round_no, ROWS)
+    child.send_line()
+    filled = child.expect(30, "past deadline: the write is about to be posted", event="fill", round=round_no)
+    time.sleep(max(0.0, float(filled["t"]) + FREEZE_AFTER_S - time.monotonic()))
+    child.signal(signal.SIGSTOP)
+    try:
+        wait_for(child.stopped, 5, "past deadline: the writer froze inside its post")
+        pending = image.differing()
+        time.sleep(settings.write_timeout_s + 0.1)
+    finally:
+        child.resume()
+    settlement = child.settlement(settings, "past deadline: the barrier answers", round_no)
+    if settlement == LANDED:
+        found = image.diff()
+        if found:
+            raise ConformanceFailure(
+                f"DONE barrier answered LANDED past its deadline while bytes were still in flight: {found}"
+            )
+    return pending
 
 
 #: A write small enough to fit the kernel's socket buffers (16 pieces of
