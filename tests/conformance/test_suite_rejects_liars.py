@@ -160,7 +160,10 @@ NET_LIES: dict[str, list[tuple[str, str]]] = {
     # a no-op fence, big writes sent whole inside on_post: the rank's fence finds nothing at stake
     "stakeless": [
         ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
-        ("test_fence_after_a_raise_stops_the_write", "nothing at stake: 2 writes posted at once to 2 decodes"),
+        (
+            "test_fence_after_a_raise_stops_the_write",
+            "nothing at stake: 2 writes posted at once to 2 decodes",
+        ),
     ],
     # regions as files under /tmp, claiming cross_host: a host of its own has no such file
     "tmp_regions": [
