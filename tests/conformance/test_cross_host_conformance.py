@@ -150,11 +150,12 @@ ACROSS_LIES: dict[tuple[str, str], list[tuple[str, str]]] = {
     ],
     ("liar-nixl", "early_landed"): [
         ("test_landed_across_a_partition_means_delivered", "65536 of 65536 bytes not in the region"),
-        ("test_barrier_answer_holds_in_a_rank[past_deadline]", "answered LANDED past its deadline, but"),
+        # its first room already: SUCCESS with pages not written yet
+        ("test_barrier_answer_holds_in_a_rank[past_deadline]", "answered LANDED before the bytes were there"),
     ],
     ("liar-nixl", "keep_agent"): [
-        ("test_writer_fence_holds_across_a_partition", "bytes landed after on_fence returned True"),
         ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
+        ("test_fence_after_a_raise_stops_the_write", "the fence does not stop every write in flight"),
     ],
 }
 
