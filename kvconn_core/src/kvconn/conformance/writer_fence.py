@@ -279,7 +279,10 @@ def partition_fence_check(settings: Settings) -> dict[str, Any]:
                         try:
                             child.frozen(FENCE_WHILE_CUT_S, "partition fence: the fence returns", round=1)
                             figures["fenced_while_cut"] = True
-                            figures["queued_at_fence"] = sum(q.unsent for q in tcp_queues_to(host, decode.ip))
+                            queues = tcp_queues_to(host, decode.ip)
+                            figures["queued_at_fence"] = sum(q.unsent for q in queues)
+                            # Closed, not reset: the kernel alone holds them, and sends them once the link heals.
+                            figures["orphaned_at_fence"] = sum(q.unsent for q in queues if not q.owned)
                         except ConformanceFailure:
                             pass
                 finally:
@@ -311,8 +314,9 @@ def partition_fence_check(settings: Settings) -> dict[str, Any]:
             image.recanary(ROWS)
             child.resume()
             what = (
-                f"writer fence across a partition ({figures['in_flight_at_fence'] / MiB:.1f} MiB in flight at the "
-                f"fence, the link down {cut_s:.1f} s): {LATE}"
+                f"writer fence across a partition: {LATE} ({figures['in_flight_at_fence'] / MiB:.1f} MiB in flight "
+                f"at the fence, {figures.get('orphaned_at_fence', 0) / MiB:.2f} MiB then queued in the writer host's "
+                f"kernel on connections no process holds, the link down {cut_s:.1f} s)"
             )
             # A kernel retransmits a queued segment at its backoff: within
             # about twice the time the link was down, after the heal; and
@@ -346,7 +350,8 @@ def _partition_stake(figures: dict[str, Any]) -> str:
         f"cut ({figures['in_flight_at_cut'] / MiB:.1f} at the cut); "
         + (
             f"fenced during the cut, {figures['queued_at_fence'] / MiB:.2f} MiB queued in the writer host's "
-            "kernel towards decode then"
+            f"kernel towards decode then ({figures.get('orphaned_at_fence', 0) / MiB:.2f} MiB on connections "
+            "no process holds)"
             if figures["fenced_while_cut"]
             else "the fence returned only after the heal"
         )
