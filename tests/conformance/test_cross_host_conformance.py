@@ -155,7 +155,8 @@ ACROSS_LIES: dict[tuple[str, str], list[tuple[str, str]]] = {
     ],
     ("liar-nixl", "keep_agent"): [
         ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
-        ("test_fence_after_a_raise_stops_the_write", "the fence does not stop every write in flight"),
+        # (the rank's writes had nearly landed when it fenced: its own fence check passed it)
+        ("test_frozen_owner_gets_pages_back_only_after_drain", "changed after decode released them"),
     ],
 }
 
