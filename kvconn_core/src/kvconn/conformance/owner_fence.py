@@ -42,7 +42,7 @@ def figures_line(figures: Mapping[str, Any]) -> str:
 #: nixl's transfer() pushes most of a write over tcp before it returns: on
 #: an idle 2-core machine, across hosts, 10-16 of the 64 MiB had landed 5 ms
 #: in (37 at 10 ms, 52-57 at 20), all of it by the time transfer() returned.
-OWNER_FENCE_FREEZE_AFTER_S = 0.005
+OWNER_FENCE_FREEZE_AFTER_S = 0.003
 
 
 def owner_fence_check(settings: Settings) -> dict[str, Any]:
@@ -91,11 +91,12 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
         # The clock starts as the post does (the fill of 64 MiB before it takes
         # longer than the write), not when on_post returns: nixl's transfer()
         # on an idle machine can move all of it before it returns.
-        frozen.expect(30, "owner fence: the writer is about to post", event="fill", round=2)
+        filled = frozen.expect(30, "owner fence: the writer is about to post", event="fill", round=2)
         # Frozen from outside, inside on_post or with its barrier driving the
         # transfer: bytes are on the wire, in socket buffers and in the
-        # transport's queues.
-        time.sleep(OWNER_FENCE_FREEZE_AFTER_S)
+        # transport's queues. Timed from the fill's end (the post begins
+        # there), not from when its report crossed the pipe.
+        time.sleep(max(0.0, float(filled["t"]) + OWNER_FENCE_FREEZE_AFTER_S - time.monotonic()))
         frozen.signal(signal.SIGSTOP)
         wait_for(frozen.stopped, 5, "owner fence: the writer froze", poll=0.002)
         if any(e.get("event") == "barrier" and e.get("round") == 2 for e in frozen.history()):

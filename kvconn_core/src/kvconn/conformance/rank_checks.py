@@ -34,6 +34,8 @@ BARRIER_ROOMS = {"past_deadline": 0xBA_0001, "cancelled": 0xBA_0002}
 INSIDE_ROOM = 0xBA_0003
 #: How long into its post a rank whose on_post lands the whole chunk is frozen from outside.
 FREEZE_AFTER_S = 0.002
+#: A room of the fence check whose chunk shows a post in flight inside on_post.
+FENCE_INSIDE_ROOM = 0xFE_0100
 FENCE_ROOM = 0xFE_0001
 
 
@@ -220,6 +222,27 @@ class RankChecks:
         rx.abort()
         return pending
 
+    @staticmethod
+    def _fence_inside_post(settings: Settings, cluster: Cluster, rank: RankProc) -> int:
+        """A chunk of :data:`FENCE_INSIDE_ROOM` posted with nothing else
+        running, the rank frozen from outside :data:`FREEZE_AFTER_S` into it:
+        how many pages of it were still unwritten then."""
+        pages = cluster.alloc(PAGES // 2)
+        rx = cluster.receiver(FENCE_INSIDE_ROOM, pages)
+        posting = rank.expect(
+            40, "fence inside a post: the rank posts", event="before_post", room=FENCE_INSIDE_ROOM
+        )
+        time.sleep(max(0.0, float(posting["t"]) + FREEZE_AFTER_S - time.monotonic()))
+        rank.signal(signal.SIGSTOP)
+        try:
+            wait_for(rank.stopped, 5, "fence inside a post: the rank froze")
+            pending = len(cluster.bad_pattern_pages(FENCE_INSIDE_ROOM, pages))
+        finally:
+            rank.signal(signal.SIGCONT)
+        cluster.wait_done(rx, 30, "fence inside a post: the room completes")
+        cluster.finish(rx)
+        return pending
+
     @pytest.mark.kvconn_releases
     def test_fence_after_a_raise_stops_the_write(self, kvconn_settings: Settings) -> None:
         """(writer_fence) A rank with two transfer workers serves two decodes
@@ -244,13 +267,15 @@ class RankChecks:
         rooms = (FENCE_ROOM, FENCE_ROOM + 1)  # one per worker (room % workers)
         shape: dict[str, object] = {
             "page_bytes": MiB,
-            "num_pages": PAGES + WARM_PAGES,
+            "num_pages": PAGES + PAGES // 2 + WARM_PAGES,
             "chunk_pages": PAGES // 2,
             # Both rooms' source pages at once (the rank writes a room from its own).
-            "source_pages": 2 * (PAGES + WARM_PAGES),
+            "source_pages": 2 * (PAGES + WARM_PAGES) + PAGES // 2,
             "workers": 2,
         }
-        with open_cluster(settings, faults={room: rule for room in rooms}, **shape) as first:
+        faults: dict[int, dict[str, object]] = {room: rule for room in rooms}
+        faults[FENCE_INSIDE_ROOM] = {}  # reported, not disturbed
+        with open_cluster(settings, faults=faults, **shape) as first:
             second = Cluster(settings, ranks_of=first, seed=0xFE2, **shape)  # type: ignore[arg-type]
             try:
                 self._fence_two_peers(settings, (first, second), rooms)
@@ -295,7 +320,21 @@ class RankChecks:
         # Two writes posted at once, neither answered: the core must fence both. How many still had
         # bytes to land is the transport's pace (nixl's transfer() pushes most of a write before it
         # returns); one at least, or the fence had nothing to stop. (Two at least: the bare writer's
-        # fence check, whose posts follow each other with nothing between them.)
+        # fence check, whose posts follow each other with nothing between them.) If both had landed
+        # inside on_post, nothing can be in flight at any fence of the core: what is at stake then
+        # is that the write was really in flight inside on_post (as the bare writer's check asks).
+        if not writes and all(n == PAGES // 2 for n in pending):
+            inside = self._fence_inside_post(settings, clusters[0], rank)
+            at_stake(
+                inside,
+                1,
+                f"on_post lands its writes before it returns (both written when the core fenced); a post "
+                f"frozen {FREEZE_AFTER_S * 1000:.0f} ms in had {inside} of {PAGES // 2} pages still to write",
+                "a page of the chunk at least still to write inside on_post",
+            )
+            for rx in rxs:
+                rx.abort()
+            return
         at_stake(
             writes,
             1,
