@@ -59,7 +59,8 @@ def test_exitfirst_stops_at_the_first_failed_check(liar_env: dict[str, str]) -> 
     """``-x``, the start-up gate's mode (kvconn-vllm's ``conformance`` option):
     a lying transport is refused by its first failed check, not after the
     whole suite; the same checks without ``-x`` fail more than once."""
-    lie = ("-o", "early_done=1", "-o", "piece_delay_s=0.001", "-k", "engine_buffers or done_barrier")
+    # pieces slow enough that the checks compare before an early LANDED write lands
+    lie = ("-o", "early_done=1", "-o", "piece_delay_s=0.01", "-k", "engine_buffers or done_barrier")
     code, out = conformance("liar-loopback", "-x", *lie, env=liar_env)
     assert code != 0 and out.count("\nFAILED   ") == 1, out
     assert "stopping after 1 failures" in out, out

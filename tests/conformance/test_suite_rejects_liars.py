@@ -313,7 +313,8 @@ def test_the_honest_owner_fence_passes_both_owner_fence_checks(liar_env: dict[st
     writer or a stale one."""
     code, out = conformance("liar-honest", "-k", "owner_fence", *PACED, env=liar_env)
     assert code == 0, out
-    assert "PASSED   test_owner_fence_stops_frozen_writer  (fence " in out, out
+    assert "PASSED   test_owner_fence_stops_frozen_writer  (at stake: " in out, out
+    assert " not landed when the owner fenced, the writer frozen mid-write; fence " in out, out
     assert " 0 bytes after it in " in out, out
     assert "PASSED   test_owner_fence_refuses_stale_writers" in out, out
 

@@ -98,13 +98,11 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
                     raise ConformanceFailure(
                         f"{what}: a healthy write by rank {r} settled {event['settlement']!r}"
                     )
-        settled = 0
-        for child in children:
-            settled += sum(1 for e in child.history() if e.get("event") == "settled")
-        for dec in decodes:
+        for dec in decodes:  # at once: a LANDED that came early is caught before the bytes do come
             found = dec.region.engine_diff(ENGINE_ROOM, DST_PAGES)
             if found:
                 raise ConformanceFailure(f"{what}: {dec.peer}: {found}")
+        settled = sum(1 for child in children for e in child.history() if e.get("event") == "settled")
         at_stake(
             settled,
             prefill_tp * decode_tp,

@@ -226,7 +226,9 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
         def reached() -> set[int]:
             """The rooms whose ABORT reached the rank (decode may settle one that
             never left it without a word to the rank)."""
-            return {int(e["room"]) for e in rank.history() if e.get("event") == "abort"} & set(TOMBSTONE_ROOMS)
+            return {int(e["room"]) for e in rank.history() if e.get("event") == "abort"} & set(
+                TOMBSTONE_ROOMS
+            )
 
         with contextlib.suppress(ConformanceFailure):
             wait_for(lambda: reached() == set(TOMBSTONE_ROOMS), 5.0, "abort before request: the ABORTs")
