@@ -77,11 +77,12 @@ class Carrier:
 
     @_do.register
     def _(self, action: Send, now: float, releases: list[Release]) -> None:
+        sending = self._tracer.now()  # before the send: the rank may take it at once
         if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
             action.message, Abort
         ):
             self.metrics.aborts_sent.inc()
-            self._tracer.carried(action)
+            self._tracer.abort_sent(action, sending)
 
     @_do.register
     def _(self, action: Release, now: float, releases: list[Release]) -> None:
