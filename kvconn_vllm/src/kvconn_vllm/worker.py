@@ -445,7 +445,6 @@ class WorkerSide:
 
     def _on_release(self, release: Release) -> None:
         # kvconn's thread (or ours, inside abort()): hand it to the engine thread.
-        self.reporter.released(f"decode-{self.tp_rank}", release)
         with self._lock:
             self._released.append(release)
         self._wake.set()
