@@ -48,6 +48,9 @@ def test_reports_add_up_to_the_endpoints_figures_and_releases_are_observed() -> 
         SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
     )
     engine = {"model_name": "tiny", "engine": "0"}
+    # before any report: every family kvconn has, its name on the scrape (a
+    # labelled one with no event yet as its HELP and TYPE lines)
+    assert {f.name for f in Metrics("decode").registry.collect()} <= {f.name for f in registry.collect()}
     # before any report: every family, its counters at 0 for each label value alerts watch
     for proof in ("acks", "unsafe_timeout"):
         at = {**engine, "kvconn_endpoint": "decode-0", "proof": proof}

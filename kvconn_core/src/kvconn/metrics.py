@@ -231,6 +231,22 @@ class Metrics:
         for outcome in OWNER_FENCE_OUTCOMES:
             self.owner_fences.labels(outcome)
 
+    def labelnames(self) -> dict[str, tuple[str, ...]]:
+        """Each family's label names, by family name (``le`` aside): what an
+        engine's relay needs to make a family before its first sample."""
+        names: dict[str, tuple[str, ...]] = {}
+        for value in vars(self).values():
+            if isinstance(value, Counter | Gauge | Histogram):
+                (family,) = value.describe()
+                names[family.name] = tuple(getattr(value, "_labelnames", ()))
+            elif isinstance(value, Tally):
+                names[value.name] = (value.label,)
+            elif isinstance(value, LabelledScrapeGauge):
+                names[value.name] = tuple(value.labelnames)
+            elif isinstance(value, ScrapeGauge):
+                names[value.name] = ()
+        return names
+
     def listen(self, observed: Callable[[str, Mapping[str, str], float], None]) -> None:
         """Call ``observed(histogram name, labels, value)`` for each
         observation made through :meth:`observe` from now on (on the thread

@@ -44,8 +44,8 @@ _Key = tuple[str, str, tuple[tuple[str, str], ...]]
 
 
 def empty() -> dict[str, Any]:
-    """A report with nothing in it: ``families`` (name -> [type, help]) seen
-    for the first time, ``counters`` ([name, endpoint, labels, increase]),
+    """A report with nothing in it: ``families`` (name -> [type, help,
+    label names]) seen for the first time, ``counters`` ([name, endpoint, labels, increase]),
     ``gauges`` ([name, endpoint, labels, value]), ``histograms`` ([name,
     endpoint, labels]: series seen for the first time), ``observations``
     ([name, endpoint, labels, value]); ``labels`` is [[key, value], ...]."""
@@ -117,6 +117,7 @@ class Reporter:
         with self._lock:
             report["observations"], self._observations = self._observations, []
         for endpoint, metrics in endpoints:
+            labelnames = metrics.labelnames()
             for family in metrics.registry.collect():
                 if self.only is not None and family.name not in self.only:
                     continue
@@ -124,7 +125,8 @@ class Reporter:
                     continue
                 if family.name not in self._families:
                     self._families.add(family.name)
-                    report["families"][family.name] = [family.type, family.documentation]
+                    keys = sorted(labelnames.get(family.name, ()))
+                    report["families"][family.name] = [family.type, family.documentation, keys]
                 for sample in family.samples:
                     if family.type == "histogram":
                         if sample.name.endswith("_count"):
@@ -210,10 +212,15 @@ class Recorder:
     def record(self, report: Mapping[str, Any], base_labelvalues: Sequence[object] = ()) -> None:
         base = list(base_labelvalues)
         families = report.get("families", {})
+        for name, (family_type, doc, *keys) in families.items():
+            # made now, with no series yet: its name is on the scrape before
+            # its first event (a labelled family's series come with events)
+            if keys and (family_type != "histogram" or self._histogram is not None):
+                self._metric(name, family_type, doc, list(keys[0]))
 
         def child(name: str, kind: str, endpoint: str, pairs: Sequence[Sequence[str]]) -> Any:
             labels: dict[str, str] = {k: v for k, v in pairs}
-            family_type, doc = families.get(name, [kind, name])
+            family_type, doc = families.get(name, [kind, name])[:2]
             metric, keys = self._metric(name, family_type, doc, sorted(labels))
             return metric.labels(*base, endpoint, *(labels.get(k, "") for k in keys))
 
