@@ -51,10 +51,33 @@ class _SawAbort:
         self.event.set()
 
 
+class _PostFailsFenceWaitsForTheAbort:
+    """The room's write raises (the rank poisons it and fences), and the
+    fence waits until the rank has decode's ABORT: its ack is then sent as
+    the fence ends."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    @hookimpl
+    def on_post(self, chunk: Any, segments: Any) -> object:
+        raise RuntimeError("injected: the write fails")
+
+    @hookimpl
+    def on_abort_notification(self, abort: Abort, known: bool) -> None:
+        self.aborted.set()
+
+    @hookimpl(wrapper=True)
+    def on_fence(self) -> Any:
+        wait_for(self.aborted.is_set, 20, "decode's abort at the rank")
+        return (yield)
+
+
 def _aborted_room_spans(slow: str) -> list[dict[str, Any]]:
     """One room requested and aborted, with ``slow``'s send (``ack``: the
-    rank's ABORT_ACK; ``abort``: decode's ABORT) returning only once its
-    peer acted on it; the spans of both sides."""
+    rank's ABORT_ACK; ``abort``: decode's ABORT; ``fenced ack``: the ack a
+    fence sends) returning only once its peer acted on it; the spans of
+    both sides."""
     memory_exporter().clear()
     config = Config(tracing=True)
     rank = PrefillRank(get_backend("loopback"), rank=0, source_bytes=1 << 20, config=config)
@@ -67,15 +90,20 @@ def _aborted_room_spans(slow: str) -> list[dict[str, Any]]:
         config=config,
         on_release=released.append,
     )
+    fenced = _PostFailsFenceWaitsForTheAbort()
     try:
-        if slow == "ack":  # returns once decode took the ack and released the room
+        if slow in ("ack", "fenced ack"):  # returns once decode took the ack and released the room
             _slow_sender(rank._outbox, AbortAck, lambda: bool(released))
+            if slow == "fenced ack":
+                rank.pm.register(fenced, name="test-fence-waits")
         else:  # returns once the rank handled the abort
             saw = _SawAbort()
             rank.pm.register(saw, name="test-saw-abort")
             _slow_sender(decode._outbox, Abort, saw.event.is_set)
         receiver = decode.receiver(room=42, pages=[0, 1, 2, 3])
         wait_for(lambda: rank.requesting_tp(42) is not None, 20, "the request at the rank")
+        if slow == "fenced ack":
+            rank.sender(42).send([0, 1, 2, 3], last=True)  # its post raises: poisoned, fenced
         receiver.abort()
         wait_for(lambda: bool(released), 20, "the release")
         wait_for(
@@ -84,13 +112,15 @@ def _aborted_room_spans(slow: str) -> list[dict[str, Any]]:
     finally:
         decode.close()
         rank.close()
-    assert released[0].proof.value == "acks"
+    assert released[0].proof.value == ("writer_fence" if slow == "fenced ack" else "acks")
     spans = finished_spans()
     assert {s["name"] for s in spans} >= {"kvconn.room", "kvconn.rank.room", "kvconn.rank.ack"}
+    if slow == "fenced ack":
+        assert "kvconn.rank.fence" in {s["name"] for s in spans}
     return spans
 
 
-@pytest.mark.parametrize("slow", ["ack", "abort"])
+@pytest.mark.parametrize("slow", ["ack", "abort", "fenced ack"])
 def test_spans_of_an_aborted_room_are_in_order_when_the_peer_acts_first(slow: str) -> None:
     assert order_errors(_aborted_room_spans(slow)) == []
 

@@ -230,8 +230,9 @@ class RankActions:
                 if ok:
                     traced["result"] = "ok"
                     traced["closed"] = len(closed)
-                with self._lock:
-                    later = self._execute(self.state.fence_ended(ok, closed))
+            # the fence's spans end before its acks go out (decode may release at once)
+            with self._lock:
+                later = self._execute(self.state.fence_ended(ok, closed))
         self._after(later)
 
     def _plugin_error(self, hook: str, exc: Exception) -> None:
