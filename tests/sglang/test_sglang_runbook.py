@@ -36,10 +36,6 @@ from kvconn.testing.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 pytest.importorskip("sglang", reason="sglang is not installed here: scripts/setup-sglang-venv.sh")
-pytest.importorskip(
-    "opentelemetry.sdk.trace",
-    reason="opentelemetry-sdk: scripts/setup-sglang-venv.sh installs kvconn-core[trace]",
-)
 
 START_S = 900.0
 #: The room loopback freezes the prefill rank in (and a second one, never
@@ -91,6 +87,10 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    pytest.importorskip(
+        "opentelemetry.sdk.trace",
+        reason="opentelemetry-sdk: scripts/setup-sglang-venv.sh installs kvconn-core[trace]",
+    )
     doc = read_recipe()
     root = tmp_path_factory.mktemp("runbook")
     bound = doc.bound(root / "model", {p: free_port() for p in doc.ports()})
