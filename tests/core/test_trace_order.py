@@ -58,9 +58,11 @@ class _PostFailsFenceWaitsForTheAbort:
 
     def __init__(self) -> None:
         self.aborted = threading.Event()
+        self.posted = threading.Event()
 
     @hookimpl
     def on_post(self, chunk: Any, segments: Any) -> object:
+        self.posted.set()
         raise RuntimeError("injected: the write fails")
 
     @hookimpl
@@ -104,6 +106,7 @@ def _aborted_room_spans(slow: str) -> list[dict[str, Any]]:
         wait_for(lambda: rank.requesting_tp(42) is not None, 20, "the request at the rank")
         if slow == "fenced ack":
             rank.sender(42).send([0, 1, 2, 3], last=True)  # its post raises: poisoned, fenced
+            wait_for(fenced.posted.is_set, 20, "the post that raises")  # before the abort comes
         receiver.abort()
         wait_for(lambda: bool(released), 20, "the release")
         wait_for(
