@@ -49,7 +49,6 @@ PASS_THROUGH = ("/v1/models", "/health", "/version")
 log = logging.getLogger(__name__)
 
 
-
 class UpstreamError(Exception):
     """An engine answered with an error, or could not be reached."""
 
@@ -287,8 +286,11 @@ class Proxy:
 
     def get(self, path: str) -> Relayed:
         base, response = self._first(self.decode, path, None)
-        return response.status, response.content_type, response.length, Body(
-            response, lambda: self.decode.ended(base)
+        return (
+            response.status,
+            response.content_type,
+            response.length,
+            Body(response, lambda: self.decode.ended(base)),
         )
 
 
@@ -439,7 +441,7 @@ DESCRIPTION = (
     "A prefill/decode proxy in front of vLLM OpenAI servers that run kvconn's KV connector "
     "(KvconnConnector): each completion or chat request goes to a prefill engine, then, with the "
     "kv_transfer_params it answered, to a decode engine, whose answer is relayed. "
-    "POST /kvconn/drain or /kvconn/undrain with {\"prefill\": URL} or {\"decode\": URL} takes an "
+    'POST /kvconn/drain or /kvconn/undrain with {"prefill": URL} or {"decode": URL} takes an '
     "engine out of the rotation or back; GET /kvconn/engines lists them with their requests in flight."
 )
 
@@ -447,7 +449,9 @@ DESCRIPTION = (
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvconn-vllm-proxy", description=DESCRIPTION)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)"
+    )
     parser.add_argument("--prefill", nargs="+", required=True, help="base URLs of the prefill engines")
     parser.add_argument("--decode", nargs="+", required=True, help="base URLs of the decode engines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
