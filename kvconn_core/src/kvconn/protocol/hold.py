@@ -173,6 +173,22 @@ class HoldTracker:
         entry = self._holds.get(room)
         return entry.held_at if entry is not None else None
 
+    def unproven(self, room: int) -> frozenset[int]:
+        """The ranks whose proof a held ``room`` still waits for (none for a
+        room not held)."""
+        entry = self._holds.get(room)
+        return frozenset() if entry is None else frozenset(entry.ranks - entry.proven)
+
+    def awaiting(self) -> dict[tuple[int, HoldState], int]:
+        """(rank, state) -> how many held rooms in that state (held or
+        quarantined) still wait for that rank's proof: which rank an
+        operator's quarantine waits for."""
+        counts: dict[tuple[int, HoldState], int] = {}
+        for entry in self._holds.values():
+            for rank in entry.ranks - entry.proven:
+                counts[(rank, entry.state)] = counts.get((rank, entry.state), 0) + 1
+        return counts
+
     def ranks_of(self, room: int) -> frozenset[int]:
         """The ranks writing ``room``; none for a room not tracked."""
         entry = self._rooms.get(room)

@@ -398,6 +398,8 @@ class DecodeEndpoint:
                 if isinstance(end, GiveUp):
                     raise end.error
                 if isinstance(end, Bootstrapped):
+                    for rank in end.instance.ids:
+                        self.metrics.known_rank(rank, self._state.writers[rank].address)
                     return
                 assert isinstance(end, AwaitAnswers)
                 self._bootstrapped.wait(max(0.0, end.until - at))

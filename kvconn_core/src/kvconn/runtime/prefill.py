@@ -140,6 +140,7 @@ class PrefillRank(TransferPath):
             idle=self._on_idle,
         )
         self.address = self._listener.address
+        self.metrics.rank_info.set_function(lambda: [((self.address, str(self.rank)), 1.0)])
         self.metrics_server: Exported | None = None
         if self.config.metrics_port is not None:
             try:
