@@ -138,14 +138,17 @@ class RankChecks:
             rx = cluster.receiver(room, pages)
             _frozen_at(rank, "after_post", f"barrier {when}: the rank posts")
             pending = len(cluster.bad_pattern_pages(room, pages))
-            if not pending and case == "past_deadline":
-                # on_post landed the whole chunk before it returned (nixl over cma):
-                # the same question of a rank frozen inside its post instead.
+            if not pending:
+                # on_post landed the whole chunk before it returned (nixl over cma,
+                # or over TCP on an idle machine): the same question of a rank
+                # frozen inside its post instead.
+                if case == "cancelled":
+                    rx.abort()
                 rank.signal(signal.SIGCONT)
                 _frozen_at(rank, "after_barrier", f"barrier {when}: the barrier answers")
                 rank.signal(signal.SIGCONT)
                 rx.abort()
-                pending = self._inside_post(settings, cluster, rank)
+                pending = self._inside_post(settings, cluster, rank, case)
                 at_stake(
                     pending,
                     1,
@@ -197,11 +200,13 @@ class RankChecks:
                 rx.abort()  # the room ends either way; its release goes to the run's guard
 
     @staticmethod
-    def _inside_post(settings: Settings, cluster: Cluster, rank: RankProc) -> int:
+    def _inside_post(settings: Settings, cluster: Cluster, rank: RankProc, case: str) -> int:
         """The rank frozen from outside :data:`FREEZE_AFTER_S` into its post of
-        :data:`INSIDE_ROOM`, held past its deadline, resumed, frozen again
-        right after its barrier answered: LANDED must hold. How many pages
-        were still unwritten at the first freeze."""
+        :data:`INSIDE_ROOM`, held past its deadline (``past_deadline``) or
+        until decode's ABORT of the room reached it (``cancelled``), resumed,
+        frozen again right after its barrier answered: LANDED must hold. How
+        many pages were still unwritten at the first freeze."""
+        when = "past its deadline" if case == "past_deadline" else "after the room's ABORT"
         pages = cluster.alloc(PAGES)
         rx = cluster.receiver(INSIDE_ROOM, pages)
         posting = rank.expect(
@@ -212,7 +217,11 @@ class RankChecks:
         try:
             wait_for(rank.stopped, 5, "barrier inside a post: the rank froze")
             pending = len(cluster.bad_pattern_pages(INSIDE_ROOM, pages))
-            time.sleep(settings.write_timeout_s + 0.1)
+            if case == "cancelled":
+                rx.abort()
+                time.sleep(0.3)  # the ABORT (and a re-send) reaches the frozen rank's socket
+            else:
+                time.sleep(settings.write_timeout_s + 0.1)
         finally:
             rank.signal(signal.SIGCONT)
         answered = _frozen_at(rank, "after_barrier", "barrier inside a post: the barrier answers")
@@ -224,7 +233,7 @@ class RankChecks:
             bad = cluster.bad_pattern_pages(INSIDE_ROOM, pages)
             if bad:
                 raise ConformanceFailure(
-                    f"a rank's DONE barrier answered LANDED past its deadline, but {len(bad)} of {PAGES} pages "
+                    f"a rank's DONE barrier answered LANDED {when}, but {len(bad)} of {PAGES} pages "
                     f"do not hold what was posted (pages {bad[:8]}): bytes were still in flight"
                 )
         rank.signal(signal.SIGCONT)
