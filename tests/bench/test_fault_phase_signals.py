@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconn.testing import hosts
+from kvconn.testing import hosts, waiting
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds the bench's processes in /proc")
 
@@ -47,7 +47,7 @@ def ranks_of(parent: int) -> dict[int, str]:
 
 def namespaces_of(pid: int) -> dict[str, int]:
     """The network namespaces kvconn.testing.hosts made for process ``pid``: name -> inode."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    listed = waiting.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     out = {}
     for line in listed.splitlines():
         name = line.split()[0] if line.split() else ""
@@ -105,7 +105,7 @@ def bench_in_its_fault_phase(need_hosts: bool) -> Iterator[tuple[subprocess.Pope
 def one_line_exit(proc: subprocess.Popen[str], code: int, within_s: float) -> str:
     t0 = time.monotonic()
     try:
-        out, _ = proc.communicate(timeout=60)
+        out, _ = waiting.communicate(proc, 60)
     except subprocess.TimeoutExpired:
         # its output stays open while a process it started lives (a rank holds it as stderr)
         state = "running" if proc.poll() is None else f"gone ({proc.returncode}), a child holds its output"
