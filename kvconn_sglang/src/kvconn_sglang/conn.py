@@ -28,6 +28,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+import kvconn
 from kvconn.errors import BootstrapError, KvconnError
 from kvconn.plugins import get_backend
 from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Release
@@ -36,6 +37,7 @@ from kvconn.runtime.drain_signal import drain_on_signal
 from kvconn.runtime.prefill import KVPoll as KvconnPoll
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.prefill import Sender as KvconnSender
+from kvconn_sglang import __version__
 from kvconn_sglang.memory import engine_kv
 from kvconn_sglang.metrics import Relay, multiprocess_mode
 from kvconn_sglang.poll import to_sglang
@@ -104,6 +106,7 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.settings = settings or Settings.from_env()
+        log.info("kvconn-sglang %s (kvconn-core %s)", __version__, kvconn.__version__)
         self.backend = get_backend(self.settings.transport)
         tp_size, tp_rank = _attention_tp(server_args, int(args.engine_rank))
         self.tp_size, self.tp_rank = tp_size, tp_rank
