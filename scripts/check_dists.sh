@@ -15,24 +15,29 @@ rm -rf "$WORK"
 mkdir -p "$WORK/out"
 
 # One build environment for the five (an isolated one each is two venvs per
-# distribution: 30 s each here); the same setuptools the isolated build
-# would fetch (pyproject: setuptools>=77).
-"$PYTHON" -m venv "$WORK/build-venv"
-PIP=("$WORK/build-venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" "setuptools>=77" build twine
+# distribution: 30 s each here) with the setuptools the isolated build would
+# fetch (pyproject: setuptools>=77): .venv's, where scripts/test.sh put
+# build, twine and that setuptools, else one made here.
+BUILDER=.venv/bin/python
+if ! { [ -x "$BUILDER" ] && "$BUILDER" -c "import build, twine, setuptools, sys
+sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; }; then
+    "$PYTHON" -m venv "$WORK/build-venv"
+    BUILDER=$WORK/build-venv/bin/python
+    "$BUILDER" -m pip install -q --disable-pip-version-check "setuptools>=77" build twine
+fi
 for dist in "${DISTS[@]}"; do
-    "$WORK/build-venv/bin/python" -m build --no-isolation -q -o "$WORK/out" "$dist" >"$WORK/build-$dist.log" 2>&1 || {
+    "$BUILDER" -m build --no-isolation -q -o "$WORK/out" "$dist" >"$WORK/build-$dist.log" 2>&1 || {
         cat "$WORK/build-$dist.log"
         echo "check_dists: $dist did not build" >&2
         exit 1
     }
 done
 echo "check_dists: built in ${SECONDS} s: $(cd "$WORK/out" && echo *)"
-"$WORK/build-venv/bin/python" -m twine check --strict "$WORK"/out/*
+"$BUILDER" -m twine check --strict "$WORK"/out/*
 
 # What each wheel and sdist holds: its metadata, license, the version its
 # package states (scripts/check_dists.py).
-"$WORK/build-venv/bin/python" scripts/check_dists.py "$WORK/out" "${DISTS[@]}"
+"$BUILDER" scripts/check_dists.py "$WORK/out" "${DISTS[@]}"
 
 # A fresh venv with nothing of this checkout: the wheels, and what they pull.
 "$PYTHON" -m venv "$WORK/venv"
