@@ -24,8 +24,8 @@ try:
 except ImportError:  # no limits to stretch
     pytest_timeout = None
 
-#: Seconds between two looks at the machine while a test runs.
-CHECK_S = 10.0
+#: The least wait before a test's limit is looked at again (s).
+MIN_REARM_S = 1.0
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -37,14 +37,17 @@ if pytest_timeout is not None:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
-        """pytest-timeout's signal method, with the limit a Budget: at each
-        alarm the test goes on while idle-machine time is left."""
+        """pytest-timeout's signal method, with the limit a Budget: the
+        alarm is set for when the budget runs out at today's slowness, and
+        set again for what is left if the machine was slower meanwhile. (One
+        alarm, not a periodic one: SIGALRM interrupts system calls, of a
+        native transport library's threads too.)"""
         if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
             return None  # pytest-timeout's own timer, unstretched
         budget = Budget(float(settings.timeout))
 
         def arm() -> None:
-            signal.setitimer(signal.ITIMER_REAL, max(0.05, min(CHECK_S, budget.wall_left())))
+            signal.setitimer(signal.ITIMER_REAL, max(MIN_REARM_S, budget.wall_left()))
 
         def on_alarm(signum: int, frame: FrameType | None) -> None:
             __tracebackhide__ = True

@@ -70,19 +70,23 @@ def slowness() -> float:
 
 
 class Budget:
-    """``seconds`` of an idle machine's time: each stretch of wall time costs
-    itself divided by the machine's :func:`slowness` at the stretch's end."""
+    """``seconds`` of an idle machine's time: each stretch of wall time (from
+    one look at the budget to the next) costs itself divided by the
+    machine's :func:`slowness`, the larger of its values at the stretch's
+    two ends (the load averages are smooth; between two looks the machine
+    is taken to have been the slower of the two)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.started = self._at = time.monotonic()
+        self._slowness = slowness()
         self._spent = 0.0
 
     def spent(self) -> float:
         """Idle-machine seconds spent so far."""
-        now = time.monotonic()
-        self._spent += (now - self._at) / slowness()
-        self._at = now
+        now, now_slowness = time.monotonic(), slowness()
+        self._spent += (now - self._at) / max(self._slowness, now_slowness)
+        self._at, self._slowness = now, now_slowness
         return self._spent
 
     def left(self) -> float:
