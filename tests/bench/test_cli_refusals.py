@@ -237,6 +237,24 @@ def test_an_interrupt_during_the_subcommands_import_is_one_line(
     assert capsys.readouterr().err == "kvconn bench: interrupted (Ctrl-C)\n"
 
 
+def test_an_interrupt_a_library_swallowed_while_importing_still_stops_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands in an imported library's bare ``except:`` (the
+    bench then ran to its end, exit 0, once under load) still stops it."""
+
+    def import_that_swallows(command: str, module: str, parser: Any) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, raising inside this try
+        except BaseException:  # what some libraries do around optional imports
+            pass
+
+    monkeypatch.setattr(cli, "_add_arguments", import_that_swallows)
+    assert cli.main(["bench"]) == 130
+    assert capsys.readouterr().err == "kvconn bench: interrupted (Ctrl-C)\n"
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
 def test_ctrl_c_while_kvconn_still_imports_is_one_line() -> None:
     """SIGINT while the bench's modules (rich, numpy, zmq: a second or more

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -245,17 +246,30 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
+    caught: list[int] = []
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        caught.append(signum)  # seen even where a library's bare `except:` swallows what it raises
+        raise KeyboardInterrupt
+
     try:
-        return _main(argv, args_in)
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+    except ValueError:  # not the main thread: Python's own handler stays
+        previous = None
+    try:
+        return _main(argv, args_in, caught)
     except KeyboardInterrupt:
         # Ctrl-C before a subcommand took the signal over (kvconn bench does,
         # once its modules are imported) or in one that does not.
         command = next((a for a in args_in if not a.startswith("-")), "")
         print(f"kvconn{' ' + command if command else ''}: interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED_EXIT
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
-def _main(argv: Sequence[str] | None, args_in: list[str]) -> int:
+def _main(argv: Sequence[str] | None, args_in: list[str], caught: list[int]) -> int:
     from kvconn.plugins import ALLOW_ENV
 
     parser = argparse.ArgumentParser(
@@ -291,6 +305,8 @@ def _main(argv: Sequence[str] | None, args_in: list[str]) -> int:
                 print(f"kvconn: error: {exc}", file=sys.stderr)
                 return 2
     args = parser.parse_args(argv)
+    if caught:  # a Ctrl-C while the subcommand's modules imported, swallowed on the way
+        raise KeyboardInterrupt
     try:
         code: int = args.func(args)
     except MissingDependency as exc:  # an import a subcommand makes only when it runs
