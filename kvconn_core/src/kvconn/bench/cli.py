@@ -262,7 +262,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # (Mooncake without libibverbs), raised when decode opens its region.
         err.print(f"[red]kvconn bench: {escape(str(exc))}[/red]", soft_wrap=True)  # one line, however long
         return 2
-    except MemoryError:  # a limit the up-front estimate (_check_memory) did not see
+    except MemoryError:  # a limit the up-front estimate (preflight.check_memory) did not see
         err.print(
             "[red]kvconn bench: out of memory: lower --pages, --page-bytes, --concurrency or --pool-pages[/red]"
         )
