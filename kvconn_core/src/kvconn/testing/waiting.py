@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MAX_SLOWNESS", "SLOWNESS_ENV", "Budget", "communicate", "run", "slowness", "wait_for"]
+__all__ = ["MAX_SLOWNESS", "SLOWNESS_ENV", "Budget", "communicate", "run", "slowness", "wait", "wait_for"]
 
 #: A limit stretches at most this many times (a hung test still fails).
 MAX_SLOWNESS = 20.0
@@ -99,6 +99,18 @@ class Budget:
     def elapsed(self) -> float:
         """Wall seconds since the budget began."""
         return time.monotonic() - self.started
+
+
+def wait(ready: Callable[[float], bool], timeout: float) -> bool:
+    """Call ``ready(seconds)``, a wait of its own of at most that long
+    (``Connection.poll``, ``Event.wait``), until it says True (True), or
+    until ``timeout`` seconds of an idle machine are spent (False)."""
+    budget = Budget(timeout)
+    while True:
+        if ready(max(0.01, min(_CHECK_S, budget.wall_left()))):
+            return True
+        if budget.left() <= 0:
+            return False
 
 
 def communicate(proc: subprocess.Popen[Any], timeout: float, input: Any = None) -> tuple[Any, Any]:
