@@ -75,7 +75,7 @@ SHELL_DOCUMENTS = tuple(sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "
 SHELL_FENCES = ("bash", "sh", "shell")
 _NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.+?)\s*-->$")
 _NEEDS = re.compile(r"^<!--\s*needs:\s*(\./[\w./-]+\[[\w,]+\])\s*-->$")
-#: A snippet runs endpoints on loopback: seconds.
+#: A snippet runs endpoints on loopback: seconds (of an idle machine: see :func:`limit`).
 PER_SNIPPET_TIMEOUT_S = 120
 
 #: Commands every newcomer runs, checked even if no README spells them out.
@@ -105,6 +105,22 @@ SHORT_MODULES = {"kvconn.bench.tombstones": "--rooms 1000", "kvconn.bench.fleet"
 #: One quick check of the suite: proves the plugin loads and the suite runs.
 QUICK_CONFORMANCE = "-q -k test_integrity_large_pages"
 PER_COMMAND_TIMEOUT_S = 300
+#: A limit stretches at most this many times (as kvconn.testing.waiting's do).
+MAX_SLOWNESS = 20.0
+
+
+def limit(seconds: float) -> float:
+    """``seconds`` of an idle machine in wall seconds now: times the runnable
+    tasks per core (the larger of the 1- and 5-minute load averages), 1 to
+    MAX_SLOWNESS; kvconn.testing.waiting.slowness, which this stdlib-only
+    script cannot import (the docs' pip lines took 5-8x their usual time at
+    load 20-37)."""
+    try:
+        one, five, _ = os.getloadavg()
+        cores = len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return seconds
+    return seconds * min(MAX_SLOWNESS, max(1.0, max(one, five) / cores))
 
 
 @dataclass(frozen=True)
@@ -170,10 +186,10 @@ def run_snippet(
             env=env,
             capture_output=True,
             text=True,
-            timeout=PER_SNIPPET_TIMEOUT_S,
+            timeout=limit(PER_SNIPPET_TIMEOUT_S),
         )
     except subprocess.TimeoutExpired as exc:
-        return 124, f"timed out after {exc.timeout} s"
+        return 124, f"timed out after {exc.timeout:.0f} s"
     output = proc.stdout + proc.stderr
     if proc.returncode == 0 and "Traceback" in output:
         return 1, output
@@ -402,7 +418,7 @@ def main() -> int:
                     cwd=checkout,
                     env=env,
                     check=True,
-                    timeout=PER_COMMAND_TIMEOUT_S,
+                    timeout=limit(PER_COMMAND_TIMEOUT_S),
                 )
                 installed.add(needs)
 
@@ -421,11 +437,11 @@ def main() -> int:
                     env=env,
                     capture_output=True,
                     text=True,
-                    timeout=PER_COMMAND_TIMEOUT_S,
+                    timeout=limit(PER_COMMAND_TIMEOUT_S),
                 )
                 code, output = proc.returncode, proc.stdout + proc.stderr
             except subprocess.TimeoutExpired as exc:
-                code, output = 124, f"timed out after {exc.timeout} s"
+                code, output = 124, f"timed out after {exc.timeout:.0f} s"
             took = time.monotonic() - t0
             if p.line.source.split(":")[0] not in DOCUMENTS:
                 docs_s += took

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 from bench_doc import undocumented
 
 from kvconn.bench.output import check_output_paths
-from kvconn.testing import scenarios
+from kvconn.testing import scenarios, waiting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance" / "liars"))
 from kvconn_liars.registry import liar_path
@@ -31,7 +30,7 @@ def bench(tmp_path: Path, *extra: str, liars: bool = False) -> tuple[int, dict[s
     broken loopback variants are ``--backend liar-loopback``)."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=liar_path(tmp_path / "liars")) if liars else None
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *SMALL, "--json", str(out), *extra],
         capture_output=True,
         text=True,
@@ -183,6 +182,8 @@ def test_values_that_cannot_make_a_run_exit_2_before_it_starts(
 def test_a_room_smaller_than_a_chunk_is_one_chunk(tmp_path: Path) -> None:
     code, rep, out = bench(tmp_path, "--pages", "1", "--modes", "kvconn")
     assert code == 0, out
+    assert "timeout-only mode ran" not in out  # it did not run (issue 43)
+    assert not any("timeout-only" in note for note in rep["notes"]), rep["notes"]
     assert rep["workload"]["chunk_bytes_per_rank"] == 16384 // 2  # one page, two ranks' shards
 
 
@@ -205,7 +206,7 @@ def test_fault_matrix_short_selection_is_safe_and_live_in_kvconn_mode(tmp_path: 
     timeout-only mode frees pages that a late write then reaches."""
     out = tmp_path / "bench.json"
     argv = [*SMALL[: SMALL.index("--faults")], "--requests", "4", "--stream-requests", "0"]
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *argv, "--json", str(out), "--faults", "short"],
         capture_output=True,
         text=True,
@@ -275,7 +276,7 @@ def test_trace_without_the_sdk_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "import sys; sys.modules['opentelemetry'] = None; from kvconn.cli import main; "
         f"sys.exit(main(['bench', '--faults', 'off', '--trace', {str(tmp_path / 't.jsonl')!r}]))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    proc = waiting.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "kvconn bench: --trace needs opentelemetry-sdk: pip install 'kvconn-core[trace]'"

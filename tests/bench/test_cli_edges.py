@@ -23,6 +23,7 @@ from kvconn.bench import cli as bench_cli
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
 from kvconn.bench.mode_result import ModeResult
+from kvconn.testing import waiting
 from kvconn.testing.child import Child, ChildError, StderrLog
 
 BENCH = Path(bench_cli.__file__).parent
@@ -74,7 +75,7 @@ def test_bench_modules_import_without_a_circle() -> None:
 
 @pytest.mark.parametrize("module", sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__"))
 def test_each_bench_module_imports_alone(module: str) -> None:
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-c", f"import kvconn.bench.{module}"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
@@ -125,13 +126,13 @@ def test_ctrl_c_stops_with_one_line_and_quiet_children() -> None:
         start_new_session=True,  # its own process group: the signal reaches only the bench's processes
     )
     try:
-        deadline = time.monotonic() + 90
+        budget = waiting.Budget(90)
         while not children_running(proc.pid, "kvconn.bench.prefill_worker"):  # into the workload
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            assert proc.poll() is None and budget.left() > 0, proc.communicate()[0]
             time.sleep(0.2)
         time.sleep(1)  # the ranks serving requests
         os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = waiting.communicate(proc, 60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -215,7 +216,7 @@ TINY = [
 
 def test_transport_output_to_a_pipe_is_not_cut_at_80_columns() -> None:
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *TINY, "--backend", "loopback"],
         capture_output=True,
         text=True,
@@ -229,8 +230,8 @@ def test_transport_output_to_a_pipe_is_not_cut_at_80_columns() -> None:
 
 
 def test_every_backend_name_is_checked_before_measuring() -> None:
-    t0 = time.monotonic()
-    proc = subprocess.run(
+    budget = waiting.Budget(30)
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *TINY, "--backend", "loopback,nosuch"],
         capture_output=True,
         text=True,
@@ -239,7 +240,7 @@ def test_every_backend_name_is_checked_before_measuring() -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no kvconn backend 'nosuch' is installed" in " ".join(proc.stderr.split())
     assert "kvconn bench --transport: loopback" not in proc.stdout  # nothing was measured
-    assert time.monotonic() - t0 < 30
+    assert budget.left() > 0, f"took {budget.elapsed():.0f} s"
 
 
 # -- a backend that loads but does not open; a child that dies ------------------------
@@ -275,7 +276,7 @@ def broken_backend(tmp_path: Path) -> dict[str, str]:
 
 
 def test_backends_opens_what_it_lists(broken_backend: dict[str, str]) -> None:
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "backends"],
         capture_output=True,
         text=True,
@@ -322,7 +323,7 @@ def test_backends_says_when_claimed_vram_is_not_here(tmp_path: Path) -> None:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvconn-fakevram\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[kvconn.backends]\nfakevram = kvconn_fakevram:BACKEND\n")
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "backends"],
         capture_output=True,
         text=True,
@@ -337,7 +338,7 @@ def test_backends_says_when_claimed_vram_is_not_here(tmp_path: Path) -> None:
 
 
 def test_a_child_that_dies_is_one_line_with_its_cause(broken_backend: dict[str, str]) -> None:
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *TINY, "--backend", "fakebroken"],
         capture_output=True,
         text=True,
@@ -353,7 +354,7 @@ def test_a_child_that_dies_is_one_line_with_its_cause(broken_backend: dict[str, 
 
 
 def test_the_abort_bench_on_a_backend_that_does_not_open_is_one_line(broken_backend: dict[str, str]) -> None:
-    proc = subprocess.run(
+    proc = waiting.run(
         [
             sys.executable,
             "-m",
@@ -438,7 +439,7 @@ def test_a_mooncake_bench_prints_none_of_mooncakes_own_log_lines() -> None:
     if why:
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if k not in ("GLOG_minloglevel", "MC_LOG_LEVEL")}
-    proc = subprocess.run(
+    proc = waiting.run(
         [
             sys.executable, "-m", "kvconn.cli", "bench", "--backend", "mooncake", "--faults", "off",
             "--modes", "kvconn", "--requests", "4", "--stream-requests", "0", "--abort-window-ms", "1",
@@ -452,7 +453,7 @@ def test_a_mooncake_bench_prints_none_of_mooncakes_own_log_lines() -> None:
 
 
 def help_of(*argv: str) -> str:
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", *argv, "--help"],
         capture_output=True,
         text=True,
@@ -487,10 +488,14 @@ def test_help_reads_as_text() -> None:
 
 
 def test_version() -> None:
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "--version"], capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode == 0 and re.fullmatch(r"kvconn \S+\n", proc.stdout), proc.stdout
+    import kvconn
+
+    # kvconn-core's own version first, then each companion distribution installed here
+    assert proc.returncode == 0 and proc.stdout.startswith(f"kvconn {kvconn.__version__}"), proc.stdout
+    assert re.fullmatch(r"kvconn \S+( \((kvconn-\w+ \S+)(, kvconn-\w+ \S+)*\))?\n", proc.stdout), proc.stdout
 
 
 def test_both_option_spellings_reach_the_bench() -> None:

@@ -15,7 +15,7 @@ import pytest
 from bench_doc import undocumented
 
 from kvconn.bench import cli, hosts_run
-from kvconn.testing import host_faults, hosts
+from kvconn.testing import host_faults, hosts, waiting
 from kvconn.testing.libraries import why_unavailable
 
 SHORT = [
@@ -44,10 +44,10 @@ def test_partition_across_hosts_corrupts_nothing_in_kvconn_mode(tmp_path: Path) 
         text=True,
     )
     try:
-        stdout, stderr = proc.communicate(timeout=50)
+        stdout, stderr = waiting.communicate(proc, 50)
     except subprocess.TimeoutExpired:
         proc.terminate()  # SIGTERM: the bench tears its hosts down
-        stdout, stderr = proc.communicate(timeout=15)
+        stdout, stderr = waiting.communicate(proc, 15)
         pytest.fail(f"the bench took over 50 s: {stdout}{stderr[-2000:]}")
     assert proc.returncode == 0, stdout + stderr[-2000:]
     rep = json.loads(out.read_text())

@@ -6,17 +6,18 @@ values that make sense."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench_doc import undocumented
 
+from kvconn.testing import waiting
+
 
 def curve(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     out = tmp_path / "curve.json"
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", "--no-progress", "--json", str(out), "--curve", *args],
         capture_output=True,
         text=True,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from bench_doc import undocumented
 
 from kvconn.bench.shapes import Shape, check_pages, make_plan, source_pattern
 from kvconn.bench.sizes import parse_size
+from kvconn.testing import waiting
 
 TINY = [
     "--transport", "--backend", "loopback", "--repeat", "2", "--no-progress",
@@ -24,7 +24,7 @@ TINY = [
 
 def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "transport.json"
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *TINY, "--json", str(out)],
         capture_output=True,
         text=True,
@@ -70,7 +70,7 @@ def test_transport_bench_reports_both_paths(tmp_path: Path) -> None:
 
 
 def test_bad_shape_exits_2() -> None:
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", "--transport", "--shape", "4096x:bogus"],
         capture_output=True,
         text=True,
@@ -104,7 +104,7 @@ def test_sizes_read_as_the_tables_print_them() -> None:
 )
 def test_an_option_of_the_other_bench_exits_2(argv: list[str], message: str) -> None:
     """A flag the chosen bench never reads is refused, not silently ignored."""
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *argv],
         capture_output=True,
         text=True,
@@ -170,7 +170,7 @@ def test_kv_shape_runs_over_engine_buffers_and_counts_segments(tmp_path: Path) -
         "--room-bytes",
         "512KiB",
     ]
-    proc = subprocess.run(
+    proc = waiting.run(
         [sys.executable, "-m", "kvconn.cli", "bench", *args, "--json", str(out)],
         capture_output=True,
         text=True,

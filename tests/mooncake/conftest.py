@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvconn.runtime.procs import wait_until_stopped
+from kvconn.testing import waiting
 
 # The engine's minimum timeout, so frozen-peer tests take ~5 s, not 30 s.
 ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_TCP_STATUS_TIMEOUT_SEC": "5", "MC_LOG_LEVEL": "WARNING"}
@@ -40,8 +41,9 @@ class Child:
         self.conn.send((op, args))
 
     def recv(self, timeout: float = 60.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"child {self.pid} did not answer within {timeout} s")
+        """``timeout``: seconds of an idle machine (longer while it is loaded)."""
+        if not waiting.wait(self.conn.poll, timeout):
+            raise TimeoutError(f"child {self.pid} did not answer within {timeout} s of an idle machine")
         status, value = self.conn.recv()
         if status != "ok":
             raise RuntimeError(f"child {self.pid}: {value}")

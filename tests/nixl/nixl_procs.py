@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvconn.runtime.procs import wait_until_stopped
+from kvconn.testing import waiting
 
 SPAWN = mp.get_context("spawn")
 PAGE = 4096
@@ -167,8 +168,9 @@ class Child:
         return self.proc.pid
 
     def recv(self, timeout: float = 30) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"child {self.proc.pid} silent for {timeout} s")
+        """``timeout``: seconds of an idle machine (longer while it is loaded)."""
+        if not waiting.wait(self.conn.poll, timeout):
+            raise TimeoutError(f"child {self.proc.pid} silent for {timeout} s of an idle machine")
         out = self.conn.recv()
         if isinstance(out, Exception):
             raise out

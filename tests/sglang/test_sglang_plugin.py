@@ -4,6 +4,7 @@ SGLang's KVArgs as kvconn memory."""
 from __future__ import annotations
 
 import argparse
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -119,20 +120,25 @@ def test_decode_kv_args_without_a_head_count_take_the_models(sglang_with_kvconn:
 
 
 def test_a_receiver_whose_bootstrap_server_does_not_answer_fails_with_the_reason(
-    sglang_with_kvconn: Any,
+    sglang_with_kvconn: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     utils = sglang_with_kvconn
     from sglang.srt.disaggregation.base.conn import KVArgs
 
+    import kvconn
+    import kvconn_sglang
     from kvconn.testing.cluster import free_port
     from kvconn_sglang.conn import KVConnKVManager, KVConnKVReceiver
 
     pool = Pool(1, 0, fill=False)
-    manager = KVConnKVManager(
-        pool.kv_args(KVArgs),
-        utils.DisaggregationMode.DECODE,
-        SimpleNamespace(tp_size=1, enable_dp_attention=False),
-    )
+    with caplog.at_level(logging.INFO, logger="kvconn_sglang.conn"):
+        manager = KVConnKVManager(
+            pool.kv_args(KVArgs),
+            utils.DisaggregationMode.DECODE,
+            SimpleNamespace(tp_size=1, enable_dp_attention=False),
+        )
+    # The versions an operator reports: the adapter's and the core's (issue 43).
+    assert f"kvconn-sglang {kvconn_sglang.__version__} (kvconn-core {kvconn.__version__})" in caplog.text
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
     try:
         assert not manager.try_ensure_parallel_info(nowhere)  # SGLang's queue retries, then aborts

@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NEEDS_VLLM
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
@@ -244,6 +245,16 @@ def test_completions_through_the_proxy_equal_one_engines_and_decode_computed_no_
         )
     remote, local, answered = (after - was for after, was in zip(counts(), before, strict=True))
     assert (remote, local, answered) == (2 * sum(PROMPTS), 0, 2 * len(PROMPTS))
+
+
+def test_each_server_logs_the_connector_and_core_versions(servers: tuple[Server, Server, str]) -> None:
+    """What an operator reports with a problem: kvconn-vllm's and kvconn-core's versions (issue 43)."""
+    import kvconn
+    import kvconn_vllm
+
+    line = f"kvconn-vllm {kvconn_vllm.__version__} (kvconn-core {kvconn.__version__})"
+    for server in servers[:2]:
+        assert line in server.log.read_text(errors="replace"), server.tail()
 
 
 def _samples(server: Server, name: str, **labels: str) -> list[float]:

@@ -9,22 +9,22 @@ that each one opens here; "bench" runs the abort-mid-transfer benchmark (or
 
 from __future__ import annotations
 
+# Only the standard library's lightest modules at the top: a Ctrl-C while
+# the rest imports (rich, pluggy, a subcommand's numpy and zmq: a second or
+# more on a loaded machine) lands inside main(), which says so in one line.
 import argparse
 import importlib
-import json
 import os
-import subprocess
+import signal
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+if TYPE_CHECKING:
+    from kvconn.plugins import BackendInfo
 
-from kvconn.plugins import ALLOW_ENV, BackendInfo, discover, installed_names, unknown_allowed
+#: Exit code of a run stopped by Ctrl-C (128 + SIGINT), as the shell reports it.
+INTERRUPTED_EXIT = 130
 
 #: Seconds one backend's probe may take (a native library that hangs).
 PROBE_TIMEOUT_S = 60.0
@@ -38,6 +38,8 @@ def probe_child(name: str) -> None:
     whether device memory can be allocated here if it claims ``vram``. Prints
     one JSON line, then exits at once (a native library's exit-time noise is
     no part of the answer)."""
+    import json
+
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's per-run warnings
     out: dict[str, Any] = {"ok": False, "error": "", "vram": None}
     try:
@@ -77,6 +79,9 @@ def _one_line(exc: BaseException) -> str:
 def _probe(name: str) -> dict[str, Any]:
     """Run :func:`probe_child` for ``name`` in a process of its own (a
     native library that crashes takes only the probe down)."""
+    import json
+    import subprocess
+
     code = "import sys\nfrom kvconn.cli import probe_child\nprobe_child(sys.argv[1])\n"
     try:
         proc = subprocess.run(
@@ -101,6 +106,8 @@ def _probe(name: str) -> dict[str, Any]:
 
 
 def _detail(info: BackendInfo, probe: dict[str, Any] | None) -> str:
+    from rich.markup import escape
+
     caps = info.capabilities
     if caps is None:
         return f"[red]failed to load: {escape(info.error or '')}[/red]"
@@ -118,6 +125,14 @@ def _detail(info: BackendInfo, probe: dict[str, Any] | None) -> str:
 
 
 def _backends(args: argparse.Namespace) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvconn.plugins import ALLOW_ENV, discover, installed_names, unknown_allowed
+
     console = Console()
     err = Console(stderr=True)
     unknown = unknown_allowed()
@@ -209,15 +224,54 @@ def _add_arguments(command: str, module: str, parser: argparse.ArgumentParser) -
         add(parser)
 
 
+#: The distributions kvconn ships beside kvconn-core, named by ``--version`` when installed.
+COMPANIONS = ("kvconn-nixl", "kvconn-mooncake", "kvconn-vllm", "kvconn-sglang")
+
+
 def _version() -> str:
-    try:
-        return version("kvconn-core")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
+    """kvconn-core's version (``kvconn.__version__``, which its metadata is
+    built from), and each companion distribution's installed here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvconn import __version__
+
+    others = []
+    for dist in COMPANIONS:
+        try:
+            others.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            continue
+    return __version__ + (f" ({', '.join(others)})" if others else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
+    caught: list[int] = []
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        caught.append(signum)  # seen even where a library's bare `except:` swallows what it raises
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+    except ValueError:  # not the main thread: Python's own handler stays
+        previous = None
+    try:
+        return _main(argv, args_in, caught)
+    except KeyboardInterrupt:
+        # Ctrl-C before a subcommand took the signal over (kvconn bench does,
+        # once its modules are imported) or in one that does not.
+        command = next((a for a in args_in if not a.startswith("-")), "")
+        print(f"kvconn{' ' + command if command else ''}: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: Sequence[str] | None, args_in: list[str], caught: list[int]) -> int:
+    from kvconn.plugins import ALLOW_ENV
+
     parser = argparse.ArgumentParser(
         prog="kvconn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -251,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"kvconn: error: {exc}", file=sys.stderr)
                 return 2
     args = parser.parse_args(argv)
+    if caught:  # a Ctrl-C while the subcommand's modules imported, swallowed on the way
+        raise KeyboardInterrupt
     try:
         code: int = args.func(args)
     except MissingDependency as exc:  # an import a subcommand makes only when it runs

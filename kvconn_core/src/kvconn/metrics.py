@@ -380,7 +380,12 @@ class MetricsServer:
         self._merged = _Merged()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self._merged)
-        self._server, self._thread = start_http_server(port, addr, registry=registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr, registry=registry)
+        except OSError as exc:  # named: the OS's own message leaves the address out
+            named = OSError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}")
+            named.errno = exc.errno
+            raise named from exc
         self.addr = addr
         #: The bound port (the one the OS chose, for ``port=0``).
         self.port: int = self._server.server_port

@@ -6,6 +6,9 @@ Installing this distribution is all a user does: SGLang's plugin loader runs
 :mod:`kvconn_sglang.conn`.
 """
 
+#: This distribution's version: the one source its metadata (pyproject.toml) reads.
+__version__ = "0.1.0"
+
 BACKEND_NAME = "kvconn"
 
 __all__ = ["BACKEND_NAME"]

@@ -28,6 +28,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+import kvconn
 from kvconn.errors import BootstrapError, KvconnError
 from kvconn.plugins import get_backend
 from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Release
@@ -37,6 +38,7 @@ from kvconn.runtime.prefill import KVPoll as KvconnPoll
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.prefill import Sender as KvconnSender
 from kvconn.runtime.trace_export import trace_to_file
+from kvconn_sglang import __version__
 from kvconn_sglang.memory import engine_kv
 from kvconn_sglang.metrics import Relay, multiprocess_mode
 from kvconn_sglang.poll import to_sglang
@@ -105,6 +107,7 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.settings = settings or Settings.from_env()
+        log.info("kvconn-sglang %s (kvconn-core %s)", __version__, kvconn.__version__)
         if self.settings.config.tracing and self.settings.trace_file:
             trace_to_file(self.settings.trace_file)
         self.backend = get_backend(self.settings.transport)

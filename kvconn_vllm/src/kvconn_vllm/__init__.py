@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+#: This distribution's version: the one source its metadata (pyproject.toml) reads.
+__version__ = "0.1.0"
+
 if TYPE_CHECKING:
     from kvconn_vllm.connector import KvconnConnector
 

@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+import kvconn
+from kvconn_vllm import __version__
 from kvconn_vllm.layout import KVGeometry
 from kvconn_vllm.metadata import KvconnHandshake, KvconnMetadata
 from kvconn_vllm.scheduler import SchedulerSide
@@ -60,6 +62,9 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
+        logging.getLogger("kvconn_vllm").info(
+            "kvconn-vllm %s (kvconn-core %s), %s side", __version__, kvconn.__version__, role.name.lower()
+        )
         transfer = self._kv_transfer_config
         settings = Settings.parse(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size

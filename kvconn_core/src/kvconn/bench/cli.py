@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvconn.bench import curve as curve_mod
-from kvconn.bench import hosts_run
+from kvconn.bench import hosts_run, preflight
 from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
@@ -209,6 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--curve-points",
         default=None,
+        type=preflight.points_arg,
         metavar="A,B,...",
         help="the --curve axis' points (default rooms 8,512; ranks 2,8; storm 0.1,0.9; segments "
         "118,1000,5000,20000 per chunk; tombstones 10000,100000 rooms; fleet 0.1,1,10 x 100 decodes)",
@@ -234,6 +235,9 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     console = make_console(stderr=to_stdout)
     err = make_console(stderr=True)
+    why = preflight.curve_points_error(args.curve, args.curve_points)
+    if why:
+        parser.error(why)
     unused = _unused_options(parser, args)
     if unused:
         bench = "--transport" if args.transport else "the abort bench (no --transport)"
@@ -242,6 +246,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         err.print(f"[red]kvconn bench: {bench} does not use {escape(', '.join(unused))}[/red]")
         return 2
     StderrLog.verbose = args.verbose
+    args.sizing_defaults = preflight.sizing_defaults(parser)
     quiet_native_logs(args.verbose)
     try:
         with _interruptible():
@@ -256,7 +261,12 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError, LookupError, ImportError, KvconnError) as exc:
         # ImportError: a transport's native library that does not load here
         # (Mooncake without libibverbs), raised when decode opens its region.
-        err.print(f"[red]kvconn bench: {escape(str(exc))}[/red]")
+        err.print(f"[red]kvconn bench: {escape(str(exc))}[/red]", soft_wrap=True)  # one line, however long
+        return 2
+    except MemoryError:  # a limit the up-front estimate (preflight.check_memory) did not see
+        err.print(
+            "[red]kvconn bench: out of memory: lower --pages, --page-bytes, --concurrency or --pool-pages[/red]"
+        )
         return 2
 
 
@@ -303,6 +313,13 @@ def _interruptible() -> Iterator[None]:
                 signal.signal(sig, handler)
             threading.excepthook = previous_hook
             logging.disable(logging.NOTSET)
+        else:
+            # Torn down; the process only exits now. Python puts back the
+            # default action of each signal it handles as it finalizes, where
+            # another Ctrl-C would kill it (exit -2, no line): ignored from
+            # here, at the kernel, until the exit.
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -344,6 +361,10 @@ def _check_args(args: argparse.Namespace) -> None:
         if not value >= 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     check_output_paths(args.json, args.plot)
+    if args.plot:
+        preflight.check_plot(args.plot, args.curve)
+    if args.metrics_port is not None:
+        preflight.check_ports_free(args.metrics_port, args.ranks)
 
 
 #: Options both benches read; every other one belongs to one of them.
@@ -408,12 +429,10 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         raise ValueError(f"--modes takes kvconn and/or legacy, got {args.modes!r}")
     options = _options(args.backend_option)
     backend = get_backend(args.backend)
-    if args.page_bytes % (8 * args.ranks):
-        raise ValueError("--page-bytes must split evenly over --ranks (in 8-byte words)")
     limit = capabilities_of(backend, options).max_write_timeout_s
     legacy_timeout = args.legacy_timeout
     notes: list[str] = []
-    if limit is not None and legacy_timeout <= limit:
+    if LEGACY in modes and limit is not None and legacy_timeout <= limit:
         legacy_timeout = limit + 1.0
         notes.append(
             f"{args.backend} may take {limit} s to fail a write: legacy timeout raised to {legacy_timeout} s"
@@ -434,6 +453,9 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         stream_requests=stream_n,
         decodes=args.decodes,
     )
+    preflight.check_memory(args, wl)
+    if args.page_bytes % (8 * args.ranks):
+        raise ValueError("--page-bytes must split evenly over --ranks (in 8-byte words)")
     if args.hosts is not None:
         return hosts_run.run(args, wl, options, console, err)
     if args.host_faults != parser_default_host_faults():

@@ -61,7 +61,8 @@ class Listener:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # an endpoint that failed to start closes it unstarted
+            self._thread.join(timeout=5)
         self._sock.close()
 
     def _run(self) -> None:

@@ -543,9 +543,21 @@ _handlers_lock = threading.Lock()
 _previous: dict[int, Any] = {}
 
 
+#: Held while a signal's handler tears the hosts down.
+_tearing_down = threading.Lock()
+
+
 def _on_signal(signum: int, frame: types.FrameType | None) -> None:
-    for fabric in list(_live):
-        fabric.close()
+    # A second signal runs this handler again inside the first, at any line
+    # of its teardown: it would cut the teardown short (namespaces left
+    # behind). The first one decides what follows; later ones are ignored.
+    if not _tearing_down.acquire(blocking=False):
+        return
+    try:
+        for fabric in list(_live):
+            fabric.close()
+    finally:
+        _tearing_down.release()
     previous = _previous.get(signum)
     if callable(previous):
         previous(signum, frame)
