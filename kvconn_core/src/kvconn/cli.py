@@ -265,7 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvconn{' ' + command if command else ''}: interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED_EXIT
     finally:
-        if previous is not None:
+        # A subcommand that ignores SIGINT until the exit (kvconn bench after
+        # an interrupted run's teardown) keeps it ignored: Python's handler,
+        # put back, would let one more Ctrl-C kill the process (exit -2).
+        if previous is not None and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, previous)
 
 
