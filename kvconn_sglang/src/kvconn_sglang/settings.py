@@ -40,7 +40,15 @@ class Settings:
     how long it waits for the proofs of what it aborts). ``drain_on_sigterm``
     (``KVCONN_SGLANG_DRAIN_ON_SIGTERM=1``): a scheduler process that gets
     SIGTERM (a group-wide stop; SGLang's own stop sends it none) drains
-    before it exits."""
+    before it exits.
+
+    Two of SGLang's own deadlines become kvconn's, as SGLang's backends apply
+    them: ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s) is the
+    prefill's ``room_bootstrap_timeout_s`` (a request whose decode never asks
+    fails, and a late ask is refused, nothing written), and
+    ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s) decode's
+    ``transfer_timeout_s`` (a room not filled that long after it asked fails,
+    its pages back only with proof)."""
 
     transport: str
     host: str
@@ -57,6 +65,10 @@ class Settings:
             write_timeout_s=_number(environ, "WRITE_TIMEOUT_S", 5.0),
             abort_timeout_s=_number(environ, "ABORT_TIMEOUT_S", 30.0),
             resend_interval_s=_number(environ, "RESEND_INTERVAL_S", 1.0),
+            # SGLang's own deadlines, as its backends apply them: a prefill
+            # request whose decode never asks, a decode request never filled.
+            room_bootstrap_timeout_s=_sglang_number(environ, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300),
+            transfer_timeout_s=_sglang_number(environ, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
             host=host,
             backend_options=_options(environ.get(PREFIX + "BACKEND_OPTIONS", "")),
         )
@@ -72,6 +84,18 @@ class Settings:
             drain_grace_s=_grace(environ),
             drain_on_sigterm=_flag(environ, "DRAIN_ON_SIGTERM"),
         )
+
+
+def _sglang_number(environ: Mapping[str, str], name: str, default: float) -> float:
+    """One of SGLang's own settings (its ``envs``), read as SGLang reads it."""
+    raw = environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise SettingsError(f"{name} must be > 0, got {value}")
+    return value
 
 
 def _grace(environ: Mapping[str, str]) -> float:
