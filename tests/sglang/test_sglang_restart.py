@@ -23,7 +23,9 @@ from kvconn.testing.cluster import free_port
 from kvconn.testing.waiting import wait_for
 
 
-def _transfer(utils: Any, manager: Any, pool: Any, prefill: ForkedPrefill, src: list[int], dst: list[int]) -> None:
+def _transfer(
+    utils: Any, manager: Any, pool: Any, prefill: ForkedPrefill, src: list[int], dst: list[int]
+) -> None:
     """One request through SGLang's decode receiver and prefill queues: it completes byte for byte."""
     room = next(ROOM_SEQ)
     rx = receiver(utils, manager, prefill, room, dst)
