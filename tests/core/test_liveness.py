@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from endpoint_world import HERE, aborts, announce, endpoint, requests, writer
 
-from kvconn.errors import KvconnError, PageError, RequestError, RoomInUseError
+from kvconn.errors import KvconnError, PageError, RequestError, RoomInUseError, UnavailableError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
     CheckDrain,
@@ -103,11 +103,13 @@ def test_a_rank_proven_gone_is_down_and_its_exit_releases_once_its_connections_d
     assert state.probes(1.1).owed == gone
     [release] = _releases(state.handle(Tick(gone=gone, peers_drained=True), 1.1))
     assert release.proof is Proof.WRITER_EXIT and release.pages == (0, 1)
-    # a room asked of a rank known down fails at once, onto the abort path
-    again, _ = state.open(2, (2,), state.default, None, None, 1.2)  # type: ignore[arg-type]
-    held = state.sent(again, [], 1.2)
-    assert again.poll() is KVPoll.FAILED and "rank 0 is down" in (again.failure or "")
-    assert aborts(held) and state.hold_state(again) is HoldState.HELD
+    # a room that would be asked of a rank known down is refused: nothing is
+    # sent, nothing tracked, its pages never leave the engine
+    with pytest.raises(UnavailableError, match=r"rank 0 \(p0\) is down: its process .* exited") as refused:
+        state.open(2, (2,), state.default, None, None, 1.2)  # type: ignore[arg-type]
+    assert refused.value.cause == "rank_down" and refused.value.room == 2
+    assert state.tracker.state(2) is None and state.held_pages() == 0
+    assert 2 not in state.requests and not state._in_use
 
 
 def test_an_exit_proves_only_the_rooms_that_process_was_asked_to_write() -> None:
@@ -132,15 +134,15 @@ def test_a_rank_restarted_at_its_address_is_rebootstrapped_and_owes_nothing_of_t
     # the new process's ack for the old room is no proof: it never wrote it
     assert state.handle(_ack(state, 7, abort.generation, session=2), 1.1) == [Drop(DropReason.OTHER_SESSION)]
     assert state.hold_state(old) is HoldState.HELD
+    # the new process takes new rooms, named by its session
+    new, sent = state.open(8, (5,), state.default, None, None, 1.15)  # type: ignore[arg-type]
+    assert [r.session for r in requests(sent)] == [2]
+    state.handle(RoomStatus(8, 0, RoomOutcome.SUCCESS, "", "decode", 2), 1.18)
+    assert state.finish(new) == (5,)
     # nor is the new process's exit; the earlier one's is
     assert _releases(state.handle(Tick(gone=frozenset({writer("p0", 2)})), 1.2)) == []
     # the earlier process's late answers are no restart
     assert announce(state, 0, "p0", 1, 1.3) == [Drop(DropReason.RETIRED_SESSION)]
-    # the new process takes new rooms, named by its session
-    new, sent = state.open(8, (5,), state.default, None, None, 1.4)  # type: ignore[arg-type]
-    assert [r.session for r in requests(sent)] == [2]
-    state.handle(RoomStatus(8, 0, RoomOutcome.SUCCESS, "", "decode", 2), 1.5)
-    assert state.finish(new) == (5,)
     [release] = _releases(state.handle(Tick(gone=frozenset({writer("p0", 1)})), 1.6))
     assert release.room == 7 and release.proof is Proof.WRITER_EXIT
 

@@ -21,8 +21,17 @@ from kvconn.transport import Settlement
 #: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
 FENCE_RESULTS = ("ok", "failed")
 RANK_DOWN_CAUSES = ("exited", "silent")
-#: ``kvconn_owner_fences_total{outcome}``.
-OWNER_FENCE_OUTCOMES = ("ok", "failed")
+#: ``kvconn_owner_fences_total{outcome}``: "no_endpoint" held, but left the
+#: region without a transport endpoint until a later try makes one.
+OWNER_FENCE_OUTCOMES = ("ok", "failed", "no_endpoint")
+#: ``kvconn_requests_refused_total{reason}``: why ``receiver()`` asked nothing.
+#: "pages_in_use": the engine handed out pages kvconn still guards (a bug of
+#: its integration, alerted on); "rank_down" / "endpoint_down": it could only
+#: fail (kvconn.errors.UnavailableError); "draining"; "room_in_use"; a new
+#: instance's "bootstrap" failed; "invalid" arguments.
+REFUSAL_REASONS = (
+    "pages_in_use", "rank_down", "endpoint_down", "draining", "room_in_use", "bootstrap", "invalid",
+)  # fmt: skip
 
 #: Families whose values exist only when a registry is scraped (the chunk
 #: tally's plain ints, decode's hold gauges computed from its tracker):
@@ -36,6 +45,7 @@ SCRAPE_TIME_FAMILIES = frozenset(
         "kvconn_pages_quarantined",
         "kvconn_quarantine_oldest_seconds",
         "kvconn_acks_awaiting_drain",
+        "kvconn_transport_endpoint_up",
     }
 )
 
@@ -139,6 +149,19 @@ class Metrics:
         self.owner_fence_pages = Counter(
             "kvconn_owner_fence_pages_recovered", "Held pages released by an owner fence", registry=r
         )
+        self.requests_refused = Counter(
+            "kvconn_requests_refused",
+            "Requests decode refused before asking any rank, by reason (pages_in_use: the engine "
+            "reused pages kvconn had not released)",
+            ["reason"],
+            registry=r,
+        )
+        self.endpoint_up = ScrapeGauge(
+            "kvconn_transport_endpoint_up",
+            "1 while decode's region has a transport endpoint (0: an owner fence left none yet)",
+            r,
+        )
+        self.endpoint_up.set(1.0)  # a prefill rank's is always up; decode's reads its state
         self.rooms_held = ScrapeGauge("kvconn_rooms_held", "Rooms held after abort", r)
         self.acks_draining = ScrapeGauge(
             "kvconn_acks_awaiting_drain",
@@ -179,6 +202,8 @@ class Metrics:
             self.ranks_down.labels(cause)
         for outcome in OWNER_FENCE_OUTCOMES:
             self.owner_fences.labels(outcome)
+        for reason in REFUSAL_REASONS:
+            self.requests_refused.labels(reason)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""

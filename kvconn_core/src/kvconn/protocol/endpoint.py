@@ -37,7 +37,14 @@ from typing import TypeVar
 
 import attrs
 
-from kvconn.errors import FinishRefusedError, PageError, RequestError, RoomInUseError
+from kvconn.errors import (
+    FinishRefusedError,
+    PageError,
+    PageInUseError,
+    RequestError,
+    RoomInUseError,
+    UnavailableError,
+)
 from kvconn.protocol import bootstrap, drain, liveness
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
@@ -161,6 +168,9 @@ class EndpointState:
         #: The region's metadata since the last owner fence (None: none yet,
         #: each instance's Hello has it).
         self.metadata: bytes | None = None
+        #: Why this endpoint has no transport endpoint (an owner fence held
+        #: but its new endpoint could not be made yet; None: it has one).
+        self.endpoint_down: str | None = None
 
     # -- queries -----------------------------------------------------------
     def instance(self, addresses: Sequence[str] | None) -> Instance | None:
@@ -187,7 +197,7 @@ class EndpointState:
     def next_wakeup(self) -> float | None:
         """The earliest instant a :class:`Tick` has a deadline to act on."""
         times = [self.tracker.next_deadline(), self._deadlines[0][0] if self._deadlines else None]
-        if self.owner_fence.enabled:
+        if self.owner_fence.enabled or self.endpoint_down is not None:
             since = min((at for _, at, _ in self.tracker.quarantined()), default=None)
             times.append(self.owner_fence.next_due(since))
         return min((t for t in times if t is not None), default=None)
@@ -273,8 +283,11 @@ class EndpointState:
             raise RoomInUseError(f"still tracked ({state.value}): its pages are not back yet", room)
         if self.check_pages and not self._in_use.isdisjoint(pages):
             taken = sorted(self._in_use.intersection(pages))
-            raise PageError(f"pages {taken[:8]} belong to another room not finished or released yet", room)
+            raise PageInUseError(
+                f"pages {taken[:8]} belong to another room not finished or released yet", room
+            )
         ids = frozenset(instance.ids[r] for r in local)
+        self._refuse_if_unavailable(ids, room)
         # Every refusal is behind us: from here on the request is recorded whole.
         self.tracker.open(room, pages, ids)
         if self.check_pages:
@@ -304,16 +317,30 @@ class EndpointState:
     def sent(self, request: Request, unsent: Sequence[int], now: float) -> list[Action]:
         """The runtime sent ``request``'s TransferRequests; those to ``unsent``
         ranks were dropped. Nothing re-sends a request, and a room not yet
-        aborted has no deadline: it fails now, so the engine aborts it. A
-        room asked of a rank known down fails now too, onto the abort path
-        (it would stay TRANSFERRING)."""
+        aborted has no deadline: it fails now, so the engine aborts it."""
         if unsent:
             request.fail(f"request to ranks {sorted(unsent)} dropped: send queue full")
-        down = sorted(set(request.writers) & set(self.down))
-        if not down:
-            return []
-        reason = "; ".join(f"rank {r} is down: {self.down[r]}" for r in down)
-        return self._fail_and_abort(request, reason, now)
+        return []
+
+    def _refuse_if_unavailable(self, ids: frozenset[int], room: int) -> None:
+        """Nothing is asked of a rank known down, nor while this endpoint has
+        no transport endpoint: such a room could only fail, and once asked its
+        pages would wait for a proof from a writer decode cannot reach.
+        Refused here, nothing was sent: the pages never left the engine."""
+        if self.endpoint_down is not None:
+            raise UnavailableError(
+                f"decode has no transport endpoint since its owner fence ({self.endpoint_down}); "
+                "it makes a new one on its own: retry later or recompute",
+                room,
+                cause="endpoint_down",
+            )
+        down = sorted(ids & self.down.keys())
+        if down:
+            reason = "; ".join(
+                f"rank {self._rank_of[r][1]} ({self.writers[r].address}) is down: {self.down[r]}"
+                for r in down
+            )
+            raise UnavailableError(f"{reason}; nothing was asked of it", room, cause="rank_down")
 
     def abort(self, request: Request, now: float) -> list[Action]:
         """The engine gave ``request`` up."""
@@ -474,14 +501,14 @@ class EndpointState:
         if now >= self._next_exit_check:
             self._next_exit_check = now + self.EXIT_CHECK_S
             actions += self._exits(event.gone, event.peers_drained, now)
-        if self.ranks and now >= self._next_heartbeat:
+        # Without a transport endpoint there is no metadata to Hello with,
+        # and no room for a rank to write.
+        if self.ranks and now >= self._next_heartbeat and self.endpoint_down is None:
             self._next_heartbeat = now + self.heartbeat_interval_s
             actions += liveness.heartbeat(self, event.gone, now)
         actions += self._expire(now)
-        if self.owner_fence.enabled:
-            fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
-            actions += [fence] if fence is not None else []
-        return actions
+        fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
+        return actions if fence is None else [*actions, fence]
 
     @handle.register
     def _(self, event: LinksChanged, now: float) -> list[Action]:
@@ -497,12 +524,14 @@ class EndpointState:
 
     @handle.register
     def _(self, event: OwnerFenceDone, now: float) -> list[Action]:
-        return owner_fenced(self, event.metadata, now)
+        return owner_fenced(self, event, now)
 
     @handle.register
     def _(self, event: OwnerFenceError, now: float) -> list[Action]:
         self.owner_fence.ended(ok=False)  # nothing proven: every page stays held
-        return [OwnerFenced(False, name=self.name, reason=event.reason)]
+        if self.endpoint_down is not None:  # asked again for the endpoint: ask later
+            self.owner_fence.endpoint_made(False, now)
+        return [OwnerFenced(False, name=self.name, reason=event.reason, endpoint=self.endpoint_down is None)]
 
     # -- internals -----------------------------------------------------------
     def _hello(self, instance: Instance) -> Hello:

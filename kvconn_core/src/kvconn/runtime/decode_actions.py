@@ -35,7 +35,7 @@ from kvconn.runtime.control import Outbox
 from kvconn.runtime.procs import WriterIdentity
 from kvconn.runtime.sockets import undrained
 from kvconn.runtime.tracing import NO_TRACER, NoTracer
-from kvconn.transport import OwnerFenceUnsupported
+from kvconn.transport import FencedWithoutEndpoint, OwnerFenceUnsupported
 
 log = logging.getLogger("kvconn.runtime.decode")
 
@@ -52,9 +52,13 @@ class Carrier:
         on_drop: Callable[[DropReason], None],
         owner_fence: Callable[[], bytes] | None = None,
         tracer: NoTracer = NO_TRACER,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """``owner_fence``: the region's (``kvconn.transport.owner_fence``):
-        fences it and returns its new metadata."""
+        fences it and returns its new metadata (``FencedWithoutEndpoint``: no
+        endpoint yet).
+        ``clock``: the endpoint's, read once a fence is over (it can take a
+        second: its releases count it)."""
         self._state = state
         self._outbox = outbox
         self.metrics = metrics
@@ -62,6 +66,7 @@ class Carrier:
         self._on_drop = on_drop
         self._owner_fence = owner_fence
         self._tracer = tracer
+        self._clock = clock
 
     def run(self, actions: Sequence[Action], now: float) -> list[Release]:
         """Carry out ``actions``; the releases are returned, for the engine's
@@ -146,17 +151,28 @@ class Carrier:
             if self._owner_fence is None:
                 raise OwnerFenceUnsupported("this endpoint has no owner fence")
             event = OwnerFenceDone(self._owner_fence())
+        except FencedWithoutEndpoint as exc:  # it held: releases, then retries for the endpoint
+            event = OwnerFenceDone(None, str(exc))
         except Exception as exc:  # OwnerFenceFailed or anything else: nothing proven
             log.debug("owner fence raised", exc_info=True)
             event = OwnerFenceError(f"{type(exc).__name__}: {exc}")
-        releases += self.run(self._state.handle(event, now), now)
+        # Its releases are timed from when the fence was over, not asked for.
+        after = now if self._clock is None else self._clock()
+        releases += self.run(self._state.handle(event, after), after)
 
     @_do.register
     def _(self, action: OwnerFenced, now: float, releases: list[Release]) -> None:
-        self.metrics.owner_fences.labels("ok" if action.ok else "failed").inc()
+        outcome = "failed" if not action.ok else "ok" if action.endpoint else "no_endpoint"
+        self.metrics.owner_fences.labels(outcome).inc()
         if not action.ok:
             log.warning("owner fence failed, every held page stays held: %s", action.reason)
             return
+        if not action.endpoint:
+            log.warning(
+                "decode has no transport endpoint since its owner fence (%s): new rooms are refused "
+                "until a retry makes one",
+                action.reason,
+            )
         self.metrics.owner_fence_pages.inc(action.pages)
         log.warning(
             "owner fence: %d rooms (%d pages) recovered, %d rooms in flight failed; "
@@ -195,3 +211,4 @@ def gauge_hold_state(
     metrics.pages_quarantined.set_function(locked(lambda: tracker.pages_in(quarantined)))
     metrics.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(clock())))
     metrics.acks_draining.set_function(locked(lambda: len(state.draining)))
+    metrics.endpoint_up.set_function(locked(lambda: 0.0 if state.endpoint_down is not None else 1.0))
