@@ -13,8 +13,10 @@ issue 40 findings 3 and 4), on the state machine alone, no clock but ``now``:
 
 from __future__ import annotations
 
+import pytest
 from endpoint_world import aborts, announce, endpoint, requests, sends, writer
 
+from kvconn.protocol.drain import DrainingError
 from kvconn.protocol.endpoint_events import (
     LinksChanged,
     RankDown,
@@ -24,7 +26,7 @@ from kvconn.protocol.endpoint_events import (
 )
 from kvconn.protocol.hold import HoldState, Proof
 from kvconn.protocol.ledger import KVPoll
-from kvconn.protocol.messages import AbortAck, Hello, RoomOutcome, RoomStatus
+from kvconn.protocol.messages import AbortAck, Hello, RankDraining, RoomOutcome, RoomStatus
 
 FAST = dict(heartbeat_interval_s=1.0, peer_timeout_s=5.0, peer_hung_timeout_s=30.0)
 
@@ -172,3 +174,20 @@ def test_unavailable_names_ranks_down_or_with_their_link_lost() -> None:
     assert state.unavailable(("p0", "p1")) == ["rank 1's control link (p1) is lost"]
     state.handle(_link("p1", True), 0.1)
     assert state.unavailable(("p0", "p1")) == []
+
+
+def test_a_rank_that_drained_and_restarted_at_its_address_is_asked_not_refused() -> None:
+    """A drained rank's announcement refuses its later requests while that
+    process is the rank's; once its link was lost, whoever answers there is
+    asked first (before, an idle drained rank was never Hello'd again, and
+    every request to its address was refused for good)."""
+    state = endpoint(**FAST)
+    state.handle(_link("p0", True), 0.0)
+    state.handle(RankDraining(0, 1, "decode", True), 1.0)
+    with pytest.raises(DrainingError):
+        state.open(1, (0,), state.default, None, None, 1.1)  # type: ignore[arg-type]
+    state.handle(LinksChanged((("p0", False), ("p0", True))), 2.0)  # stopped, and started again
+    request, sent = state.open(1, (0,), state.default, None, None, 2.1)  # type: ignore[arg-type]
+    assert requests(sent) == [] and _hellos(sent) == ["p0"]
+    [transfer] = requests(announce(state, 0, "p0", 2, 2.2))
+    assert transfer.session == 2 and request.poll() is KVPoll.TRANSFERRING
