@@ -140,5 +140,5 @@ def test_counters_alerts_watch_start_at_zero_for_every_known_label() -> None:
         assert m.registry.get_sample_value("kvconn_released_pages_total", {"proof": proof}) == 0.0
     for result in ("ok", "failed"):
         assert m.registry.get_sample_value("kvconn_fences_total", {"result": result}) == 0.0
-    for cause in ("exited", "silent"):
+    for cause in ("exited", "silent", "hung"):
         assert m.registry.get_sample_value("kvconn_ranks_down_total", {"cause": cause}) == 0.0
