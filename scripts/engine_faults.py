@@ -177,6 +177,9 @@ class Deployment:
     prefills: list[Server]
     prompts: list[Any]
     reference: dict[int, Any]
+    #: Set once a request's decode leg is under way with prefill0 writing
+    #: it: a fault injected then finds a room of decode's open on that rank.
+    handoff: threading.Event
 
     def ask(self, index: int, timeout_s: float) -> Any:
         raise NotImplementedError
@@ -217,6 +220,7 @@ class Vllm(Deployment):
         from kvconn_vllm.proxy import Proxy, serve
 
         self.fabric = fabric
+        self.handoff = threading.Event()
         model = add_word_tokenizer(make_tiny_llama(logs / "model"))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         # vLLM's engine gives its worker this long per step (300 s by default):
@@ -233,7 +237,7 @@ class Vllm(Deployment):
                 "write_timeout_s": WRITE_TIMEOUT_S,
                 "abort_timeout_s": ABORT_TIMEOUT_S,
                 "resend_interval_s": 1.0,
-                "backend_options": _options(args.transport, host),
+                "backend_options": _options(args.transport, host, role == "kv_producer"),
             }
             if role == "kv_producer":
                 extra["port"] = free_port()  # its rank comes back at its address when restarted
@@ -263,11 +267,21 @@ class Vllm(Deployment):
             s.wait_up()
         log(f"vllm servers up in {time.monotonic() - t0:.0f} s")
         self.proxy = Proxy(
-            [p.url for p in self.prefills], [self.decode.url], timeout_s=60.0, unreachable_cooldown_s=5.0
+            [p.url for p in self.prefills], [self.decode.url], timeout_s=300.0, unreachable_cooldown_s=5.0
         )
         self.proxy_server = serve(self.proxy, "127.0.0.1", 0)
         threading.Thread(target=self.proxy_server.serve_forever, daemon=True).start()
         self.base = f"http://127.0.0.1:{self.proxy_server.server_port}"
+        # The proxy's prefill leg, watched: a fault waits for a hand-off from prefill0.
+        first, prefill0 = self.proxy._first, self.prefills[0].url
+
+        def watched(engines: Any, path: str, body: Any) -> Any:
+            base, response = first(engines, path, body)
+            if engines is self.proxy.prefill and base == prefill0:
+                threading.Timer(0.3, self.handoff.set).start()  # decode's leg starts meanwhile
+            return base, response
+
+        self.proxy._first = watched  # type: ignore[method-assign]
         rng = random.Random(40)
         self.prompts = [
             " ".join(f"w{rng.randrange(3, 500)}" for _ in range(n)) for n in (24, 40, 57, 70, 90, 120)
@@ -324,6 +338,7 @@ class Sglang(Deployment):
         from vllm_helpers import make_tiny_llama
 
         self.fabric = fabric
+        self.handoff = threading.Event()
         model = make_tiny_llama(logs / "model")
         recipe = read_recipe()
         ports = {p: free_port() for p in recipe.ports()}
@@ -336,7 +351,8 @@ class Sglang(Deployment):
             e["KVCONN_SGLANG_HOST"] = host.ip
             e["KVCONN_SGLANG_WRITE_TIMEOUT_S"] = str(WRITE_TIMEOUT_S)
             e["KVCONN_SGLANG_ABORT_TIMEOUT_S"] = str(ABORT_TIMEOUT_S)
-            opts = ",".join(f"{k}={v}" for k, v in _options(args.transport, host).items())
+            prefill = host.name.startswith("prefill")
+            opts = ",".join(f"{k}={v}" for k, v in _options(args.transport, host, prefill).items())
             if opts:
                 e["KVCONN_SGLANG_BACKEND_OPTIONS"] = opts
             if os.environ.get("PYTHONPATH"):
@@ -401,6 +417,9 @@ class Sglang(Deployment):
 
     def ask(self, index: int, timeout_s: float) -> Any:
         ids = self.prompts[index]
+        # Both legs start together: decode's room is open on the prefill rank
+        # while the prefill computes and writes.
+        threading.Timer(0.5, self.handoff.set).start()
         if self.router is not None:
             return self._generate(self.router.url, ids, timeout_s)
         host, port = self.bootstrap.split(":")
@@ -447,12 +466,14 @@ def _quiet(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         call(*args, **kwargs)
 
 
-def _options(transport: str, host: hosts.Host) -> dict[str, str]:
+def _options(transport: str, host: hosts.Host, prefill: bool) -> dict[str, str]:
     if transport == "nixl":
         return {"net_devices": host.iface}
     if transport == "mooncake":
         return {"host": host.ip}
-    return {}
+    # loopback writes in 16 KiB pieces 0.05 s apart (a 64 KiB block in 0.2 s):
+    # a room is in flight long enough for a fault to find it there.
+    return {"piece_bytes": "16384", "piece_delay_s": "0.05"} if prefill else {}
 
 
 def _transport_env(transport: str) -> dict[str, str]:
@@ -557,6 +578,8 @@ class Fault:
     #: Seconds of traffic before the fault, and after it cleared.
     before_s: float = 5.0
     after_s: float = 20.0
+    #: Injected right after a hand-off from prefill0 (a room in flight there).
+    sync: bool = True
 
 
 def _freeze(target: Callable[[Deployment], Server], seconds: float) -> Callable[[Deployment], float]:
@@ -568,6 +591,25 @@ def _freeze(target: Callable[[Deployment], Server], seconds: float) -> Callable[
         return time.monotonic()
 
     return run
+
+
+def _freeze_past_step_timeout(d: Deployment) -> float:
+    """prefill0 frozen past vLLM's own step deadline: on resume its engine
+    finds the worker's answer late and exits (logged: how long after)."""
+    server = d.prefills[0]
+    server.signal(signal.SIGSTOP)
+    time.sleep(VLLM_STEP_TIMEOUT_S + 15.0)
+    server.signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    assert server.proc is not None
+    try:
+        server.proc.wait(60)
+        log(
+            f"prefill0 exited {time.monotonic() - resumed:.1f} s after it resumed (code {server.proc.returncode})"
+        )
+    except subprocess.TimeoutExpired:
+        log("prefill0 still runs 60 s after it resumed")
+    return resumed
 
 
 def _kill(target: Callable[[Deployment], Server], restart: bool) -> Callable[[Deployment], float]:
@@ -645,13 +687,13 @@ def _decode(d: Deployment) -> Server:
 
 
 FAULTS = [
-    Fault("none", _none, 0.0, no_fault=True),
-    Fault("overload", _overload(60.0), 60.0, no_fault=True),
+    Fault("none", _none, 0.0, no_fault=True, sync=False),
+    Fault("overload", _overload(60.0), 60.0, no_fault=True, sync=False),
     Fault("prefill_frozen_short", _freeze(_prefill0, 5.0), 5.0),
     Fault("prefill_frozen_past_peer_timeout", _freeze(_prefill0, 20.0), 20.0),
     Fault("prefill_frozen_past_every_deadline", _freeze(_prefill0, 45.0), 45.0),
     # vLLM only: past its engine's own step deadline (VLLM_STEP_TIMEOUT_S)
-    Fault("prefill_frozen_past_vllm_step_timeout", _freeze(_prefill0, VLLM_STEP_TIMEOUT_S + 15.0), 75.0),
+    Fault("prefill_frozen_past_vllm_step_timeout", _freeze_past_step_timeout, 75.0),
     Fault("prefill_killed", _kill(_prefill0, restart=False), 10.0),
     Fault("prefill_restarted", _kill(_prefill0, restart=True), 900.0),
     Fault("partition_healed_early", _partition(5.0), 5.0),
@@ -660,7 +702,7 @@ FAULTS = [
     Fault("decode_frozen", _freeze(_decode, 10.0), 10.0),
     Fault("decode_killed", _kill(_decode, restart=False), 10.0),
     Fault("decode_restarted", _kill(_decode, restart=True), 900.0),
-    Fault("abort_storm", _storm, 30.0),
+    Fault("abort_storm", _storm, 30.0, sync=False),
 ]
 #: What the CI-sized run takes (about 2 minutes past the servers' start).
 QUICK = ("none", "prefill_frozen_short", "prefill_killed", "prefill_restarted")
@@ -687,6 +729,8 @@ class Row:
     proofs: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: A request not ended within this is hung: the fault's bound plus SERVICE_S.
+    bound_s: float = 0.0
 
 
 def _settle(d: Deployment, monitor: Monitor, timeout_s: float = SETTLE_S) -> None:
@@ -714,6 +758,10 @@ def run_fault(d: Deployment, monitor: Monitor, fault: Fault, tokens_per_prompt: 
     t_start = time.monotonic()
     traffic = Traffic(d)
     time.sleep(fault.before_s)
+    if fault.sync:
+        d.handoff.clear()
+        if not d.handoff.wait(60):
+            log("no hand-off from prefill0 within 60 s: the fault goes in anyway")
     t_fault = time.monotonic()
     cleared = fault.run(d)
     recovered = time.monotonic()
@@ -728,8 +776,8 @@ def run_fault(d: Deployment, monitor: Monitor, fault: Fault, tokens_per_prompt: 
     if monitor.last().get("pages_held", 0) > level:
         back = None
     after = dict(monitor.last())
-    row = Row(fault.name, seconds=round(time.monotonic() - t_start, 1))
     bound = fault.bound_s + SERVICE_S
+    row = Row(fault.name, seconds=round(time.monotonic() - t_start, 1), bound_s=bound)
     for o in traffic.outcomes:
         row.requests += 1
         if o.ended - o.started > bound:
@@ -765,17 +813,19 @@ def run_fault(d: Deployment, monitor: Monitor, fault: Fault, tokens_per_prompt: 
 
 def print_table(rows: Sequence[Row], engine: str, transport: str) -> None:
     head = (
-        "| fault | requests | answered | corrupted | failed | hung | recomputed | page-s pinned | "
-        "max pages held | capacity back (s) | false rank-downs |"
+        "| fault | requests | answered | corrupted | failed | hung (bound) | recomputed | page-s pinned | "
+        "max pages held | capacity back (s) | released by | false rank-downs |"
     )
     print(f"\n{engine}, {transport}:\n")
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for r in rows:
         back = "-" if r.capacity_back_s is None else f"{r.capacity_back_s:g}"
+        proofs = ", ".join(f"{p} {n}" for p, n in sorted(r.proofs.items())) or "-"
         print(
-            f"| {r.fault} | {r.requests} | {r.answered} | {r.corrupted} | {r.failed} | {r.hung} | "
-            f"{r.recomputed:g} | {r.pinned_page_seconds:g} | {r.max_pages_held:g} | {back} | {r.false_rank_downs} |"
+            f"| {r.fault} | {r.requests} | {r.answered} | {r.corrupted} | {r.failed} | {r.hung} ({r.bound_s:g} s) | "
+            f"{r.recomputed:g} | {r.pinned_page_seconds:g} | {r.max_pages_held:g} | {back} | {proofs} | "
+            f"{r.false_rank_downs} |"
         )
     for r in rows:
         if r.reasons or r.proofs or r.rank_downs:
@@ -795,7 +845,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--faults", default="all", help="comma-separated fault names, 'quick' or 'all'")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--logs", type=Path, help="server logs here (default: a temporary folder)")
+    parser.add_argument(
+        "--table", type=Path, help="print the table of rows an earlier --json wrote, and exit"
+    )
     args = parser.parse_args(argv)
+    if args.table:
+        rows = [Row(**r) for r in json.loads(args.table.read_text())]
+        print_table(rows, args.engine + (" + sglang-router" if args.router else ""), args.transport)
+        return 0
     names = [f.name for f in FAULTS]
     wanted = (
         names if args.faults == "all" else list(QUICK) if args.faults == "quick" else args.faults.split(",")

@@ -1,23 +1,25 @@
-"""Where a heartbeat's time goes under load: one prefill rank process, one
-decode endpoint here, a room open on the rank (so decode watches it: it
-Hellos the silent rank every heartbeat), and timestamps at each hop of a
-Hello's round trip (CLOCK_MONOTONIC is one clock for every process of a host):
+"""Does load alone make decode call a live prefill rank down? One prefill
+rank process, and two decode endpoints in this process watching it side by
+side (each with a room open on it that the rank never writes, so each
+Hellos the silent rank every heartbeat): one judges by the Hello alone (the
+rule before issue 40), the other also by its control link's own heartbeat,
+which the rank's libzmq answers without its Python (kvconn's rule now).
 
-  sent      decode's listener thread hands the Hello to its outbox
-  read      the rank's listener thread decodes it
-  answered  the rank hands the HelloAck to its outbox
-  back      decode's listener thread decodes the HelloAck
-  heard     decode's state machine counts it as hearing from the rank
+Loads, each optional, combined as given: ``--hogs N`` CPU-bound processes
+(a pure-Python loop each); ``--rank-gil`` a thread in the rank's process
+that only computes in Python (an engine's step loop between its C calls);
+``--rank-gc N`` a thread there that runs full garbage collections over N
+live objects, back to back (the GIL held in C for each: as an engine's
+large collection or serialisation, stretched by CPU starvation);
+``--rank-hold S`` the rank's interpreter held in one C call for S seconds
+at the start (``kvconn.testing.faults.hold_gil``); ``--stop S`` the rank
+SIGSTOPped for S seconds at the start (a real freeze, which both rules must
+call down).
 
-Loads (each optional, combined as given): ``--hogs N`` CPU-bound processes
-(a pure-Python loop each), ``--rank-gil`` a thread in the rank's process
-that holds the GIL (a pure-Python loop, as an engine's step loop between
-its C calls), ``--decode-gil`` the same in decode's.
+    python scripts/liveness_probe.py --seconds 40 --hogs 20 --rank-gc 4000000 --peer-timeout-s 2
 
-    python scripts/liveness_probe.py --seconds 20 --hogs 20 --rank-gil
-
-prints, per hop, the median / p99 / max in ms, the longest time a Hello
-went unanswered, and how many ranks decode called down.
+prints, per rule, the rank-downs it called and the Hello round trips it saw
+(median, p99, max), with the load average of the run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kvconn.config import Config
@@ -39,13 +40,14 @@ from kvconn.protocol.endpoint_events import RankDown
 from kvconn.protocol.messages import Hello, HelloAck, Message
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.faults import hold_gil
 from kvconn.testing.null import NullBackend
 
 PAGES, PAGE_BYTES = 16, 4096
 
 
 def gil_hog() -> None:
-    """A thread that only computes in Python: it gives the GIL up only when
+    """A thread that only computes in Python: it lets the GIL go only when
     the interpreter asks it to (every switch interval)."""
 
     def spin() -> None:
@@ -57,10 +59,8 @@ def gil_hog() -> None:
 
 
 def gc_hog(objects: int) -> None:
-    """A thread that holds the GIL in C for long stretches: a full garbage
-    collection over ``objects`` live objects (as an engine process whose
-    heap holds a model's and a framework's objects), again and again. The
-    interpreter cannot hand the GIL over in the middle of one."""
+    """Full garbage collections over ``objects`` live objects, back to back:
+    the interpreter cannot hand the GIL over in the middle of one."""
 
     def collect() -> None:
         heap = [[i] for i in range(objects)]
@@ -70,44 +70,65 @@ def gc_hog(objects: int) -> None:
     threading.Thread(target=collect, daemon=True, name="gc-hog").start()
 
 
-def wrap(obj: Any, name: str, before: Callable[..., None]) -> None:
-    inner = getattr(obj, name)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        before(*args, **kwargs)
-        return inner(*args, **kwargs)
-
-    setattr(obj, name, wrapped)
-
-
 def run_rank(args: dict[str, Any]) -> None:
-    """The rank's process: prints its address, then one line per Hello."""
+    """The rank's process: prints its address, then serves until stdin closes."""
     rank = PrefillRank(NullBackend(), 0, PAGES * PAGE_BYTES, Config())
+    print(json.dumps({"address": rank.address, "pid": os.getpid()}), flush=True)
     if args["gil"]:
         gil_hog()
     if args["gc"]:
         gc_hog(args["gc"])
-    out = sys.stdout
-    lock = threading.Lock()
-
-    def emit(**fields: Any) -> None:
-        with lock:
-            out.write(json.dumps(fields) + "\n")
-            out.flush()
-
-    def on_message(msg: Message) -> None:
-        if isinstance(msg, Hello):
-            emit(event="read", t=time.monotonic())
-
-    def on_send(address: str, msg: Message) -> None:
-        if isinstance(msg, HelloAck):
-            emit(event="answered", t=time.monotonic())
-
-    wrap(rank._listener, "_handler", on_message)
-    wrap(rank._outbox, "send", on_send)
-    emit(event="address", address=rank.address, pid=os.getpid())
-    sys.stdin.read()  # until the parent closes our stdin
+    if args["hold"]:
+        time.sleep(0.5)  # decode's rooms are open by then
+        hold_gil(args["hold"])
+    sys.stdin.read()
     rank.close()
+
+
+class Watcher:
+    """One decode endpoint with a room open on the rank, counting what it sees."""
+
+    def __init__(self, address: str, config: Config, links: bool) -> None:
+        self.decode = DecodeEndpoint(NullBackend(), PAGES, PAGE_BYTES, [address], config)
+        if not links:  # the rule before: the Hello alone
+            self.decode._listener._on_links = None
+        self.downs: list[str] = []
+        self.sent: list[float] = []
+        self.back: list[float] = []
+        carry, send, handler = (
+            self.decode._carrier.run,
+            self.decode._outbox.send,
+            self.decode._listener._handler,
+        )
+
+        def run(actions: Any, now: float) -> Any:
+            self.downs += [a.reason for a in actions if isinstance(a, RankDown)]
+            return carry(actions, now)
+
+        def sending(to: str, msg: Message) -> bool:
+            if isinstance(msg, Hello):
+                self.sent.append(time.monotonic())
+            return send(to, msg)
+
+        def handling(msg: Message) -> None:
+            if isinstance(msg, HelloAck):
+                self.back.append(time.monotonic())
+            handler(msg)
+
+        self.decode._carrier.run = run  # type: ignore[method-assign]
+        self.decode._outbox.send = sending  # type: ignore[method-assign]
+        self.decode._listener._handler = handling
+        self.rx = self.decode.receiver(1, (0, 1))  # never written: the rank is watched, silent
+
+    def round_trips(self) -> list[float]:
+        """Each Hello's time to the first HelloAck after it."""
+        trips, j = [], 0
+        for sent in self.sent:
+            while j < len(self.back) and self.back[j] < sent:
+                j += 1
+            if j < len(self.back):
+                trips.append(self.back[j] - sent)
+        return trips
 
 
 def percentiles(xs: list[float]) -> str:
@@ -115,7 +136,7 @@ def percentiles(xs: list[float]) -> str:
         return "-"
     xs = sorted(xs)
     pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
-    return f"{pick(0.5) * 1e3:8.1f} {pick(0.99) * 1e3:8.1f} {xs[-1] * 1e3:8.1f}"
+    return f"{pick(0.5):.2f} / {pick(0.99):.2f} / {xs[-1]:.2f} s"
 
 
 def main() -> None:
@@ -123,9 +144,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--hogs", type=int, default=0)
     ap.add_argument("--rank-gil", action="store_true")
-    ap.add_argument("--decode-gil", action="store_true")
     ap.add_argument("--rank-gc", type=int, default=0, metavar="OBJECTS")
-    ap.add_argument("--decode-gc", type=int, default=0, metavar="OBJECTS")
+    ap.add_argument("--rank-hold", type=float, default=0.0, metavar="SECONDS")
+    ap.add_argument("--stop", type=float, default=0.0, metavar="SECONDS")
     ap.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     ap.add_argument("--peer-timeout-s", type=float, default=10.0)
     ap.add_argument("--json", action="store_true")
@@ -137,105 +158,54 @@ def main() -> None:
     hogs = [
         subprocess.Popen([sys.executable, "-c", "x=0\nwhile True: x=(x+1)%1000003"]) for _ in range(opts.hogs)
     ]
+    spec = {"gil": opts.rank_gil, "gc": opts.rank_gc, "hold": opts.rank_hold}
     child = subprocess.Popen(
-        [sys.executable, __file__, "--child", json.dumps({"gil": opts.rank_gil, "gc": opts.rank_gc})],
+        [sys.executable, __file__, "--child", json.dumps(spec)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     assert child.stdout is not None and child.stdin is not None
-    events: list[tuple[str, float]] = []
-    first = json.loads(child.stdout.readline())
-    address = first["address"]
-
-    def read_child() -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            e = json.loads(line)
-            events.append((e["event"], e["t"]))
-
-    threading.Thread(target=read_child, daemon=True).start()
-    config = Config(heartbeat_interval_s=opts.heartbeat_interval_s, peer_timeout_s=opts.peer_timeout_s)
-    decode = DecodeEndpoint(NullBackend(), PAGES, PAGE_BYTES, [address], config)
-    downs: list[str] = []
-    carry = decode._carrier.run
-
-    def run(actions: Any, now: float) -> Any:
-        for a in actions:
-            if isinstance(a, RankDown):
-                downs.append(a.reason)
-        return carry(actions, now)
-
-    decode._carrier.run = run  # type: ignore[method-assign]
-
-    def on_send(address: str, msg: Message) -> None:
-        if isinstance(msg, Hello):
-            events.append(("sent", time.monotonic()))
-
-    def on_message(msg: Message) -> None:
-        if isinstance(msg, HelloAck):
-            events.append(("back", time.monotonic()))
-
-    wrap(decode._outbox, "send", on_send)
-    wrap(decode._listener, "_handler", on_message)
-    if opts.decode_gil:
-        gil_hog()
-    if opts.decode_gc:
-        gc_hog(opts.decode_gc)
-    started = time.monotonic()
-    rx = decode.receiver(1, (0, 1))  # never sent: the rank is watched and silent
+    watchers: dict[str, Watcher] = {}
     try:
-        time.sleep(opts.seconds)
+        address = json.loads(child.stdout.readline())["address"]
+        config = Config(heartbeat_interval_s=opts.heartbeat_interval_s, peer_timeout_s=opts.peer_timeout_s)
+        watchers = {
+            "Hello alone": Watcher(address, config, False),
+            "Hello and link": Watcher(address, config, True),
+        }
+        if opts.stop:
+            child.send_signal(signal.SIGSTOP)
+            time.sleep(opts.stop)
+            child.send_signal(signal.SIGCONT)
+        time.sleep(max(0.0, opts.seconds - opts.stop))
     finally:
         for h in hogs:
-            h.send_signal(signal.SIGKILL)
+            h.kill()
             h.wait()
-        polled = rx.poll()
-        decode.close()
+        load = os.getloadavg()[0]
+        for w in watchers.values():
+            w.decode.close()
         child.stdin.close()
         try:
             child.wait(60)
         except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGKILL)
+            child.kill()
             child.wait()
-    # Pair each Hello with the next read, answer and ack after it (FIFO hops).
-    sent = [t for e, t in events if e == "sent" and t >= started]
-    hops: dict[str, list[float]] = {
-        "sent->read": [],
-        "read->answered": [],
-        "answered->back": [],
-        "round trip": [],
-    }
-    reads = sorted(t for e, t in events if e == "read" and t >= started)
-    answers = sorted(t for e, t in events if e == "answered" and t >= started)
-    backs = sorted(t for e, t in events if e == "back" and t >= started)
-    for i, s in enumerate(sent):
-        if i < len(reads) and i < len(answers) and i < len(backs):
-            hops["sent->read"].append(reads[i] - s)
-            hops["read->answered"].append(answers[i] - reads[i])
-            hops["answered->back"].append(backs[i] - answers[i])
-            hops["round trip"].append(backs[i] - s)
     result = {
-        "load": os.getloadavg()[0],
-        "hellos": len(sent),
-        "answered": len(backs),
-        "downs": downs,
-        "room": polled.name,
-        "hops_ms": {k: percentiles(v) for k, v in hops.items()},
+        name: {"downs": w.downs, "hellos": len(w.sent), "round_trips": percentiles(w.round_trips())}
+        for name, w in watchers.items()
     }
     if opts.json:
-        print(json.dumps(result))
+        print(json.dumps({"load": load, **result}))
         return
-    print(
-        f"hogs={opts.hogs} rank_gil={opts.rank_gil} decode_gil={opts.decode_gil} "
-        f"rank_gc={opts.rank_gc} decode_gc={opts.decode_gc} "
-        f"load1={result['load']:.1f} hellos={len(sent)} answered={len(backs)} downs={len(downs)} room={polled.name}"
-    )
-    print(f"  {'hop':16} {'median':>8} {'p99':>8} {'max':>8}   (ms)")
-    for k, v in result["hops_ms"].items():
-        print(f"  {k:16} {v}")
-    for reason in downs:
-        print(f"  DOWN: {reason}")
+    load_desc = f"hogs={opts.hogs} rank_gil={opts.rank_gil} rank_gc={opts.rank_gc} rank_hold={opts.rank_hold}"
+    print(f"{load_desc} stop={opts.stop} peer_timeout_s={opts.peer_timeout_s} load1={load:.1f}")
+    print(f"  {'rule':16} {'rank-downs':>10} {'Hellos':>7}  round trip median / p99 / max")
+    for name, r in result.items():
+        print(f"  {name:16} {len(r['downs']):>10} {r['hellos']:>7}  {r['round_trips']}")
+        for reason in r["downs"]:
+            print(f"      down: {reason}")
 
 
 if __name__ == "__main__":
