@@ -7,9 +7,14 @@ An outbox may keep its links alive and watched: ZMTP's own heartbeat
 (``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT``) pings each peer, and the peer's
 libzmq I/O thread answers without the peer's Python; a ping unanswered for
 the timeout drops the connection (the peer is stopped, gone or cut off).
-Each link's socket monitor reports a handshake done or a connection lost,
-and the listener thread reads those events (before the messages that came
-with them, and before its idle call) and hands them to ``on_links``.
+A connection attempt gives up after one heartbeat interval and is made
+again (``ZMQ_CONNECT_TIMEOUT``): a link lost to a partition comes back
+within about that after the heal, where the kernel's SYN back-off waited up
+to half a minute (and what was queued for the peer waited with it). An
+outbox that watches its links (decode's) has a socket monitor on each,
+reporting a handshake done or a connection lost; the listener thread reads
+those events (before the messages that came with them, and before its idle
+call) and hands them to ``on_links``.
 """
 
 from __future__ import annotations
@@ -178,15 +183,17 @@ class Outbox:
         on_drop: Callable[[DropReason], None] = lambda _: None,
         queue_limit: int = 0,
         heartbeat: tuple[float, float] | None = None,
+        watch: bool = False,
     ) -> None:
         """``heartbeat``: (interval, timeout) in seconds of each link's ZMTP
-        heartbeat, and a monitor on each link (:meth:`monitors`); None:
-        neither."""
+        heartbeat, and of its connection attempts (None: libzmq's defaults);
+        ``watch``: a monitor on each link (:meth:`monitors`)."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._key = key
         self._on_drop = on_drop
         self._queue_limit = queue_limit or self.QUEUE_LIMIT
         self._heartbeat = heartbeat
+        self._watch = watch
         self._lock = threading.Lock()
         self._socks: dict[str, tuple[threading.Lock, zmq.Socket[bytes]]] = {}
         #: Each link's monitor socket (read by one listener thread only), and
@@ -227,7 +234,8 @@ class Outbox:
                     interval, timeout = self._heartbeat
                     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
                     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(timeout * 1000)))
-                    # before connect(), or its first handshake goes unseen
+                    sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, round(interval * 1000)))
+                if self._watch:  # before connect(), or its first handshake goes unseen
                     monitor = sock.get_monitor_socket(_LINK_EVENTS)
                 try:
                     sock.connect(address)

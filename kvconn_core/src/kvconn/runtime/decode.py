@@ -143,7 +143,7 @@ class DecodeEndpoint:
         # Every link to a rank runs ZMTP's heartbeat, answered by the rank's
         # I/O thread: liveness tells a slow rank from a gone one by it.
         link = link_heartbeat(self.config.heartbeat_interval_s, self.config.peer_timeout_s)
-        self._outbox = Outbox(self.config.auth_key, self._count_drop, heartbeat=link)
+        self._outbox = Outbox(self.config.auth_key, self._count_drop, heartbeat=link, watch=True)
         #: Requests are numbered and sent under one lock: a rank takes only a
         #: request numbered above the last it took.
         self._request_lock = threading.Lock()
