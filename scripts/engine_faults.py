@@ -200,14 +200,15 @@ PROOFS += ("owner_fence", "unsafe_timeout")
 
 
 def _decode_figures(samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float]) -> dict[str, float]:
-    endpoint = {"kvconn_endpoint": "decode-0"}
+    """The decode server's kvconn figures (its one endpoint: SGLang's /metrics
+    labels only the gauges with it, vLLM's every series)."""
     figures = {
-        "pages_held": total(samples, "kvconn_pages_held", **endpoint),
-        "pages_quarantined": total(samples, "kvconn_pages_quarantined", **endpoint),
-        "rank_downs": total(samples, "kvconn_ranks_down_total", **endpoint),
+        "pages_held": total(samples, "kvconn_pages_held"),
+        "pages_quarantined": total(samples, "kvconn_pages_quarantined"),
+        "rank_downs": total(samples, "kvconn_ranks_down_total"),
     }
     for proof in PROOFS:
-        figures[f"proof:{proof}"] = total(samples, "kvconn_releases_total", proof=proof, **endpoint)
+        figures[f"proof:{proof}"] = total(samples, "kvconn_releases_total", proof=proof)
     return figures
 
 
@@ -799,16 +800,22 @@ def run_fault(d: Deployment, monitor: Monitor, fault: Fault, tokens_per_prompt: 
     row.pinned_page_seconds = round(row.pinned_page_seconds, 1)
     row.max_pages_held = max((s.get("pages_held", 0) for _, s in samples), default=0)
     row.capacity_back_s = None if back is None else round(back, 2)
-    downs = after.get("rank_downs", 0) - before.get("rank_downs", 0)
+    downs = _delta(after, before, "rank_downs")
     row.rank_downs = int(downs)
     row.false_rank_downs = int(downs) if fault.no_fault else 0
     for proof in PROOFS:
-        n = int(after.get(f"proof:{proof}", 0) - before.get(f"proof:{proof}", 0))
+        n = int(_delta(after, before, f"proof:{proof}"))
         if n:
             row.proofs[proof] = n
     if "local_tokens" in after and tokens_per_prompt:
-        row.recomputed = round((after["local_tokens"] - before.get("local_tokens", 0)) / tokens_per_prompt, 1)
+        row.recomputed = round(_delta(after, before, "local_tokens") / tokens_per_prompt, 1)
     return row
+
+
+def _delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
+    """A counter's rise (a restarted decode's counters start again at 0)."""
+    now, then = after.get(name, 0.0), before.get(name, 0.0)
+    return now - then if now >= then else now
 
 
 def print_table(rows: Sequence[Row], engine: str, transport: str) -> None:
