@@ -185,6 +185,9 @@ def test_a_restarted_instance_is_rebootstrapped_and_serves_new_rooms(
             # link was lost and came back: decode asks who answers there before
             # the next room goes to it (issue 40, finding 3; before, that room
             # went to the old session, the new process dropped it, and it failed).
+            # (Asked before decode's link to the new process is up, with the old
+            # process proven gone, the rank is down and the room refused at once.)
+            wait_for(lambda: not dec.unavailable(address), 20, "the new process's link")
             first_after = dec.receiver(2, [2, 3, 4], prefill=address)
             _succeeds(first_after)
             assert _written(dec, 2, [2, 3, 4], 1)
