@@ -133,9 +133,10 @@ def link_heartbeat(heartbeat_interval_s: float, peer_timeout_s: float) -> tuple[
 
 def links_changed(state: EndpointState, changes: tuple[tuple[str, bool], ...], now: float) -> list[Action]:
     """Apply the runtime's link events, in order. A lost link makes its rank
-    unconfirmed (its next requests wait to learn who answers there); a link
-    back for an unconfirmed rank Hellos it at once, so that a process
-    restarted at the address is known before the engine's next room on it."""
+    unconfirmed (its next requests wait to learn who answers there) and
+    brings the next heartbeat forward to the next tick; a link back for an
+    unconfirmed rank Hellos it at once, so that a process restarted at the
+    address is known before the engine's next room on it."""
     actions: list[Action] = []
     for address, up in changes:
         # Kept by address: the first handshake comes while the rank is still
@@ -146,6 +147,10 @@ def links_changed(state: EndpointState, changes: tuple[tuple[str, bool], ...], n
             continue
         if not up:
             state.unconfirmed.add(rank)
+            # A lost link is the first sign of an exit: the next tick runs
+            # the heartbeat, which looks the ranks' processes up, rather
+            # than up to an interval later.
+            state._next_heartbeat = min(state._next_heartbeat, now)
         elif rank in state.unconfirmed:
             actions.append(_hello(state, rank))
     return actions
