@@ -91,6 +91,35 @@ def test_open_rooms_of_a_silent_rank_fail_and_its_pages_wait_for_its_proof() -> 
     assert state.sent(fresh, [], 41.0) == [] and fresh.poll() is KVPoll.TRANSFERRING
 
 
+def test_a_down_rank_that_answers_again_is_asked_for_its_held_rooms_at_once() -> None:
+    # A long partition: the room is quarantined and its ABORTs re-sent ever
+    # further apart (1, 2, 4 ... 30 s), and those sent during the cut may have
+    # died with a dropped connection. The heal is seen at the first answered
+    # Hello: the rank is asked then, not at the next re-send.
+    state = endpoint(**FAST)
+    request, _ = state.open(1, (0, 1), state.default, None, None, 0.0)  # type: ignore[arg-type]
+    other, _ = state.open(2, (2,), state.default, None, None, 0.0)  # type: ignore[arg-type]
+    state.abort(request, 0.0)
+    for t in range(1, 120):  # heartbeats and re-sends through two minutes of silence
+        state.handle(Tick(), float(t))
+    assert 0 in state.down and state.hold_state(request) is HoldState.QUARANTINED
+    assert other.poll() is KVPoll.FAILED  # failed when the rank went down, and aborted
+    due = state.next_wakeup()
+    assert due is not None and due > 120.5  # the next re-send is seconds away
+    actions = announce(state, 0, "p0", 1, 120.5)  # healed: it answers a heartbeat
+    assert state.down == {}
+    sent = aborts(actions)
+    assert sorted(a.room for a in sent) == [1, 2]  # every held room it owes, at once
+    released = []
+    for abort in sent:
+        released += _releases(state.handle(_ack(state, abort.room, abort.generation), 120.6))
+    assert sorted((r.room, r.proof) for r in released) == [(1, Proof.LATE_ACKS), (2, Proof.LATE_ACKS)]
+    # a rank that was never down is not asked again on a heartbeat's answer
+    request3, _ = state.open(3, (3,), state.default, None, None, 121.0)  # type: ignore[arg-type]
+    state.abort(request3, 121.0)
+    assert aborts(announce(state, 0, "p0", 1, 121.1)) == []
+
+
 def test_a_rank_proven_gone_is_down_and_its_exit_releases_once_its_connections_drained() -> None:
     state = endpoint(**FAST)
     request, _ = state.open(1, (0, 1), state.default, None, None, 0.0)  # type: ignore[arg-type]

@@ -456,8 +456,10 @@ class EndpointState:
             reason = DropReason.HELLO_REFUSED if msg.error else DropReason.RETIRED_SESSION
             return [Drop(reason)]
         if msg.session == self.writers[rank].session:
-            self.down.pop(rank, None)
-            return liveness.heard_from(self, rank, now)
+            heard = liveness.heard_from(self, rank, now)
+            if self.down.pop(rank, None) is None:
+                return heard
+            return heard + liveness.back_up(self, rank, now)
         return [Identify(msg)]
 
     @handle.register

@@ -240,6 +240,16 @@ def heartbeat(state: EndpointState, gone: frozenset[WriterIdentity], now: float)
     return actions
 
 
+def back_up(state: EndpointState, rank: int, now: float) -> list[Action]:
+    """``rank``, down, answered: its link healed or it resumed, so the proof
+    of every held room it owes can come now. Its ABORTs go out at once (a
+    quarantined room's re-sends back off to 30 s; those sent during the cut
+    may have been lost with a dropped connection)."""
+    writer = state.writers[rank]
+    rooms = [room for r, w, room in owed(state) if r == rank and w == writer]
+    return state.carry(state.tracker.reask(rank, rooms, now)) if rooms else []
+
+
 def live(state: EndpointState) -> frozenset[WriterIdentity]:
     """The writers a heartbeat looks up in ``/proc``: those of watched ranks up."""
     return frozenset(state.writers[r] for r in state.watched() if r not in state.down)

@@ -143,7 +143,13 @@ class DecodeEndpoint:
         # Every link to a rank runs ZMTP's heartbeat, answered by the rank's
         # I/O thread: liveness tells a slow rank from a gone one by it.
         link = link_heartbeat(self.config.heartbeat_interval_s, self.config.peer_timeout_s)
-        self._outbox = Outbox(self.config.auth_key, self._count_drop, heartbeat=link, watch=True)
+        self._outbox = Outbox(
+            self.config.auth_key,
+            self._count_drop,
+            stalled_after_s=self.config.peer_timeout_s,
+            heartbeat=link,
+            watch=True,
+        )
         #: Requests are numbered and sent under one lock: a rank takes only a
         #: request numbered above the last it took.
         self._request_lock = threading.Lock()
@@ -413,6 +419,8 @@ class DecodeEndpoint:
                 if isinstance(end, GiveUp):
                     raise end.error
                 if isinstance(end, Bootstrapped):
+                    for rank in end.instance.ids:
+                        self.metrics.known_rank(rank, self._state.writers[rank].address)
                     return
                 assert isinstance(end, AwaitAnswers)
                 self._bootstrapped.wait(max(0.0, end.until - at))

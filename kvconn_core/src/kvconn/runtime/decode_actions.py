@@ -82,11 +82,12 @@ class Carrier:
 
     @_do.register
     def _(self, action: Send, now: float, releases: list[Release]) -> None:
+        sending = self._tracer.now()  # before the send: the rank may take it at once
         if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
             action.message, Abort
         ):
             self.metrics.aborts_sent.inc()
-            self._tracer.carried(action)
+            self._tracer.abort_sent(action, sending)
 
     @_do.register
     def _(self, action: Release, now: float, releases: list[Release]) -> None:
@@ -94,7 +95,8 @@ class Carrier:
         proof = action.proof.value
         self.metrics.releases.labels(proof).inc()
         self.metrics.released_pages.labels(proof).inc(len(action.pages))
-        self.metrics.release_latency.labels(proof).observe(action.held_for)
+        m = self.metrics
+        m.observe(m.release_latency, "kvconn_abort_to_release_seconds", action.held_for, proof=proof)
         self.metrics.quarantine_seconds.inc(action.quarantined_for)
         self._tracer.carried(action)
 
@@ -102,7 +104,23 @@ class Carrier:
     def _(self, action: Quarantine, now: float, releases: list[Release]) -> None:
         self.metrics.quarantines.inc()
         self._tracer.carried(action)
-        log.warning("room %d quarantined: %d pages held, no proof yet", action.room, len(action.pages))
+        waiting = ", ".join(self.rank_name(r) for r in sorted(self._state.tracker.unproven(action.room)))
+        log.warning(
+            "room %d quarantined: %d pages held, no proof yet from %s",
+            action.room,
+            len(action.pages),
+            waiting or "no rank",
+        )
+
+    def rank_name(self, rank: int) -> str:
+        """How the log names an endpoint-wide rank id: with its address (the
+        id alone counts ranks across the instances this decode serves)."""
+        writer = self._state.writers.get(rank)
+        return f"prefill rank {rank}" if writer is None else f"prefill rank {rank} ({writer.address})"
+
+    def _labels(self, rank: int) -> tuple[str, str]:
+        writer = self._state.writers.get(rank)
+        return str(rank), "" if writer is None else writer.address
 
     @_do.register
     def _(self, action: Drop, now: float, releases: list[Release]) -> None:
@@ -122,12 +140,14 @@ class Carrier:
     def _(self, action: AckCounted, now: float, releases: list[Release]) -> None:
         self.metrics.acks_received.inc()
         if action.waited is not None:
-            self.metrics.ack_wait.labels(str(action.rank)).observe(action.waited)
+            rank, address = self._labels(action.rank)
+            m = self.metrics
+            m.observe(m.ack_wait, "kvconn_abort_to_ack_seconds", action.waited, rank=rank, address=address)
 
     @_do.register
     def _(self, action: RankDown, now: float, releases: list[Release]) -> None:
-        self.metrics.ranks_down.labels(action.cause).inc()
-        log.warning("prefill rank %d is down: %s", action.rank, action.reason)
+        self.metrics.ranks_down.labels(action.cause, *self._labels(action.rank)).inc()
+        log.warning("%s is down: %s", self.rank_name(action.rank), action.reason)
 
     @_do.register
     def _(self, action: RankRestarted, now: float, releases: list[Release]) -> None:
@@ -212,3 +232,21 @@ def gauge_hold_state(
     metrics.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(clock())))
     metrics.acks_draining.set_function(locked(lambda: len(state.draining)))
     metrics.endpoint_up.set_function(locked(lambda: 0.0 if state.endpoint_down is not None else 1.0))
+
+    def ranks_up() -> list[tuple[tuple[str, str], float]]:
+        with lock:
+            return [
+                ((str(r), w.address), float(r not in state.down)) for r, w in sorted(state.writers.items())
+            ]
+
+    def awaiting() -> list[tuple[tuple[str, str, str], float]]:
+        with lock:
+            counts = tracker.awaiting()
+            return [
+                ((str(r), w.address, hold.value), float(counts.get((r, hold), 0)))
+                for r, w in sorted(state.writers.items())
+                for hold in (held, quarantined)
+            ]
+
+    metrics.rank_up.set_function(ranks_up)
+    metrics.awaiting_rank.set_function(awaiting)

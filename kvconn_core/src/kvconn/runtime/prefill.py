@@ -26,7 +26,6 @@ from kvconn.metrics import Exported, Metrics, export
 from kvconn.protocol.drain import REFUSED as DRAIN_REFUSED
 from kvconn.protocol.drain import DrainReport, rank_report_after
 from kvconn.protocol.ledger import FENCES_REMEMBERED, KVPoll, RoomLedger
-from kvconn.protocol.liveness import link_heartbeat
 from kvconn.protocol.messages import Message
 from kvconn.protocol.rank import Peer, RankState, Verdict, WriterTerms
 from kvconn.runtime.control import Listener, Outbox
@@ -108,11 +107,9 @@ class PrefillRank(TransferPath):
         self.pm.check_pending()
         self._hooks = ChunkHooks(self.pm)
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
-        # Its links to decodes run ZMTP's heartbeat too: one lost to a
-        # partition is dropped and made again, rather than left to the
-        # kernel's retransmission back-off with acks queued behind it.
-        link = link_heartbeat(self.config.heartbeat_interval_s, self.config.peer_timeout_s)
-        self._outbox = Outbox(self.config.auth_key, self._count_drop, heartbeat=link)
+        self._outbox = Outbox(
+            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+        )
         #: Every decision: bootstraps, requests, senders, verdicts, chunks' ends.
         terms = WriterTerms(
             backend.name,
@@ -143,6 +140,7 @@ class PrefillRank(TransferPath):
             idle=self._on_idle,
         )
         self.address = self._listener.address
+        self.metrics.rank_info.set_function(lambda: [((self.address, str(self.rank)), 1.0)])
         self.metrics_server: Exported | None = None
         if self.config.metrics_port is not None:
             try:

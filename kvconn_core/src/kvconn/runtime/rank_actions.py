@@ -119,15 +119,19 @@ class RankActions:
 
     @_carry.register
     def _(self, action: SendAck, later: Later) -> None:
-        if self.config.acks_enabled and self._outbox.send(action.reply_to, action.ack):
+        if not self.config.acks_enabled:
+            return
+        sending = self._tracer.now()  # before the send: decode may take it at once
+        if self._outbox.send(action.reply_to, action.ack):
             self.metrics.acks_sent.inc()
-            self._tracer.acked(action.ack, self.rank)
+            self._tracer.acked(action.ack, self.rank, sending)
 
     @_carry.register
     def _(self, action: NotifyDecode, later: Later) -> None:
         peer = self.state.peers.get(action.decode)
+        sending = self._tracer.now()
         if peer is not None and self._outbox.send(peer.reply_to, action.status):
-            self._tracer.notified(action.decode, action.status)
+            self._tracer.notified(action.decode, action.status, sending)
 
     @_carry.register
     def _(self, action: Announce, later: Later) -> None:
@@ -226,8 +230,9 @@ class RankActions:
                 if ok:
                     traced["result"] = "ok"
                     traced["closed"] = len(closed)
-                with self._lock:
-                    later = self._execute(self.state.fence_ended(ok, closed))
+            # the fence's spans end before its acks go out (decode may release at once)
+            with self._lock:
+                later = self._execute(self.state.fence_ended(ok, closed))
         self._after(later)
 
     def _plugin_error(self, hook: str, exc: Exception) -> None:
