@@ -172,6 +172,10 @@ def test_sglangs_own_bootstrap_and_waiting_deadlines_bound_both_halves_of_a_requ
     env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "45", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "90"}
     config = Settings.from_env(env).config
     assert (config.room_bootstrap_timeout_s, config.transfer_timeout_s) == (45, 90)
+    # kvconn's own variables override them (off included)
+    env |= {"KVCONN_SGLANG_ROOM_BOOTSTRAP_TIMEOUT_S": "20", "KVCONN_SGLANG_TRANSFER_TIMEOUT_S": "none"}
+    config = Settings.from_env(env).config
+    assert (config.room_bootstrap_timeout_s, config.transfer_timeout_s) == (20, None)
     with pytest.raises(SettingsError, match="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"):
         Settings.from_env({"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "0"})
 

@@ -138,7 +138,9 @@ def main() -> None:
                 rx = endpoint.receiver(cmd["room"], taken)
             except KvconnError as exc:  # refused (a rank down): asked nothing, the pages are ours
                 pages.untake(taken)
-                emit({"event": "fetched", "room": cmd["room"], "state": "refused", "wrong": 0, "why": str(exc)})
+                emit(
+                    {"event": "fetched", "room": cmd["room"], "state": "refused", "wrong": 0, "why": str(exc)}
+                )
                 continue
             deadline = time.monotonic() + float(cmd.get("timeout_s", 30.0))
             while (state := rx.poll()) not in (KVPoll.SUCCESS, KVPoll.FAILED) and time.monotonic() < deadline:
