@@ -8,8 +8,16 @@ import math
 
 from kvconn.protocol.drain import DrainReport
 from kvconn.protocol.endpoint import EndpointState
-from kvconn.protocol.endpoint_events import Action, Request, Tick, Undrained, WriterIdentity
-from kvconn.protocol.messages import AbortAck, RankDraining, RoomStatus
+from kvconn.protocol.endpoint_events import (
+    Action,
+    LinksChanged,
+    Request,
+    Send,
+    Tick,
+    Undrained,
+    WriterIdentity,
+)
+from kvconn.protocol.messages import AbortAck, RankDraining, RoomStatus, TransferRequest
 from kvconn.protocol.owner_fence import OwnerFenceDone, OwnerFenceError
 
 
@@ -175,3 +183,47 @@ __all__ = [
     "OwnerFenceLeavesRoomsInFlight",
     "RestartKeepsOldRooms",
 ]
+
+
+class LinksIgnored(EndpointState):
+    """Liveness judges a rank by its Hellos alone, as before the control
+    link's heartbeat: a rank slow to answer (its Python starved by load) is
+    called down although its process runs and its link is up."""
+
+    def handle(self, stimulus: object, now: float) -> list[Action]:  # type: ignore[override]
+        actions = super().handle(stimulus, now)
+        if isinstance(stimulus, LinksChanged):
+            self._link = {}
+        return actions
+
+
+class SendsBlind(EndpointState):
+    """A request goes to a rank whose link was lost as to the process decode
+    knew there, without asking who answers there now."""
+
+    def open(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        saved, self.unconfirmed = self.unconfirmed, set()
+        try:
+            return super().open(*args, **kwargs)
+        finally:
+            self.unconfirmed = saved
+
+
+class WaitingNeverSent(EndpointState):
+    """A rank that answers after its link came back is confirmed, but the
+    requests that waited for it are not sent: they wait for good."""
+
+    def handle(self, stimulus: object, now: float) -> list[Action]:  # type: ignore[override]
+        waiting = {room: set(r.unsent) for room, r in self.requests.items() if r.unsent}
+        actions = super().handle(stimulus, now)
+        for room, ranks in waiting.items():
+            request = self.requests.get(room)
+            if request is not None and not request.aborted and request.verdict is None:
+                request.unsent |= ranks  # put back what was just sent
+        return [
+            a
+            for a in actions
+            if not (
+                isinstance(a, Send) and isinstance(a.message, TransferRequest) and a.message.room in waiting
+            )
+        ]

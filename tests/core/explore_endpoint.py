@@ -38,6 +38,21 @@ Checked in every reachable state:
   report comes (drained, or what is held then).
 * The decode drain's report says what is held when it comes: never
   "drained" while a page is not back (S).
+
+With control links reported (``Limits.links``: the runtime's monitor
+events, which follow the processes: a stopped or gone process loses its
+link, a starved one keeps it, a restart shows as a loss then a new
+handshake, each reported at any point), also:
+
+* F (no false rank-down): no rank is called down while the process decode
+  judges is the one at its address, runs unfrozen (it may be starved: load)
+  and decode was last told its link is up;
+* no request is sent blind: none goes to a rank whose link decode knew
+  lost and that has not answered since with its link up (the request waits
+  for that answer). An answer the earlier process sent before it went, read
+  after the new process's handshake, still confirms it: that request fails
+  at once, when the new process's answer shows the restart (the L check);
+* L: no request is left waiting, unsent, for a rank that answers.
 """
 
 from __future__ import annotations
@@ -69,8 +84,10 @@ from kvconn.protocol.endpoint_events import (
     FenceAsOwner,
     Identified,
     Identify,
+    LinksChanged,
     OwnerFenceDone,
     OwnerFenceError,
+    RankDown,
     Release,
     Send,
     Tick,
@@ -103,10 +120,11 @@ def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory
         num_pages=4,
         heartbeat_interval_s=limits.heartbeat_interval_s,
         peer_timeout_s=limits.peer_timeout_s,
+        peer_hung_timeout_s=limits.peer_hung_timeout_s,
         transfer_timeout_s=limits.transfer_timeout_s,
         **options,
     )
-    world = World(state, {})
+    world = World(state, {}, track_links=limits.links)
     for index, addresses in enumerate(instances):
         session = 1 + 100 * index if limits.distinct_sessions else 1
         hello = Hello(NAME, "tcp://decode", "null", 0, 1, 1500, b"")
@@ -117,13 +135,52 @@ def initial(instances: Sequence[Sequence[str]], limits: Limits, factory: Factory
             _carry(world, state.handle(ack, 0.0))
         _carry(world, state.handle(BootstrapTick(instance), 0.0))
     world.net.clear()
+    if world.track_links:  # every link's first handshake, as the bootstrap made it
+        _report_links(world)
+        world.net.clear()
     return world
+
+
+def _pending_links(world: World) -> list[tuple[str, bool]]:
+    """What the runtime has yet to report: each address's link follows the
+    process there now (a restart: the earlier connection lost, then the new
+    one's handshake)."""
+    changes: list[tuple[str, bool]] = []
+    for address, procs in sorted(world.procs.items()):
+        proc = procs[-1]
+        now_there = (proc.session, proc.alive and not proc.frozen)
+        told = world.links.get(address)
+        if told == now_there:
+            continue
+        if told is not None and told[1] and told[0] != proc.session:
+            changes.append((address, False))  # the earlier process's connection
+            told = (told[0], False)
+        if told is None or told[1] != now_there[1]:
+            changes.append((address, now_there[1]))
+    return changes
+
+
+def _report_links(world: World) -> None:
+    changes = _pending_links(world)
+    for address, procs in world.procs.items():
+        proc = procs[-1]
+        world.links[address] = (proc.session, proc.alive and not proc.frozen)
+    _carry(world, world.state.handle(LinksChanged(tuple(changes)), world.now))
 
 
 # -- the runtime's part: carrying out actions -------------------------------------
 def _carry(world: World, actions: Sequence[Action]) -> None:
     for action in actions:
+        if isinstance(action, RankDown):
+            _check_rank_down(world, action)
         if isinstance(action, Send):
+            if isinstance(action.message, TransferRequest):  # at open, or once its rank answered
+                if world.track_links and action.rank in world.state.unconfirmed:
+                    raise Violation(
+                        f"F: room {action.message.room} sent blind to {action.address}, "
+                        "whose link decode knew lost and which has not answered since"
+                    )
+                world.by_seq[action.message.seq] = world.current[action.message.room]
             world.net.append((f"decode>{action.address}", action.address, action.message))
         elif isinstance(action, Identify):
             ack = action.ack
@@ -135,6 +192,20 @@ def _carry(world: World, actions: Sequence[Action]) -> None:
             _check_release(world, action.room, "released")
         elif isinstance(action, FenceAsOwner):
             world.fence_due = True
+
+
+def _check_rank_down(world: World, down: RankDown) -> None:
+    """F: load alone never calls a live rank down."""
+    if not world.track_links:
+        return
+    judged = world.state.writers[down.rank]
+    proc = world.procs[judged.address][-1]
+    told = world.links.get(judged.address)
+    if proc.session == judged.session and proc.alive and not proc.frozen and told == (proc.session, True):
+        how = "starved" if proc.starved else "answering"
+        raise Violation(
+            f"F: rank {down.rank} called down ({down.cause}) while its process runs ({how}), link up"
+        )
 
 
 def _owner_fence(world: World, ok: bool, endpoint: bool = True) -> None:
@@ -289,8 +360,6 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                 q = w.current[room] = len(w.requests) - 1
                 w.opened[room] = w.opened.get(room, 0) + 1
                 w.names[q] = w.state.name
-                for send in sends:
-                    w.by_seq[send.message.seq] = q  # type: ignore[union-attr]
                 _carry(w, sends)
                 _carry(w, w.state.sent(request, [], w.now))
 
@@ -319,6 +388,8 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
             _carry(w, w.state.begin_drain(w.now, DT, SETTLE_S))
 
         yield "decode-drain", decode_drain
+    if world.track_links and _pending_links(world):
+        yield "links", _report_links
     if world.ticks < limits.ticks:
 
         def tick(w: World) -> None:
@@ -349,7 +420,7 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
         for j, proc in enumerate(procs):
             for q, how in proc.taken.items():
                 entry = proc.rooms.get((world.names[q], world.requests[q].room))  # type: ignore[attr-defined]
-                live = proc.alive and not proc.frozen
+                live = proc.alive and not proc.frozen and not proc.starved
                 if how == "writing" and live and entry is not None and entry[0] == "live":
 
                     def complete(w: World, address: str = address, j: int = j, q: int = q) -> None:
@@ -377,6 +448,19 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     w.freezes += 1
 
                 yield f"{address}/{proc.session}:freeze", freeze
+            if proc.alive and not proc.frozen and not proc.starved and world.starves < limits.starves:
+
+                def starve(w: World, address: str = address, j: int = j) -> None:
+                    w.procs[address][j].starved = True
+                    w.starves += 1
+
+                yield f"{address}/{proc.session}:starve", starve
+            if proc.starved:  # load passes (in the terminal check at the latest)
+
+                def unstarve(w: World, address: str = address, j: int = j) -> None:
+                    w.procs[address][j].starved = False
+
+                yield f"{address}/{proc.session}:unstarve", unstarve
             if proc.frozen and world.ticks < limits.ticks:  # else frozen for good
 
                 def resume(w: World, address: str = address, j: int = j) -> None:
@@ -391,7 +475,7 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                     p.taken = {q: "stopped" if how == "draining" else how for q, how in p.taken.items()}
 
                 yield f"{address}/{proc.session}:drain", drain
-            awake = proc.alive and not proc.frozen  # a frozen process sends nothing
+            awake = proc.alive and not proc.frozen and not proc.starved  # sends nothing else
             if awake and proc.drain == "" and world.drains < limits.drains:
 
                 def drain_begin(w: World, address: str = address, j: int = j) -> None:
@@ -439,7 +523,8 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
 
 
 def dest_frozen(world: World, dest: str) -> bool:
-    return dest != "decode" and world.procs[dest][-1].frozen
+    """The process at ``dest`` reads nothing now (stopped or starved)."""
+    return dest != "decode" and (world.procs[dest][-1].frozen or world.procs[dest][-1].starved)
 
 
 # -- liveness ----------------------------------------------------------------------
@@ -451,6 +536,9 @@ def _check_terminal(world: World, limits: Limits) -> None:
         for p in procs:
             p.undrained = False
             p.taken = {q: "stopped" if how == "draining" else how for q, how in p.taken.items()}
+            p.starved = False  # load passes
+    if w.track_links:
+        _report_links(w)
     for _ in range(6):
         w.now += 10 * DT
         _tick(w)
@@ -498,6 +586,8 @@ def _check_terminal(world: World, limits: Limits) -> None:
             raise Violation(f"L: room {room} stays {w.state.tracker.state(room)} past the owner fence")
         if owner_fence and request.verdict is None and not request.aborted and not writing:  # type: ignore[attr-defined]
             raise Violation(f"L: room {room} left TRANSFERRING, no rank process took its request")
+        if request.verdict is None and not request.aborted and request.unsent:  # type: ignore[attr-defined]
+            raise Violation(f"L: room {room} left waiting to be sent to ranks {sorted(request.unsent)}")  # type: ignore[attr-defined]
         if request.verdict is None and not request.aborted:  # type: ignore[attr-defined]
             for rank, wr in request.writers.items():  # type: ignore[attr-defined]
                 now_there = w.procs[wr.address][-1]

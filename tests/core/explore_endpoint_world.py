@@ -39,6 +39,9 @@ class Proc:
     alive: bool = True
     undrained: bool = False  #: a fence or its exit left bytes on their way
     frozen: bool = False  #: SIGSTOPped: reads nothing, sends nothing, its writes go on
+    #: Starved (load): its Python reads and sends nothing for a while, as a
+    #: frozen one, but the process runs: its control link stays up.
+    starved: bool = False
     #: The decode names whose Hello it took (connected with their metadata).
     peers: frozenset[str] = frozenset({NAME})
     taken: dict[int, str] = field(default_factory=dict)
@@ -78,6 +81,11 @@ class World:
     #: The engine called the endpoint's drain(); its report once it came.
     decode_drain: bool = False
     drain_report: DrainReport | None = None
+    #: The runtime reports control links (LinksChanged): what it last
+    #: reported for each address, (session of the process connected, up).
+    track_links: bool = False
+    links: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    starves: int = 0
     trace: tuple[str, ...] = ()  #: the steps that led here (not part of the state)
 
 
@@ -101,6 +109,12 @@ class Limits:
     #: Each instance's processes get sessions of their own (as the runtime's
     #: random 63-bit ones are): without, two instances' rank 0 share session 1.
     distinct_sessions: bool = False
+    #: The runtime reports each control link's handshakes and losses, which
+    #: follow the processes (a stopped or gone one loses its link, a starved
+    #: one keeps it), at any point.
+    links: bool = False
+    starves: int = 0  #: rank processes starved for a while (load)
+    peer_hung_timeout_s: float = 10.0  #: longer than the world: load never reaches it
 
 
 @dataclass
@@ -117,13 +131,15 @@ Factory = Callable[..., EndpointState]
 def _clone(world: World) -> World:
     s = world.state
     new = copy.copy(s)
-    requests = {id(r): attrs.evolve(r) for r in world.requests}  # type: ignore[misc]
+    requests = {id(r): attrs.evolve(r, unsent=set(r.unsent)) for r in world.requests}  # type: ignore[attr-defined,misc]
     new.tracker = _clone_tracker(s.tracker)
     new.writers = dict(s.writers)
     new.down = dict(s.down)
     new._retired = set(s._retired)
     new._heard = dict(s._heard)
     new._asked = dict(s._asked)
+    new._link = dict(s._link)
+    new.unconfirmed = set(s.unconfirmed)
     new._id_of_session = dict(s._id_of_session)
     new.requests = {room: requests[id(r)] for room, r in s.requests.items()}
     new._in_use = set(s._in_use)
@@ -154,6 +170,9 @@ def _clone(world: World) -> World:
         world.fence_fails,
         world.decode_drain,
         world.drain_report,
+        world.track_links,
+        dict(world.links),
+        world.starves,
         world.trace,
     )
 
@@ -166,6 +185,7 @@ def _copy_proc(p: Proc) -> Proc:
         p.alive,
         p.undrained,
         p.frozen,
+        p.starved,
         p.peers,
         dict(p.taken),
         dict(p.rooms),
@@ -179,7 +199,7 @@ def _machine_key(world: World) -> tuple[object, ...]:
     index = {id(r): q for q, r in enumerate(world.requests)}
 
     def req(r: object) -> tuple[object, ...]:
-        return (index[id(r)], r.verdict, r.failure is None, r.aborted, r.finished)  # type: ignore[attr-defined]
+        return (index[id(r)], r.verdict, r.failure is None, r.aborted, r.finished, tuple(sorted(r.unsent)))  # type: ignore[attr-defined]
 
     return (
         tuple(sorted(s.writers.items())),
@@ -187,6 +207,8 @@ def _machine_key(world: World) -> tuple[object, ...]:
         tuple(sorted(s._retired)),
         tuple(sorted(s._heard.items())),
         tuple(sorted(s._asked.items())),
+        tuple(sorted(s._link.items())),
+        tuple(sorted(s.unconfirmed)),
         s._next_heartbeat,
         s._next_exit_check,
         tuple((t, index[id(r)]) for t, _, r in s._deadlines),
@@ -220,6 +242,7 @@ def _key(world: World) -> tuple[object, ...]:
                     p.alive,
                     p.undrained,
                     p.frozen,
+                    p.starved,
                     tuple(sorted(p.peers)),
                     tuple(sorted(p.taken.items())),
                     tuple(sorted(p.rooms.items())),
@@ -253,4 +276,6 @@ def _key(world: World) -> tuple[object, ...]:
         world.fence_fails,
         world.decode_drain,
         world.drain_report,
+        tuple(sorted(world.links.items())),
+        world.starves,
     )

@@ -18,6 +18,16 @@ WORLDS = {
     "liveness": (ONE, L(ticks=2, exits=1, requests_per_room=1)),
     # the rank's process freezes at any point, maybe for good (it answers no Hello)
     "silence": (ONE, L(ticks=2, freezes=1, requests_per_room=1)),
+    # with control links reported: the rank's process starved (load: its link stays up)
+    # at any point, for a while; it is never called down for it (F)
+    "load": (ONE, L(ticks=3, starves=1, links=True, requests_per_room=1)),
+    # ... starved and frozen at any points: load is no silence, a freeze still is
+    "load_and_freeze": (ONE, L(ticks=2, starves=1, freezes=1, links=True, aborts=1, requests_per_room=1)),
+    # ... exits, with its link lost: its rooms end, a request after the loss waits or fails
+    "liveness_links": (ONE, L(ticks=2, exits=1, links=True, requests_per_room=1)),
+    # ... a new process takes the address at any point: no request is sent blind (F), and
+    # one that waited goes to the process that answered
+    "restart_links": (ONE, L(ticks=2, restarts=1, links=True, requests_per_room=1)),
     # a new process takes the rank's address at any point, the earlier one writes on
     "restart": (ONE, L(ticks=2, restarts=1, requests_per_room=1)),
     # two instances, a room on each, one rank's process exits
@@ -124,6 +134,15 @@ CAUGHT: dict[str, tuple[type[EndpointState], str, L, str]] = {
         mutants.SilentNeverDown,
         "p0",
         L(ticks=2, freezes=1, aborts=0, requests_per_room=1),
+        "L",
+    ),
+    # control links (issue 40): load is no silence, no request sent blind, none left waiting
+    "links_ignored": (mutants.LinksIgnored, "p0", WORLDS["load"][1], "F"),
+    "sends_blind": (mutants.SendsBlind, "p0", WORLDS["restart_links"][1], "F"),
+    "waiting_never_sent": (
+        mutants.WaitingNeverSent,
+        "p0",
+        L(ticks=2, restarts=1, links=True, aborts=0, requests_per_room=1),
         "L",
     ),
     "restart_leaves_old_rooms_open": (

@@ -1,8 +1,9 @@
 """Failure detection at decode end to end, with real rank processes: what
 ``test_liveness.py`` shows on the state machine alone, here through
-``DecodeEndpoint`` (its clock, ``/proc`` probes and listener). A killed rank
-(its exit proven in ``/proc``), a stopped one (silent), one restarted at its
-address, and a transfer deadline on an injected clock."""
+``DecodeEndpoint`` (its clock, ``/proc`` probes, listener and control
+links). A killed rank (its exit proven in ``/proc``), a stopped one
+(silent), one whose interpreter is held (slow, not down), one restarted at
+its address, and a transfer deadline on an injected clock."""
 
 from __future__ import annotations
 
@@ -114,6 +115,26 @@ def test_open_rooms_of_a_silent_rank_fail_and_its_pages_wait_for_its_proof(clust
     wait_for(lambda: ok.poll() is KVPoll.SUCCESS, WAIT_S, "a room after the heal")
     assert cluster.correct(2, pages)
     assert cluster.late_bytes() == 0
+
+
+def test_a_rank_whose_interpreter_is_held_past_the_peer_timeout_is_not_down_and_serves_its_room() -> None:
+    """Its Python answers nothing for 5 s, twice ``peer_timeout_s``, as an
+    engine's step holding the GIL in a long C call would make it; its
+    process runs, and its libzmq answers the control link's heartbeat.
+    Without the link, decode called such a rank down (issue 40, finding 4)."""
+    c = Cluster(num_ranks=1, num_pages=32, page_bytes=16 << 10, abort_timeout_s=3.0, start_decode=False)
+    c.config = attrs.evolve(c.config, heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    c.start_decode()
+    try:
+        c.ranks[0].hold_gil(5.0)
+        rx, pages = c.open(1, 4)  # asked while it holds: unanswered until it lets go
+        wait_for(lambda: rx.poll() is not KVPoll.TRANSFERRING, 30.0, "the room's end")
+        assert rx.poll() is KVPoll.SUCCESS, rx.failure()
+        assert c.correct(1, pages)
+        assert sum(c.metric("kvconn_ranks_down_total", cause=x) for x in ("silent", "hung", "exited")) == 0
+        assert c.dec.metrics.value("kvconn_messages_total", type="HelloAck") >= 1  # it was asked
+    finally:
+        c.close()
 
 
 def test_a_rank_restarted_at_its_address_is_rebootstrapped_and_owes_nothing_of_the_old_rooms() -> None:

@@ -108,13 +108,13 @@ def test_a_fences_releases_count_the_time_the_fence_took() -> None:
     metrics, outbox = Metrics("decode"), _Outbox()
     carrier = Carrier(
         state,
-        outbox,
+        outbox,  # type: ignore[arg-type]
         metrics,
         threading.Condition(),
         lambda r: None,
         owner_fence=slow_fence,
         clock=lambda: clock[0],
-    )  # type: ignore[arg-type]
+    )
     [release] = carrier.run(state.handle(Tick(), 35.0), 35.0)
     assert release.proof is Proof.OWNER_FENCE
     assert release.held_for == pytest.approx(35.75)  # aborted at 0.0, released once the fence was over

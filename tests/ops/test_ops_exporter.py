@@ -144,6 +144,6 @@ def test_counters_alerts_watch_start_at_zero_for_every_known_label() -> None:
         assert m.registry.get_sample_value("kvconn_abort_to_release_seconds_count", {"proof": proof}) == 0.0
     # a prefill rank's: from its bootstrap, before it can be found down
     m.known_rank(3, "tcp://10.0.0.7:17000")
-    for cause in ("exited", "silent"):
+    for cause in ("exited", "silent", "hung"):
         labels = {"cause": cause, "rank": "3", "address": "tcp://10.0.0.7:17000"}
         assert m.registry.get_sample_value("kvconn_ranks_down_total", labels) == 0.0

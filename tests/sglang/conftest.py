@@ -263,9 +263,15 @@ class Zygote:
         return pid, conn
 
     def prefill(
-        self, tp_size: int, ranks: list[int], transport: str = "loopback", env: dict[str, str] | None = None
+        self,
+        tp_size: int,
+        ranks: list[int],
+        transport: str = "loopback",
+        env: dict[str, str] | None = None,
+        bootstrap_port: int = 0,
     ) -> ForkedPrefill:
-        spec = {"tp_size": tp_size, "ranks": ranks}
+        """``bootstrap_port``: its bootstrap server's (0: a free one)."""
+        spec = {"tp_size": tp_size, "ranks": ranks, "bootstrap_port": bootstrap_port}
         return ForkedPrefill(self, spec, {**KVCONN_ENV, "KVCONN_SGLANG_TRANSPORT": transport, **(env or {})})
 
     def close(self) -> None:

@@ -171,7 +171,8 @@ def serve_instance(spec: dict[str, Any], rfile: TextIO, wfile: TextIO) -> None:
     prefill.get_parallel = lambda: SimpleNamespace(tp_rank=0, pp_rank=0)
     # SGLang's prefill starts the backend's bootstrap server (start_disagg_service): the plugin's.
     backend = utils.TransferBackend("kvconn")
-    bootstrap_port = free_port()
+    # A fixed port: an instance restarted at the same bootstrap address.
+    bootstrap_port = int(spec.get("bootstrap_port") or free_port())
     server_class = utils.get_kv_class(backend, utils.KVClassType.BOOTSTRAP_SERVER)
     host = spec.get("host", "127.0.0.1")
     server_class(host=host, port=bootstrap_port)

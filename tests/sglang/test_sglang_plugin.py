@@ -166,6 +166,26 @@ def test_settings_refuse_what_they_cannot_use() -> None:
         Settings.from_env({"KVCONN_SGLANG_MEMORY": "hbm"})
 
 
+def test_sglangs_own_bootstrap_and_waiting_deadlines_bound_both_halves_of_a_request() -> None:
+    """Issue 40, finding 3: a prefill request whose decode never asks ended
+    only when its client hung up; it now fails at SGLang's bootstrap
+    timeout, as with SGLang's own backends, and a decode request never
+    filled at SGLang's waiting timeout."""
+    from kvconn_sglang.settings import Settings, SettingsError
+
+    default = Settings.from_env({}).config
+    assert (default.room_bootstrap_timeout_s, default.transfer_timeout_s) == (300, 300)
+    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "45", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "90"}
+    config = Settings.from_env(env).config
+    assert (config.room_bootstrap_timeout_s, config.transfer_timeout_s) == (45, 90)
+    # kvconn's own variables override them (off included)
+    env |= {"KVCONN_SGLANG_ROOM_BOOTSTRAP_TIMEOUT_S": "20", "KVCONN_SGLANG_TRANSFER_TIMEOUT_S": "none"}
+    config = Settings.from_env(env).config
+    assert (config.room_bootstrap_timeout_s, config.transfer_timeout_s) == (20, None)
+    with pytest.raises(SettingsError, match="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"):
+        Settings.from_env({"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "0"})
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator  # noqa: E402
 
 import attrs  # noqa: E402
 
-from kvconn.testing.cluster import free_port  # noqa: E402
+from kvconn.testing.cluster import at_the_same_address, free_port  # noqa: E402
 from kvconn.testing.waiting import wait_for  # noqa: E402
 from kvconn_vllm.layout import KVGeometry  # noqa: E402
 from kvconn_vllm.metadata import KvconnMetadata, Recv, Send  # noqa: E402
@@ -365,3 +365,37 @@ def test_two_decode_ranks_each_get_their_head_from_one_prefill_rank(clock: Clock
         for worker, _ in ranks:
             worker.close()
         prefill.close()
+
+
+def test_the_first_request_after_a_prefill_restarts_at_its_address_is_received_not_recomputed(
+    clock: Clock,
+) -> None:
+    """Issue 40, finding 3, for vLLM: a prefill rank restarted at its address
+    (kv_connector_extra_config's ``port``). Before, decode's first request
+    after the restart went to the earlier process's session, the new one
+    dropped it, and the request was recomputed once decode saw the restart;
+    now decode asks who answers there first and the new process writes it."""
+    port = free_port()
+    first, _ = side(True, clock, 1.0, port=port)
+    decode, dst = side(False, clock, -1.0)
+    second: WorkerSide | None = None
+    try:
+        first.start(KvconnMetadata(sends=[Send("p-1", 92, (1, 2))]))
+        decode.start(KvconnMetadata(recvs=[Recv("d-1", 92, (first.address,), (3, 4))]))
+        assert not until(decode, lambda r: "d-1" in r.finished_recving).failed_recving
+        address = first.address
+        first.close()  # its port frees; this process lives on (no exit proof)
+        wait_for(lambda: bool(decode.decode and decode.decode.unavailable((address,))), 20, "the link's loss")
+        second, src = at_the_same_address(lambda: side(True, clock, 1000.0, port=port))
+        assert second.address == address
+        second.start(KvconnMetadata(sends=[Send("p-2", 93, (5, 6))]))
+        decode.start(KvconnMetadata(recvs=[Recv("d-2", 93, (address,), (0, 7))]))
+        got = until(decode, lambda r: "d-2" in r.finished_recving)
+        assert not got.failed_recving  # received, not recomputed
+        for name in dst:
+            assert torch.equal(dst[name][0], src[name][5]) and torch.equal(dst[name][7], src[name][6])
+        assert decode.decode is not None and decode.decode.metrics.value("kvconn_rank_restarts_total") == 1
+    finally:
+        decode.close()
+        if second is not None:
+            second.close()

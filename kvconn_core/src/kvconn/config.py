@@ -49,7 +49,15 @@ class Config:
     heartbeat_interval_s: float = attrs.field(default=1.0, validator=_positive)
     #: A rank not heard from this long is down: its open rooms fail (and
     #: are aborted), new rooms on it fail at once, until it answers again.
+    #: Not while decode's control link to it is up (its process answers the
+    #: link's own heartbeat, which needs none of its Python threads: it runs
+    #: and is reachable, only slow): then only after ``peer_hung_timeout_s``
+    #: (protocol/liveness.py).
     peer_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: A rank whose control link is up but which leaves a Hello unanswered
+    #: this long is down too: its process runs, its kvconn threads do not
+    #: answer (hung, or starved past any load this should ride out).
+    peer_hung_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: Decode fences as the page owner (``kvconn.transport.owner_fence``:
     #: its region's whole transport endpoint destroyed, so that no writer on
     #: any host can land a byte) once a room has been quarantined this long
@@ -95,6 +103,11 @@ class Config:
             raise ValueError(
                 f"peer_timeout_s ({self.peer_timeout_s} s) must be longer than heartbeat_interval_s "
                 f"({self.heartbeat_interval_s} s)"
+            )
+        if self.peer_hung_timeout_s < self.peer_timeout_s:
+            raise ValueError(
+                f"peer_hung_timeout_s ({self.peer_hung_timeout_s} s) must not be shorter than "
+                f"peer_timeout_s ({self.peer_timeout_s} s)"
             )
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")

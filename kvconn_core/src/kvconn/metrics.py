@@ -20,7 +20,7 @@ from kvconn.transport import Settlement
 
 #: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
 FENCE_RESULTS = ("ok", "failed")
-RANK_DOWN_CAUSES = ("exited", "silent")
+RANK_DOWN_CAUSES = ("exited", "silent", "hung")
 #: ``kvconn_owner_fences_total{outcome}``: "no_endpoint" held, but left the
 #: region without a transport endpoint until a later try makes one.
 OWNER_FENCE_OUTCOMES = ("ok", "failed", "no_endpoint")

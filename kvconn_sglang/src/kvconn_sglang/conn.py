@@ -227,7 +227,14 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         with self._lock:
             found = self._prefill_ranks.get(key)
         if found is not None:
-            return found
+            # A restarted instance may listen elsewhere: kvconn says when the
+            # ranks it knows there cannot serve (down, or their link lost),
+            # and they are read again before a request is asked of them.
+            stale = self.endpoint.unavailable(found) if self.endpoint is not None else []
+            if not stale:
+                return found
+            log.info("kvconn: reading prefill %s's ranks again: %s", bootstrap_addr, "; ".join(stale))
+            self.forget_prefill(bootstrap_addr, dp_rank)
         if not self.try_ensure_parallel_info(bootstrap_addr):
             raise RoutingError(f"no prefill topology from bootstrap server {bootstrap_addr}")
         info = self.prefill_info_table[bootstrap_addr]

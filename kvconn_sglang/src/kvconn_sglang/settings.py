@@ -29,6 +29,11 @@ TEST_PREFIX = PREFIX + "TEST_"
 ADAPTER = ("TRANSPORT", "PORT_BASE", "MEMORY", "DRAIN_GRACE_S", "DRAIN_ON_SIGTERM", "TRACE_FILE")
 #: Config fields the adapter sets itself.
 NOT_FROM_ENV = frozenset({"port"})
+#: Config fields whose default is one of SGLang's own deadlines (its variable).
+SGLANG_DEADLINES = {
+    "room_bootstrap_timeout_s": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    "transfer_timeout_s": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+}
 
 
 class SettingsError(ValueError):
@@ -66,7 +71,17 @@ class Settings:
     before it exits. ``trace_file`` (``KVCONN_SGLANG_TRACE_FILE``): with
     ``KVCONN_SGLANG_TRACING=1``, every scheduler process appends its spans
     to this file as JSON lines (:mod:`kvconn.runtime.trace_export`); unset,
-    spans go to the process's own OpenTelemetry tracer provider."""
+    spans go to the process's own OpenTelemetry tracer provider.
+
+    Two of SGLang's own deadlines are kvconn's defaults, as SGLang's backends
+    apply them (``KVCONN_SGLANG_ROOM_BOOTSTRAP_TIMEOUT_S`` and
+    ``KVCONN_SGLANG_TRANSFER_TIMEOUT_S`` override them):
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s) is the prefill's
+    ``room_bootstrap_timeout_s`` (a request whose decode never asks fails,
+    and a late ask is refused, nothing written), and
+    ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s) decode's
+    ``transfer_timeout_s`` (a room not filled that long after it asked fails,
+    its pages back only with proof)."""
 
     transport: str
     host: str
@@ -91,6 +106,10 @@ class Settings:
             elif suffix not in ADAPTER:
                 known = [PREFIX + k for k in (*fields, *ADAPTER)]
                 raise SettingsError(str(unknown_key_error(name, known, "kvconn_sglang variable")))
+        # SGLang's own deadlines, as its backends apply them: a prefill request
+        # whose decode never asks, a decode request never filled.
+        for key, sglang_name in SGLANG_DEADLINES.items():
+            values.setdefault(key, str(_sglang_number(environ, sglang_name, 300)))
         try:
             config = config_from(values, lambda key: PREFIX + key.upper())
         except ConfigValueError as exc:
@@ -108,6 +127,18 @@ class Settings:
             drain_on_sigterm=_flag(environ, "DRAIN_ON_SIGTERM"),
             trace_file=environ.get(PREFIX + "TRACE_FILE") or None,
         )
+
+
+def _sglang_number(environ: Mapping[str, str], name: str, default: float) -> float:
+    """One of SGLang's own settings (its ``envs``), read as SGLang reads it."""
+    raw = environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise SettingsError(f"{name} must be > 0, got {value}")
+    return value
 
 
 def _grace(environ: Mapping[str, str]) -> float:

@@ -208,10 +208,14 @@ def refuse_request(
 # -- decode -------------------------------------------------------------------
 def refuse_if_draining(state: EndpointState, instance_ids: tuple[int, ...], room: int) -> None:
     """Raise :class:`DrainingError` if this endpoint drains, or a rank of
-    the instance (its current process) announced it drains."""
+    the instance (its current process) announced it drains. Not a rank whose
+    link was lost since: another process may answer there now (a restart
+    after the drain), and it is asked first (protocol/liveness.py)."""
     if state.drain is not None:
         raise DrainingError("this decode endpoint is draining: it takes no new rooms", room)
     for rank in instance_ids:
+        if rank in state.unconfirmed:
+            continue
         if state.leaving.get(rank) == state.writers[rank].session:
             raise DrainingError(
                 f"prefill rank {rank} ({state.writers[rank].address}) is draining: route the "

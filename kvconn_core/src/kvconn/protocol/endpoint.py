@@ -11,9 +11,12 @@ acks' connections drained) and carries out the returned actions. It decides:
   it was sent to, and only their acks, statuses and exits count for it;
 * liveness (protocol/liveness.py): any message of a rank's current process
   is hearing from it; a rank some room depends on that left a Hello
-  unanswered for ``peer_timeout_s``, or is proven gone, is down; a new
+  unanswered for ``peer_timeout_s`` with its control link lost (or for
+  ``peer_hung_timeout_s`` with it up), or is proven gone, is down; a new
   session at its address is a restart (re-bootstrapped); either fails the
-  open rooms of the process it concerns, onto the abort path;
+  open rooms of the process it concerns, onto the abort path; a rank whose
+  link was lost since it last spoke is asked who is there before a request
+  is sent to it;
 * transfer deadlines, fenced acks held back until their connections drained,
   and each request's verdict (SUCCESS once every rank reported every chunk
   landed, FAILED otherwise; final);
@@ -55,6 +58,7 @@ from kvconn.protocol.endpoint_events import (
     Identified,
     Identify,
     Instance,
+    LinksChanged,
     Probes,
     RankRestarted,
     Request,
@@ -102,6 +106,7 @@ class EndpointState:
         num_slots: int = 0,
         heartbeat_interval_s: float = 1.0,
         peer_timeout_s: float = 10.0,
+        peer_hung_timeout_s: float = 60.0,
         transfer_timeout_s: float | None = None,
         check_pages: bool = True,
         owner_fence: OwnerFencePolicy | None = None,
@@ -112,6 +117,7 @@ class EndpointState:
         self.num_slots = num_slots
         self.heartbeat_interval_s = heartbeat_interval_s
         self.peer_timeout_s = peer_timeout_s
+        self.peer_hung_timeout_s = peer_hung_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.check_pages = check_pages
         self.default: Instance | None = None
@@ -139,6 +145,11 @@ class EndpointState:
         self._heard: dict[int, float] = {}
         self._asked: dict[int, float] = {}
         self.down: dict[int, str] = {}
+        #: Each control link, by address, as the runtime last reported it
+        #: (absent: never reported), and the ranks whose link was lost since
+        #: their process last spoke: requests to them wait for an answer.
+        self._link: dict[str, bool] = {}
+        self.unconfirmed: set[int] = set()
         self._retired: set[tuple[int, int]] = set()
         self._next_heartbeat = 0.0
         self._next_exit_check = 0.0
@@ -190,6 +201,13 @@ class EndpointState:
             since = min((at for _, at, _ in self.tracker.quarantined()), default=None)
             times.append(self.owner_fence.next_due(since))
         return min((t for t in times if t is not None), default=None)
+
+    def unavailable(self, addresses: Sequence[str]) -> list[str]:
+        """Why instance ``addresses`` could not serve a request now (empty:
+        it could, or it is not known here): a rank down, or one whose
+        control link is lost (liveness.unavailable)."""
+        instance = self.instances.get(tuple(addresses))
+        return [] if instance is None else liveness.unavailable(self, instance.ids)
 
     def watched(self) -> set[int]:
         """The ranks some tracked room was asked of: the only ones a
@@ -275,17 +293,26 @@ class EndpointState:
         if self.check_pages:
             self._in_use.update(pages)
         writers = {rank: self.writers[rank] for rank in ids}
-        request = self.requests[room] = Request(room, pages, writers, instance.ids)
+        slot = 0 if extras_slot is None else extras_slot + 1
+        request = self.requests[room] = Request(room, pages, writers, instance.ids, slot=slot)
         if self.transfer_timeout_s is not None:
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (now + self.transfer_timeout_s, self._deadline_seq, request))
-        slot = 0 if extras_slot is None else extras_slot + 1
-        sends = []
+        ask = sorted(r for r in ids if r in self.unconfirmed)
+        sends: list[Send] = []
         for rank in sorted(ids):
-            self._seq += 1
-            message = TransferRequest(room, self.name, pages, writers[rank].session, self._seq, slot)
-            sends.append(Send(writers[rank].address, message, rank))
-        return request, sends
+            if rank not in ask:
+                message = self.transfer_request(request, writers[rank].session)
+                sends.append(Send(writers[rank].address, message, rank))
+        # Hellos (numbered after the requests: the runtime sends these in order)
+        hellos = [a for a in liveness.ask_first(self, request, ask, now) if isinstance(a, Send)]
+        return request, sends + hellos
+
+    def transfer_request(self, request: Request, session: int) -> TransferRequest:
+        """``request``'s TransferRequest for the rank process of ``session``,
+        numbered: send it before numbering another."""
+        self._seq += 1
+        return TransferRequest(request.room, self.name, request.pages, session, self._seq, request.slot)
 
     def sent(self, request: Request, unsent: Sequence[int], now: float) -> list[Action]:
         """The runtime sent ``request``'s TransferRequests; those to ``unsent``
@@ -323,7 +350,13 @@ class EndpointState:
         # The engine's own verdict, even over a SUCCESS that raced it: its
         # pages come back through on_release, never through finish().
         request.verdict = KVPoll.FAILED
-        return self.carry(self.tracker.abort(request.room, now))
+        return self._abort_hold(request, now)
+
+    def _abort_hold(self, request: Request, now: float) -> list[Action]:
+        """Hold ``request``'s pages until proof, but from ranks it was sent
+        to only: one it never was can write nothing of it."""
+        untold, request.unsent = frozenset(request.unsent), set()
+        return self.carry(self.tracker.abort(request.room, now, untold))
 
     def finish(self, request: Request) -> tuple[int, ...]:
         """The engine takes a completed request's pages."""
@@ -365,10 +398,10 @@ class EndpointState:
         ack = self._for_us(msg)
         if isinstance(ack, DropReason):
             return [Drop(ack)]
-        liveness.hear(self, ack.rank, ack.session, now)
+        heard = liveness.hear(self, ack.rank, ack.session, now)
         if ack.closed:
-            return [CheckDrain(ack)]
-        return self._ack(ack, now)
+            return [*heard, CheckDrain(ack)]
+        return heard + self._ack(ack, now)
 
     @handle.register
     def _(self, event: Undrained, now: float) -> list[Action]:
@@ -385,23 +418,22 @@ class EndpointState:
         status = self._for_us(msg)
         if isinstance(status, DropReason):
             return [Drop(status)]
-        liveness.hear(self, status.rank, status.session, now)
+        heard = liveness.hear(self, status.rank, status.session, now)
         request = self.requests.get(status.room)
         if status.rank not in self.tracker.ranks_of(status.room) or request is None:
-            return [Drop(DropReason.STRANGER_STATUS)]
+            return [*heard, Drop(DropReason.STRANGER_STATUS)]
         if status.outcome is RoomOutcome.SUCCESS:
             if self.tracker.succeeded(status.room, status.rank) and request.verdict is None:
                 request.verdict = KVPoll.SUCCESS
         else:
             request.fail(status.reason)
-        return []
+        return heard
 
     @handle.register
     def _(self, msg: RankDraining, now: float) -> list[Action]:
         rank = self.id_of_session(msg.rank, msg.session) if msg.decode == self.name else None
-        if rank is not None:
-            liveness.hear(self, rank, msg.session, now)
-        return drain.rank_draining(self, msg, now)
+        heard = liveness.hear(self, rank, msg.session, now) if rank is not None else []
+        return heard + drain.rank_draining(self, msg, now)
 
     @handle.register
     def _(self, msg: HelloAck, now: float) -> list[Action]:
@@ -424,10 +456,10 @@ class EndpointState:
             reason = DropReason.HELLO_REFUSED if msg.error else DropReason.RETIRED_SESSION
             return [Drop(reason)]
         if msg.session == self.writers[rank].session:
-            liveness.heard_from(self, rank, now)
+            heard = liveness.heard_from(self, rank, now)
             if self.down.pop(rank, None) is None:
-                return []
-            return liveness.back_up(self, rank, now)
+                return heard
+            return heard + liveness.back_up(self, rank, now)
         return [Identify(msg)]
 
     @handle.register
@@ -454,11 +486,12 @@ class EndpointState:
         self.writers[rank] = writer
         self._id_of_session.pop((msg.rank, old.session), None)
         self._id_of_session[msg.rank, msg.session] = rank
-        liveness.heard_from(self, rank, now)
         self.down.pop(rank, None)
         reason = f"rank {msg.rank} restarted (a new process at {msg.address})"
         actions: list[Action] = [RankRestarted(rank, msg.rank, msg.address)]
-        return actions + self._fail_rooms_of(rank, old, reason, now)
+        actions += self._fail_rooms_of(rank, old, reason, now)
+        # Requests that waited to learn who answers there are the new one's.
+        return actions + liveness.heard_from(self, rank, now)
 
     @handle.register
     def _(self, event: Tick, now: float) -> list[Action]:
@@ -478,6 +511,10 @@ class EndpointState:
         actions += self._expire(now)
         fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
         return actions if fence is None else [*actions, fence]
+
+    @handle.register
+    def _(self, event: LinksChanged, now: float) -> list[Action]:
+        return liveness.links_changed(self, event.changes, now)
 
     @handle.register
     def _(self, event: BootstrapTick, now: float) -> list[Action]:
@@ -536,9 +573,12 @@ class EndpointState:
         return liveness.exits(self, gone, peers_drained, now)
 
     def _fail_rooms_of(self, rank: int, writer: WriterIdentity, reason: str, now: float) -> list[Action]:
-        """Fail the open rooms ``writer`` was asked to write."""
+        """Fail the open rooms ``writer`` was asked to write (not those still
+        waiting to be sent to ``rank``: they were asked of nobody yet)."""
         actions: list[Action] = []
         for request in list(self.requests.values()):
+            if rank in request.unsent:
+                continue
             if request.writers.get(rank) == writer and request.verdict is None and not request.aborted:
                 actions.append(RoomFailed(request.room, "rank"))
                 actions += self._fail_and_abort(request, reason, now)
@@ -562,7 +602,7 @@ class EndpointState:
             return []
         request.fail(reason)
         request.aborted = True
-        return self.carry(self.tracker.abort(request.room, now))
+        return self._abort_hold(request, now)
 
     def _expire(self, now: float) -> list[Action]:
         """Open rooms past their transfer deadline fail."""

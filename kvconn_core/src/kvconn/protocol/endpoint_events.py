@@ -49,6 +49,13 @@ class Request:
     failure: str | None = None
     aborted: bool = False
     finished: bool = False
+    #: The extras slot its TransferRequests name (0: none; slot + 1).
+    slot: int = 0
+    #: Ranks its TransferRequest has not been sent to yet: their control link
+    #: was lost since their process last spoke, so whoever answers there now
+    #: is asked first (protocol/liveness.py). Such a rank can write nothing
+    #: of it, and owes it no proof.
+    unsent: set[int] = attrs.Factory(set)
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -145,6 +152,18 @@ class Tick:
 
 
 @attrs.frozen(slots=True)
+class LinksChanged:
+    """What the runtime's control links to ranks did, in order: ``(address,
+    True)`` a connection to ``address`` completed its handshake, ``(address,
+    False)`` one was lost (closed by the peer, or its heartbeat went
+    unanswered: the link's heartbeat is answered by the peer's messaging
+    library, with none of its Python threads, so only a process that is
+    gone, stopped or cut off misses it)."""
+
+    changes: tuple[tuple[str, bool], ...]
+
+
+@attrs.frozen(slots=True)
 class ExitsProbed:
     """An exit check outside the tick's schedule: these writers are proven
     gone, and (``peers_drained``) nothing they sent can still arrive."""
@@ -184,7 +203,15 @@ class BootstrapTick:
 
 
 Stimulus = (
-    Message | Tick | ExitsProbed | Identified | Undrained | OwnerFenceDone | OwnerFenceError | BootstrapTick
+    Message
+    | Tick
+    | LinksChanged
+    | ExitsProbed
+    | Identified
+    | Undrained
+    | OwnerFenceDone
+    | OwnerFenceError
+    | BootstrapTick
 )
 
 
@@ -230,7 +257,7 @@ class AckCounted:
 @attrs.frozen(slots=True)
 class RankDown:
     rank: int
-    cause: str  #: "exited" | "silent": the metric label
+    cause: str  #: "exited" | "silent" | "hung": the metric label
     reason: str
 
 
@@ -323,6 +350,7 @@ __all__ = [
     "Identified",
     "Identify",
     "Instance",
+    "LinksChanged",
     "OwnerFenceDone",
     "OwnerFenceError",
     "OwnerFenced",

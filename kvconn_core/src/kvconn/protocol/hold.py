@@ -223,14 +223,17 @@ class HoldTracker:
         self._pages[HoldState.OPEN] -= len(entry.pages)
         return entry.pages
 
-    def abort(self, room: int, now: float) -> list[HoldAction]:
-        """The engine aborted ``room``: hold its pages until proof arrives."""
+    def abort(self, room: int, now: float, untold: Collection[int] = ()) -> list[HoldAction]:
+        """The engine aborted ``room``: hold its pages until proof arrives.
+        ``untold``: ranks never sent the room's request, which can write
+        nothing of it (proven now)."""
         entry = self._rooms.get(room)
         if entry is None or entry.state is not HoldState.OPEN:
             return []
-        entry.proven = set(entry.succeeded)
+        entry.proven = set(entry.succeeded) | (entry.ranks & set(untold))
         if entry.proven >= entry.ranks:
-            return [self._release(room, entry, Proof.COMPLETED, now)]
+            proof = Proof.COMPLETED if entry.succeeded else Proof.NOTHING_SENT
+            return [self._release(room, entry, proof, now)]
         self._move(entry, HoldState.HELD)
         self._holds[room] = entry
         entry.held_at = now

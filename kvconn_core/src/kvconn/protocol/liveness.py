@@ -20,6 +20,24 @@ traffic is its own proof:
   exit is not judged until a room depends on it again; a rank already down
   is Hello'd every heartbeat until it answers (so a healed rank is back up
   before the engine's next room on it would fail).
+* **Load is not silence.** decode's control link to each rank (a ZMQ
+  connection) runs a heartbeat of its own that the rank's messaging library
+  answers on its I/O thread, without the rank's Python: a process that runs
+  answers it however busy its interpreter is (an engine's step loop holding
+  the GIL, a garbage collection stretched by CPU starvation), while one that
+  is stopped, gone or cut off does not, and the link is lost
+  (:func:`links_changed`; :func:`link_heartbeat` says how the runtime sets
+  it). A watched rank that leaves a Hello unanswered for ``peer_timeout_s``
+  is down only if its link is not up; with its link up it is slow, and down
+  only past ``peer_hung_timeout_s`` (its kvconn threads hung). Where the
+  runtime reports no link, the first rule alone applies.
+* **Whoever is there now is asked first.** A rank whose link was lost since
+  its process last spoke may be another process by now (restarted at its
+  address) or none: a new room is not sent to it blind. Its request waits
+  (:attr:`Request.unsent`) while the rank is Hello'd (at once, and again as
+  soon as the link is back); the answer sends it, to the process that gave
+  it (a restart is adopted first), and a rank judged down fails it, with
+  nothing sent: its pages need no proof from that rank.
 
 A rank being down only fails rooms onto the abort path; pages still need
 proof (hold.py).
@@ -31,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvconn.protocol.endpoint_events import Action, RankDown, Send, WriterIdentity
+from kvconn.protocol.endpoint_events import Action, RankDown, Request, Send, WriterIdentity
 from kvconn.protocol.hold import HoldState
 
 if TYPE_CHECKING:
@@ -78,14 +96,22 @@ def watched(state: EndpointState) -> set[int]:
     return ranks
 
 
-def heard_from(state: EndpointState, rank: int, now: float) -> None:
-    """``rank``'s current process spoke: it is alive now, and any Hello it
-    had not answered is answered."""
+def heard_from(state: EndpointState, rank: int, now: float) -> list[Action]:
+    """``rank``'s current process spoke: it is alive now, any Hello it had
+    not answered is answered, and requests waiting for it to be confirmed
+    (:attr:`Request.unsent`) go to it now."""
     state._heard[rank] = now
     state._asked.pop(rank, None)
+    if rank not in state.unconfirmed or state._link.get(state.writers[rank].address) is False:
+        # While its link is down a request would reach whoever is there once
+        # it is back, and this answer may be one the process sent before it
+        # went: only one heard with the link up confirms the rank.
+        return []
+    state.unconfirmed.discard(rank)
+    return send_waiting(state, rank)
 
 
-def hear(state: EndpointState, rank: int, session: int, now: float) -> None:
+def hear(state: EndpointState, rank: int, session: int, now: float) -> list[Action]:
     """A message for this endpoint (its decode name checked) came from the
     process of ``session`` at endpoint-wide ``rank``: a heartbeat, whatever
     else it says, if that process is the rank's current one. One of an
@@ -93,14 +119,96 @@ def hear(state: EndpointState, rank: int, session: int, now: float) -> None:
     nothing of the process decode now sends to."""
     writer = state.writers.get(rank)
     if writer is not None and writer.session == session:
-        heard_from(state, rank, now)
+        return heard_from(state, rank, now)
+    return []
+
+
+def link_heartbeat(heartbeat_interval_s: float, peer_timeout_s: float) -> tuple[float, float]:
+    """(interval, timeout) of the control link's own heartbeat: pinged every
+    heartbeat, lost once a ping goes unanswered for half of ``peer_timeout_s``
+    (at least one interval), so that a stopped, gone or cut-off rank's link
+    is lost before its first unanswered Hello is ``peer_timeout_s`` old."""
+    return heartbeat_interval_s, max(heartbeat_interval_s, peer_timeout_s / 2)
+
+
+def links_changed(state: EndpointState, changes: tuple[tuple[str, bool], ...], now: float) -> list[Action]:
+    """Apply the runtime's link events, in order. A lost link makes its rank
+    unconfirmed (its next requests wait to learn who answers there) and
+    brings the next heartbeat forward to the next tick; a link back for an
+    unconfirmed rank Hellos it at once, so that a process restarted at the
+    address is known before the engine's next room on it."""
+    actions: list[Action] = []
+    for address, up in changes:
+        # Kept by address: the first handshake comes while the rank is still
+        # being bootstrapped, before it has an id here.
+        state._link[address] = up
+        rank = state._id_at.get(address)
+        if rank is None:
+            continue
+        if not up:
+            state.unconfirmed.add(rank)
+            # A lost link is the first sign of an exit: the next tick runs
+            # the heartbeat, which looks the ranks' processes up, rather
+            # than up to an interval later.
+            state._next_heartbeat = min(state._next_heartbeat, now)
+        elif rank in state.unconfirmed:
+            actions.append(_hello(state, rank))
+    return actions
+
+
+def linked(state: EndpointState, rank: int) -> bool:
+    """The runtime reports ``rank``'s control link up: its process runs and
+    answers the link's heartbeat (False also where no link is reported)."""
+    return state._link.get(state.writers[rank].address, False)
+
+
+def ask_first(state: EndpointState, request: Request, ranks: list[int], now: float) -> list[Action]:
+    """``request``'s ranks that are unconfirmed are not sent it yet: each is
+    Hello'd now (its answer sends it, :func:`send_waiting`)."""
+    actions: list[Action] = []
+    for rank in ranks:
+        request.unsent.add(rank)
+        actions.append(_hello(state, rank))
+        state._asked.setdefault(rank, now)
+    return actions
+
+
+def send_waiting(state: EndpointState, rank: int) -> list[Action]:
+    """``rank`` answered: the requests that waited for it are sent, to its
+    current process (a restart adopted already, so they are its)."""
+    actions: list[Action] = []
+    for request in list(state.requests.values()):
+        if rank not in request.unsent:
+            continue
+        request.unsent.discard(rank)
+        if request.aborted or request.verdict is not None or not state.current(request):
+            continue
+        writer = request.writers[rank] = state.writers[rank]
+        actions.append(Send(writer.address, state.transfer_request(request, writer.session), rank))
+    return actions
+
+
+def fail_waiting(state: EndpointState, rank: int, reason: str, now: float) -> list[Action]:
+    """``rank`` is down: the requests that waited to be sent to it fail,
+    nothing sent to it (their pages owe it no proof)."""
+    actions: list[Action] = []
+    for request in list(state.requests.values()):
+        if rank in request.unsent and request.verdict is None and not request.aborted:
+            actions += state.fail_and_abort(
+                request, f"rank {rank} is down: {reason}; nothing was sent to it", now
+            )
+    return actions
 
 
 def heartbeat(state: EndpointState, gone: frozenset[WriterIdentity], now: float) -> list[Action]:
     """Hello each watched rank silent for ``heartbeat_interval_s`` (its answer
     proves it alive and names its session) and every rank that is down; a
     watched rank whose first unanswered Hello is older than
-    ``peer_timeout_s``, or whose process is proven gone, is down."""
+    ``peer_timeout_s`` while its link is not up, or older than
+    ``peer_hung_timeout_s``, or whose process is proven gone, is down. The
+    process gone from an unconfirmed rank whose link is up again (another
+    one answers there, a restart being confirmed) fails only what it was
+    sent."""
     watching = state.watched()
     actions: list[Action] = []
     for rank in sorted(watching | state.down.keys() | state._asked.keys()):
@@ -112,14 +220,23 @@ def heartbeat(state: EndpointState, gone: frozenset[WriterIdentity], now: float)
             del state._asked[rank]  # no room depends on it: its silence is not judged
             continue
         if writer in gone:
-            actions += down(state, rank, "exited", f"its process (pid {writer.pid}) exited", now)
-            continue
+            reason = f"its process (pid {writer.pid}) exited"
+            if rank in state.unconfirmed and linked(state, rank):
+                actions += state._fail_rooms_of(rank, writer, f"rank {rank}: {reason}", now)
+            else:
+                actions += down(state, rank, "exited", reason, now)
+                continue
         if now - state._heard[rank] >= state.heartbeat_interval_s:
             actions.append(_hello(state, rank))
             state._asked.setdefault(rank, now)
         asked = state._asked.get(rank)
-        if asked is not None and now - asked > state.peer_timeout_s:
+        if asked is None or now - asked <= state.peer_timeout_s:
+            continue
+        if not linked(state, rank):
             actions += down(state, rank, "silent", f"no answer to a Hello for {now - asked:.1f} s", now)
+        elif now - asked > state.peer_hung_timeout_s:
+            why = f"no answer to a Hello for {now - asked:.1f} s, its link up (its kvconn threads hung)"
+            actions += down(state, rank, "hung", why, now)
     return actions
 
 
@@ -140,12 +257,26 @@ def live(state: EndpointState) -> frozenset[WriterIdentity]:
 
 def down(state: EndpointState, rank: int, cause: str, reason: str, now: float) -> list[Action]:
     """``rank`` is down: the open rooms of its current process fail, onto
-    the abort path."""
+    the abort path, and those still waiting to be sent to it fail."""
     state.down[rank] = reason
     state._asked.pop(rank, None)
     actions: list[Action] = [RankDown(rank, cause, reason)]
     writer = state.writers[rank]
-    return actions + state._fail_rooms_of(rank, writer, f"rank {rank} is down: {reason}", now)
+    actions += state._fail_rooms_of(rank, writer, f"rank {rank} is down: {reason}", now)
+    return actions + fail_waiting(state, rank, reason, now)
+
+
+def unavailable(state: EndpointState, ids: tuple[int, ...]) -> list[str]:
+    """Why a request to these ranks could not be served now (empty: it
+    could): a rank down, or one whose link is lost and not back. An engine
+    that cached where an instance's ranks are reads it again on this."""
+    reasons = []
+    for rank in ids:
+        if rank in state.down:
+            reasons.append(f"rank {rank} is down: {state.down[rank]}")
+        elif state._link.get(state.writers[rank].address) is False:
+            reasons.append(f"rank {rank}'s control link ({state.writers[rank].address}) is lost")
+    return reasons
 
 
 def _hello(state: EndpointState, rank: int) -> Send:

@@ -1,7 +1,21 @@
 """The ZMQ control plane: one bound PULL socket per endpoint, read by its own
 thread, and PUSH sockets to peers. Frames are decoded here; a frame that does
 not decode, or a handler that raises, is counted and dropped: the listener
-never dies of its input."""
+never dies of its input.
+
+An outbox may keep its links alive and watched: ZMTP's own heartbeat
+(``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT``) pings each peer, and the peer's
+libzmq I/O thread answers without the peer's Python; a ping unanswered for
+the timeout drops the connection (the peer is stopped, gone or cut off).
+A connection attempt gives up after a second and is made again
+(``ZMQ_CONNECT_TIMEOUT``, ``RECONNECT_IVL_MAX``): a link lost to a
+partition comes back within about that after the heal, where the kernel's
+SYN back-off waited up to half a minute. An
+outbox that watches its links (decode's) has a socket monitor on each,
+reporting a handshake done or a connection lost; the listener thread reads
+those events (before the messages that came with them, and before its idle
+call) and hands them to ``on_links``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +25,7 @@ import threading
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvconn.protocol import wire
 from kvconn.protocol.drops import DropReason
@@ -20,6 +35,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], None]
 Idle = Callable[[], float | None]
+#: (peer address, link up) in the order the monitors reported them.
+LinkHandler = Callable[[list[tuple[str, bool]]], None]
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class Listener:
@@ -38,7 +56,11 @@ class Listener:
         on_drop: Callable[[DropReason], None],
         key: bytes | None = None,
         idle: Idle | None = None,
+        links: Outbox | None = None,
+        on_links: LinkHandler | None = None,
     ) -> None:
+        """``links``/``on_links``: the outbox whose links' monitors this
+        thread reads, and what it hands their events to."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -52,6 +74,8 @@ class Listener:
         self._on_drop = on_drop
         self._key = key
         self._idle = idle
+        self._links = links
+        self._on_links = on_links
         self._versions_seen: set[str] = set()  # wire versions of dropped frames, logged once each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvconn-listen-{name}", daemon=True)
@@ -68,17 +92,31 @@ class Listener:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        monitors: dict[zmq.Socket[bytes], str] = {}
+        seen = -1
         timeout = self.POLL_S
         while not self._stop.is_set():
+            if self._links is not None and self._links.monitors_version != seen:
+                seen, current = self._links.monitors()
+                for mon in set(monitors) - set(current):
+                    poller.unregister(mon)
+                for mon in set(current) - set(monitors):
+                    poller.register(mon, zmq.POLLIN)
+                monitors = current
             # zmq polls in whole ms: rounding a 0.3 ms wait down to 0 would
             # spin until the deadline
-            if poller.poll(math.ceil(timeout * 1000)):
-                while True:
-                    try:
-                        frame = self._sock.recv(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    self.deliver(frame)
+            ready = dict(poller.poll(math.ceil(timeout * 1000)))
+            changes = [c for mon, at in monitors.items() if mon in ready for c in _link_events(mon, at)]
+            if changes:
+                self._links_changed(changes)
+            # Every frame that arrived is read before the idle call, which
+            # judges silence: a busy moment of this thread blames no peer.
+            while True:
+                try:
+                    frame = self._sock.recv(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self.deliver(frame)
             timeout = self.POLL_S
             if self._idle is not None:
                 try:
@@ -89,6 +127,15 @@ class Listener:
                     wait = None
                 if wait is not None:
                     timeout = max(0.0, min(timeout, wait))
+
+    def _links_changed(self, changes: list[tuple[str, bool]]) -> None:
+        if self._on_links is None:
+            return
+        try:
+            self._on_links(changes)
+        except Exception:
+            log.exception("kvconn handler raised on link events")
+            self._on_drop(DropReason.HANDLER_ERROR)
 
     def deliver(self, frame: bytes) -> None:
         """Decode and handle one frame; never raises."""
@@ -141,6 +188,8 @@ class Outbox:
         on_drop: Callable[[DropReason], None] = lambda _: None,
         queue_limit: int = 0,
         stalled_after_s: float | None = None,
+        heartbeat: tuple[float, float] | None = None,
+        watch: bool = False,
     ) -> None:
         """``stalled_after_s``: a connection whose sent bytes stay unacked
         this long is dropped (``TCP_USER_TIMEOUT``) and made anew. After a
@@ -150,14 +199,24 @@ class Outbox:
         the dropped connection's kernel buffer are lost; the protocol sends
         again whatever it needs (Hellos each heartbeat, ABORTs while held),
         and a partition that long has already made decode call the rank
-        down. Endpoints pass ``Config.peer_timeout_s``."""
+        down. Endpoints pass ``Config.peer_timeout_s``. ``heartbeat``:
+        (interval, timeout) in seconds of each link's ZMTP heartbeat (decode's:
+        liveness reads its links by it); ``watch``: a monitor on each link
+        (:meth:`monitors`)."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._key = key
         self._on_drop = on_drop
         self._queue_limit = queue_limit or self.QUEUE_LIMIT
         self._stalled_after_ms = None if stalled_after_s is None else max(1, round(stalled_after_s * 1000))
+        self._heartbeat = heartbeat
+        self._watch = watch
         self._lock = threading.Lock()
         self._socks: dict[str, tuple[threading.Lock, zmq.Socket[bytes]]] = {}
+        #: Each link's monitor socket (read by one listener thread only), and
+        #: a count that changes whenever one is added or removed.
+        self._monitors: dict[zmq.Socket[bytes], str] = {}
+        self._retired: list[zmq.Socket[bytes]] = []
+        self.monitors_version = 0
 
     def send(self, address: str, message: Message) -> bool:
         """Queue ``message`` for ``address``; False if it was dropped."""
@@ -190,15 +249,34 @@ class Outbox:
                     sock.setsockopt(zmq.TCP_MAXRT, self._stalled_after_ms)
                     sock.setsockopt(zmq.CONNECT_TIMEOUT, round(self.CONNECT_TIMEOUT_S * 1000))
                     sock.setsockopt(zmq.RECONNECT_IVL_MAX, round(self.RECONNECT_MAX_S * 1000))
+                if self._heartbeat is not None:
+                    interval, timeout = self._heartbeat
+                    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
+                    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(timeout * 1000)))
+                monitor = None
+                if self._watch:  # before connect(), or its first handshake goes unseen
+                    monitor = sock.get_monitor_socket(_LINK_EVENTS)
                 try:
                     sock.connect(address)
                 except zmq.ZMQError:
+                    if monitor is not None:
+                        sock.disable_monitor()
+                        monitor.close(linger=0)
                     sock.close(linger=0)
                     if count:
                         self._on_drop(DropReason.UNSENDABLE_ADDRESS)
                     return None
                 entry = self._socks[address] = (threading.Lock(), sock)
+                if monitor is not None:
+                    self._monitors[monitor] = address
+                    self.monitors_version += 1
             return entry
+
+    def monitors(self) -> tuple[int, dict[zmq.Socket[bytes], str]]:
+        """(version, each link's monitor socket and its address): for the one
+        listener thread that reads them."""
+        with self._lock:
+            return self.monitors_version, dict(self._monitors)
 
     def reset(self, address: str) -> None:
         """Forget the socket to ``address``: the next send opens a new
@@ -207,14 +285,38 @@ class Outbox:
         written into it is lost with it (nothing re-sends a HelloAck)."""
         with self._lock:
             entry = self._socks.pop(address, None)
+            for monitor, at in list(self._monitors.items()):
+                if at == address:  # the listener stops reading it; closed with the outbox
+                    del self._monitors[monitor]
+                    self._retired.append(monitor)
+                    self.monitors_version += 1
         if entry is not None:
             lock, sock = entry
             with lock:
                 sock.close(linger=0)
 
     def close(self) -> None:
+        """Close every link (stop the listener reading the monitors first)."""
         with self._lock:
+            for monitor in [*self._monitors, *self._retired]:
+                monitor.close(linger=0)
+            self._monitors.clear()
+            self._retired.clear()
+            self.monitors_version += 1
             for lock, sock in self._socks.values():
                 with lock:
                     sock.close()
             self._socks.clear()
+
+
+def _link_events(monitor: zmq.Socket[bytes], address: str) -> list[tuple[str, bool]]:
+    """The events ``monitor`` holds now: (address, up) for each."""
+    changes: list[tuple[str, bool]] = []
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return changes
+        except zmq.ZMQError:  # closed under us (the outbox closed): nothing more to read
+            return changes
+        changes.append((address, event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED))

@@ -42,11 +42,13 @@ from kvconn.protocol.endpoint_events import (
     ExitsProbed,
     GiveUp,
     Instance,
+    LinksChanged,
     Send,
     Tick,
 )
 from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
 from kvconn.protocol.hold import HoldTracker, Proof, Release
+from kvconn.protocol.liveness import link_heartbeat
 from kvconn.protocol.messages import AbortAck, Hello, Message
 from kvconn.protocol.owner_fence import OwnerFencePolicy
 from kvconn.protocol.write_deadline import check_writer_deadline
@@ -138,8 +140,15 @@ class DecodeEndpoint:
         else:
             self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
+        # Every link to a rank runs ZMTP's heartbeat, answered by the rank's
+        # I/O thread: liveness tells a slow rank from a gone one by it.
+        link = link_heartbeat(self.config.heartbeat_interval_s, self.config.peer_timeout_s)
         self._outbox = Outbox(
-            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+            self.config.auth_key,
+            self._count_drop,
+            stalled_after_s=self.config.peer_timeout_s,
+            heartbeat=link,
+            watch=True,
         )
         #: Requests are numbered and sent under one lock: a rank takes only a
         #: request numbered above the last it took.
@@ -156,6 +165,8 @@ class DecodeEndpoint:
             self._count_drop,
             self.config.auth_key,
             idle=self._on_idle,
+            links=self._outbox,
+            on_links=self._on_links,
         )
         self.address = self._listener.address
         tracker = HoldTracker(
@@ -172,6 +183,7 @@ class DecodeEndpoint:
             num_slots=0 if layout is None else layout.num_slots,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             peer_timeout_s=self.config.peer_timeout_s,
+            peer_hung_timeout_s=self.config.peer_hung_timeout_s,
             transfer_timeout_s=self.config.transfer_timeout_s,
             check_pages=self.config.check_pages,
             owner_fence=OwnerFencePolicy(
@@ -234,6 +246,15 @@ class DecodeEndpoint:
         """The prefill instances bootstrapped so far, by their ranks' addresses."""
         with self._lock:
             return list(self._state.instances)
+
+    def unavailable(self, prefill: Sequence[str]) -> list[str]:
+        """Why prefill instance ``prefill`` could not serve a request now
+        (empty: it could, or it is new here): a rank down, or one whose
+        control link is lost. An engine that keeps where an instance's ranks
+        listen (SGLang reads it from the instance's bootstrap server) reads
+        it again on this: a restarted instance may listen elsewhere."""
+        with self._lock:
+            return self._state.unavailable(prefill)
 
     def connect(self, prefill: Sequence[str]) -> None:
         """Bootstrap prefill instance ``prefill`` now if it is new (blocking,
@@ -423,6 +444,12 @@ class DecodeEndpoint:
             actions = self._state.handle(msg, now)
             self._tracer.received(msg, actions)
             releases = self._carrier.run(actions, now)
+        self._notify(releases)
+
+    def _on_links(self, changes: list[tuple[str, bool]]) -> None:
+        now = self.clock()
+        with self._lock:
+            releases = self._carrier.run(self._state.handle(LinksChanged(tuple(changes)), now), now)
         self._notify(releases)
 
     def _on_idle(self) -> float | None:

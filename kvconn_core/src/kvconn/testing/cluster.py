@@ -92,6 +92,12 @@ class Rank(Child):
         spans: list[dict[str, Any]] = self.next_with("spans", timeout, "rank spans")["spans"]
         return spans
 
+    def hold_gil(self, seconds: float, timeout: float = 30) -> None:
+        """The rank process's interpreter is held for ``seconds`` from now
+        (faults.hold_gil): its Python threads stop, the process runs."""
+        self.send_line(f"hold_gil {seconds}")
+        self.next_with("holding", timeout, "the rank holding its GIL")
+
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)

@@ -9,7 +9,8 @@
 * A prefill rank process with observers, an explicit bind host and a
   ``metrics`` command on stdin, so a test can read the rank's Prometheus
   counters (and a ``rooms`` command: the rooms it still works on, and how
-  long since decode asked for each): ``python -m kvconn.testing.faults ARGS_JSON`` (the arguments of
+  long since decode asked for each), and ``hold_gil SECONDS`` (its
+  interpreter held in one C call): ``python -m kvconn.testing.faults ARGS_JSON`` (the arguments of
   :mod:`kvconn.testing.prefill_proc` plus ``host`` and ``observers``).
 """
 
@@ -280,7 +281,22 @@ def main() -> None:
             print(json.dumps({"unsettled": driver.unsettled()}), flush=True)
         elif line.strip() == "spans":
             print(json.dumps({"spans": finished_spans() if args.get("tracing") else []}), flush=True)
+        elif line.startswith("hold_gil "):  # "hold_gil SECONDS": a busy engine's C call
+            print(json.dumps({"holding": float(line.split()[1])}), flush=True)
+            hold_gil(float(line.split()[1]))
     driver.rank.close()
+
+
+def hold_gil(seconds: float) -> None:
+    """Hold the GIL for ``seconds`` in one C call, as an engine's step does
+    in a call that does not let it go (a long garbage collection, a large
+    serialisation, an extension that keeps it): no Python thread of the
+    process runs meanwhile, kvconn's listener included, but the process
+    does (its libzmq I/O thread answers the control link's heartbeat).
+    ``ctypes.PyDLL`` calls keep the GIL; libc's ``usleep`` stands for the work."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(ctypes.c_uint(round(seconds * 1e6)))
 
 
 def _drain_on_sigterm(rank: Any, grace_s: float) -> None:
