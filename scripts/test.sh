@@ -30,7 +30,7 @@ setup() {
     local pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
     "${pip[@]}" -U pip &&
         "${pip[@]}" -e './kvconn_core[test,plot,trace]' -e ./kvconn_nixl -e ./kvconn_mooncake -e ./kvconn_vllm \
-            -e ./kvconn_sglang -e ./examples/kvconn-tcpdemo pytest-timeout pytest-xdist numpy ruff mypy \
+            -e ./kvconn_sglang -e ./examples/kvconn-tcpdemo pytest-timeout pytest-xdist numpy ruff==0.17.6 mypy==2.4.1 \
             build twine "setuptools>=77" &&
         # nixl 1.5.1 declares torch and CUDA wheels it does not need at run time on
         # DRAM: install its two wheels alone (kvconn_nixl's README explains).
