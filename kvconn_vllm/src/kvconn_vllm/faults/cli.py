@@ -60,6 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--happy-requests", type=int, default=8, help="one at a time, per length and target")
     parser.add_argument("--happy-batches", type=int, default=2, help="batches of 8 at once, per length and target")
     parser.add_argument("--anchor", default="NixlConnector (pull)", help="the target happy-path ratios are taken to")
+    parser.add_argument("--warmup", type=int, default=2, help="requests through each pair before anything is measured")
     parser.add_argument("--model", type=Path, help="a model directory (default: a tiny random Llama made here)")
     parser.add_argument("--no-plain", action="store_true", help="no one-engine reference: the first prefill computes it")
     parser.add_argument("--markdown", type=Path, help="write the tables here")
@@ -131,7 +132,7 @@ def _run(args: argparse.Namespace, chosen: list[Connector], faults: list[str], m
         print(f"{len(pairs) * 2 + (single is not None)} engines up in {meta['engines_up_s']} s", flush=True)
         reference = References(lambda: single if single else pairs[0].prefill, args.max_tokens)
         for pair in pairs:  # handshakes, and a first check of each pair
-            for i in range(2):
+            for i in range(args.warmup):
                 tokens = prompt(900 + i, args.prompt_tokens)
                 ref = reference(tokens)
                 sent = prefill_only(pair, f"warm-{i}", tokens)

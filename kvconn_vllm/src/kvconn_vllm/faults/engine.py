@@ -429,6 +429,9 @@ class _Child:
             "used_blocks": self.num_blocks - 1 - free,
             "requests": sorted(ext.get(r, r) for r in self.scheduler.requests),
             "holding": holding,
+            # Blocks each request still holds (running, waiting for its KV,
+            # or finished with its blocks kept by the connector).
+            "held_blocks": {ext.get(r, r): n for r in self.scheduler.requests if (n := len(self._blocks(r)))},
             "late_writes": [attrs.asdict(w) | {"owner": ext.get(w.owner, w.owner)} for w in self.watch.late_writes],
             "released": {ext.get(r, r): t for r, t in self.watch.released.items()},
             "aborted": dict(self.aborted),

@@ -77,11 +77,11 @@ class FaultResult:
     fault: str
     requests: list[Request] = attrs.field(factory=list)
     late_writes: dict[str, list[dict[str, Any]]] = attrs.field(factory=lambda: {"prefill": [], "decode": []})
-    #: Blocks in use above the fault's starting point, per engine: the most
-    #: seen, and at the end of the fault's window.
+    #: Blocks the fault's requests hold, per engine: the most seen, and at
+    #: the end of the fault's window.
     pinned_max: dict[str, int] = attrs.field(factory=dict)
     pinned_end: dict[str, int] = attrs.field(factory=dict)
-    #: (seconds since the fault started, blocks in use above the start) per engine.
+    #: (seconds since the fault started, blocks its requests hold) per engine.
     series: dict[str, list[tuple[float, int]]] = attrs.field(factory=lambda: {"prefill": [], "decode": []})
     proofs: dict[str, int] = attrs.field(factory=dict)
     notes: list[str] = attrs.field(factory=list)
@@ -175,7 +175,10 @@ class FaultRun:
             if stats is None:
                 continue
             seen[role] = stats
-            used = int(stats["used_blocks"]) - base[role]
+            # This fault's requests only: a block an earlier fault left
+            # pinned is that fault's.
+            held = stats["held_blocks"]
+            used = sum(held.get(r.req_id, 0) for r in result.requests)
             result.series[role].append((round(time.monotonic() - t0, 3), used))
             result.pinned_max[role] = max(result.pinned_max.get(role, 0), used)
             result.pinned_end[role] = used
