@@ -228,6 +228,21 @@ class Run:
         except Exception as exc:
             req["abort_error"] = repr(exc)
 
+    def _decode_allocated(self, row: dict[str, Any], slots: int, timeout_s: float = 60.0) -> bool:
+        """Until decode holds ``slots`` more slots than at the fault's start
+        (its receivers bootstrapped and their slots preallocated), the step
+        a hand-off starts from: then prefill is acted on."""
+        base = row["base"]["decode"] or 0
+        want = base + slots
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            used = self._used("decode")
+            if used is not None and used >= want:
+                return True
+            time.sleep(0.05)
+        row["notes"].append("decode never allocated slots for the request")
+        return False
+
     def _stop(self, server: Process, sig: int) -> None:
         os.kill(self.pair.scheduler_pid(server), sig)
 
@@ -285,32 +300,43 @@ class Run:
 
     # -- the faults ---------------------------------------------------------
     def abort(self) -> dict[str, Any]:
-        """Prefill's scheduler stopped before it takes the request; decode
-        has its slots and aborts; prefill thawed 2 s later (before every
-        deadline), when it sends what it computes."""
+        """Decode has the request's slots; prefill's scheduler is stopped
+        before it takes the request; decode aborts; prefill thawed 1 s later
+        (before every deadline), when it computes and sends."""
         row = self._begin("abort")
         for _ in range(self.aborts):
             rid, room, ids = self._next("abort")
+            req = self._send(rid, room, ids, to="decode")
+            row["requests"].append(req)
+            self._decode_allocated(row, len(ids))
             self._stop(self.pair.prefill, signal.SIGSTOP)
             try:
-                req = self._send(rid, room, ids)
-                row["requests"].append(req)
-                time.sleep(1.0)
+                self._post_prefill(req, room)
+                time.sleep(0.5)
                 self._abort(req)
                 time.sleep(1.0)
             finally:
                 self._stop(self.pair.prefill, signal.SIGCONT)
             self._observe(row, time.monotonic())
+            row["base"]["decode"] = self._used("decode")
         return self._finish(row)
 
     def prefill_frozen(self) -> dict[str, Any]:
+        """Two requests: decode has their slots, prefill's scheduler stopped
+        before it takes them, one aborted at decode 1 s later; thawed past
+        every lease and deadline."""
         row = self._begin("prefill_frozen")
+        sent = []
+        for _ in range(2):
+            rid, room, ids = self._next("pfrozen")
+            row["requests"].append(self._send(rid, room, ids, to="decode"))
+            sent.append(room)
+        self._decode_allocated(row, 2 * len(ids))
         self._stop(self.pair.prefill, signal.SIGSTOP)
         frozen = time.monotonic()
         try:
-            for _ in range(2):
-                rid, room, ids = self._next("pfrozen")
-                row["requests"].append(self._send(rid, room, ids))
+            for req, room in zip(row["requests"], sent, strict=True):
+                self._post_prefill(req, room)
             time.sleep(1.0)
             self._abort(row["requests"][1])
             time.sleep(max(0.0, frozen + self.freeze_s - time.monotonic()))
@@ -324,7 +350,8 @@ class Run:
         rid, room, ids = self._next("dfrozen")
         req = self._send(rid, room, ids, to="decode")
         row["requests"].append(req)
-        time.sleep(1.0)  # decode has its slots and told prefill's bootstrap
+        self._decode_allocated(row, len(ids))  # decode has its slots and told prefill where
+        time.sleep(0.5)
         self._stop(self.pair.decode, signal.SIGSTOP)
         frozen = time.monotonic()
         try:
@@ -338,8 +365,11 @@ class Run:
     def prefill_killed(self) -> dict[str, Any]:
         row = self._begin("prefill_killed")
         rid, room, ids = self._next("pkilled")
+        req = self._send(rid, room, ids, to="decode")
+        row["requests"].append(req)
+        self._decode_allocated(row, len(ids))
         self._stop(self.pair.prefill, signal.SIGSTOP)
-        row["requests"].append(self._send(rid, room, ids))
+        self._post_prefill(req, room)
         time.sleep(1.0)
         self.pair.prefill.stop()  # SIGKILL to its process group
         self._observe(row, time.monotonic())
@@ -364,10 +394,12 @@ class Run:
     def decode_killed(self) -> dict[str, Any]:
         row = self._begin("decode_killed")
         rid, room, ids = self._next("dkilled")
+        req = self._send(rid, room, ids, to="decode")
+        row["requests"].append(req)
+        self._decode_allocated(row, len(ids))
         self._stop(self.pair.prefill, signal.SIGSTOP)
         try:
-            req = self._send(rid, room, ids)
-            row["requests"].append(req)
+            self._post_prefill(req, room)
             time.sleep(1.0)
             self.pair.decode.stop()
         finally:
@@ -391,8 +423,13 @@ class Run:
         return self._finish(row)
 
 
+#: Every pair started, so that an interrupted run stops their servers.
+STARTED: list[Pair] = []
+
+
 def run_pair(config: str, recipe: Recipe, reference: Process, model: Path, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     pair = Pair(recipe, config, root / config.replace(":", "-"), args.lease_s, model)
+    STARTED.append(pair)
     rows: list[dict[str, Any]] = []
     try:
         up = pair.up(1800)
@@ -450,6 +487,7 @@ def main() -> int:
     parser.add_argument("--lease-s", type=int, default=6)
     parser.add_argument("--aborts", type=int, default=3)
     parser.add_argument("--parallel", type=int, default=1, help="configurations run at once")
+    parser.add_argument("--workdir", type=Path, help="keep the servers' logs and page-watch files here")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -457,7 +495,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="compare-sglang-") as tmp:
-        root = Path(tmp)
+        root = args.workdir or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         model = make_tiny_llama(root / "model")
         recipe = read_recipe()
         plain_argv = list(recipe.bound(model, {p: free_port() for p in recipe.ports()}).plain())
@@ -477,15 +516,18 @@ def main() -> int:
             reference_up.start()
             for i in range(0, len(configs), args.parallel):
                 batch = configs[i : i + args.parallel]
-                threads = [threading.Thread(target=one, args=(c,)) for c in batch]
+                threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in batch]
                 for t in threads:
                     t.start()
                 for t in threads:
-                    t.join()
+                    while t.is_alive():  # a join the SIGTERM handler can interrupt
+                        t.join(1.0)
             for config in configs:
                 rows += results.get(config, [])
         finally:
             reference.stop()
+            for pair in STARTED:
+                pair.close()
     text = table(rows) + f"\n\nRun took {time.monotonic() - started:.0f} s.\n"
     print(text)
     if args.markdown:

@@ -58,7 +58,7 @@ class _Watch:
     def __init__(self, allocator: Any, path: str) -> None:
         self.allocator = allocator
         self.out = open(path, "a", buffering=1)  # noqa: SIM115 (closed with the process)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.watched: dict[int, float] = {}
         self.last_used = -1
         threading.Thread(target=self._loop, name="kvconn-page-watch", daemon=True).start()

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from kvconn_vllm.faults import connectors
 from kvconn_vllm.faults.connectors import Connector, Ports
 from kvconn_vllm.faults.engine import Engine, EngineError, EngineSpec
@@ -120,7 +122,7 @@ def make_model(path: Path) -> Path:
 def _run(args: argparse.Namespace, chosen: list[Connector], faults: list[str], model: Path) -> int:
     started = time.monotonic()
     base = EngineSpec(str(model))
-    single = None if args.no_plain else Engine(base)
+    single = None if args.no_plain else Engine(attrs.evolve(base, name="one engine"))
     pairs = [Pair(c, Ports(_free_port(), _free_port()), base) for c in chosen]
     fault_results: list[FaultResult] = []
     happy_results: list[HappyResult] = []

@@ -53,7 +53,7 @@ class EngineSpec:
 class Engine:
     """The parent's handle on one engine process."""
 
-    def __init__(self, spec: EngineSpec, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, spec: EngineSpec, start_timeout_s: float = 1800.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.spec = spec
