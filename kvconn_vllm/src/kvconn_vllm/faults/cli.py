@@ -145,7 +145,12 @@ def _run(args: argparse.Namespace, chosen: list[Connector], faults: list[str], m
         if single and args.happy:
             for length in (int(n) for n in args.happy.split(",")):
                 for concurrency, rounds in ((1, args.happy_requests), (8, args.happy_batches)):
-                    h = run_happy(single, pairs, length, concurrency, rounds)
+                    try:
+                        h = run_happy(single, pairs, length, concurrency, rounds)
+                    except EngineError as exc:
+                        meta.setdefault("happy_failed", []).append(f"{length} x {concurrency}: {exc}")
+                        print(f"happy path {length} x {concurrency} failed: {exc}", flush=True)
+                        continue
                     happy_results.append(h)
                     print(happy_table([h], args.anchor), flush=True)
         settings = Settings(float(args.lease_s), args.prompt_tokens, args.max_tokens, args.aborts)

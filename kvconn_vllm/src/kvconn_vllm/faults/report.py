@@ -88,8 +88,8 @@ def fault_table(results: list[FaultResult]) -> str:
 def happy_table(results: list[HappyResult], anchor: str | None) -> str:
     lines = [
         "| prompt tokens | at once | target | TTFT (median) | x one engine | x " + (anchor or "anchor")
-        + " | end to end | x one engine | decode's share of TTFT | tokens differ |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        + " | end to end | x one engine | decode's share of TTFT | CPU s / request | steps / request | tokens differ | no answer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for h in results:
         one_ttft, one_e2e = h.median(ONE_ENGINE, "ttft"), h.median(ONE_ENGINE, "e2e")
@@ -97,13 +97,15 @@ def happy_table(results: list[HappyResult], anchor: str | None) -> str:
         for target in h.timings:
             ttft, e2e = h.median(target, "ttft"), h.median(target, "e2e")
             if ttft is None or e2e is None:
+                lines.append(f"| {h.prompt_tokens} | {h.concurrency} | {target} | no answer |" + " - |" * 8 + f" {h.hung.get(target, 0)} |")
                 continue
             share = [t.at_decode / t.ttft for t in h.timings[target] if t.at_decode is not None and t.ttft > 0]
             lines.append(
                 f"| {h.prompt_tokens} | {h.concurrency} | {target} | {ttft * 1e3:.1f} ms "
                 f"| {_ratio(ttft, one_ttft)} | {_ratio(ttft, anchor_ttft) if target != ONE_ENGINE else '-'} "
                 f"| {e2e * 1e3:.1f} ms | {_ratio(e2e, one_e2e)} "
-                f"| {f'{statistics.median(share):.0%}' if share else '-'} | {h.mismatches.get(target, 0)} |"
+                f"| {f'{statistics.median(share):.0%}' if share else '-'} "
+                f"| {h.cpu_s.get(target, 0.0):.3f} | {h.steps.get(target, 0.0):.1f} | {h.mismatches.get(target, 0)} | {h.hung.get(target, 0)} |"
             )
     return "\n".join(lines)
 
