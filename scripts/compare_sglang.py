@@ -123,7 +123,12 @@ class Pair:
     def _start(self, role: str) -> Process:
         self.starts += 1
         argv = self._argv(role)
-        return Process(argv, self.env, self.root / f"{role}-{self.starts}.log", f"http://127.0.0.1:{option(argv, '--port')}")
+        return Process(
+            argv,
+            self.env,
+            self.root / f"{role}-{self.starts}.log",
+            f"http://127.0.0.1:{option(argv, '--port')}",
+        )
 
     def up(self, timeout_s: float) -> float:
         t0 = time.monotonic()
@@ -216,7 +221,9 @@ class Run:
         return req
 
     def _post_prefill(self, req: dict[str, Any], room: int) -> None:
-        req["prefill"] = Posted(self.pair.prefill, "/generate", self.pair.body(room, req["rid"], req["ids"]), self.bound_s + 120)
+        req["prefill"] = Posted(
+            self.pair.prefill, "/generate", self.pair.body(room, req["rid"], req["ids"]), self.bound_s + 120
+        )
 
     def _abort(self, req: dict[str, Any]) -> None:
         req["client_abort"] = True
@@ -264,7 +271,9 @@ class Run:
             posted = req.pop("decode", None)
             req.pop("prefill", None)
             answer = posted.answer if posted is not None else None
-            if posted is None:
+            if "outcome" in req:
+                pass  # decided by the fault (decode killed)
+            elif posted is None:
                 req["outcome"] = "not sent"
             elif not posted.done():
                 req["outcome"] = "hung"
@@ -281,17 +290,25 @@ class Run:
         watch = self.pair.watch(self.pair.decode)
         t0 = row["t0"]
         base = row["base"]["decode"] or 0
-        series = [(round(e["t"] - t0, 2), e["used"] - base) for e in watch if e["kind"] == "used" and e["t"] >= t0]
+        series = [
+            (round(e["t"] - t0, 2), e["used"] - base) for e in watch if e["kind"] == "used" and e["t"] >= t0
+        ]
         row["series"] = series
         row["pinned_end"] = series[-1][1] if series else 0
         row["pinned_max"] = max((u for _, u in series), default=0)
         for req in row["requests"]:
             if req["client_abort"]:
-                back = [e["t"] for e in watch if e["kind"] == "used" and e["t"] > req["aborted_at"] and e["used"] - base <= 0]
+                back = [
+                    e["t"]
+                    for e in watch
+                    if e["kind"] == "used" and e["t"] > req["aborted_at"] and e["used"] - base <= 0
+                ]
                 req["release_s"] = round(back[0] - req["aborted_at"], 2) if back else None
                 req.pop("aborted_at")
         row["late_writes"] = {role: self._late(role) - row["late0"][role] for role in ("prefill", "decode")}
-        row["corrupted"] = sum(row["late_writes"].values()) + sum(r["outcome"] == "wrong" for r in row["requests"])
+        row["corrupted"] = sum(row["late_writes"].values()) + sum(
+            r["outcome"] == "wrong" for r in row["requests"]
+        )
         row["hung"] = sum(r["outcome"] == "hung" for r in row["requests"])
         row["failed"] = sum(r["outcome"] == "failed" for r in row["requests"])
         row["seconds"] = round(time.monotonic() - t0, 1)
@@ -414,10 +431,14 @@ class Run:
                 break
             time.sleep(0.25)
         row["notes"].append(
-            f"prefill's slots back {back:.1f} s after the kill" if back is not None else "prefill's slots still held"
+            f"prefill's slots back {back:.1f} s after the kill"
+            if back is not None
+            else "prefill's slots still held"
         )
         prefill = req["prefill"]
-        row["notes"].append(f"prefill answered: {str(prefill.answer)[:80] if prefill.done() else 'nothing (hung)'}")
+        row["notes"].append(
+            f"prefill answered: {str(prefill.answer)[:80] if prefill.done() else 'nothing (hung)'}"
+        )
         req.pop("decode", None)
         req["outcome"] = "killed with decode"
         return self._finish(row)
@@ -427,7 +448,9 @@ class Run:
 STARTED: list[Pair] = []
 
 
-def run_pair(config: str, recipe: Recipe, reference: Process, model: Path, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+def run_pair(
+    config: str, recipe: Recipe, reference: Process, model: Path, args: argparse.Namespace, root: Path
+) -> list[dict[str, Any]]:
     pair = Pair(recipe, config, root / config.replace(":", "-"), args.lease_s, model)
     STARTED.append(pair)
     rows: list[dict[str, Any]] = []
@@ -442,13 +465,25 @@ def run_pair(config: str, recipe: Recipe, reference: Process, model: Path, args:
             try:
                 row = getattr(run, fault)()
             except Exception as exc:
-                row = {"connector": pair.label(), "fault": fault, "requests": [], "notes": [f"the run failed: {exc!r}"]}
+                row = {
+                    "connector": pair.label(),
+                    "fault": fault,
+                    "requests": [],
+                    "notes": [f"the run failed: {exc!r}"],
+                }
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "series"}, default=str), flush=True)
             if fault == "decode_killed" or not pair.decode.alive():
                 break
     except Exception as exc:
-        rows.append({"connector": pair.label(), "fault": "start", "requests": [], "notes": [f"did not run: {exc!r}"[:500]]})
+        rows.append(
+            {
+                "connector": pair.label(),
+                "fault": "start",
+                "requests": [],
+                "notes": [f"did not run: {exc!r}"[:500]],
+            }
+        )
     finally:
         pair.close()
     return rows
@@ -465,8 +500,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             outcomes[q.get("outcome", "?")] = outcomes.get(q.get("outcome", "?"), 0) + 1
         releases = [q.get("release_s") for q in r.get("requests", []) if q.get("client_abort")]
         got = [x for x in releases if x is not None]
-        release = "-" if not releases else (f"{statistics.median(got):.1f} s" if got else "") + (
-            f"; {len(releases) - len(got)} never" if len(got) < len(releases) else ""
+        release = (
+            "-"
+            if not releases
+            else (f"{statistics.median(got):.1f} s" if got else "")
+            + (f"; {len(releases) - len(got)} never" if len(got) < len(releases) else "")
         )
         late = r.get("late_writes", {})
         corrupted = r.get("corrupted", "-")
@@ -482,7 +520,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="BACKEND:on|off (deferred decode KV release)")
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="BACKEND:on|off (deferred decode KV release)"
+    )
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--lease-s", type=int, default=6)
     parser.add_argument("--aborts", type=int, default=3)
@@ -501,8 +541,14 @@ def main() -> int:
         recipe = read_recipe()
         plain_argv = list(recipe.bound(model, {p: free_port() for p in recipe.ports()}).plain())
         plain_argv.append("--disable-radix-cache")
-        env = {**os.environ, **recipe.env, "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")])}
-        reference = Process(plain_argv, env, root / "plain.log", f"http://127.0.0.1:{option(plain_argv, '--port')}")
+        env = {
+            **os.environ,
+            **recipe.env,
+            "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]),
+        }
+        reference = Process(
+            plain_argv, env, root / "plain.log", f"http://127.0.0.1:{option(plain_argv, '--port')}"
+        )
         rows: list[dict[str, Any]] = []
         try:
             configs = args.configs.split(",")
@@ -512,7 +558,9 @@ def main() -> int:
             def one(config: str) -> None:
                 results[config] = run_pair(config, recipe, reference, model, args, root)
 
-            reference_up = threading.Thread(target=reference.wait_up, args=(time.monotonic() + 1800,), daemon=True)
+            reference_up = threading.Thread(
+                target=reference.wait_up, args=(time.monotonic() + 1800,), daemon=True
+            )
             reference_up.start()
             for i in range(0, len(configs), args.parallel):
                 batch = configs[i : i + args.parallel]

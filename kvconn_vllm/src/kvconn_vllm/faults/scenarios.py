@@ -84,6 +84,9 @@ class FaultResult:
     #: (seconds since the fault started, blocks its requests hold) per engine.
     series: dict[str, list[tuple[float, int]]] = attrs.field(factory=lambda: {"prefill": [], "decode": []})
     proofs: dict[str, int] = attrs.field(factory=dict)
+    #: Per engine: its pid and kvconn's proof counters when the fault began
+    #: (or when it was first seen), so that ``proofs`` counts this fault's.
+    proofs_at_start: dict[str, tuple[int, dict[str, int]]] = attrs.field(factory=dict)
     notes: list[str] = attrs.field(factory=list)
     seconds: float = 0.0
 
@@ -156,7 +159,9 @@ class FaultRun:
         for role, engine in self._engines():
             if engine.alive() and not engine.stopped():
                 engine.watch(True)
-                base[role] = int(engine.stats()["used_blocks"])
+                stats = engine.stats()
+                base[role] = int(stats["used_blocks"])
+                result.proofs_at_start[role] = (engine.pid, dict(stats["proofs"]))
         return result, base, time.monotonic()
 
     def _engines(self) -> list[tuple[str, Engine]]:
@@ -183,8 +188,17 @@ class FaultRun:
             result.pinned_max[role] = max(result.pinned_max.get(role, 0), used)
             result.pinned_end[role] = used
             result.late_writes[role] = list(stats["late_writes"])
-            if stats["proofs"]:
-                result.proofs = {f"{role}:{k}": v for k, v in stats["proofs"].items()}
+            # kvconn's release proofs counted during this fault (the
+            # engine's counters less their values at its start).
+            pid, start = result.proofs_at_start.setdefault(role, (engine.pid, dict(stats["proofs"])))
+            if pid != engine.pid:
+                # An engine started during this fault (a restarted prefill):
+                # its counters began at zero, all within the fault.
+                start = {}
+                result.proofs_at_start[role] = (engine.pid, start)
+            for proof, count in stats["proofs"].items():
+                if count - start.get(proof, 0):
+                    result.proofs[f"{role}:{proof}"] = count - start.get(proof, 0)
         return seen
 
     def _hold(self, result: FaultResult, base: dict[str, int], t0: float, seconds: float) -> None:
@@ -208,7 +222,11 @@ class FaultRun:
                 with contextlib.suppress(EngineError):
                     decode.poll()
             self._settle(result, stats)
-            pending = [r for r in result.requests if r.outcome == "pending" or (r.client_abort and r.release_s is None)]
+            pending = [
+                r
+                for r in result.requests
+                if r.outcome == "pending" or (r.client_abort and r.release_s is None)
+            ]
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(SAMPLE_S)
@@ -424,7 +442,9 @@ class FaultRun:
             time.sleep(SAMPLE_S)
         self._hold(result, base, t0, 1.0)
         if request.prefill_release_s is None:
-            result.notes.append(f"prefill still held the request's blocks {self.settings.bound_s:.0f} s after")
+            result.notes.append(
+                f"prefill still held the request's blocks {self.settings.bound_s:.0f} s after"
+            )
         return self._finish(result, t0)
 
 
