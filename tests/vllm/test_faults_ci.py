@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 torch = pytest.importorskip("torch", reason=NEEDS_VLLM)
