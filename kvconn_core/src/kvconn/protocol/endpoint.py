@@ -26,11 +26,10 @@ tracker's :class:`~kvconn.protocol.hold.Release`, which names its proof.
 
 from __future__ import annotations
 
-import functools
 import heapq
 from collections import Counter
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
@@ -77,6 +76,7 @@ from kvconn.protocol.owner_fence import (
 )
 
 _R = TypeVar("_R", AbortAck, RoomStatus)
+_K = TypeVar("_K")
 
 
 class EndpointState:
@@ -121,6 +121,14 @@ class EndpointState:
         self.pending: dict[str, Instance] = {}
         #: The current request of every room the tracker has (open or held).
         self.requests: dict[int, Request] = {}
+        #: How many of those each rank was asked to write (the watched ranks:
+        #: protocol/liveness.py), the held or quarantined ones, and how many
+        #: held rooms each writer process owes a proof (an exit check looks
+        #: those up): kept as rooms come and go, so that a heartbeat or an
+        #: exit check costs O(ranks), not a walk of the rooms.
+        self._rooms_of_rank: dict[int, int] = {}
+        self._held: dict[int, Request] = {}
+        self._owing: dict[WriterIdentity, int] = {}
         #: Pages of tracked rooms, when check_pages (a set: its C-level
         #: isdisjoint/update cost ~15 us for 1024 pages, a Python loop ~100).
         self._in_use: set[int] = set()
@@ -174,8 +182,16 @@ class EndpointState:
         return self.tracker.pages_in(HoldState.HELD) + self.tracker.pages_in(HoldState.QUARANTINED)
 
     def next_wakeup(self) -> float | None:
-        """The earliest instant a :class:`Tick` has a deadline to act on."""
+        """The earliest instant a :class:`Tick` has something to do: a hold's
+        or a transfer's deadline, the owner fence, and the exit check while
+        a held room owes a proof (or a fenced ack waits for its drain) and
+        the heartbeat while a rank is watched, down or asked; None: nothing
+        until the state changes. A tick before it changes nothing."""
         times = [self.tracker.next_deadline(), self._deadlines[0][0] if self._deadlines else None]
+        if self._owing or self.draining:
+            times.append(self._next_exit_check)
+        if self.ranks and (self._rooms_of_rank or self.down or self._asked):
+            times.append(self._next_heartbeat)
         if self.owner_fence.enabled:
             since = min((at for _, at, _ in self.tracker.quarantined()), default=None)
             times.append(self.owner_fence.next_due(since))
@@ -184,11 +200,11 @@ class EndpointState:
     def watched(self) -> set[int]:
         """The ranks some tracked room was asked of: the only ones a
         heartbeat asks or judges (protocol/liveness.py)."""
-        return liveness.watched(self)
+        return set(self._rooms_of_rank)
 
     def owed(self) -> frozenset[WriterIdentity]:
         """The writers held rooms wait for (an exit check looks these up)."""
-        return frozenset(w for _, w, _ in liveness.owed(self))
+        return frozenset(self._owing)
 
     def probes(self, now: float) -> Probes:
         """What a :class:`Tick` at ``now`` needs looked up."""
@@ -263,6 +279,9 @@ class EndpointState:
             self._in_use.update(pages)
         writers = {rank: self.writers[rank] for rank in ids}
         request = self.requests[room] = Request(room, pages, writers, instance.ids)
+        rooms_of_rank = self._rooms_of_rank
+        for rank in ids:
+            rooms_of_rank[rank] = rooms_of_rank.get(rank, 0) + 1
         if self.transfer_timeout_s is not None:
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (now + self.transfer_timeout_s, self._deadline_seq, request))
@@ -296,7 +315,7 @@ class EndpointState:
         # The engine's own verdict, even over a SUCCESS that raced it: its
         # pages come back through on_release, never through finish().
         request.verdict = KVPoll.FAILED
-        return self.carry(self.tracker.abort(request.room, now))
+        return self._hold(request, now)
 
     def finish(self, request: Request) -> tuple[int, ...]:
         """The engine takes a completed request's pages."""
@@ -328,13 +347,16 @@ class EndpointState:
         return drain.decode_drain_tick(self, now, now if at is None else at)
 
     # -- stimuli -------------------------------------------------------------
-    @functools.singledispatchmethod
     def handle(self, stimulus: object, now: float) -> list[Action]:
-        """Feed one stimulus in; carry out what comes back, in order."""
-        return [Drop(DropReason.UNEXPECTED_TYPE)]
+        """Feed one stimulus in; carry out what comes back, in order. One
+        dispatch by type (:data:`_HANDLERS`: a dict, as ``singledispatchmethod``
+        builds a wrapper on every access, on every message)."""
+        handler = _HANDLERS.get(type(stimulus))
+        if handler is None:
+            return [Drop(DropReason.UNEXPECTED_TYPE)]
+        return handler(self, stimulus, now)
 
-    @handle.register
-    def _(self, msg: AbortAck, now: float) -> list[Action]:
+    def _on_abort_ack(self, msg: AbortAck, now: float) -> list[Action]:
         ack = self._for_us(msg)
         if isinstance(ack, DropReason):
             return [Drop(ack)]
@@ -343,8 +365,7 @@ class EndpointState:
             return [CheckDrain(ack)]
         return self._ack(ack, now)
 
-    @handle.register
-    def _(self, event: Undrained, now: float) -> list[Action]:
+    def _on_undrained(self, event: Undrained, now: float) -> list[Action]:
         if event.drained:
             return self._ack(event.ack, now)
         key = (event.ack.room, event.ack.rank, event.ack.generation)
@@ -353,8 +374,7 @@ class EndpointState:
         self.draining[key] = event.ack
         return []
 
-    @handle.register
-    def _(self, msg: RoomStatus, now: float) -> list[Action]:
+    def _on_room_status(self, msg: RoomStatus, now: float) -> list[Action]:
         status = self._for_us(msg)
         if isinstance(status, DropReason):
             return [Drop(status)]
@@ -369,15 +389,13 @@ class EndpointState:
             request.fail(status.reason)
         return []
 
-    @handle.register
-    def _(self, msg: RankDraining, now: float) -> list[Action]:
+    def _on_rank_draining(self, msg: RankDraining, now: float) -> list[Action]:
         rank = self.id_of_session(msg.rank, msg.session) if msg.decode == self.name else None
         if rank is not None:
             liveness.hear(self, rank, msg.session, now)
         return drain.rank_draining(self, msg, now)
 
-    @handle.register
-    def _(self, msg: HelloAck, now: float) -> list[Action]:
+    def _on_hello_ack(self, msg: HelloAck, now: float) -> list[Action]:
         instance = self.pending.get(msg.address)
         if instance is not None:
             if msg.error:
@@ -402,8 +420,7 @@ class EndpointState:
             return []
         return [Identify(msg)]
 
-    @handle.register
-    def _(self, event: Identified, now: float) -> list[Action]:
+    def _on_identified(self, event: Identified, now: float) -> list[Action]:
         msg, writer = event.ack, event.writer
         instance = self.pending.get(msg.address)
         if instance is not None:
@@ -432,8 +449,7 @@ class EndpointState:
         actions: list[Action] = [RankRestarted(rank, msg.rank, msg.address)]
         return actions + self._fail_rooms_of(rank, old, reason, now)
 
-    @handle.register
-    def _(self, event: Tick, now: float) -> list[Action]:
+    def _on_tick(self, event: Tick, now: float) -> list[Action]:
         actions: list[Action] = []
         for ack in event.drained:
             if self.draining.pop((ack.room, ack.rank, ack.generation), None) is not None:
@@ -451,20 +467,16 @@ class EndpointState:
             actions += [fence] if fence is not None else []
         return actions
 
-    @handle.register
-    def _(self, event: BootstrapTick, now: float) -> list[Action]:
+    def _on_bootstrap_tick(self, event: BootstrapTick, now: float) -> list[Action]:
         return bootstrap.step(self, event.instance, now, now if event.at is None else event.at)
 
-    @handle.register
-    def _(self, event: ExitsProbed, now: float) -> list[Action]:
+    def _on_exits_probed(self, event: ExitsProbed, now: float) -> list[Action]:
         return self._exits(event.gone, event.peers_drained, now)
 
-    @handle.register
-    def _(self, event: OwnerFenceDone, now: float) -> list[Action]:
+    def _on_owner_fence_done(self, event: OwnerFenceDone, now: float) -> list[Action]:
         return owner_fenced(self, event.metadata, now)
 
-    @handle.register
-    def _(self, event: OwnerFenceError, now: float) -> list[Action]:
+    def _on_owner_fence_error(self, event: OwnerFenceError, now: float) -> list[Action]:
         self.owner_fence.ended(ok=False)  # nothing proven: every page stays held
         return [OwnerFenced(False, name=self.name, reason=event.reason)]
 
@@ -532,7 +544,18 @@ class EndpointState:
             return []
         request.fail(reason)
         request.aborted = True
-        return self.carry(self.tracker.abort(request.room, now))
+        return self._hold(request, now)
+
+    def _hold(self, request: Request, now: float) -> list[Action]:
+        """The tracker holds ``request``'s pages until proof (or releases
+        them at once, if every rank completed)."""
+        actions = self.tracker.abort(request.room, now)
+        if self.tracker.state(request.room) is HoldState.HELD and request.room not in self._held:
+            self._held[request.room] = request
+            owing = self._owing
+            for writer in request.writers.values():
+                owing[writer] = owing.get(writer, 0) + 1
+        return self.carry(actions)
 
     def _expire(self, now: float) -> list[Action]:
         """Open rooms past their transfer deadline fail."""
@@ -565,8 +588,38 @@ class EndpointState:
 
     def _forget(self, room: int) -> None:
         request = self.requests.pop(room, None)
-        if request is not None and self.check_pages:
+        if request is None:
+            return
+        if self.check_pages:
             self._in_use.difference_update(request.pages)
+        _uncount(self._rooms_of_rank, request.writers)
+        if self._held.pop(room, None) is not None:
+            _uncount(self._owing, request.writers.values())
+
+
+def _uncount(counts: dict[_K, int], keys: Iterable[_K]) -> None:
+    for key in keys:
+        n = counts[key] - 1
+        if n:
+            counts[key] = n
+        else:
+            del counts[key]
+
+
+#: EndpointState.handle's one dispatch: stimulus type -> handler.
+_HANDLERS: dict[type, Callable[[EndpointState, Any, float], list[Action]]] = {
+    AbortAck: EndpointState._on_abort_ack,
+    Undrained: EndpointState._on_undrained,
+    RoomStatus: EndpointState._on_room_status,
+    RankDraining: EndpointState._on_rank_draining,
+    HelloAck: EndpointState._on_hello_ack,
+    Identified: EndpointState._on_identified,
+    Tick: EndpointState._on_tick,
+    BootstrapTick: EndpointState._on_bootstrap_tick,
+    ExitsProbed: EndpointState._on_exits_probed,
+    OwnerFenceDone: EndpointState._on_owner_fence_done,
+    OwnerFenceError: EndpointState._on_owner_fence_error,
+}
 
 
 __all__ = ["EndpointState"]

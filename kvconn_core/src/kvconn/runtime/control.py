@@ -5,6 +5,7 @@ never dies of its input."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -24,9 +25,13 @@ Idle = Callable[[], float | None]
 
 class Listener:
     """Binds ``tcp://host:port`` (port 0: any free one) and calls ``handler``
-    for every decoded message and ``idle`` between messages; ``idle`` returns
-    how many seconds it may sleep at most (``None``: the default poll)."""
+    for every decoded message and ``idle`` between messages (after each
+    batch, and when the wait it asked for is up). ``idle`` returns how many
+    seconds the listener may sleep at most, or ``None``: until the next
+    message. Without ``idle`` it sleeps until a message comes. :meth:`wake`
+    (and :meth:`close`) end a sleep at once."""
 
+    #: The first wait, before ``idle`` said anything.
     POLL_S = 0.05
 
     def __init__(
@@ -48,6 +53,16 @@ class Listener:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        # A pair of in-process sockets ends the listener's sleep: it may
+        # sleep until its next message, however long.
+        wake_at = f"inproc://kvconn-wake-{id(self):x}"
+        self._woken = self._ctx.socket(zmq.PAIR)
+        self._woken.setsockopt(zmq.LINGER, 0)
+        self._woken.bind(wake_at)
+        self._waker = self._ctx.socket(zmq.PAIR)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(wake_at)
+        self._wake_lock = threading.Lock()
         self._handler = handler
         self._on_drop = on_drop
         self._key = key
@@ -59,35 +74,50 @@ class Listener:
     def start(self) -> None:
         self._thread.start()
 
+    def wake(self) -> None:
+        """End the listener's sleep now: it calls ``idle`` again."""
+        with self._wake_lock:
+            if not self._waker.closed:
+                with contextlib.suppress(zmq.Again):  # a wake-up is pending already
+                    self._waker.send(b"", zmq.NOBLOCK)
+
     def close(self) -> None:
         self._stop.set()
+        self.wake()
         self._thread.join(timeout=5)
         self._sock.close()
+        with self._wake_lock:
+            self._waker.close()
+        self._woken.close()
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        timeout = self.POLL_S
+        poller.register(self._woken, zmq.POLLIN)
+        timeout: float | None = self.POLL_S
         while not self._stop.is_set():
             # zmq polls in whole ms: rounding a 0.3 ms wait down to 0 would
             # spin until the deadline
-            if poller.poll(math.ceil(timeout * 1000)):
-                while True:
+            ready = poller.poll(None if timeout is None else math.ceil(timeout * 1000))
+            for sock, _ in ready:
+                # Read while ZMQ_EVENTS says a frame is there: a recv that
+                # raises zmq.Again to end the batch costs more than the check.
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     try:
-                        frame = self._sock.recv(zmq.NOBLOCK, copy=True)
+                        frame = sock.recv(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
-                    self.deliver(frame)
-            timeout = self.POLL_S
+                    if sock is self._sock:
+                        self.deliver(frame)
+            timeout = None
             if self._idle is not None:
                 try:
                     wait = self._idle()
                 except Exception:
                     log.exception("kvconn idle handler raised")
                     self._on_drop(DropReason.IDLE_ERROR)
-                    wait = None
-                if wait is not None:
-                    timeout = max(0.0, min(timeout, wait))
+                    wait = self.POLL_S
+                timeout = None if wait is None else max(0.0, wait)
 
     def deliver(self, frame: bytes) -> None:
         """Decode and handle one frame; never raises."""
