@@ -504,7 +504,8 @@ class EndpointState:
             return DropReason.OTHER_DECODE
         if writer is None or rank_id is None or msg.session != writer.session:
             return DropReason.OTHER_SESSION
-        return attrs.evolve(msg, rank=rank_id)
+        # The first instance's ids are its ranks' own: no copy (on every ack and status).
+        return msg if rank_id == msg.rank else attrs.evolve(msg, rank=rank_id)
 
     def _ack(self, ack: AbortAck, now: float) -> list[Action]:
         held_since = self.tracker.held_since(ack.room)

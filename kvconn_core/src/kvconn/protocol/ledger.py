@@ -158,6 +158,14 @@ class RoomLedger:
             rooms[key] = self._full(key, item, self._expiry.deadline_at(pos), incarnation=0)
         return rooms
 
+    def is_failed(self, key: RoomKey) -> bool:
+        """``key`` has a full entry that failed (decode aborted it, or it
+        failed here): nothing more of it will be written. One dict lookup and
+        one read, safe without the caller's lock for a hint (a worker's: see
+        ``runtime/transfer.py``), never for a decision."""
+        entry = self._rooms.get(key)
+        return entry is not None and entry.status is KVPoll.FAILED
+
     def outstanding(self, key: RoomKey) -> int:
         entry = self._rooms.get(key)
         return entry.outstanding if entry is not None else 0
@@ -424,7 +432,8 @@ class RoomLedger:
         ``expire_budget`` rooms, plus one per room scheduled since the
         previous call, are forgotten, however many the ledger remembers or
         are due: it never stalls the thread that handles control messages
-        (the listener calls it at least every 50 ms). Never forever: what is
+        (the listener calls it when :meth:`next_expiry` is due: at most one
+        call a pace, while anything is due). Never forever: what is
         left due is taken first by the next calls (deadline order), and the
         rooms scheduled meanwhile pay for their own share, so a room is
         forgotten at most ``backlog / expire_budget`` calls late."""

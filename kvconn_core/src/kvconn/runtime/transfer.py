@@ -117,8 +117,9 @@ class TransferPath(RankActions):
         # A room's last chunk is accounted for at once: its SUCCESS waits for
         # no other room's post, and a chunk queued behind it (a second
         # Sender's) meets a concluded room at dequeue and is skipped, instead
-        # of being posted while decode hears SUCCESS. With nothing queued, a
-        # landed chunk is accounted for at once too.
+        # of being posted while decode hears SUCCESS. So is a chunk of a room
+        # that failed meanwhile (an ABORT came): its ack waits for it. With
+        # nothing queued, a landed chunk is accounted for at once too.
         self._thread.worker = True
         landed: tuple[Chunk, RoomKey] | None = None
         while True:
@@ -143,7 +144,10 @@ class TransferPath(RankActions):
                 self._account_landed(*landed)
                 landed = None
             if in_flight is not None and self._settle(chunk, *in_flight):
-                if chunk.last:
+                if chunk.last or self.state.ledger.is_failed(key):
+                    # A failed room (decode aborted it) waits for this
+                    # chunk's accounting to be acked: nothing is gained by
+                    # posting its next chunk first, which would be skipped.
                     self._account_landed(chunk, key)
                 else:
                     landed = (chunk, key)
