@@ -1,7 +1,8 @@
 """A bench prefill rank: :mod:`kvconn.testing.prefill_proc` plus its metrics.
 
 Same arguments and protocol (prints ``{"address": ...}``, serves until stdin
-closes); before it exits it prints one more JSON line, ``{"metrics": {...}}``,
+closes), and a line ``cpu`` on stdin is answered ``{"cpu": {...}}`` (its
+threads' CPU so far: :func:`cpu_now`); before it exits it prints one more JSON line, ``{"metrics": {...}}``,
 so the bench can report prefill-side counters (acks sent, fences, poisoned
 rooms) that live in this process's registry.
 """
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import sys
+from typing import Any
 
+from kvconn.bench import cpu
 from kvconn.metrics import Metrics
 from kvconn.runtime.trace_export import write_spans_to
 from kvconn.testing.child import quiet_interrupts
@@ -32,6 +36,22 @@ def snapshot(m: Metrics) -> dict[str, float]:
     }
 
 
+def cpu_now(driver: Driver) -> dict[str, Any]:
+    """This process's CPU so far: by thread (CPU and run-queue wait
+    seconds, :func:`kvconn.bench.cpu.thread_seconds`), in kvconn's calls on
+    the driver's thread, its page faults, and the chunks its workers took."""
+    return {
+        "threads": cpu.thread_seconds(),
+        "calls_s": driver.calls.total,
+        "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+        "chunks": sum(driver.rank.metrics.chunks.counts.values()),
+        # kvconn's own share of each release here (an ABORT in, its ack out,
+        # less the wait for the chunk in flight): a histogram so far
+        "abort_own": driver.rank.metrics.buckets("kvconn_abort_ack_own_seconds"),
+        "abort_own_sum": driver.rank.metrics.value("kvconn_abort_ack_own_seconds_sum"),
+    }
+
+
 def main() -> None:
     quiet_interrupts()
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -39,7 +59,9 @@ def main() -> None:
     provider = write_spans_to(args["trace_file"]) if args.get("trace_file") else None
     driver = Driver(args)
     print(json.dumps({"address": driver.rank.address}), flush=True)
-    sys.stdin.read()
+    for line in sys.stdin:  # "cpu": say how much so far; the end of stdin: exit
+        if line.strip() == "cpu":
+            print(json.dumps({"cpu": cpu_now(driver)}), flush=True)
     print(json.dumps({"metrics": snapshot(driver.rank.metrics)}), flush=True)
     driver.rank.close()
     if provider is not None:

@@ -7,16 +7,25 @@ Verification:
 * every page that goes back to the free pool (released after an abort, or
   taken by the engine and done with) gets a canary at once; the canary is
   checked when the page is handed out again and at the end: a changed canary
-  is a write after release, charged to the room that last owned the page;
+  is a write after release, charged to the room that last owned the page
+  (pages never handed out are neither laid nor checked);
 * every aborted room is accounted for: released with a named proof, or still
   held / quarantined at the end (counted, never freed);
 * pages kvconn holds never exceed the pages of rooms aborted and not released.
+
+Equal work for every run compared: the pool holds what the run needs and
+hands the page given back last out first (so the pages a run touches stay
+few, whatever its size), and a room's abort falls at a time after its
+request drawn from the seed (``abort_window_s``), kept by a clock, not by
+passes of the loop that polls the rooms (whose length grows with them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import random
+import resource
 import statistics
 import threading
 import time
@@ -42,6 +51,11 @@ from kvconn.transport import Backend
 #: one ``Receiver.poll`` and its loop cost (2 µs), so polling takes at most
 #: about half of the bench process's GIL however many rooms are in flight.
 POLL_PAUSE_PER_ROOM_S = 2e-6
+#: Where aborts fall after their request, by default: a fixed time, so that
+#: runs on a loaded machine and on an idle one (and the points of a curve)
+#: run the same schedule; a window taken from the machine's own latency made
+#: two runs compared abort 15 and 199 rooms mid-transfer.
+DEFAULT_ABORT_WINDOW_MS = 20.0
 
 
 @attrs.frozen
@@ -126,6 +140,21 @@ class _Aborted:
     kind: str  #: "decode" (planned abort) or "prefill_fail"
 
 
+def pool_pages(wl_pages: int, concurrency: int, stream_requests: int = 0) -> int:
+    """Decode pages a run needs: its rooms in flight, as many again for
+    aborted rooms whose pages are held until proof (a run that holds more
+    waits for pages), and at least the streaming phase's rooms."""
+    return max(2 * concurrency * wl_pages, stream_requests * wl_pages, wl_pages)
+
+
+def source_pages(wl: Workload) -> int:
+    """A rank's source pages (each decode's rooms have their own): its rooms
+    in flight, and as many again for rooms whose senders have not settled
+    (the stand-in engine waits for the oldest to settle when it wraps
+    around); at least 512, as a small run always had."""
+    return max(2 * wl.concurrency * wl.pages * wl.decodes, 512, wl.pages)
+
+
 def rank_args(
     backend_name: str,
     wl: Workload,
@@ -147,7 +176,7 @@ def rank_args(
         "page_bytes": wl.page_bytes,
         "num_ranks": wl.ranks,
         "chunk_pages": wl.chunk_pages,
-        "source_pages": max(256, 4 * wl.concurrency * wl.pages * wl.decodes, wl.pages),
+        "source_pages": source_pages(wl),
         "seed": wl.seed,
         "prefill_fail_fraction": wl.prefill_fail_fraction,
         "write_timeout_s": write_timeout_s,
@@ -177,6 +206,9 @@ class PrefillProcs:
                         log=StderrLog(),
                         name="a prefill rank process",
                         failure=ChildError,
+                        # In the bench's session: a session of its own is a
+                        # scheduling group of its own (Child's docstring).
+                        own_session=False,
                     )
                 )
             for i, p in enumerate(self.procs):
@@ -186,6 +218,13 @@ class PrefillProcs:
         except BaseException:
             self.close()
             raise
+
+    def cpu(self) -> list[dict[str, Any]]:
+        """Each rank's CPU so far, by part, its kvconn calls' and its chunks
+        (:func:`kvconn.bench.prefill_worker.cpu`)."""
+        for p in self.procs:
+            p.send_line("cpu")
+        return [p.next_with("cpu", 30, f"prefill rank {i}'s CPU")["cpu"] for i, p in enumerate(self.procs)]
 
     def close(self) -> None:
         for p in self.procs:  # all at once: each exits once its stdin closes
@@ -237,8 +276,9 @@ class ModeRun:
         self.settle_s = settle_s
         self.result = ModeResult(mode)
         self._lock = threading.RLock()
-        self._free: deque[int] = deque(range(wl.pool_pages))
-        self._owner: dict[int, int] = {}  # page -> room that last owned it
+        #: Free pages, a stack: the page given back last goes out first.
+        self._free: list[int] = list(range(wl.pool_pages - 1, -1, -1))
+        self._owner: dict[int, int] = {}  # page -> room that last owned it (it carries a canary)
         self._aborted: dict[int, _Aborted] = {}
         self._held_expected = 0
         #: The rooms in flight of the phase running (stream or run).
@@ -248,9 +288,12 @@ class ModeRun:
         self._released_unpolled: set[int] = set()
         self._canary = canary(wl.page_bytes)
         self._now = time.monotonic
+        #: kvconn's calls on this (the engine's) thread
+        self.calls = cpu.CallTimer()
         #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
         self.poll_s = 0.0005
         self._owns_procs = procs is None
+        self._progress: Callable[[int], None] = lambda n: None
         if procs is None:
             args = [
                 rank_args(
@@ -293,7 +336,6 @@ class ModeRun:
             if self._owns_procs:
                 self.procs.close()
             raise
-        self._lay_canary(range(wl.pool_pages))
 
     # -- pages -------------------------------------------------------------
     def _lay_canary(self, pages: Sequence[int]) -> None:
@@ -318,18 +360,20 @@ class ModeRun:
         with self._lock:
             if len(self._free) < n:
                 return None
-            pages = tuple(self._free.popleft() for _ in range(n))
-        for page in pages:
+            pages = tuple(self._free[-n:][::-1])
+            del self._free[-n:]
+            given_back = [page for page in pages if page in self._owner]
+        for page in given_back:  # a page never handed out carries no canary
             self._check_canary(page, "before reuse")
         return pages
 
     def _give_back(self, room: int, pages: Sequence[int]) -> None:
-        """Pages leave the room: canary first, then the free pool."""
+        """Pages leave the room: canary first, then the free pool (on top)."""
         self._lay_canary(pages)
         with self._lock:
             for page in pages:
                 self._owner[page] = room
-            self._free.extend(pages)
+            self._free.extend(reversed(pages))
 
     def _violation(self, kind: str, room: int | None, detail: str, page: int | None = None) -> None:
         with self._lock:
@@ -374,7 +418,7 @@ class ModeRun:
         with self._lock:
             self._aborted[room] = _Aborted(room, len(active.pages), self._now(), kind)
             self._held_expected += len(active.pages)
-            active.rx.abort()
+            self.calls(active.rx.abort)
         self._sample()
 
     def _sample(self) -> None:
@@ -431,9 +475,12 @@ class ModeRun:
         return base
 
     # -- the run -------------------------------------------------------------
+    def _open(self, room: int, pages: tuple[int, ...]) -> Receiver:
+        return self.calls(self.decode.receiver, room, pages)
+
     def stream(self, rooms: Sequence[int], progress: Callable[[int], None]) -> dict[str, float]:
         """No aborts, pages never reused during the timing: throughput and
-        the request latency that sizes the abort window."""
+        the request latency."""
         wl = self.wl
         todo = deque(rooms)
         active: dict[int, _Active] = {}
@@ -449,7 +496,7 @@ class ModeRun:
                 if pages is None:
                     break
                 room = todo.popleft()
-                active[room] = _Active(None, self.decode.receiver(room, pages), pages, self._now(), None)
+                active[room] = _Active(None, self._open(room, pages), pages, self._now(), None)
             for room, a in list(active.items()):
                 st = a.rx.poll()
                 if st is KVPoll.SUCCESS:
@@ -485,13 +532,23 @@ class ModeRun:
     def run(
         self, work: Sequence[Planned], abort_window_s: float, progress: Callable[[int], None]
     ) -> ModeResult:
-        wl, res = self.wl, self.result
+        """The workload: every room requested as pages allow (``concurrency``
+        in flight), aborted at its time (``abort_u`` of the window after its
+        request, kept by the clock whatever the rooms in flight), polled
+        until it completes or fails. Measured: CPU by part, in this process
+        and every rank, and page faults."""
+        wl, res, calls = self.wl, self.result, self.calls
+        self._progress = progress
         todo = deque(work)
         active: dict[int, _Active] = {}
         self._active = active
+        aborts: list[tuple[float, int]] = []  # (when, room): a heap
+        poll_timed = False
         res.pages_verified = 0  # the workload's pages only, not the streaming phase's
+        measured = wl.decodes == 1  # decodes side by side share this process and the ranks
+        machine = cpu.sample()
+        cpu_before = self._cpu() if measured else None
         t0 = self._now()
-        cpu_before = cpu.sample()
         while todo or active:
             while todo and len(active) < wl.concurrency:
                 pages = self._alloc(wl.pages)
@@ -500,44 +557,131 @@ class ModeRun:
                 p = todo.popleft()
                 now = self._now()
                 abort_at = now + p.abort_u * abort_window_s if p.abort else None
-                active[p.room] = _Active(p, self.decode.receiver(p.room, pages), pages, now, abort_at)
-            now = self._now()
+                active[p.room] = _Active(p, self._open(p.room, pages), pages, now, abort_at)
+                if abort_at is not None:
+                    heapq.heappush(aborts, (abort_at, p.room))
+                if not poll_timed:  # what a poll costs, on the first receiver
+                    calls.per_counted(active[p.room].rx.poll)
+                    poll_timed = True
+            while aborts and aborts[0][0] <= self._now():  # due, however many rooms are in flight
+                room = heapq.heappop(aborts)[1]
+                a = active.get(room)
+                if a is not None and calls.counted(a.rx.poll) not in (KVPoll.SUCCESS, KVPoll.FAILED):
+                    res.aborted_mid_transfer += 1
+                    self._abort(room, a, "decode")
+                    self._done(room)
             for room, a in list(active.items()):
-                st = a.rx.poll()
+                st = calls.counted(a.rx.poll)
                 if st is KVPoll.SUCCESS:
                     if a.abort_at is not None:
                         res.completed_before_abort_point += 1
                     self._verify(room, a.pages)
-                    a.rx.finish()
+                    calls(a.rx.finish)
                     self._give_back(room, a.pages)
                     res.completed += 1
                     res.bytes_completed += len(a.pages) * wl.page_bytes
                 elif st is KVPoll.FAILED:
                     res.prefill_failed += 1
                     self._failed(room, a)
-                elif a.abort_at is not None and now >= a.abort_at:
-                    res.aborted_mid_transfer += 1
-                    self._abort(room, a, "decode")
                 else:
                     continue
-                del active[room]
-                res.requests += 1
-                progress(1)
+                self._done(room)
             self._sample()
-            self._pause(len(active))
+            pause = self._pause_s(len(active))
+            if aborts:
+                pause = min(pause, max(0.0, aborts[0][0] - self._now()))
+            time.sleep(pause)
         res.elapsed_s = self._now() - t0
-        res.cpu = cpu.shares(cpu_before, cpu.sample())
+        res.cpu = cpu.shares(machine, cpu.sample())
+        if cpu_before is not None:
+            res.cpu_per_request_us = self._cpu_per_request(cpu_before, self._cpu())
         self._finish()
         return res
 
-    def _pause(self, rooms: int) -> None:
-        """Sleep between two polls of every room in flight: ``poll_s``, or
+    def _done(self, room: int) -> None:
+        del self._active[room]
+        self.result.requests += 1
+        self._progress(1)
+
+    def _pause_s(self, rooms: int) -> float:
+        """The pause between two polls of every room in flight: ``poll_s``, or
         :data:`POLL_PAUSE_PER_ROOM_S` per room if longer. An engine polls its
         requests once a step; a scan of 512 rooms every 0.5 ms kept this
         process's GIL busy about as long as it slept, and decode's listener,
         which takes the acks, waited for it: the release latency grew with
         the rooms in flight for the bench's own sake."""
-        time.sleep(max(self.poll_s, rooms * POLL_PAUSE_PER_ROOM_S))
+        return max(self.poll_s, rooms * POLL_PAUSE_PER_ROOM_S)
+
+    def _pause(self, rooms: int) -> None:
+        time.sleep(self._pause_s(rooms))
+
+    # -- what the run cost -----------------------------------------------------
+    def _cpu(self) -> dict[str, Any]:
+        """This process's and every rank's CPU so far (see :meth:`_cpu_per_request`)."""
+        return {
+            "threads": cpu.thread_seconds(),
+            "calls": (self.calls.total, self.calls.calls),
+            "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+            "ranks": self.procs.cpu() if self._owns_procs else [],
+        }
+
+    def _cpu_per_request(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        """The run's cost per request, by part (microseconds of CPU, not wall time: it holds under load):
+        decode's kvconn threads and its calls on the engine's thread, the
+        stand-in engine's own; each rank's the same, and the transport's
+        copy; page faults; and the time threads waited for a CPU."""
+        n = max(1, self.result.requests)
+        calls = after["calls"][0] - before["calls"][0]
+        decode = cpu.by_part(before["threads"], after["threads"])
+        parts: dict[str, Any] = {
+            "decode": {
+                "kvconn": (decode["kvconn"] + calls) / n * 1e6,
+                "kvconn_threads": decode["kvconn"] / n * 1e6,
+                "kvconn_calls": calls / n * 1e6,
+                "engine": max(0.0, decode["engine"] - calls) / n * 1e6,
+                "other": decode["other"] / n * 1e6,
+                "cpu_wait": decode["wait"] / n * 1e6,
+                "page_faults": (after["faults"] - before["faults"]) / n,
+            },
+            "ranks": [],
+        }
+        for r, (b, a) in enumerate(zip(before["ranks"], after["ranks"], strict=True)):
+            threads = cpu.by_part(
+                {k: tuple(v) for k, v in b["threads"].items()}, {k: tuple(v) for k, v in a["threads"].items()}
+            )
+            rank_calls = a["calls_s"] - b["calls_s"]
+            chunks = max(1, a["chunks"] - b["chunks"])
+            own = [(le, n - dict(b["abort_own"]).get(le, 0)) for le, n in a["abort_own"]]
+            acks = own[-1][1] if own else 0
+            kvconn = threads["kvconn"] + rank_calls
+            parts["ranks"].append(
+                {
+                    "rank": r,
+                    "kvconn": kvconn / n * 1e6,
+                    "kvconn_per_chunk": kvconn / chunks * 1e6,
+                    "kvconn_calls": rank_calls / n * 1e6,
+                    "copy": threads["copy"] / n * 1e6,
+                    "engine": max(0.0, threads["engine"] - rank_calls) / n * 1e6,
+                    "other": threads["other"] / n * 1e6,
+                    "cpu_wait": threads["wait"] / n * 1e6,
+                    "page_faults": (a["faults"] - b["faults"]) / n,
+                    "chunks": chunks,
+                    # kvconn's own share of a release at this rank, ms
+                    "abort_own_ms": {
+                        "acks": acks,
+                        "mean": (a["abort_own_sum"] - b["abort_own_sum"]) / acks * 1e3 if acks else 0.0,
+                        **{f"p{q}_at_most": (bucket_bound(own, q / 100) or 0.0) * 1e3 for q in (50, 99)},
+                    },
+                }
+            )
+        ranks = parts["ranks"]
+        parts["kvconn_decode"] = parts["decode"]["kvconn"]
+        parts["kvconn_rank_per_chunk"] = max((r["kvconn_per_chunk"] for r in ranks), default=0.0)
+        parts["page_faults"] = parts["decode"]["page_faults"] + sum(r["page_faults"] for r in ranks)
+        parts["total"] = sum(parts["decode"][k] for k in ("kvconn", "engine", "other")) + sum(
+            r[k] for r in ranks for k in ("kvconn", "copy", "engine", "other")
+        )
+        return parts
 
     def _finish(self) -> None:
         res = self.result
@@ -549,8 +693,8 @@ class ModeRun:
             time.sleep(0.005)
         time.sleep(self.settle_s)  # late writes of live writers land now, or never
         with self._lock:
-            free = list(self._free)
-        for page in free:
+            given_back = [page for page in self._free if page in self._owner]
+        for page in given_back:
             self._check_canary(page, "at the end")
         m = self.decode.metrics
         res.acks_received = m.value("kvconn_acks_received_total")
