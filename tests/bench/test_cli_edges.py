@@ -515,10 +515,10 @@ def test_plot_marks_the_deployment_deadline_and_shows_the_fault_table() -> None:
         "legacy": ModeResult("legacy", latencies_ms=[1500.0]),
     }
     faults = [
-        {"fault": "frozen", "mode": "kvconn", "corrupted_pages": 0, "skipped": ""},
-        {"fault": "frozen", "mode": "legacy", "corrupted_pages": 3, "skipped": ""},
-        {"fault": "partition", "mode": "kvconn", "corrupted_pages": 0, "skipped": "needs root"},
-        {"fault": "partition", "mode": "legacy", "corrupted_pages": 0, "skipped": "needs root"},
+        {"fault": "frozen", "mode": "kvconn", "corrupted": 0, "skipped": ""},
+        {"fault": "frozen", "mode": "legacy", "corrupted": 3, "skipped": ""},
+        {"fault": "partition", "mode": "kvconn", "corrupted": 0, "skipped": "needs root"},
+        {"fault": "partition", "mode": "legacy", "corrupted": 0, "skipped": "needs root"},
     ]
     fig = plot_mod.figure(results, 1.5, faults)
     latency, bars = fig.axes

@@ -125,3 +125,78 @@ def test_each_partition_check_fails_its_lie(
     assert code != 0, out
     assert re.search(rf"^FAILED\s+{check}\b", out, re.M), out
     assert message in out, out
+
+
+#: Each lie a check once passed by having nothing at stake (issue 44), told
+#: by a transport that crosses hosts, and the checks of a ``--cross-host``
+#: run that must each fail it (with part of what each says).
+ACROSS_LIES: dict[tuple[str, str], list[tuple[str, str]]] = {
+    ("liar-net", "fence_one"): [
+        ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
+        ("test_fence_after_a_raise_stops_the_write", "the fence does not stop every write in flight"),
+    ],
+    ("liar-net", "stakeless"): [
+        ("test_writer_fence_holds_across_a_partition", "nothing at stake: "),
+        # on_post waits for a big write to land: with the owner frozen, past any report of its barrier
+        ("test_frozen_owner_gets_pages_back_only_after_drain", "frozen owner: "),
+    ],
+    ("liar-net", "tmp_regions"): [
+        ("test_cross_host_claim", "cannot write to the region"),
+        ("test_cross_host_claim_through_a_rank", "cannot start with a rank on another host"),
+        # a decode endpoint whose rank cannot open its region file fails to start
+        ("test_barrier_answer_holds_in_a_rank[past_deadline]", "No such file or directory"),
+    ],
+    ("liar-nixl", "early_landed"): [
+        ("test_landed_across_a_partition_means_delivered", "65536 of 65536 bytes not in the region"),
+        # its first room already: SUCCESS with pages not written yet
+        ("test_barrier_answer_holds_in_a_rank[past_deadline]", "answered LANDED before the bytes were there"),
+    ],
+    ("liar-nixl", "keep_agent"): [
+        ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
+        # (the rank's writes had nearly landed when it fenced: its own fence check passed it)
+        ("test_frozen_owner_gets_pages_back_only_after_drain", "changed after decode released them"),
+    ],
+}
+
+
+def _keyword(check: str) -> str:
+    name, _, param = check.removeprefix("test_").partition("[")
+    return f"({name} and {param.rstrip(']')})" if param else name
+
+
+@pytest.mark.slow  # five --cross-host runs at once: minutes of CI's 2 cores
+def test_each_lie_fails_two_checks_across_hosts(liar_env: dict[str, str]) -> None:
+    """The runs of ACROSS_LIES, all at once (each on hosts of its own):
+    every lie fails each of its checks in a ``--cross-host`` run."""
+    if why_unavailable("nixl") is not None:
+        pytest.skip(f"nixl: {why_unavailable('nixl')}")
+    runs = {
+        (backend, lie): subprocess.Popen(
+            [
+                *(sys.executable, "-m", "kvconn.cli", "conformance", backend, "--cross-host", "-q"),
+                *("-o", f"{lie}=1", "-k", " or ".join(_keyword(check) for check, _ in checks)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=liar_env,
+        )
+        for (backend, lie), checks in ACROSS_LIES.items()
+    }
+    outputs = {}
+    try:
+        for key, proc in runs.items():
+            outputs[key], _ = proc.communicate(timeout=900)
+    finally:
+        for proc in runs.values():
+            stop(proc)
+    wrong = []
+    for (backend, lie), checks in ACROSS_LIES.items():
+        out = outputs[(backend, lie)]
+        if runs[(backend, lie)].returncode != 1:
+            wrong.append(f"{backend} {lie}: exit {runs[(backend, lie)].returncode}\n{out[-3000:]}")
+        for check, message in checks:
+            line = re.search(rf"^FAILED\s+{re.escape(check)}\s+\((.*)\)$", out, re.M)
+            if line is None or message not in line.group(1):
+                wrong.append(f"{backend} {lie}: {check}: {line.group(1) if line else 'did not fail'}")
+    assert not wrong, "\n".join(wrong)

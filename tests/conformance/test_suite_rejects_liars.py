@@ -69,14 +69,14 @@ TWO_CHECKS: dict[str, tuple[tuple[str, ...], list[tuple[str, str]]]] = {
         (),
         [
             ("test_writer_fence_stops_frozen_writer", "after on_fence returned True"),
-            ("test_fence_after_a_raise_stops_the_write", "the fence does not stop a write in flight"),
+            ("test_fence_after_a_raise_stops_the_write", "the fence does not stop every write in flight"),
         ],
     ),
     "fence_resume": (
         (),
         [
             ("test_writer_fence_stops_frozen_writer", "after on_fence returned True"),
-            ("test_fence_after_a_raise_stops_the_write", "the fence does not stop a write in flight"),
+            ("test_fence_after_a_raise_stops_the_write", "the fence does not stop every write in flight"),
         ],
     ),
     # a copy daemon that replays as soon as the rank died, and exits (within the grace the
@@ -145,6 +145,29 @@ TWO_CHECKS: dict[str, tuple[tuple[str, ...], list[tuple[str, str]]]] = {
             ("test_engine_buffers_byte_exact[hnd]", SIGSEGV),
         ],
     ),
+}
+
+
+#: ``liar-net`` (a TCP transport written from the plugin guide) telling each
+#: lie that a check once passed by having nothing at stake (issue 44), and
+#: the checks of a default run that must each fail it.
+NET_LIES: dict[str, list[tuple[str, str]]] = {
+    # honest while one write is unfinished: the fence checks fence several
+    "fence_one": [
+        ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
+        ("test_fence_after_a_raise_stops_the_write", "the fence does not stop every write in flight"),
+    ],
+    # a no-op fence, big writes sent whole inside on_post (small ones are not: the lie fires)
+    "stakeless": [
+        ("test_writer_fence_stops_frozen_writer", "bytes landed after on_fence returned True"),
+        # on_post waits for a big write to land: with the owner frozen, past any report of its barrier
+        ("test_frozen_owner_gets_pages_back_only_after_drain", "the writer settles"),
+    ],
+    # regions as files under /tmp, claiming cross_host: a host of its own has no such file
+    "tmp_regions": [
+        ("test_cross_host_claim", "cannot write to the region: FileNotFoundError"),
+        ("test_cross_host_claim_through_a_rank", "cannot start with a rank on another host"),
+    ],
 }
 
 
@@ -290,6 +313,75 @@ def test_the_honest_owner_fence_passes_both_owner_fence_checks(liar_env: dict[st
     writer or a stale one."""
     code, out = conformance("liar-honest", "-k", "owner_fence", *PACED, env=liar_env)
     assert code == 0, out
-    assert "PASSED   test_owner_fence_stops_frozen_writer  (fence " in out, out
+    assert "PASSED   test_owner_fence_stops_frozen_writer  (at stake: " in out, out
+    assert " not landed when the owner fenced, the writer frozen mid-write; fence " in out, out
     assert " 0 bytes after it in " in out, out
     assert "PASSED   test_owner_fence_refuses_stale_writers" in out, out
+
+
+def _fails_each(out: str, checks: list[tuple[str, str]]) -> None:
+    for check, message in checks:
+        reason = _reason(out, check)
+        assert reason, f"{check} did not fail:\n{out}"
+        assert message in reason, f"{check}: {reason}\n{out}"
+
+
+@pytest.mark.parametrize("lie", sorted(NET_LIES))
+def test_each_lie_with_nothing_at_stake_before_fails_two_checks(liar_env: dict[str, str], lie: str) -> None:
+    """Each lie of ``liar-net`` fails the two checks of NET_LIES in a
+    default run (the cross-host run: test_cross_host_conformance.py)."""
+    checks = NET_LIES[lie]
+    keyword = " or ".join(_keyword(check) for check, _ in checks)
+    code, out = conformance("liar-net", "-o", f"{lie}=1", "-k", keyword, env=liar_env)
+    if "(cross_host: hosts" in out:
+        pytest.skip("this machine cannot make hosts (network, PID and mount namespaces need root)")
+    assert code == 1, out
+    _fails_each(out, checks)
+
+
+@pytest.mark.slow  # the real backends pass these checks in CI; about a minute more
+def test_the_honest_net_liar_passes_the_checks_its_lies_fail(liar_env: dict[str, str]) -> None:
+    """With no lie, ``liar-net`` passes every check of NET_LIES, each with
+    something at stake: what fails a lie is the lie."""
+    checks = {check for checks in NET_LIES.values() for check, _ in checks}
+    code, out = conformance("liar-net", "-k", " or ".join(_keyword(c) for c in sorted(checks)), env=liar_env)
+    if "(cross_host: hosts" in out:
+        pytest.skip("this machine cannot make hosts (network, PID and mount namespaces need root)")
+    assert code == 0, out
+    for check in checks:
+        assert f"PASSED   {check}  (at stake: " in out, out
+
+
+@pytest.mark.slow  # tmp_regions fails the same checks in CI by the sealed /tmp
+def test_a_file_the_hosts_share_fails_the_cross_host_claim_by_the_bytes_on_the_links(
+    liar_env: dict[str, str],
+) -> None:
+    """The cross_host claim's second line of defence: a region in a file of
+    a folder the suite's hosts do share (not under /tmp, /var/tmp, /run or
+    /dev/shm: here one under this user's home) is reached without the
+    network; the bytes counted on the hosts' links show it."""
+    import os
+    import shutil
+    import uuid
+
+    shared = os.path.join(os.path.expanduser("~"), f".kvconn-liar-net-{uuid.uuid4().hex[:8]}")
+    os.makedirs(shared)
+    try:
+        code, out = conformance(
+            "liar-net",
+            "-o",
+            "tmp_regions=1",
+            "-o",
+            f"region_dir={shared}",
+            "-k",
+            "cross_host_claim",
+            env=liar_env,
+        )
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    if "(cross_host: hosts" in out:
+        pytest.skip("this machine cannot make hosts (network, PID and mount namespaces need root)")
+    assert code == 1, out
+    message = "nothing at stake: "
+    _fails_each(out, [("test_cross_host_claim", message), ("test_cross_host_claim_through_a_rank", message)])
+    assert "0.0 MiB sent on the writer's link" in out, out

@@ -59,6 +59,7 @@ from explore_endpoint_world import (
     _key,
 )
 
+from kvconn.errors import UnavailableError
 from kvconn.protocol.drain import GRACE_OVER, REFUSED, DrainingError
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
@@ -136,13 +137,15 @@ def _carry(world: World, actions: Sequence[Action]) -> None:
             world.fence_due = True
 
 
-def _owner_fence(world: World, ok: bool) -> None:
+def _owner_fence(world: World, ok: bool, endpoint: bool = True) -> None:
     """The runtime's owner fence ends: done (the old endpoint is gone, so
-    nothing any process was asked so far can land, nor any byte on its way)
-    or failed (nothing changed)."""
+    nothing any process was asked so far can land, nor any byte on its way;
+    without ``endpoint`` the new one could not be made yet) or failed
+    (nothing changed)."""
     world.fence_due = False
-    if not ok:
+    if not ok or not endpoint:
         world.fence_fails += 1
+    if not ok:
         _carry(world, world.state.handle(OwnerFenceError("refused"), world.now))
         return
     world.fenced |= {world.state.name}
@@ -153,7 +156,7 @@ def _owner_fence(world: World, ok: bool) -> None:
                     _write_fails(world, p, q)
             p.taken = dict.fromkeys(p.taken, "stopped")
             p.undrained = False
-    _carry(world, world.state.handle(OwnerFenceDone(b"fenced"), world.now))
+    _carry(world, world.state.handle(OwnerFenceDone(b"fenced" if endpoint else None), world.now))
 
 
 def _write_fails(world: World, proc: Proc, q: int) -> None:
@@ -270,6 +273,7 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
         yield "fence:ok", lambda w: _owner_fence(w, True)
         if world.fence_fails < limits.fence_fails:
             yield "fence:fail", lambda w: _owner_fence(w, False)
+            yield "fence:no_endpoint", lambda w: _owner_fence(w, True, endpoint=False)
         return
     for room, inst in limits.rooms:
         if state.tracker.state(room) is None and world.opened.get(room, 0) < limits.requests_per_room:
@@ -278,7 +282,7 @@ def steps(world: World, limits: Limits, instances: int) -> Iterator[tuple[str, C
                 instance = list(w.state.instances.values())[inst]
                 try:
                     request, sends = w.state.open(room, (room,), instance, None, None, w.now)
-                except DrainingError:
+                except (DrainingError, UnavailableError):
                     w.opened[room] = w.opened.get(room, 0) + 1  # refused: route elsewhere
                     return
                 w.requests.append(request)

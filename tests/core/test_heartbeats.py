@@ -75,7 +75,8 @@ def test_a_down_rank_is_helloed_until_it_answers_and_then_comes_back() -> None:
     # no room open any more, still Hello'd every heartbeat while down
     for t in range(41, 45):
         assert _hellos(state.handle(Tick(), float(t))) == ["p0"]
-    assert announce(state, 0, "p0", 1, 45.5) == [] and state.down == {}  # healed
+    # healed: it answers, and is asked at once for the room it still owes
+    assert [a.room for a in aborts(announce(state, 0, "p0", 1, 45.5))] == [1] and state.down == {}
     state.handle(AbortAck(1, 0, abort.generation, False, "decode", 1), 45.6)
     assert state.hold_state(request) is None  # its late ack was the proof; nothing watched now
     assert state.handle(Tick(), 46.0) == [] and state.handle(Tick(), 60.0) == []

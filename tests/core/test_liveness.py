@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from endpoint_world import HERE, aborts, announce, endpoint, requests, writer
 
-from kvconn.errors import KvconnError, PageError, RequestError, RoomInUseError
+from kvconn.errors import KvconnError, PageError, RequestError, RoomInUseError, UnavailableError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
     CheckDrain,
@@ -91,6 +91,35 @@ def test_open_rooms_of_a_silent_rank_fail_and_its_pages_wait_for_its_proof() -> 
     assert state.sent(fresh, [], 41.0) == [] and fresh.poll() is KVPoll.TRANSFERRING
 
 
+def test_a_down_rank_that_answers_again_is_asked_for_its_held_rooms_at_once() -> None:
+    # A long partition: the room is quarantined and its ABORTs re-sent ever
+    # further apart (1, 2, 4 ... 30 s), and those sent during the cut may have
+    # died with a dropped connection. The heal is seen at the first answered
+    # Hello: the rank is asked then, not at the next re-send.
+    state = endpoint(**FAST)
+    request, _ = state.open(1, (0, 1), state.default, None, None, 0.0)  # type: ignore[arg-type]
+    other, _ = state.open(2, (2,), state.default, None, None, 0.0)  # type: ignore[arg-type]
+    state.abort(request, 0.0)
+    for t in range(1, 120):  # heartbeats and re-sends through two minutes of silence
+        state.handle(Tick(), float(t))
+    assert 0 in state.down and state.hold_state(request) is HoldState.QUARANTINED
+    assert other.poll() is KVPoll.FAILED  # failed when the rank went down, and aborted
+    due = state.next_wakeup()
+    assert due is not None and due > 120.5  # the next re-send is seconds away
+    actions = announce(state, 0, "p0", 1, 120.5)  # healed: it answers a heartbeat
+    assert state.down == {}
+    sent = aborts(actions)
+    assert sorted(a.room for a in sent) == [1, 2]  # every held room it owes, at once
+    released = []
+    for abort in sent:
+        released += _releases(state.handle(_ack(state, abort.room, abort.generation), 120.6))
+    assert sorted((r.room, r.proof) for r in released) == [(1, Proof.LATE_ACKS), (2, Proof.LATE_ACKS)]
+    # a rank that was never down is not asked again on a heartbeat's answer
+    request3, _ = state.open(3, (3,), state.default, None, None, 121.0)  # type: ignore[arg-type]
+    state.abort(request3, 121.0)
+    assert aborts(announce(state, 0, "p0", 1, 121.1)) == []
+
+
 def test_a_rank_proven_gone_is_down_and_its_exit_releases_once_its_connections_drained() -> None:
     state = endpoint(**FAST)
     request, _ = state.open(1, (0, 1), state.default, None, None, 0.0)  # type: ignore[arg-type]
@@ -103,11 +132,13 @@ def test_a_rank_proven_gone_is_down_and_its_exit_releases_once_its_connections_d
     assert state.probes(1.1).owed == gone
     [release] = _releases(state.handle(Tick(gone=gone, peers_drained=True), 1.1))
     assert release.proof is Proof.WRITER_EXIT and release.pages == (0, 1)
-    # a room asked of a rank known down fails at once, onto the abort path
-    again, _ = state.open(2, (2,), state.default, None, None, 1.2)  # type: ignore[arg-type]
-    held = state.sent(again, [], 1.2)
-    assert again.poll() is KVPoll.FAILED and "rank 0 is down" in (again.failure or "")
-    assert aborts(held) and state.hold_state(again) is HoldState.HELD
+    # a room that would be asked of a rank known down is refused: nothing is
+    # sent, nothing tracked, its pages never leave the engine
+    with pytest.raises(UnavailableError, match=r"rank 0 \(p0\) is down: its process .* exited") as refused:
+        state.open(2, (2,), state.default, None, None, 1.2)  # type: ignore[arg-type]
+    assert refused.value.cause == "rank_down" and refused.value.room == 2
+    assert state.tracker.state(2) is None and state.held_pages() == 0
+    assert 2 not in state.requests and not state._in_use
 
 
 def test_an_exit_proves_only_the_rooms_that_process_was_asked_to_write() -> None:
@@ -132,15 +163,15 @@ def test_a_rank_restarted_at_its_address_is_rebootstrapped_and_owes_nothing_of_t
     # the new process's ack for the old room is no proof: it never wrote it
     assert state.handle(_ack(state, 7, abort.generation, session=2), 1.1) == [Drop(DropReason.OTHER_SESSION)]
     assert state.hold_state(old) is HoldState.HELD
+    # the new process takes new rooms, named by its session
+    new, sent = state.open(8, (5,), state.default, None, None, 1.15)  # type: ignore[arg-type]
+    assert [r.session for r in requests(sent)] == [2]
+    state.handle(RoomStatus(8, 0, RoomOutcome.SUCCESS, "", "decode", 2), 1.18)
+    assert state.finish(new) == (5,)
     # nor is the new process's exit; the earlier one's is
     assert _releases(state.handle(Tick(gone=frozenset({writer("p0", 2)})), 1.2)) == []
     # the earlier process's late answers are no restart
     assert announce(state, 0, "p0", 1, 1.3) == [Drop(DropReason.RETIRED_SESSION)]
-    # the new process takes new rooms, named by its session
-    new, sent = state.open(8, (5,), state.default, None, None, 1.4)  # type: ignore[arg-type]
-    assert [r.session for r in requests(sent)] == [2]
-    state.handle(RoomStatus(8, 0, RoomOutcome.SUCCESS, "", "decode", 2), 1.5)
-    assert state.finish(new) == (5,)
     [release] = _releases(state.handle(Tick(gone=frozenset({writer("p0", 1)})), 1.6))
     assert release.room == 7 and release.proof is Proof.WRITER_EXIT
 

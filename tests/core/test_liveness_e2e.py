@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from kvconn.config import Config
+from kvconn.errors import UnavailableError
 from kvconn.protocol.hold import HoldState, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
@@ -68,7 +69,7 @@ def cluster() -> Iterator[Cluster]:
     c.close()
 
 
-def test_open_rooms_of_a_killed_rank_fail_and_new_ones_fail_at_once(cluster: Cluster) -> None:
+def test_open_rooms_of_a_killed_rank_fail_and_new_ones_are_refused_at_once(cluster: Cluster) -> None:
     rx, _ = cluster.open(1, 4)
     cluster.ranks[0].signal(signal.SIGKILL)
     cluster.ranks[0].proc.wait(WAIT_S)
@@ -78,9 +79,12 @@ def test_open_rooms_of_a_killed_rank_fail_and_new_ones_fail_at_once(cluster: Clu
     release = cluster.released(1)
     assert release is not None and release.proof is Proof.WRITER_EXIT
     assert cluster.metric("kvconn_ranks_down_total", cause="exited") == 1.0
-    again, _ = cluster.open(2, 2)
-    assert again.poll() is KVPoll.FAILED and "rank 0 is down" in (again.failure() or "")
-    wait_for(lambda: cluster.released(2) is not None, WAIT_S, "the new room's release")
+    # a new room is refused at once: nothing is asked of a rank known down,
+    # so none of its pages waits for a proof
+    with pytest.raises(UnavailableError, match=r"rank 0 .* is down: its process .* exited"):
+        cluster.open(2, 2)
+    assert cluster.metric("kvconn_requests_refused_total", reason="rank_down") == 1.0
+    assert cluster.decode.held_pages() == 0
     assert cluster.late_bytes() == 0
 
 

@@ -3,17 +3,24 @@ a Prometheus counter."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
 from pathlib import Path
 
+import attrs
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvconn.config import Config
 from kvconn.metrics import Metrics
+from kvconn.protocol.hold import HoldState
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
+from kvconn.testing.cluster import Cluster
 from kvconn.testing.null import NullBackend
+from kvconn.testing.waiting import wait_for
 
 
 def test_tally_scrapes_as_a_counter_with_every_outcome() -> None:
@@ -102,3 +109,51 @@ def test_docs_metrics_lists_every_drop_reason() -> None:
     missing = [reason.value for reason in DropReason if f"`{reason.value}`" not in text]
     assert not missing, f"docs/metrics.md does not explain {missing}"
     assert str(DropReason.BAD_MAC) == "bad_mac"  # the label is the value
+
+
+def test_decode_names_each_prefill_rank_by_id_and_address(caplog: pytest.LogCaptureFixture) -> None:
+    """What an operator finds a stuck rank by, on decode's own scrape and log:
+    each bootstrapped rank's series (up, rooms awaiting its proof by state,
+    found down by cause, abort-to-ack) labelled with its ``rank`` id and its
+    control ``address``, from the bootstrap on; a quarantine names the rank
+    it waits for, with its address; the rank's own scrape names its address."""
+    fast = {"heartbeat_interval_s": 0.05, "peer_timeout_s": 0.5}
+    c = Cluster(num_ranks=1, num_pages=32, page_bytes=16 << 10, abort_timeout_s=1.5, start_decode=False)
+    c.config = attrs.evolve(c.config, **fast)
+    c.start_decode()
+    rank = c.ranks[0]
+    me = {"rank": "0", "address": rank.address}
+    try:
+        # from the bootstrap: every per-rank series at 0, the rank up
+        assert c.metric("kvconn_prefill_rank_up", **me) == 1.0
+        for cause in ("exited", "silent"):
+            assert (
+                c.dec.metrics.registry.get_sample_value("kvconn_ranks_down_total", {"cause": cause, **me})
+                == 0.0
+            )
+        assert c.dec.metrics.buckets("kvconn_abort_to_ack_seconds", **me)[-1] == (float("inf"), 0.0)
+        assert rank.value("kvconn_rank_info", address=rank.address, rank="0") == 1.0
+
+        rx, _ = c.open(1, 4)
+        rank.signal(signal.SIGSTOP)  # frozen: it proves nothing, and answers no Hello
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvconn.runtime.decode"):
+                wait_for(lambda: rx.poll() is KVPoll.FAILED, 10, "the open room's failure")
+                wait_for(lambda: rx.state() is HoldState.QUARANTINED, 10, "quarantine at the abort deadline")
+                wait_for(lambda: c.metric("kvconn_prefill_rank_up", **me) == 0.0, 10, "the rank found down")
+            assert c.metric("kvconn_rooms_awaiting_rank", state="quarantined", **me) == 1.0
+            assert c.metric("kvconn_rooms_awaiting_rank", state="held", **me) == 0.0
+            assert c.metric("kvconn_ranks_down_total", cause="silent", **me) == 1.0
+            logged = caplog.text
+            assert f"prefill rank 0 ({rank.address}) is down: " in logged
+            assert (
+                f"room 1 quarantined: 4 pages held, no proof yet from prefill rank 0 ({rank.address})"
+                in logged
+            )
+        finally:
+            rank.signal(signal.SIGCONT)
+        wait_for(lambda: c.released(1) is not None, 10, "the rank's late proof")
+        wait_for(lambda: c.metric("kvconn_prefill_rank_up", **me) == 1.0, 10, "the rank heard again")
+        assert c.metric("kvconn_rooms_awaiting_rank", state="quarantined", **me) == 0.0
+    finally:
+        c.close()

@@ -12,6 +12,7 @@ import pytest
 from endpoint_world import aborts, announce, endpoint, requests, sends
 
 from kvconn.config import Config
+from kvconn.errors import UnavailableError
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import Drop, Quarantine, Request, RoomFailed, Tick
@@ -113,6 +114,8 @@ def test_fences_are_rate_limited_whatever_their_outcome() -> None:
     assert _fences(state.handle(Tick(), 95.0))
     state.handle(OwnerFenceDone(NEW_MD), 95.3)
     assert state.owner_fence.ok == 1 and state.owner_fence.failed == 1
+    for rank, address in enumerate(("p0", "p1")):
+        announce(state, rank, address, 1, 99.0)  # re-bootstrapped under the new name
     _quarantined(state, 2, (1,), at=100.0)  # quarantined at 130, old enough at 135
     assert not _fences(state.handle(Tick(), 154.9))
     assert _fences(state.handle(Tick(), 155.0))
@@ -175,11 +178,11 @@ def test_every_rank_must_re_bootstrap_under_the_new_name_before_it_is_asked_agai
     assert sorted(s.address for s in hellos) == ["p0", "p1"]
     assert {(s.message.decode, s.message.metadata) for s in hellos} == {("decode.f1", NEW_MD)}  # type: ignore[union-attr]
     assert state.name == "decode.f1" and state.tracker.decode == "decode.f1"
-    # until a rank answers, a room asked of it fails at once (onto the abort path)
-    request, out = state.open(2, (1,), state.default, None, None, 35.5)
-    assert {m.decode for m in requests(out)} == {"decode.f1"}
-    state.sent(request, [], 35.5)
-    assert request.poll() is KVPoll.FAILED and "re-bootstrapping" in (request.failure or "")
+    # until a rank answers, a room that would be asked of it is refused:
+    # nothing sent, nothing held (it could only fail)
+    with pytest.raises(UnavailableError, match="re-bootstrapping after the owner fence"):
+        state.open(2, (1,), state.default, None, None, 35.5)
+    assert state.tracker.state(2) is None and state.held_pages() == 0
     # the heartbeats carry the new Hello too, to every rank
     beat = sends(state.handle(Tick(), 40.0), Hello)
     assert {(s.message.decode, s.message.metadata) for s in beat} == {("decode.f1", NEW_MD)}  # type: ignore[union-attr]
@@ -209,3 +212,49 @@ def test_config_refuses_a_non_positive_age_or_interval(value: float) -> None:
         Config(owner_fence_after_s=value)
     with pytest.raises(ValueError, match="owner_fence_min_interval_s"):
         Config(owner_fence_min_interval_s=value)
+
+
+def test_a_fence_that_left_no_endpoint_refuses_requests_and_retries_whether_or_not_a_room_is_held() -> None:
+    # issue 40: nixl's fence destroyed the old agent and UCX could not make a
+    # new one ("No such device"); the fence was counted failed, nothing tried
+    # again (no room stayed quarantined), and every later room failed.
+    state = _state()
+    assert state.default is not None
+    _quarantined(state, 1, (0, 1), at=0.0)
+    assert _fences(state.handle(Tick(), 35.0))
+    actions = state.handle(OwnerFenceDone(None, "UCX: No such device"), 35.4)
+    # it held: the old endpoint is gone, so the pages come back
+    assert [(r.room, r.proof) for r in _releases(actions)] == [(1, Proof.OWNER_FENCE)]
+    [fenced] = [a for a in actions if isinstance(a, OwnerFenced)]
+    assert fenced.ok and not fenced.endpoint and "No such device" in fenced.reason
+    assert not sends(actions, Hello)  # no metadata to give a rank
+    # meanwhile every request fails fast, with the reason, asking nothing
+    with pytest.raises(UnavailableError, match="No such device") as refused:
+        state.open(2, (2,), state.default, None, None, 35.5)
+    assert refused.value.cause == "endpoint_down" and state.tracker.state(2) is None
+    with pytest.raises(UnavailableError, match="no transport endpoint"):
+        state.begin_bootstrap(("q0",), state.default.hello, 35.5, timeout_s=5.0, resend_interval_s=1.0)
+    # no room is held, yet the endpoint is asked for again: 1, 2, 4, 8 s, then every 10 s
+    at = 35.4
+    for wait in (1.0, 2.0, 4.0, 8.0, 10.0, 10.0):
+        assert state.next_wakeup() == pytest.approx(at + wait)
+        before = state.handle(Tick(), at + wait - 0.01)
+        assert not _fences(before) and not sends(before, Hello)  # no heartbeat while down
+        at += wait
+        assert _fences(state.handle(Tick(), at)) == [FenceAsOwner((), 0)]
+        state.handle(OwnerFenceDone(None, "UCX: No such device"), at)
+    # a retry that raises backs off the same way (never a busy loop)
+    assert _fences(state.handle(Tick(), at + 10.0))
+    state.handle(OwnerFenceError("RuntimeError: UCX"), at + 10.0)
+    assert not _fences(state.handle(Tick(), at + 10.5)) and state.next_wakeup() == pytest.approx(at + 20.0)
+    at += 20.0
+    # the interface is back: the retry makes the endpoint, and every rank is Hello'd with it
+    assert _fences(state.handle(Tick(), at))
+    actions = state.handle(OwnerFenceDone(NEW_MD), at)
+    assert state.endpoint_down is None
+    assert {(s.address, s.message.metadata) for s in sends(actions, Hello)} == {("p0", NEW_MD), ("p1", NEW_MD)}  # type: ignore[union-attr]
+    for rank, address in enumerate(("p0", "p1")):
+        announce(state, rank, address, 1, at + 0.1)
+    request, out = state.open(2, (2,), state.default, None, None, at + 0.2)
+    assert len(requests(out)) == 2 and request.poll() is KVPoll.TRANSFERRING
+    assert state.next_wakeup() is None or state.next_wakeup() > at + 0.2  # type: ignore[operator]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvconn.config import Config
-from kvconn.errors import KvconnError, PageError, RequestError, RoomStateError
+from kvconn.errors import KvconnError, PageError, PageInUseError, RequestError, RoomStateError
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.testing.cluster import free_port
@@ -91,3 +91,31 @@ def test_finish_before_completion_is_still_a_value_error(decode: tuple[DecodeEnd
     assert isinstance(info.value, RoomStateError) and isinstance(info.value, KvconnError)
     rx.abort()
     wait_for(lambda: endpoint.tracker.state(42) is None, 30.0, "the aborted room's release")
+
+
+def test_pages_an_engine_reuses_before_their_release_are_refused_counted_and_logged(
+    decode: tuple[DecodeEndpoint, PrefillRank], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40: an engine that freed an aborted room's pages early (before
+    on_release) looked exactly like a correct one in kvconn's metrics; only
+    the refusal of its next request gave it away. Now that refusal is a
+    ``PageInUseError``, counted as ``reason="pages_in_use"`` (the
+    ``KvconnEnginePageReuse`` alert), and logged as an error."""
+    endpoint, _ = decode
+    before = endpoint.metrics.value("kvconn_requests_refused_total", reason="pages_in_use")
+    held = endpoint.receiver(300, (4, 5, 6))
+    with caplog.at_level("ERROR", "kvconn.runtime.decode"), pytest.raises(PageInUseError) as info:
+        endpoint.receiver(301, (6, 7))  # page 6 is still room 300's
+    assert "6" in str(info.value) and info.value.room == 301
+    assert endpoint.metrics.value("kvconn_requests_refused_total", reason="pages_in_use") == before + 1
+    assert "reused pages kvconn has not released" in caplog.text
+    assert endpoint.tracker.state(301) is None
+    # other refusals are counted apart: bad input is not an engine reusing pages
+    with pytest.raises(PageError):
+        endpoint.receiver(302, (NUM_PAGES,))
+    assert endpoint.metrics.value("kvconn_requests_refused_total", reason="pages_in_use") == before + 1
+    assert endpoint.metrics.value("kvconn_requests_refused_total", reason="invalid") >= 1
+    held.abort()
+    wait_for(lambda: endpoint.tracker.state(300) is None, 30.0, "the aborted room's release")
+    endpoint.receiver(301, (6, 7)).abort()  # once released, the pages are the engine's to give again
+    wait_for(lambda: endpoint.tracker.state(301) is None, 30.0, "the aborted room's release")

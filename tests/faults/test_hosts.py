@@ -247,3 +247,76 @@ def test_without_root_it_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -
     assert why and "root" in why and "\n" not in why
     with pytest.raises(hosts.HostsUnavailable, match="root"):
         hosts.make()
+
+
+#: What a process sees of its host: files it leaves under the folders a
+#: sealed host gives it, and what it finds there of the other host's.
+LOOK = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    mark = sys.argv[1]
+    for folder in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
+        with open(os.path.join(folder, "kvh-mark-" + mark), "w") as f:
+            f.write(mark)
+    seen = sorted(
+        name for folder in ("/tmp", "/var/tmp", "/run", "/dev/shm")
+        for name in os.listdir(folder) if name.startswith("kvh-mark-")
+    )
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    print(json.dumps({"host": socket.gethostname(), "boot": boot, "seen": seen,
+                      "me": socket.gethostbyname(socket.gethostname())}))
+    """
+)
+
+
+def test_sealed_hosts_share_nothing_but_the_network() -> None:
+    """Two processes on two sealed hosts, and a second on the first: each
+    sees only its own files under /tmp, /var/tmp, /run and /dev/shm (none
+    of this machine's: they are not there after), its host's hostname,
+    address and boot id, never this machine's; the bytes one sends the
+    other are counted on both links."""
+    with hosts.hosts(("a", "b"), sealed=True) as fabric:
+        looks = {
+            (name, mark): json.loads(fabric[name].run([sys.executable, "-c", LOOK, mark]))
+            for name, mark in (("a", "1"), ("b", "2"), ("a", "3"))
+        }
+        for (name, mark), look in looks.items():
+            assert look["seen"] == [f"kvh-mark-{mark}"] * 4, look  # not the other host's, nor its own earlier
+            assert look["host"] == fabric[name].hostname and look["me"] == fabric[name].ip, look
+            assert look["boot"] == fabric[name].boot_id, look
+        assert looks[("a", "1")]["boot"] == looks[("a", "3")]["boot"] != looks[("b", "2")]["boot"]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            assert f.read().strip() not in {look["boot"] for look in looks.values()}
+        assert not [
+            p
+            for p in ("/tmp", "/var/tmp", "/run", "/dev/shm")
+            for n in os.listdir(p)
+            if n.startswith("kvh-mark-")
+        ]
+        # Bytes that cross from b to a, counted on each link.
+        a_rx, _ = fabric["a"].traffic()
+        _, b_tx = fabric["b"].traffic()
+        sink = textwrap.dedent(
+            """
+            import socket, sys
+            s = socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)
+            c, _ = s.accept(); n = 0
+            while data := c.recv(1 << 16):
+                n += len(data)
+            print(n, flush=True)
+            """
+        )
+        server = fabric["a"].popen(
+            [sys.executable, "-c", sink, fabric["a"].ip], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert server.stdout is not None
+            port = server.stdout.readline().strip()
+            send = f"import socket; socket.create_connection(({fabric['a'].ip!r}, {port})).sendall(bytes(1 << 20))"
+            fabric["b"].run([sys.executable, "-c", send])
+            assert server.stdout.readline().strip() == str(1 << 20)
+        finally:
+            server.kill()
+            server.wait()
+        assert fabric["a"].traffic()[0] - a_rx >= 1 << 20
+        assert fabric["b"].traffic()[1] - b_tx >= 1 << 20

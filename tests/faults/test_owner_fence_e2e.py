@@ -9,9 +9,13 @@ fence across hosts is the conformance suite's
 
 from __future__ import annotations
 
+import importlib
 import signal
 import time
 
+import pytest
+
+from kvconn.errors import UnavailableError
 from kvconn.protocol.hold import Proof
 from kvconn.protocol.ledger import KVPoll
 from kvconn.testing.cluster import PROOFS, Cluster, total
@@ -78,4 +82,63 @@ def test_owner_fence_recovers_a_frozen_writers_pages_and_every_rank_re_bootstrap
         assert c.late_bytes() == 0 and c.late_pages(pages) == []
         assert c.metric("kvconn_pages_quarantined") == 0 and c.dec.tracker.state(21000) is None
     finally:
+        c.close()
+
+
+def test_a_fence_that_could_not_make_a_new_agent_refuses_rooms_and_gets_one_back_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 40: decode's interface down when the owner fence fires: the old
+    agent goes, UCX refuses the new one ("No such device"). That fence still
+    proves the pages free; until decode has an endpoint again, new rooms are
+    refused at once with the reason (nothing asked, nothing pinned); decode
+    retries on its own, with no room held, and once UCX can make the agent
+    every rank re-bootstraps and rooms complete."""
+    require_library("nixl")
+    nixl_backend = importlib.import_module("kvconn_nixl.backend")  # the module (``backend`` is its object)
+
+    c = Cluster(
+        backend="nixl",
+        page_bytes=256 << 10,
+        num_pages=96,
+        write_timeout_s=0.5,
+        abort_timeout_s=1.5,
+        chunk_pages=2,
+        chunk_gap_s=0.05,
+        decode_config={"owner_fence_after_s": AFTER_S, "owner_fence_min_interval_s": 60.0},
+    )
+    real = nixl_backend.make_agent
+    try:
+        rx, pages = c.open(31000, ROOM_PAGES, frozenset({0}))
+        wait_for(lambda: c.landed_bytes(pages) > 0, 20, "first bytes of the room")
+        c.ranks[0].signal(signal.SIGSTOP)
+
+        def no_device(*args: object, **kwargs: object) -> object:
+            raise RuntimeError("NIXL_ERR_BACKEND: No such device")
+
+        monkeypatch.setattr(nixl_backend, "make_agent", no_device)  # decode's agents only: it runs here
+        rx.abort()
+        wait_for(lambda: c.released(31000) is not None, 15, "release by the owner fence")
+        rel = c.released(31000)
+        assert rel is not None and rel.proof is Proof.OWNER_FENCE
+        assert c.metric("kvconn_owner_fences_total", outcome="no_endpoint") >= 1
+        assert c.metric("kvconn_transport_endpoint_up") == 0
+        with pytest.raises(UnavailableError, match="No such device") as refused:
+            c.open(32000, ROOM_PAGES, frozenset({1}))
+        assert refused.value.cause == "endpoint_down" and c.dec.held_pages() == 0
+        assert c.metric("kvconn_requests_refused_total", reason="endpoint_down") == 1
+        monkeypatch.setattr(nixl_backend, "make_agent", real)  # the interface is back
+        wait_for(lambda: c.metric("kvconn_transport_endpoint_up") == 1, 30, "the endpoint made again")
+        assert c.metric("kvconn_owner_fences_total", outcome="ok") == 1
+        assert c.metric("kvconn_quarantines_total") == 1  # no room held since: retried all the same
+        wait_for(lambda: _up(c, 1), 10, "rank 1 re-bootstrapped")
+        rx1, pages1 = c.open(33000, ROOM_PAGES, frozenset({1}))
+        wait_for(lambda: rx1.poll() is KVPoll.SUCCESS, 20, "rank 1's room after the endpoint came back")
+        assert c.correct(33000, pages1, ranks=[1])
+        c.finish(rx1)
+        c.ranks[0].signal(signal.SIGCONT)
+        wait_for(lambda: _up(c, 0), 10, "rank 0 re-bootstrapped after it resumed")
+        assert c.late_bytes() == 0 and c.late_pages(pages) == []
+    finally:
+        monkeypatch.setattr(nixl_backend, "make_agent", real)
         c.close()

@@ -76,3 +76,45 @@ def test_partition_mid_transfer(fabric: Fabric) -> None:
         assert c.late_bytes() == 0
     finally:
         c.close()
+
+
+LONG_CUT_S = 30.0  #: TCP retransmits at about 25 s and 51 s into it: the heal falls between
+
+
+def test_pages_come_back_soon_after_a_long_partition_heals(fabric: Fabric) -> None:
+    """Issue 40, capacity back once a proof can exist: after a long cut, TCP
+    retransmits on its backed-off timer (a 30 s cut measured 23 s from the
+    heal to the first frame through), and a quarantined room's ABORTs are
+    re-sent ever further apart. A connection unacked past the peer timeout
+    is made anew, and a rank that answers again is asked at once: the
+    pages come back within seconds of the heal."""
+    decode, link = fabric["decode"], fabric["prefill0"]
+    with decode.entered():
+        c = Cluster(
+            num_ranks=1,
+            write_timeout_s=0.4,
+            abort_timeout_s=1.2,
+            decode_host=decode.ip,
+            rank_host=link.ip,
+            netns=link.netns,
+            backend_options={"piece_bytes": "16384", "piece_delay_s": "0.02"},
+            decode_config={"heartbeat_interval_s": 0.5, "peer_timeout_s": 2.0},
+        )
+    try:
+        rx, pages = c.open(9100, ROOM_PAGES)
+        wait_for(lambda: c.landed_bytes(pages) > 0, 10, "first bytes")
+        link.cut()
+        rx.abort()
+        time.sleep(LONG_CUT_S)
+        assert c.released(9100) is None and rx.state() is HoldState.QUARANTINED
+        link.heal()
+        t_heal = time.monotonic()
+        wait_for(lambda: c.released(9100) is not None, 60, "the release after the heal")
+        back_s = time.monotonic() - t_heal
+        rel = c.released(9100)
+        assert rel is not None and rel.proof.value in ("late_acks", "writer_fence"), rel
+        print(f"\ncut {LONG_CUT_S:.0f} s: pages back {back_s:.2f} s after the heal")
+        assert back_s < 6.0, f"pages back {back_s:.2f} s after the heal"
+        assert c.late_bytes() == 0
+    finally:
+        c.close()

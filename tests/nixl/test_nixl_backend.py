@@ -24,7 +24,7 @@ from nixl_procs import PAGE, Child, children, decode_main, pattern, writer_main 
 
 from kvconn.chunk import Chunk, Segment  # noqa: E402
 from kvconn.testing.inprocess import hooks_of  # noqa: E402
-from kvconn.transport import Settlement, Writer  # noqa: E402
+from kvconn.transport import FencedWithoutEndpoint, Settlement, Writer  # noqa: E402
 from kvconn_nixl import FENCE_PROVEN_TLS, Options, backend  # noqa: E402
 
 backend_module = importlib.import_module("kvconn_nixl.backend")  # the module (``backend`` is its object)
@@ -402,3 +402,60 @@ def test_raw_nixl_write_matches() -> None:
         few = [(0, 12 * MiB, PAGE), (PAGE, 13 * MiB + 5, 3 * PAGE)]
         assert raw_write(dec.hello, few, src)[0] == 4 * PAGE
         assert dec.call("verify", 9, 16 * MiB, few) == 0
+
+
+def test_a_region_fence_whose_new_agent_fails_holds_and_the_next_call_makes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode's own interface down at the owner fence: the old agent goes,
+    UCX refuses the new one. The fence held (no agent: nothing can land), so
+    it says so (``FencedWithoutEndpoint``, not ``OwnerFenceFailed``: issue
+    40, counted as failed, decode was left with no endpoint for good); a
+    later call, the interface back, makes the agent, and a writer connected
+    with its metadata lands again."""
+    region = backend.open_region(4 * MiB, {"ucx_tls": "tcp"})
+    try:
+        old = region.metadata
+        real = backend_module.make_agent
+
+        def no_device(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("NIXL_ERR_BACKEND (No such device)")
+
+        monkeypatch.setattr(backend_module, "make_agent", no_device)
+        with pytest.raises(FencedWithoutEndpoint, match="No such device"):
+            region.owner_fence()
+        assert region._agent is None  # the old agent is gone: the fence holds
+        with pytest.raises(FencedWithoutEndpoint, match="No such device"):
+            region.owner_fence()  # still no device: still none, nothing to tear down
+        monkeypatch.setattr(backend_module, "make_agent", real)
+        new = region.owner_fence()
+        assert new != old and region.metadata == new
+        w = backend.open_writer(4 * MiB, {"ucx_tls": "tcp"})
+        try:
+            w.array()[:] = pattern(7, 4 * MiB)
+            w.connect("decode", new)
+            assert write(hooks_of(w), [Segment(0, 0, MiB)]) is Settlement.LANDED
+            assert bytes(region.read(0, MiB)) == bytes(pattern(7, 4 * MiB)[:MiB])
+        finally:
+            w.close()
+    finally:
+        region.close()
+
+
+def test_a_region_fence_is_refused_while_an_earlier_agent_outlives_its_last_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fence that could not destroy the agent (something still holds it)
+    proves nothing, and neither does the next call while it lives on: only
+    once it is really gone does a call fence and make the new one."""
+    region = backend.open_region(MiB, {"ucx_tls": "tcp"})
+    held = region._agent.agent  # keeps the binding alive, as a traceback's frame would
+    try:
+        with pytest.raises(backend_module.OwnerFenceFailed, match="outlived"):
+            region.owner_fence()
+        with pytest.raises(backend_module.OwnerFenceFailed, match="still outlives"):
+            region.owner_fence()  # no agent to tear down now, yet the old one still lives
+        del held
+        assert region.owner_fence() != b""
+    finally:
+        region.close()

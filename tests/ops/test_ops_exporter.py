@@ -140,5 +140,10 @@ def test_counters_alerts_watch_start_at_zero_for_every_known_label() -> None:
         assert m.registry.get_sample_value("kvconn_released_pages_total", {"proof": proof}) == 0.0
     for result in ("ok", "failed"):
         assert m.registry.get_sample_value("kvconn_fences_total", {"result": result}) == 0.0
+    for proof in ("acks", "owner_fence", "unsafe_timeout"):  # and abort-to-release, empty
+        assert m.registry.get_sample_value("kvconn_abort_to_release_seconds_count", {"proof": proof}) == 0.0
+    # a prefill rank's: from its bootstrap, before it can be found down
+    m.known_rank(3, "tcp://10.0.0.7:17000")
     for cause in ("exited", "silent"):
-        assert m.registry.get_sample_value("kvconn_ranks_down_total", {"cause": cause}) == 0.0
+        labels = {"cause": cause, "rank": "3", "address": "tcp://10.0.0.7:17000"}
+        assert m.registry.get_sample_value("kvconn_ranks_down_total", labels) == 0.0

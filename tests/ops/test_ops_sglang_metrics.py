@@ -87,8 +87,14 @@ def test_every_kvconn_family_reaches_sglangs_metrics(sglang_metrics: str) -> Non
         == 1.0
     )
     # decode's families, every one (prefill-only ones have no value at a decode)
-    decode_only = {"kvconn_chunks", "kvconn_acks_sent", "kvconn_fences", "kvconn_plugin_errors"}
+    decode_only = {
+        "kvconn_chunks",
+        "kvconn_acks_sent",
+        "kvconn_fences",
+        "kvconn_plugin_errors",
+        "kvconn_rank_info",
+    }
     expected = {f.name for f in Metrics("decode").registry.collect()} - decode_only
     labelled_unset = {"kvconn_dropped_messages", "kvconn_plugin_errors", "kvconn_abort_to_ack_seconds"}
     assert expected - labelled_unset <= set(families), sorted(expected - set(families))
-    assert SCRAPE_TIME_FAMILIES - {"kvconn_chunks"} <= set(families)
+    assert SCRAPE_TIME_FAMILIES - {"kvconn_chunks", "kvconn_rank_info"} <= set(families)

@@ -3,8 +3,9 @@ the doc itself, and the processes it starts.
 
 The doc's CPU recipe block (the fenced ``bash`` block right after the line
 ``<!-- recipe: tests/sglang/test_sglang_servers.py -->``) is parsed here:
-its ``export`` line and ``NAME="..."`` assignments, its ``python -m``
-commands (prefill, decode, SGLang's router) and its ``curl`` request. The
+its ``export`` line and ``NAME="..."`` assignments, the line that makes
+the model, its ``python -m`` commands (prefill, decode, SGLang's router)
+and its ``curl`` request. The
 test runs exactly those command lines, with the doc's model placeholder and
 ports replaced by a model made at test time and free ports, and with the
 test's own short deadlines added to the environment. A change to the doc
@@ -36,6 +37,8 @@ DOC = ROOT / "docs" / "sglang.md"
 MARKER = "<!-- recipe: tests/sglang/test_sglang_servers.py -->"
 #: What the doc writes where a model folder goes.
 MODEL_PLACEHOLDER = "MODEL"
+#: The script the doc's recipe makes its model with (from the repository's root).
+MODEL_SCRIPT = "tests/sglang/tiny_model.py"
 
 
 class RecipeError(AssertionError):
@@ -53,6 +56,8 @@ class Recipe:
     #: The doc's ``curl`` line: the URL it posts to and its JSON body.
     client_url: str
     client_body: Mapping[str, Any]
+    #: The doc's line that makes the model (``python tests/sglang/tiny_model.py MODEL``).
+    model: tuple[str, ...] = ()
 
     def ports(self) -> list[int]:
         """Every port the doc names (HTTP, bootstrap, the router's metrics)."""
@@ -99,6 +104,7 @@ class Recipe:
             router=argv(self.router),
             client_url=one(self.client_url),
             client_body=self.client_body,
+            model=argv(self.model),
         )
 
 
@@ -172,6 +178,7 @@ def read_recipe(doc: Path = DOC) -> Recipe:
     env: dict[str, str] = {}
     commands: dict[str, tuple[str, ...]] = {}
     client: tuple[str, dict[str, Any]] | None = None
+    model: tuple[str, ...] = ()
     for line in _block(doc.read_text()):
         words = shlex.split(_expand(line, variables))
         if words and words[-1] == "&":
@@ -188,6 +195,8 @@ def read_recipe(doc: Path = DOC) -> Recipe:
             commands[mode] = (sys.executable, *words[1:])
         elif words[:3] == ["python", "-m", "sglang_router.launch_router"]:
             commands["router"] = (sys.executable, *words[1:])
+        elif words[:2] == ["python", MODEL_SCRIPT]:
+            model = (sys.executable, str(ROOT / MODEL_SCRIPT), *words[2:])
         elif words[0] == "curl":
             url = next(w for w in words if w.startswith("http://"))
             body = json.loads(words[words.index("-d") + 1])
@@ -195,8 +204,10 @@ def read_recipe(doc: Path = DOC) -> Recipe:
         else:
             raise RecipeError(f"{DOC.name}: the recipe line {line!r} is not one the test knows")
     missing = {"prefill", "decode", "router"} - commands.keys()
-    if missing or client is None:
-        raise RecipeError(f"{DOC.name}: the recipe lacks {sorted(missing) or 'its curl request'}")
+    if missing or client is None or not model:
+        raise RecipeError(
+            f"{DOC.name}: the recipe lacks {sorted(missing) or ('its curl request' if model else 'its model line')}"
+        )
     return Recipe(
         env=env,
         prefill=commands["prefill"],
@@ -204,6 +215,7 @@ def read_recipe(doc: Path = DOC) -> Recipe:
         router=commands["router"],
         client_url=client[0],
         client_body=client[1],
+        model=model,
     )
 
 

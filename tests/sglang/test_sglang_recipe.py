@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_servers import on_gpus, option, read_recipe
+from sglang_servers import MODEL_SCRIPT, ROOT, on_gpus, option, read_recipe
 
 
 def test_the_docs_recipe_is_a_prefill_a_decode_and_sglangs_router_over_kvconn() -> None:
@@ -25,6 +25,8 @@ def test_the_docs_recipe_is_a_prefill_a_decode_and_sglangs_router_over_kvconn() 
     assert recipe.client_url == f"http://127.0.0.1:{option(recipe.router, '--port')}/generate"
     assert recipe.client_body["sampling_params"]["temperature"] == 0
     assert recipe.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    # the model is made by the doc's own line, into the folder the servers serve
+    assert recipe.model[1:] == (str(ROOT / MODEL_SCRIPT), "MODEL")
 
 
 def test_the_test_binds_the_recipe_to_its_model_and_ports_and_derives_the_plain_server() -> None:
@@ -32,6 +34,7 @@ def test_the_test_binds_the_recipe_to_its_model_and_ports_and_derives_the_plain_
     ports = {p: 40000 + i for i, p in enumerate(recipe.ports())}
     bound = recipe.bound(Path("/models/tiny"), ports)
     assert option(bound.prefill, "--model-path") == "/models/tiny"
+    assert bound.model[-1] == "/models/tiny"
     assert sorted(bound.ports()) == sorted(ports.values())
     assert option(bound.router, "--prefill").endswith(option(bound.prefill, "--port"))
     plain = bound.plain()

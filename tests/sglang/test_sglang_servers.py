@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -36,7 +37,7 @@ from typing import Any
 
 import pytest
 from sglang_servers import Process, Recipe, on_gpus, option, read_recipe
-from tiny_model import TINY_LLAMA, make_tiny_llama
+from tiny_model import TINY_LLAMA
 
 from kvconn.plugins import BackendError, get_backend
 from kvconn.testing.cluster import free_port
@@ -180,8 +181,9 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
     if DEVICE == "cuda":
         doc = on_gpus(doc, 0, int(os.environ.get("KVCONN_SGLANG_TEST_DECODE_GPU", "0")))
     ports = {p: free_port() for p in doc.ports()}
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
-    return doc.bound(model, ports)
+    bound = doc.bound(tmp_path_factory.mktemp("tiny-llama") / "model", ports)
+    subprocess.run(bound.model, check=True, timeout=600)  # the doc's line that makes the model
+    return bound
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,13 @@
 """A tiny random-weight Llama made at test time (no download), for real
 SGLang servers on CPU: 2 layers, 2 KV heads, float32, no tokenizer (the
-servers run with --skip-tokenizer-init: requests carry token ids)."""
+servers run with --skip-tokenizer-init: requests carry token ids).
+
+``python tests/sglang/tiny_model.py FOLDER`` makes it in FOLDER (the first
+line of docs/sglang.md's CPU recipe), in a venv with torch and transformers."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 TINY_LLAMA = {
@@ -29,3 +33,9 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
     config = LlamaConfig(**TINY_LLAMA, torch_dtype="float32")
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python tests/sglang/tiny_model.py FOLDER")
+    print(make_tiny_llama(Path(sys.argv[1])))

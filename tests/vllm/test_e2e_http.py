@@ -8,12 +8,20 @@ its pages by proof, and decode's /metrics shows it.
 
 Prefill writes a little slowly (loopback's ``piece_delay_s``: 16 KiB pieces
 0.05 s apart, 64 KiB per 32-token block, so 0.2 s a block) so that a
-transfer is still in flight when that client hangs up."""
+transfer is still in flight when that client hangs up.
+
+Both servers trace every room into one file (``"tracing": true`` and
+``trace_file`` in ``kv_connector_extra_config``) and abort deadlines are 10 s:
+docs/operations.md's quarantine runbook is followed step by step from the
+two servers' own scrapes with the prefill rank frozen, and that
+aborted request's trace is whole and in order (decode's root span, the
+rank's spans under it)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,10 +41,17 @@ pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
 from vllm_helpers import BLOCK_SIZE, add_word_tokenizer, kv_transfer_config, make_tiny_llama
 
+from kvconn.runtime.trace_export import read_spans
 from kvconn.testing.cluster import free_port
+from kvconn.testing.tracing import order_errors
 from kvconn_vllm.proxy import Proxy, serve
 
+ROOT = Path(__file__).resolve().parents[2]
+
 START_TIMEOUT_S = 300.0
+#: The servers start in the first test that asks for them (up to
+#: START_TIMEOUT_S each, on a loaded machine), then the runbook's waits.
+pytestmark = pytest.mark.timeout(1200)
 SLOW = {"piece_bytes": "16384", "piece_delay_s": "0.05"}
 PROMPTS = {n: " ".join(f"w{(n * 13 + i * 7) % 500 + 3}" for i in range(n)) for n in (5, BLOCK_SIZE, 45, 70)}
 
@@ -50,6 +65,7 @@ class Server:
     ) -> None:
         """``extra``: the connector's kv_connector_extra_config (default: this
         file's, prefill writing at SLOW); ``args``: more of the server's own options."""
+        self.trace_file = Path((extra or {}).get("trace_file", log.with_suffix(".none")))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -119,12 +135,19 @@ class Server:
                 self.proc.wait(30)
 
 
+#: Both servers' settings beside SLOW: every room traced into one file, and
+#: an abort deadline short enough for the runbook test (Config's timers
+#: and tracing, from kv_connector_extra_config).
+TRACED = {"tracing": True, "abort_timeout_s": 10}
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, str]]:
     root = tmp_path_factory.mktemp("http")
     model = add_word_tokenizer(make_tiny_llama(root / "model"))
-    prefill = Server(model, "kv_producer", root / "prefill.log")
-    decode = Server(model, "kv_consumer", root / "decode.log")
+    traced = {**TRACED, "trace_file": str(root / "spans.jsonl")}
+    prefill = Server(model, "kv_producer", root / "prefill.log", {"backend_options": SLOW, **traced})
+    decode = Server(model, "kv_consumer", root / "decode.log", traced)
     proxy = serve(Proxy([prefill.url], [decode.url], timeout_s=120), port=0)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
@@ -153,10 +176,64 @@ def _complete(base: str, prompt: str, **extra: Any) -> Any:
     return json.loads(raw)
 
 
+def _names(server: Server) -> set[str]:
+    """The kvconn metric names on ``server``'s /metrics as a PromQL query
+    names them: every sample's, and a counter family's ``_total`` even before
+    its first labelled sample (its HELP and TYPE lines are there)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("kvconn_"):
+            names.update(s.name for s in family.samples)
+            if family.type == "counter":
+                names.add(family.name + "_total")
+            elif family.type == "gauge":
+                names.add(family.name)
+    return names
+
+
+#: The metric names monitoring/'s dashboard queries.
+DASHBOARD_NAMES = frozenset(
+    re.findall(
+        r"(?<![\w:])kvconn_[a-z0-9_]+", (ROOT / "monitoring/grafana/kvconn-dashboard.json").read_text()
+    )
+) - {"kvconn_endpoint"}
+#: A prefill rank's series at decode: from when decode first asks that instance.
+PER_RANK = {"kvconn_abort_to_ack_seconds_bucket"}
+
+
+def test_every_dashboard_metric_is_on_each_servers_scrape_from_the_start(
+    servers: tuple[Server, Server, str],
+) -> None:
+    """Before any request (this module's first test: the servers are only up),
+    each server's own /metrics has every metric the dashboard queries but a
+    prefill rank's own, which decode's has from its first request on."""
+    prefill, decode, proxy = servers
+    assert len(DASHBOARD_NAMES) >= 27
+    for server in (prefill, decode):
+        assert DASHBOARD_NAMES - PER_RANK - _names(server) == set(), server.url
+    _complete(proxy, PROMPTS[5])
+    deadline = time.monotonic() + 30
+    while DASHBOARD_NAMES - _names(decode):
+        assert time.monotonic() < deadline, f"not on decode's scrape: {DASHBOARD_NAMES - _names(decode)}"
+        time.sleep(0.2)
+
+
 def test_completions_through_the_proxy_equal_one_engines_and_decode_computed_no_prompt(
     servers: tuple[Server, Server, str],
 ) -> None:
     prefill, decode, proxy = servers
+    source = "vllm:prompt_tokens_by_source_total"
+
+    def counts() -> tuple[float, float, float]:
+        return (
+            sum(_samples(decode, source, source="external_kv_transfer")),
+            sum(_samples(decode, source, source="local_compute")),
+            sum(_samples(decode, "vllm:request_success_total", finished_reason="length")),
+        )
+
+    before = counts()
     for n, prompt in PROMPTS.items():
         alone = _complete(prefill.url, prompt)
         disaggregated = _complete(proxy, prompt)
@@ -165,10 +242,8 @@ def test_completions_through_the_proxy_equal_one_engines_and_decode_computed_no_
         assert _complete(proxy, prompt, stream=True) == alone["choices"][0]["text"], (
             f"{n}-token prompt, streamed"
         )
-    source = "vllm:prompt_tokens_by_source_total"
-    assert decode.metric(source, source="external_kv_transfer") == 2 * sum(PROMPTS)
-    assert decode.metric(source, source="local_compute") == 0
-    assert decode.metric("vllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS)
+    remote, local, answered = (after - was for after, was in zip(counts(), before, strict=True))
+    assert (remote, local, answered) == (2 * sum(PROMPTS), 0, 2 * len(PROMPTS))
 
 
 def _samples(server: Server, name: str, **labels: str) -> list[float]:
@@ -268,3 +343,153 @@ def test_a_client_hanging_up_mid_transfer_shows_its_release_on_decodes_metrics(
     assert _samples(decode, "kvconn_quarantine_oldest_seconds", **decode_0) == [0.0]
     assert _samples(decode, "kvconn_pages_quarantined", **decode_0) == [0.0]
     assert _samples(decode, "kvconn_pages_held", **decode_0) == [0.0]
+
+
+def _listener_pid(address: str) -> int:
+    """The process listening at ``address`` (tcp://HOST:PORT), as the runbook
+    finds it: ``ss -ltnp 'sport = :PORT'``."""
+    port = address.rsplit(":", 1)[1]
+    out = subprocess.run(
+        ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    (pid,) = {int(p) for p in re.findall(r"pid=(\d+)", out)}
+    return pid
+
+
+def _state(pid: int) -> str:
+    return subprocess.run(
+        ["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True, timeout=30
+    ).stdout
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def _one(server: Server, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return [
+        (dict(s.labels), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+
+
+def test_the_quarantine_runbook_works_from_the_servers_own_scrapes_and_the_abort_is_traced_end_to_end(
+    servers: tuple[Server, Server, str],
+) -> None:
+    """docs/operations.md, KvconnQuarantineAgeRising, step by step on real
+    servers: a prefill rank frozen with a request's blocks ready to send
+    (SIGSTOP of the process that listens at its address), the request asked
+    of it by decode and aborted there (the client hung up), and quarantined
+    past decode's 10 s deadline. From decode's /metrics,
+    the rank the quarantine waits for (its address), that decode found it
+    down (KvconnRankDown's labels), decode's log line; from the prefill
+    server's /metrics, that the rank is its own; ``ss`` and ``ps`` name the
+    stopped process; SIGCONT, and decode's /metrics shows the release by the
+    rank's late proof. That request's trace, written by both servers'
+    workers: decode's root span, the rank's spans under it, in order."""
+    prefill, decode, proxy = servers
+    dec = {"kvconn_endpoint": "decode-0"}
+    _complete(proxy, PROMPTS[5])  # the instance is known at decode, and the rank reported
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
+    params = Proxy([prefill.url], [decode.url], timeout_s=120).kv_params("/v1/completions", body)
+    (address,) = params["kvconn_prefill"]
+    rank_pid = _listener_pid(address)
+    released_before = {
+        labels["proof"]: value for labels, value in _one(decode, "kvconn_releases_total", **dec)
+    }
+    data = json.dumps({**body, "kv_transfer_params": params}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{decode.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    # the fault: prefill's rank frozen with the request's blocks ready to send
+    os.kill(rank_pid, signal.SIGSTOP)
+    try:
+        with socket.create_connection(("127.0.0.1", decode.port), timeout=10) as conn:
+            conn.sendall(head.encode() + data)
+            _wait_for(
+                lambda: (
+                    sum(
+                        v for _, v in _one(decode, "vllm:num_requests_kv_fetch_by_stage", stage="in_progress")
+                    )
+                    >= 1
+                ),
+                30,
+                "decode never started loading the request's KV",
+            )
+        # the client hung up: vLLM aborts the request, kvconn holds its blocks
+        # The alert's figure: a quarantined room, its age growing.
+        _wait_for(
+            lambda: sum(v for _, v in _one(decode, "kvconn_quarantine_oldest_seconds", **dec)) > 0,
+            90,
+            "no quarantine on decode's /metrics",
+        )
+        # 1. Find the rank, on decode's scrape: the address the quarantined room waits for.
+        waiting = [
+            (lab, v)
+            for lab, v in _one(decode, "kvconn_rooms_awaiting_rank", state="quarantined", **dec)
+            if v > 0
+        ]
+        assert [(lab["address"], lab["rank"], v) for lab, v in waiting] == [(address, "0", 1.0)]
+        found = waiting[0][0]["address"]
+        # ... and decode found it down (KvconnRankDown's labels name it), it hears it no more
+        _wait_for(
+            lambda: [v for _, v in _one(decode, "kvconn_prefill_rank_up", address=found, **dec)] == [0.0],
+            60,
+            "decode still hears the frozen rank",
+        )
+        assert [
+            v for _, v in _one(decode, "kvconn_ranks_down_total", cause="silent", address=found, **dec)
+        ] == [1.0]
+        log = decode.log.read_text(errors="replace")
+        assert f"no proof yet from prefill rank 0 ({found})" in log, decode.tail()
+        assert f"prefill rank 0 ({found}) is down: " in log, decode.tail()
+        # 2. Find its server: the prefill server's own scrape names the address.
+        assert [v for _, v in _one(prefill, "kvconn_rank_info", address=found)] == [1.0]
+        # ... and the process listening there, and 3. why it proves nothing: stopped.
+        pid = _listener_pid(found)
+        assert pid == rank_pid and _state(pid).strip().startswith("T"), _state(pid)
+        held_s = time.monotonic()
+    finally:
+        os.kill(rank_pid, signal.SIGCONT)  # 4. it resumes
+    _wait_for(
+        lambda: sum(v for _, v in _one(decode, "kvconn_rooms_awaiting_rank", address=found, **dec)) == 0,
+        90,
+        "the quarantine did not end after SIGCONT",
+    )
+    after = {labels["proof"]: value for labels, value in _one(decode, "kvconn_releases_total", **dec)}
+    rose = {
+        p: after[p] - released_before.get(p, 0.0) for p in after if after[p] != released_before.get(p, 0.0)
+    }
+    (proof,) = rose
+    assert rose[proof] == 1.0 and proof in ("late_acks", "writer_fence"), rose
+    assert [v for _, v in _one(decode, "kvconn_pages_quarantined", **dec)] == [0.0]
+    assert [v for _, v in _one(decode, "kvconn_prefill_rank_up", address=found, **dec)] == [1.0]
+    print(f"\nrunbook: room released by {proof} {time.monotonic() - held_s:.1f} s after SIGCONT")
+
+    # The aborted request's trace, from both servers' workers.
+    room = params["kvconn_room"]
+
+    def trace() -> list[dict[str, Any]]:
+        spans = read_spans(str(decode.trace_file))
+        roots = [s for s in spans if s["name"] == "kvconn.room" and s["attributes"]["kvconn.room"] == room]
+        if not roots:
+            return []
+        return [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]
+
+    _wait_for(lambda: any(s["name"] == "kvconn.rank.ack" for s in trace()), 30, "the rank's ack span")
+    spans = trace()
+    assert order_errors(spans) == [], spans
+    (root,) = [s for s in spans if s["parent_id"] is None]
+    assert root["attributes"]["kvconn.proof"] == proof
+    ranks = {s["pid"] for s in spans if s["name"].startswith("kvconn.rank.")}
+    assert ranks == {rank_pid} and root["pid"] != rank_pid
+    assert {s["name"] for s in spans} >= {"kvconn.room", "kvconn.rank.room", "kvconn.rank.ack"}
+    assert [e["name"] for e in root["events"]][:2] == ["kvconn.abort", "kvconn.abort_sent"]

@@ -99,14 +99,14 @@ class Proxied:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.prefilled = threading.Event()
-        kv_params = self.proxy.kv_params
+        prefill_leg = self.proxy.prefill_leg
 
-        def noted(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            params = kv_params(path, body)
+        def noted(path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+            leg = prefill_leg(path, body)
             self.prefilled.set()
-            return params
+            return leg
 
-        self.proxy.kv_params = noted  # type: ignore[method-assign]
+        self.proxy.prefill_leg = noted  # type: ignore[method-assign]
         self.answer: Any = None
         self._thread = threading.Thread(target=self._ask, daemon=True)
 

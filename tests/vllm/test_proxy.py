@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import re
 import socket
+import struct
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import pytest
 import standin_engine
 from standin_engine import StandinEngine
 
@@ -223,6 +227,7 @@ def test_a_prefill_told_to_drain_gets_no_new_request_and_comes_back_when_undrain
         assert status == 200 and json.loads(raw)["prefill"][0] == {
             "url": a.url,
             "draining": True,
+            "in_flight": 0,
             "unreachable_for_s": 0.0,
         }
         for _ in range(4):
@@ -344,3 +349,109 @@ def test_a_kept_connection_the_engine_closed_is_retried_on_a_new_one() -> None:
             assert response.status == 200
         assert (prefill.requests, decode.requests) == (4, 4)  # each leg once: no request twice
         assert prefill.connections == decode.connections == 4
+
+
+def _engines(url: str) -> dict[str, dict[str, dict[str, Any]]]:
+    with urllib.request.urlopen(url + "/kvconn/engines", timeout=10) as response:
+        listed = json.loads(response.read())
+    return {role: {e["url"]: e for e in engines} for role, engines in listed.items()}
+
+
+def test_engines_list_the_requests_in_flight_at_each_until_the_decode_leg_ends() -> None:
+    """What to watch while draining: a request counts at its prefill engine
+    from its leg until the decode leg that took its KV from there ended, and
+    at its decode engine for that leg; a client that leaves ends it too."""
+    release = threading.Event()
+
+    class Streaming(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b"data: {}\n\n")
+            self.wfile.flush()
+            release.wait(10)
+            with suppress(OSError):  # the client left
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    decode = ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+    decode_url = f"http://127.0.0.1:{decode.server_port}"
+    prefill = kvconn_prefill()
+    with proxied(prefill, decode_url) as url, running(decode):
+        conns = [
+            http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=10) for _ in range(2)
+        ]
+        for conn in conns:
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "a", "stream": True}))
+        responses = [conn.getresponse() for conn in conns]
+        for r in responses:
+            assert r.status == 200 and r.read1(100)  # the first event: both legs in flight
+        engines = _engines(url)
+        assert engines["prefill"][prefill.url]["in_flight"] == 2
+        assert engines["decode"][decode_url]["in_flight"] == 2
+        conns[0].sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conns[0].close()  # a client that leaves (reset): its request ends at both engines
+        release.set()
+        responses[1].read()  # the second one's answer ends
+        deadline = time.monotonic() + 10
+        while any(e["in_flight"] for role in _engines(url).values() for e in role.values()):
+            assert time.monotonic() < deadline, _engines(url)
+            time.sleep(0.02)
+        conns[1].close()
+
+
+def test_an_engines_503_and_a_client_that_left_are_one_log_line_each_not_a_traceback(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    class Unready(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    decode = ThreadingHTTPServer(("127.0.0.1", 0), Unready)
+    decode_url = f"http://127.0.0.1:{decode.server_port}"
+    with (
+        caplog.at_level(logging.INFO, logger="kvconn_vllm.proxy"),
+        proxied(kvconn_prefill(), decode_url) as url,
+        running(decode),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(urllib.error.HTTPError) as answered:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert answered.value.code == 503
+        for request in (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b""):
+            # a client that resets its connection, with a request sent or before one
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as gone:
+                gone.sendall(request)
+                gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            time.sleep(0.3)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"decode engine {decode_url} answered 503: skipped for 10 s" in lines
+    assert "GET /health -> 503: {}" in lines
+    assert sum("left" in line for line in lines) >= 1, lines
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_help_is_plain_text_and_names_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvconn_vllm.proxy import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert ":class:" not in text and "`" not in text, text
+    # each option's entry: its signature (``--port PORT``), then its help
+    entries = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    helped = {e.split()[0].rstrip(","): " ".join(e.split()[2:]) for e in entries if e.strip()}
+    for option in ("--host", "--port", "--prefill", "--decode", "--timeout", "--unreachable-cooldown"):
+        assert len(helped.get(option, "")) > 10, f"{option} has no help: {helped}"

@@ -41,7 +41,10 @@ def test_options_reach_kvconns_config() -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"abort_timout_s": 3}, "unknown kv_connector_extra_config keys \\['abort_timout_s'\\]"),
+        (
+            {"abort_timout_s": 3},
+            r"unknown kv_connector_extra_config key abort_timout_s \(did you mean abort_timeout_s\?\)",
+        ),
         ({"backend": ""}, "backend must be a plugin name"),
         ({"backend_options": ["a"]}, "backend_options must be a mapping"),
         ({"write_timeout_s": "soon"}, "write_timeout_s must be a number"),

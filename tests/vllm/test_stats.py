@@ -1,7 +1,9 @@
 """kvconn_vllm.stats: a worker's reports, merged as vLLM merges TP workers'
 and recorded as its API server records them, add up to the endpoints' own
-figures; releases arrive as histogram observations by proof. (The path
-through two real servers' /metrics: test_e2e_http.py.)"""
+figures; histograms (abort-to-release by proof, abort-to-ack by rank) arrive
+as their observations; every family is recorded when the metrics are built,
+before any report. (The path through two real servers' /metrics:
+test_e2e_http.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from kvconn.config import Config
 from kvconn.metrics import Metrics
 from kvconn.metrics_relay import Reporter
 from kvconn.plugins import get_backend
-from kvconn.protocol.hold import Release
 from kvconn.runtime.decode import DecodeEndpoint
 from kvconn.runtime.prefill import PrefillRank
 from kvconn_vllm.connector import KvconnConnector
@@ -46,15 +47,25 @@ def test_reports_add_up_to_the_endpoints_figures_and_releases_are_observed() -> 
     prom = KvconnConnector.build_prom_metrics(
         SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
     )
+    engine = {"model_name": "tiny", "engine": "0"}
+    # before any report: every family kvconn has, its name on the scrape (a
+    # labelled one with no event yet as its HELP and TYPE lines)
+    assert {f.name for f in Metrics("decode").registry.collect()} <= {f.name for f in registry.collect()}
+    # before any report: every family, its counters at 0 for each label value alerts watch
+    for proof in ("acks", "unsafe_timeout"):
+        at = {**engine, "kvconn_endpoint": "decode-0", "proof": proof}
+        assert registry.get_sample_value("kvconn_releases_total", at) == 0.0
+        assert registry.get_sample_value("kvconn_abort_to_release_seconds_count", at) == 0.0
+    for name in ("kvconn_pages_quarantined", "kvconn_quarantine_oldest_seconds", "kvconn_poisoned_rooms"):
+        assert registry.get_sample_value(name, {**engine, "kvconn_endpoint": "decode-0"}) == 0.0
+    assert (
+        registry.get_sample_value("kvconn_acks_sent_total", {**engine, "kvconn_endpoint": "prefill-0"}) == 0.0
+    )
     clock = [0.0]
     reporter = Reporter(clock=lambda: clock[0])
     config = Config(write_timeout_s=1.0, abort_timeout_s=5.0)
     rank = PrefillRank(get_backend("loopback"), 0, 64 * PAGE, config)
-
-    def released(release: Release) -> None:
-        reporter.released("decode-0", release)
-
-    decode = DecodeEndpoint(get_backend("loopback"), 64, PAGE, [rank.address], config, on_release=released)
+    decode = DecodeEndpoint(get_backend("loopback"), 64, PAGE, [rank.address], config)
     endpoints: list[tuple[str, Metrics]] = [("decode-0", decode.metrics), ("prefill-0", rank.metrics)]
     try:
         first = reporter.take(endpoints)
@@ -91,6 +102,14 @@ def test_reports_add_up_to_the_endpoints_figures_and_releases_are_observed() -> 
             {"model_name": "tiny", "engine": "0", "kvconn_endpoint": "decode-0", "proof": "acks"},
         )
         assert count == 2.0
+        # each rank's acks, labelled with its id and address, exactly as decode observed them
+        me = {**engine, "kvconn_endpoint": "decode-0", "rank": "0", "address": rank.address}
+        for suffix in ("_count", "_sum"):
+            name = "kvconn_abort_to_ack_seconds" + suffix
+            recorded = registry.get_sample_value(name, me)
+            assert recorded == decode.metrics.value(name, rank="0", address=rank.address) > 0, name
+        up = registry.get_sample_value("kvconn_prefill_rank_up", {**me})
+        assert up == 1.0
         assert merged.reduce()["kvconn releases"] == 2
     finally:
         decode.close()

@@ -38,6 +38,14 @@ class PageError(KvconnError, ValueError):
     belonging to another room whose pages are not back yet."""
 
 
+class PageInUseError(PageError):
+    """Pages kvconn still guards for another room (open, held or
+    quarantined): the engine's allocator handed them out before kvconn's
+    ``on_release``, so a late write of that room could land in them. Counted
+    (``kvconn_requests_refused_total{reason="pages_in_use"}``) and alerted on:
+    it is a bug in the engine's integration, not a fault of the network."""
+
+
 class IncompleteRoomError(KvconnError, ValueError):
     """A last chunk that leaves destination pages of the room unwritten:
     decode would be told Success with stale pages."""
@@ -53,6 +61,19 @@ class RequestError(KvconnError, ValueError):
     ranks or unknown ones, an extras slot outside the layout, addresses that
     name a rank twice or a rank of another instance. (Also a ValueError: what
     these calls raised before.)"""
+
+
+class UnavailableError(RequestError):
+    """decode cannot ask for the room now, and asked nothing: a rank it names
+    is down (silent, exited, restarted, or re-bootstrapping after an owner
+    fence), or this endpoint has no transport endpoint since its owner fence
+    (it makes a new one on its own, with bounded retries). No page was taken:
+    route the request to another instance, recompute it, or retry later.
+    ``cause``: ``"rank_down"`` or ``"endpoint_down"``."""
+
+    def __init__(self, message: str, room: int | None = None, cause: str = "rank_down") -> None:
+        super().__init__(message, room)
+        self.cause = cause
 
 
 class FinishRefusedError(RoomStateError):
@@ -91,7 +112,9 @@ __all__ = [
     "IncompleteRoomError",
     "KvconnError",
     "PageError",
+    "PageInUseError",
     "RequestError",
     "RoomInUseError",
     "RoomStateError",
+    "UnavailableError",
 ]

@@ -10,7 +10,7 @@ one or more registries over HTTP for an engine that has no metrics endpoint.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
@@ -22,8 +22,17 @@ from kvconn.transport import Settlement
 #: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
 FENCE_RESULTS = ("ok", "failed")
 RANK_DOWN_CAUSES = ("exited", "silent")
-#: ``kvconn_owner_fences_total{outcome}``.
-OWNER_FENCE_OUTCOMES = ("ok", "failed")
+#: ``kvconn_owner_fences_total{outcome}``: "no_endpoint" held, but left the
+#: region without a transport endpoint until a later try makes one.
+OWNER_FENCE_OUTCOMES = ("ok", "failed", "no_endpoint")
+#: ``kvconn_requests_refused_total{reason}``: why ``receiver()`` asked nothing.
+#: "pages_in_use": the engine handed out pages kvconn still guards (a bug of
+#: its integration, alerted on); "rank_down" / "endpoint_down": it could only
+#: fail (kvconn.errors.UnavailableError); "draining"; "room_in_use"; a new
+#: instance's "bootstrap" failed; "invalid" arguments.
+REFUSAL_REASONS = (
+    "pages_in_use", "rank_down", "endpoint_down", "draining", "room_in_use", "bootstrap", "invalid",
+)  # fmt: skip
 
 #: Families whose values exist only when a registry is scraped (the chunk
 #: tally's plain ints, decode's hold gauges computed from its tracker):
@@ -37,8 +46,16 @@ SCRAPE_TIME_FAMILIES = frozenset(
         "kvconn_pages_quarantined",
         "kvconn_quarantine_oldest_seconds",
         "kvconn_acks_awaiting_drain",
+        "kvconn_transport_endpoint_up",
+        "kvconn_prefill_rank_up",
+        "kvconn_rooms_awaiting_rank",
+        "kvconn_rank_info",
     }
 )
+#: The labels that name a prefill rank at decode: its endpoint-wide id (the
+#: one decode's log uses, counted across the instances it serves) and its
+#: control address (``tcp://HOST:PORT``: the host, and the port it listens on).
+RANK_LABELS = ("rank", "address")
 
 #: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
 LATENCY_BUCKETS = (
@@ -96,11 +113,35 @@ class ScrapeGauge:
         yield GaugeMetricFamily(self.name, self.documentation, value=float(self._read()))
 
 
+class LabelledScrapeGauge:
+    """A :class:`ScrapeGauge` with labels: ``set_function(read)``, where
+    ``read()`` gives ``(label values, value)`` of every series (every one,
+    zeros too: a series left out vanishes from the scrape, and a relayed
+    copy would keep its last value)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, list(labelnames)
+        self._read: Callable[[], Iterable[tuple[Sequence[str], float]]] = list
+        registry.register(self)
+
+    def set_function(self, read: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, value in self._read():
+            family.add_metric(list(values), float(value))
+        yield family
+
+
 class Metrics:
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.role = role
+        self._listeners: list[Callable[[str, Mapping[str, str], float], None]] = []
         self.dropped = Counter("kvconn_dropped_messages", "Control frames dropped", ["reason"], registry=r)
         self.messages = Counter("kvconn_messages", "Control messages handled", ["type"], registry=r)
         #: ``messages``' child per message type: ``labels()`` costs a few µs, on every message.
@@ -124,6 +165,12 @@ class Metrics:
             registry=r,
             buckets=FINE_BUCKETS,
         )
+        self.rank_info = LabelledScrapeGauge(
+            "kvconn_rank_info",
+            "1, labelled with this prefill rank's control address (what decode's per-rank series name it by)",
+            ["address", "rank"],
+            r,
+        )
         # decode side
         self.acks_received = Counter("kvconn_acks_received", "ABORT_ACKs that proved a rank", registry=r)
         self.aborts_sent = Counter("kvconn_aborts_sent", "ABORT messages sent", registry=r)
@@ -139,7 +186,10 @@ class Metrics:
             "kvconn_room_deadlines", "Open rooms failed by their transfer deadline", registry=r
         )
         self.ranks_down = Counter(
-            "kvconn_ranks_down", "Prefill ranks found dead or unreachable, by cause", ["cause"], registry=r
+            "kvconn_ranks_down",
+            "Prefill ranks found dead or unreachable, by cause and rank",
+            ["cause", *RANK_LABELS],
+            registry=r,
         )
         self.rank_restarts = Counter(
             "kvconn_rank_restarts", "Prefill ranks re-bootstrapped with a new session", registry=r
@@ -155,6 +205,19 @@ class Metrics:
         self.owner_fence_pages = Counter(
             "kvconn_owner_fence_pages_recovered", "Held pages released by an owner fence", registry=r
         )
+        self.requests_refused = Counter(
+            "kvconn_requests_refused",
+            "Requests decode refused before asking any rank, by reason (pages_in_use: the engine "
+            "reused pages kvconn had not released)",
+            ["reason"],
+            registry=r,
+        )
+        self.endpoint_up = ScrapeGauge(
+            "kvconn_transport_endpoint_up",
+            "1 while decode's region has a transport endpoint (0: an owner fence left none yet)",
+            r,
+        )
+        self.endpoint_up.set(1.0)  # a prefill rank's is always up; decode's reads its state
         self.rooms_held = ScrapeGauge("kvconn_rooms_held", "Rooms held after abort", r)
         self.acks_draining = ScrapeGauge(
             "kvconn_acks_awaiting_drain",
@@ -176,9 +239,21 @@ class Metrics:
         self.ack_wait = Histogram(
             "kvconn_abort_to_ack_seconds",
             "Abort to a rank's accepted ABORT_ACK, by rank: which rank holds aborted pages",
-            ["rank"],
+            list(RANK_LABELS),
             registry=r,
             buckets=LATENCY_BUCKETS,
+        )
+        self.rank_up = LabelledScrapeGauge(
+            "kvconn_prefill_rank_up",
+            "1 while decode hears a prefill rank it bootstrapped, 0 while it finds it down",
+            RANK_LABELS,
+            r,
+        )
+        self.awaiting_rank = LabelledScrapeGauge(
+            "kvconn_rooms_awaiting_rank",
+            "Aborted rooms (held or quarantined) whose pages wait for this prefill rank's proof",
+            [*RANK_LABELS, "state"],
+            r,
         )
         self.quarantine_seconds = Counter(
             "kvconn_quarantine_seconds", "Time released rooms spent in quarantine", registry=r
@@ -189,12 +264,52 @@ class Metrics:
         for proof in Proof:
             self.releases.labels(proof.value)
             self.released_pages.labels(proof.value)
+            self.release_latency.labels(proof.value)
         for result in FENCE_RESULTS:
             self.fences.labels(result)
-        for cause in RANK_DOWN_CAUSES:
-            self.ranks_down.labels(cause)
         for outcome in OWNER_FENCE_OUTCOMES:
             self.owner_fences.labels(outcome)
+        for reason in REFUSAL_REASONS:
+            self.requests_refused.labels(reason)
+
+    def labelnames(self) -> dict[str, tuple[str, ...]]:
+        """Each family's label names, by family name (``le`` aside): what an
+        engine's relay needs to make a family before its first sample."""
+        names: dict[str, tuple[str, ...]] = {}
+        for value in vars(self).values():
+            if isinstance(value, Counter | Gauge | Histogram):
+                (family,) = value.describe()
+                names[family.name] = tuple(getattr(value, "_labelnames", ()))
+            elif isinstance(value, Tally):
+                names[value.name] = (value.label,)
+            elif isinstance(value, LabelledScrapeGauge):
+                names[value.name] = tuple(value.labelnames)
+            elif isinstance(value, ScrapeGauge):
+                names[value.name] = ()
+        return names
+
+    def listen(self, observed: Callable[[str, Mapping[str, str], float], None]) -> None:
+        """Call ``observed(histogram name, labels, value)`` for each
+        observation made through :meth:`observe` from now on (on the thread
+        that observes, under the endpoint's lock: it must only take note):
+        how an engine's relay carries histograms exactly."""
+        self._listeners.append(observed)
+
+    def observe(self, histogram: Histogram, name: str, value: float, **labels: str) -> None:
+        """``histogram`` (``name``) observes ``value`` for ``labels``, and the listeners hear of it."""
+        histogram.labels(**labels).observe(value)
+        for observed in self._listeners:
+            observed(name, labels, value)
+
+    def known_rank(self, rank: int, address: str) -> None:
+        """Decode bootstrapped prefill rank ``rank`` at ``address``: its
+        series exist from now, at 0 (``kvconn_ranks_down_total`` for each
+        cause, so that ``increase()`` sees its first event; its abort-to-ack
+        histogram, empty)."""
+        labels = (str(rank), address)
+        for cause in RANK_DOWN_CAUSES:
+            self.ranks_down.labels(cause, *labels)
+        self.ack_wait.labels(*labels)
 
     def count_message(self, kind: type) -> None:
         """One more control message of type ``kind`` handled."""
@@ -204,9 +319,15 @@ class Metrics:
         counter.inc()
 
     def value(self, name: str, **labels: str) -> float:
-        """A sample's value (0 if never set): ``value("kvconn_releases_total", proof="acks")``."""
-        v = self.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else float(v)
+        """The sum of the samples ``name`` whose labels include ``labels``
+        (0 if none): ``value("kvconn_releases_total", proof="acks")``,
+        ``value("kvconn_ranks_down_total", cause="silent")`` (every rank)."""
+        total = 0.0
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+        return total
 
     def buckets(self, name: str, **labels: str) -> list[tuple[float, float]]:
         """A histogram's cumulative buckets, ``(upper bound, count)`` in order

@@ -27,18 +27,25 @@ so one rule holds everywhere:
 * a key given twice is refused, naming both values: on one command line two
   values of one key are a mistake to point out, not one to settle silently
   by their order.
+
+Where several items share one string (``KVCONN_SGLANG_BACKEND_OPTIONS``,
+``k=v,k=v``), :func:`split_key_values` splits it at the commas that begin
+a new ``KEY=`` item, so a value may hold commas itself:
+``freeze_chunks=0:7:0,0:8:1,piece_bytes=4096`` is two items, the first
+with two ``rank:room:index`` entries.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TypeVar
 
 from kvconn.errors import KvconnError
 
-__all__ = ["BackendOptions", "OptionError", "parse_key_values"]
+__all__ = ["BackendOptions", "OptionError", "parse_key_values", "split_key_values"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -66,6 +73,20 @@ def parse_key_values(items: Iterable[str], what: str) -> dict[str, str]:
             raise OptionError(f"{what}: {key!r} given twice ({key}={out[key]!r} and {key}={value!r})")
         out[key] = value
     return out
+
+
+#: A comma that starts a new item (followed by ``KEY=``, blanks allowed
+#: around; or by a bare ``=``, an item with no key, refused) or ends the
+#: text (a trailing comma).
+_ITEM_START = re.compile(r",(?=\s*(?:(?:[A-Za-z_][A-Za-z0-9_.-]*)?\s*=|$))")
+
+
+def split_key_values(text: str, what: str) -> dict[str, str]:
+    """``k=v,k=v`` text as a mapping: items split at the commas followed by
+    ``KEY=`` (a comma followed by anything else stays in the value), each
+    read by :func:`parse_key_values`; blank items are skipped."""
+    items = [item for item in _ITEM_START.split(text) if item.strip()]
+    return parse_key_values(items, what)
 
 
 class BackendOptions:

@@ -107,6 +107,12 @@ class PageRegion(Protocol):
     #     region's memory and contents stay (same offsets, same bytes);
     #     ``metadata`` is the new value. Writers must ``connect`` again with the
     #     new metadata; every write in flight to this region fails.
+    #
+    #     Raise FencedWithoutEndpoint when the old endpoint is gone (so the
+    #     fence holds) but the new one could not be made yet: the core calls
+    #     again later (with no endpoint to tear down, the call only makes one).
+    #     Raise OwnerFenceFailed when the old endpoint may still be reachable:
+    #     nothing is proven then.
     #     """
 
 
@@ -119,8 +125,18 @@ class OwnerFenceFailed(KvconnError, RuntimeError):
     destroyed): nothing is proven; the region's pages stay held."""
 
 
+class FencedWithoutEndpoint(KvconnError, RuntimeError):
+    """The owner fence held (the old endpoint is gone: nothing sent to it can
+    land) but the region's new endpoint could not be made yet (the message
+    says why: UCX refuses an agent while the interface it is pinned to has
+    no carrier). The core releases what the fence proved, refuses requests
+    meanwhile and calls ``owner_fence()`` again on a bounded schedule."""
+
+
 def owner_fence(region: PageRegion) -> bytes:
-    """``region.owner_fence()``: stop every late byte to ``region``; the region's new metadata.
+    """``region.owner_fence()``: stop every late byte to ``region``; the
+    region's new metadata (:class:`FencedWithoutEndpoint` if the fence held
+    but left the region without an endpoint for now: call again to make one).
 
     Only for a region whose backend claims ``Capabilities.owner_fence``; the
     caller checks the claim (``capabilities_of``) and hands the returned

@@ -22,7 +22,13 @@ import numpy.typing as npt
 from kvconn.buffers import Buffer, FlatSpace
 from kvconn.chunk import Chunk, Segment, SegmentTable
 from kvconn.hookspecs import hookimpl
-from kvconn.transport import Capabilities, OwnerFenceFailed, OwnerFenceUnsupported, Settlement
+from kvconn.transport import (
+    Capabilities,
+    FencedWithoutEndpoint,
+    OwnerFenceFailed,
+    OwnerFenceUnsupported,
+    Settlement,
+)
 from kvconn_nixl._nixl import (
     LIST_MAX_ROWS,
     Options,
@@ -67,6 +73,8 @@ class NixlRegion:
         # (``progress_thread`` is the writers' choice).
         self._agent: Any = None
         self._reg: Any = None
+        #: An agent a failed fence could not destroy (still referenced).
+        self._outliving: weakref.ref[Any] | None = None
         self._closed = False
         self.metadata = self._new_agent()
         #: Seconds the last owner_fence took (teardown + new agent).
@@ -88,12 +96,24 @@ class NixlRegion:
         writer reached it through) and register the same memory with a new
         one; the new metadata. Measured over tcp: no byte posted to the old
         agent lands after it, from a frozen writer resumed or a partition
-        healed. Writers must connect again with the new metadata."""
+        healed. Writers must connect again with the new metadata.
+
+        ``FencedWithoutEndpoint``: the old agent is gone, but UCX refused the
+        new one (it does while the pinned interface has no carrier: "No such
+        device"). The fence holds all the same (no agent, nothing can land);
+        the next call only makes the agent."""
         if not self.options.fence_proven:
             raise OwnerFenceUnsupported(
                 f"nixl owner fence: not proven for ucx_tls={self.options.ucx_tls} / {self.options.memory}"
             )
         t0 = time.monotonic()
+        if self._outliving is not None:
+            gc.collect()
+            if self._outliving() is not None:
+                # An earlier fence's agent is still referenced somewhere: it
+                # may still take writes, so nothing is proven yet.
+                raise OwnerFenceFailed("nixl owner fence: an earlier agent still outlives its last reference")
+            self._outliving = None
         if self._agent is not None:
             wrapper, reg = self._agent, self._reg
             self._agent = self._reg = None
@@ -106,13 +126,19 @@ class NixlRegion:
             gc.collect()
             if agent_left() is not None:
                 # Held elsewhere (a traceback's frame): not destroyed, so no
-                # fence; the region keeps no agent and the next call retries.
+                # fence; every later call fails too until it is.
+                self._outliving = agent_left
                 raise OwnerFenceFailed("nixl owner fence: the region's agent outlived its last reference")
-        # Only once the old agent is gone. If the new one cannot be made (UCX
-        # refuses while the pinned interface has no carrier), the fence holds
-        # all the same: no agent, nothing can land; a later call makes it.
-        self.metadata = self._new_agent()
-        self.last_owner_fence_s = time.monotonic() - t0
+        # Only once the old agent is gone.
+        try:
+            self.metadata = self._new_agent()
+        except Exception as exc:  # nixl raises its own (nixlBackendError, RuntimeError) classes
+            self._agent = self._reg = None
+            raise FencedWithoutEndpoint(
+                f"nixl owner fence: the old agent is gone, a new one could not be made: {exc}"
+            ) from exc
+        finally:
+            self.last_owner_fence_s = time.monotonic() - t0
         return self.metadata
 
     def array(self) -> np.ndarray:

@@ -36,6 +36,7 @@ from kvconn.runtime.drain_signal import drain_on_signal
 from kvconn.runtime.prefill import KVPoll as KvconnPoll
 from kvconn.runtime.prefill import PrefillRank
 from kvconn.runtime.prefill import Sender as KvconnSender
+from kvconn.runtime.trace_export import trace_to_file
 from kvconn_sglang.memory import engine_kv
 from kvconn_sglang.metrics import Relay, multiprocess_mode
 from kvconn_sglang.poll import to_sglang
@@ -104,6 +105,8 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.settings = settings or Settings.from_env()
+        if self.settings.config.tracing and self.settings.trace_file:
+            trace_to_file(self.settings.trace_file)
         self.backend = get_backend(self.settings.transport)
         tp_size, tp_rank = _attention_tp(server_args, int(args.engine_rank))
         self.tp_size, self.tp_rank = tp_size, tp_rank

@@ -14,10 +14,16 @@ runs wherever the connector does::
 Draining an engine (scale-down, rolling upgrade): ``POST /kvconn/drain`` with
 ``{"prefill": URL}`` or ``{"decode": URL}`` takes it out of the rotation (the
 requests it is serving finish), ``POST /kvconn/undrain`` puts it back, and
-``GET /kvconn/engines`` lists them. An engine that refuses connections or
-answers 503 (shutting down) before a leg started is skipped for
-``--unreachable-cooldown`` seconds and the leg goes to the next one: a
-request that had not started never fails because one engine is going away.
+``GET /kvconn/engines`` lists them, each with ``in_flight``: the requests
+the proxy sent through it that have not ended (at a prefill engine, from
+its leg until the decode leg that took the request's KV ended). An engine
+that refuses connections or answers 503 (shutting down) before a leg
+started is skipped for ``--unreachable-cooldown`` seconds and the leg goes
+to the next one: a request that had not started never fails because one
+engine is going away.
+
+It logs one line (stderr) for each error it answers and each client that
+left, never a traceback for either.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -39,9 +46,7 @@ from kvconn_vllm.upstream import EngineError, Response, Upstream
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 #: Read endpoints answered by a decode engine.
 PASS_THROUGH = ("/v1/models", "/health", "/version")
-#: An engine's answer as the proxy relays it: status, content type, body
-#: length (None: streamed, its end unknown) and body chunks.
-Relayed = tuple[int, str, int | None, Generator[bytes, None, None]]
+log = logging.getLogger(__name__)
 
 
 class UpstreamError(Exception):
@@ -55,6 +60,35 @@ class UpstreamError(Exception):
         #: Nothing of the leg started there (unreachable, or 503: shutting
         #: down): it may go to another engine.
         self.elsewhere = elsewhere
+
+
+class Body:
+    """An engine's answer's body as the proxy relays it, in chunks; closing
+    it (at its end, or early: the client left, or the answer never began)
+    closes the engine's answer and ends the request's count at its engines."""
+
+    def __init__(self, response: Response, done: Callable[[], None]) -> None:
+        self._response, self._done = response, done
+        self._chunks = response.chunks()
+        self._closed = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._chunks
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._chunks.close()
+            self._response.close_unless_read()
+        finally:
+            self._done()
+
+
+#: An engine's answer as the proxy relays it: status, content type, body
+#: length (None: streamed, its end unknown) and body.
+Relayed = tuple[int, str, int | None, Body]
 
 
 def _error(status: int, message: str, elsewhere: bool = False) -> UpstreamError:
@@ -89,6 +123,8 @@ class _Engines:
         self.cooldown_s, self.clock = cooldown_s, clock
         self.draining: set[str] = set()
         self._out_until: dict[str, float] = {}
+        #: Requests sent through each engine that have not ended.
+        self._in_flight: dict[str, int] = dict.fromkeys(self.urls, 0)
 
     def candidates(self) -> list[str]:
         """The engines to try for one leg, in order: the next in turn first."""
@@ -108,6 +144,14 @@ class _Engines:
         with self._lock:
             self._out_until[url] = self.clock() + self.cooldown_s
 
+    def started(self, url: str) -> None:
+        with self._lock:
+            self._in_flight[url] += 1
+
+    def ended(self, url: str) -> None:
+        with self._lock:
+            self._in_flight[url] -= 1
+
     def set_draining(self, url: str, draining: bool) -> None:
         url = url.rstrip("/")
         if url not in self.urls:
@@ -122,6 +166,7 @@ class _Engines:
                 {
                     "url": u,
                     "draining": u in self.draining,
+                    "in_flight": self._in_flight[u],
                     "unreachable_for_s": max(0.0, self._out_until.get(u, 0.0) - now),
                 }
                 for u in self.urls
@@ -155,15 +200,25 @@ class Proxy:
 
     def _first(self, engines: _Engines, path: str, body: dict[str, Any] | None) -> tuple[str, Response]:
         """The first engine that takes the leg, and its response; one found
-        unreachable or shutting down before the leg started is skipped."""
+        unreachable or shutting down before the leg started is skipped. The
+        leg counts as in flight there (the caller ends it)."""
         error: UpstreamError | None = None
         for base in engines.candidates():
+            engines.started(base)
             try:
                 return base, self._open(base + path, body)
             except UpstreamError as exc:
+                engines.ended(base)
                 if not exc.elsewhere:
                     raise
                 engines.unreachable(base)
+                log.info(
+                    "%s engine %s %s: skipped for %.0f s",
+                    engines.role,
+                    base,
+                    "is unreachable" if exc.status == 502 else f"answered {exc.status}",
+                    engines.cooldown_s,
+                )
                 error = exc
         assert error is not None  # candidates() is never empty
         raise error
@@ -184,36 +239,59 @@ class Proxy:
 
     def kv_params(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run the prefill leg; return the ``kv_transfer_params`` for decode."""
+        base, params = self.prefill_leg(path, body)
+        self.prefill.ended(base)
+        return params
+
+    def prefill_leg(self, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The prefill leg: the engine that ran it (the request stays in
+        flight there until the caller ends it) and its ``kv_transfer_params``."""
         base, response = self._first(self.prefill, path, prefill_request(body))
         url = base + path
         try:
-            answer = json.loads(response.read())
-        except EngineError as exc:
-            raise _error(502, str(exc)) from exc
-        except ValueError as exc:
-            raise _error(502, f"{url} answered something that is not JSON: {exc}") from exc
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(params, dict):
-            raise _error(
-                502,
-                f"{url} answered no kv_transfer_params: is it a vllm serve with "
-                "kv_connector=KvconnConnector and kv_role kv_producer or kv_both?",
-            )
-        return params
+            try:
+                answer = json.loads(response.read())
+            except EngineError as exc:
+                raise _error(502, str(exc)) from exc
+            except ValueError as exc:
+                raise _error(502, f"{url} answered something that is not JSON: {exc}") from exc
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if not isinstance(params, dict):
+                raise _error(
+                    502,
+                    f"{url} answered no kv_transfer_params: is it a vllm serve with "
+                    "kv_connector=KvconnConnector and kv_role kv_producer or kv_both?",
+                )
+        except BaseException:
+            self.prefill.ended(base)
+            raise
+        return base, params
 
     def generate(self, path: str, body: dict[str, Any]) -> Relayed:
-        """Both legs: status, content type and the decode engine's body."""
-        params = self.kv_params(path, body)
-        return _relayed(self._first(self.decode, path, {**body, "kv_transfer_params": params})[1])
+        """Both legs: status, content type and the decode engine's body. The
+        request is in flight at its prefill engine until the decode leg (which
+        took its KV from there) ends."""
+        prefill, params = self.prefill_leg(path, body)
+        try:
+            decode, response = self._first(self.decode, path, {**body, "kv_transfer_params": params})
+        except BaseException:
+            self.prefill.ended(prefill)
+            raise
+
+        def done() -> None:
+            self.decode.ended(decode)
+            self.prefill.ended(prefill)
+
+        return response.status, response.content_type, response.length, Body(response, done)
 
     def get(self, path: str) -> Relayed:
-        return _relayed(self._first(self.decode, path, None)[1])
-
-
-def _relayed(response: Response) -> Relayed:
-    """An engine's answer as it comes (closing the chunks early closes the
-    engine's connection)."""
-    return response.status, response.content_type, response.length, response.chunks()
+        base, response = self._first(self.decode, path, None)
+        return (
+            response.status,
+            response.content_type,
+            response.length,
+            Body(response, lambda: self.decode.ended(base)),
+        )
 
 
 def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
@@ -276,41 +354,60 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self, leg: Callable[[], Relayed]) -> None:
             try:
-                status, content_type, length, chunks = leg()
+                status, content_type, length, body = leg()
             except UpstreamError as exc:
                 return self._send_error(exc)
             chunked = length is None and self.request_version == "HTTP/1.1"
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            if length is not None:
-                self.send_header("Content-Length", str(length))
-            elif chunked:
-                self.send_header("Transfer-Encoding", "chunked")
-            else:
-                self.close_connection = True
-                self.send_header("Connection", "close")
-            self.end_headers()
             try:
-                for chunk in chunks:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                if length is not None:
+                    self.send_header("Content-Length", str(length))
+                elif chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.close_connection = True
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                for chunk in body:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
                     self.wfile.flush()
                 if chunked:
                     self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError):
+            except ConnectionError as exc:
                 # The client left: closing decode's connection (closing the
-                # chunks) makes vLLM abort the request.
+                # body) makes vLLM abort the request.
                 self.close_connection = True
-            except EngineError:
+                self._client_left(exc)
+            except EngineError as exc:
                 self.close_connection = True  # the engine broke off: so does this answer
+                log.warning("%s %s: the engine broke off its answer: %s", self.command, self.path, exc)
             finally:
-                chunks.close()
+                body.close()
 
         def _send_error(self, exc: UpstreamError) -> None:
-            self.send_response(exc.status)
-            self.send_header("Content-Type", exc.content_type)
-            self.send_header("Content-Length", str(len(exc.body)))
-            self.end_headers()
-            self.wfile.write(exc.body)
+            if exc.status >= 500:
+                log.warning("%s %s -> %d: %s", self.command, self.path, exc.status, _reason(exc))
+            try:
+                self.send_response(exc.status)
+                self.send_header("Content-Type", exc.content_type)
+                self.send_header("Content-Length", str(len(exc.body)))
+                self.end_headers()
+                self.wfile.write(exc.body)
+            except ConnectionError as left:
+                self.close_connection = True
+                self._client_left(left)
+
+        def _client_left(self, exc: BaseException) -> None:
+            host, port = self.client_address[:2]
+            log.info("client %s:%s left (%s %s): %s", host, port, self.command, self.path, exc)
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except ConnectionError as exc:  # between requests, or before one was read
+                host, port = self.client_address[:2]
+                log.info("client %s:%s left: %s", host, port, exc)
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # vLLM logs every request already
@@ -318,17 +415,43 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _reason(exc: UpstreamError) -> str:
+    """An error answer's message, for a log line."""
+    try:
+        message = json.loads(exc.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return exc.body[:200].decode(errors="replace") or f"HTTP {exc.status}"
+    return str(message)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line for what escaped a handler (socketserver prints a traceback)."""
+        log.exception("request from %s failed", client_address)
+
+
 def serve(proxy: Proxy, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
     """An HTTP server for ``proxy``, bound; call ``serve_forever()`` on it."""
-    server = ThreadingHTTPServer((host, port), _handler(proxy))
-    server.daemon_threads = True
-    return server
+    return _Server((host, port), _handler(proxy))
+
+
+DESCRIPTION = (
+    "A prefill/decode proxy in front of vLLM OpenAI servers that run kvconn's KV connector "
+    "(KvconnConnector): each completion or chat request goes to a prefill engine, then, with the "
+    "kv_transfer_params it answered, to a decode engine, whose answer is relayed. "
+    'POST /kvconn/drain or /kvconn/undrain with {"prefill": URL} or {"decode": URL} takes an '
+    "engine out of the rotation or back; GET /kvconn/engines lists them with their requests in flight."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvconn-vllm-proxy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser = argparse.ArgumentParser(prog="kvconn-vllm-proxy", description=DESCRIPTION)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)"
+    )
     parser.add_argument("--prefill", nargs="+", required=True, help="base URLs of the prefill engines")
     parser.add_argument("--decode", nargs="+", required=True, help="base URLs of the decode engines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
@@ -339,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="seconds an engine that refused a connection (or answered 503) is skipped",
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvconn-vllm-proxy %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode, args.timeout, args.unreachable_cooldown)
     server = serve(proxy, args.host, args.port)
     print(f"kvconn-vllm-proxy on http://{args.host}:{server.server_port}", flush=True)

@@ -94,6 +94,14 @@ class Response:
     def close(self) -> None:
         self._conn.close()
 
+    def close_unless_read(self) -> None:
+        """Close the connection if the body was not read to its end (the
+        client left, or the answer never began): the engine sees its client
+        gone (vLLM aborts the request). A body read whole already went back
+        to the pool."""
+        if not self._raw.isclosed():
+            self.close()
+
 
 class Upstream:
     """Keep-alive connections to engines, shared by the proxy's handler threads."""

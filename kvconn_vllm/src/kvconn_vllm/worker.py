@@ -33,6 +33,7 @@ from kvconn.metrics_relay import Reporter
 from kvconn.plugins import get_backend
 from kvconn.runtime.decode import DecodeEndpoint, DrainReport, Receiver, Release
 from kvconn.runtime.prefill import DRAIN_REFUSED, KVPoll, PrefillRank, Sender
+from kvconn.runtime.trace_export import trace_to_file
 from kvconn.transport import Backend
 from kvconn_vllm.conformance import check_transport
 from kvconn_vllm.layout import KVGeometry, engine_memory
@@ -124,6 +125,8 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.clock = clock
         self.backend: Backend = get_backend(settings.backend)
+        if settings.config.tracing and settings.trace_file:
+            trace_to_file(settings.trace_file)
         if settings.conformance:
             check_transport(settings.backend, settings.config.backend_options)
         self.buffers: list[Any] = []
@@ -442,7 +445,6 @@ class WorkerSide:
 
     def _on_release(self, release: Release) -> None:
         # kvconn's thread (or ours, inside abort()): hand it to the engine thread.
-        self.reporter.released(f"decode-{self.tp_rank}", release)
         with self._lock:
             self._released.append(release)
         self._wake.set()

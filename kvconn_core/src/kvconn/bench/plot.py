@@ -45,7 +45,7 @@ def figure(results: dict[str, ModeResult], legacy_timeout: float, faults: list[d
     corrupt."""
     import matplotlib.pyplot as plt
 
-    ran = [f for f in faults if not f.get("skipped")]
+    ran = [f for f in faults if not f.get("skipped") and not f.get("error")]
     fig, axes = plt.subplots(1, 2 if ran else 1, figsize=(12 if ran else 8, 4.5), squeeze=False)
     ax = axes[0][0]
     for mode, res in results.items():
@@ -73,7 +73,7 @@ def figure(results: dict[str, ModeResult], legacy_timeout: float, faults: list[d
     if ran:
         bx = axes[0][1]
         names = [f["fault"] for f in ran if f["mode"] == KVCONN]
-        by = {(f["fault"], f["mode"]): f["corrupted_pages"] for f in ran}
+        by = {(f["fault"], f["mode"]): f["corrupted"] for f in ran}
         at = range(len(names))
         for shift, mode, label in ((-0.2, LEGACY, "timeout-only"), (0.2, KVCONN, "kvconn")):
             heights = [by.get((n, mode), 0) for n in names]

@@ -17,7 +17,7 @@ from kvconn.bench.mode_result import ModeResult
 from kvconn.bench.raw import RawResult
 from kvconn.bench.stats import stats
 from kvconn.bench.workload import Workload
-from kvconn.testing import scenarios
+from kvconn.testing import matrix_report
 
 KVCONN, LEGACY = "kvconn", "legacy"
 #: Steal (percent of CPU time) above which the report warns that latencies include it.
@@ -385,34 +385,6 @@ def _print_targets(console: Console, rep: dict[str, Any]) -> None:
 
 
 def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
-    t = Table(
-        title=f"production faults (loopback; decode deadline {scenarios.DEADLINE_S:g} s in both modes): "
-        "pages a late write reached after decode handed them back"
-    )
-    for col in (
-        "fault",
-        "timeout-only: corrupted",
-        "kvconn: corrupted",
-        "kvconn's cost: quarantined, back after",
-    ):
-        t.add_column(col, justify="left" if col == "fault" else "right")
-    by = {(f["fault"], f["mode"]): f for f in faults}
-    for fault in scenarios.FAULTS:
-        k, leg = by.get((fault, KVCONN)), by.get((fault, LEGACY))
-        if k is None or leg is None:
-            continue
-        if k["skipped"]:
-            t.add_row(escape(fault), "-", "-", f"not run: {escape(k['skipped'])}")
-            continue
-        back = ", ".join(f"{s:.2f} s" for s in k["recovery_s"]) or "-"
-        cost = f"{k['quarantined_pages']} of {k['pages']} pages, {back} ({', '.join(k['proofs'])})"
-        if k["unreleased"]:
-            cost += f"; {k['unreleased']} rooms still held"
-        bad = leg["corrupted_pages"]
-        t.add_row(
-            escape(fault),
-            f"[red]{bad}[/red] of {leg['pages']}" if bad else f"0 of {leg['pages']}",
-            f"[red]{k['corrupted_pages']}[/red]" if k["corrupted_pages"] else "[green]0[/green]",
-            escape(cost),
-        )
-    console.print(t)
+    console.print(matrix_report.table(faults))
+    for line in matrix_report.notes(faults):
+        console.print(escape(line))

@@ -703,7 +703,7 @@ class ModeRun:
         res.quarantine_seconds = m.value("kvconn_quarantine_seconds_total")
         for rank in range(self.wl.ranks):
             buckets = m.buckets("kvconn_abort_to_ack_seconds", rank=str(rank))
-            if buckets:
+            if buckets and buckets[-1][1]:  # a rank with no ack has an empty series
                 res.ack_wait_ms_by_rank[str(rank)] = {
                     "n": buckets[-1][1],
                     **{f"p{q}_at_most": (bucket_bound(buckets, q / 100) or 0.0) * 1e3 for q in (50, 99)},

@@ -37,9 +37,11 @@ def open_cluster(settings: Settings, **kwargs: Any) -> Iterator[Cluster]:
         made.close()
 
 
-def settled_before(cluster: Cluster, room: int, released_at: float) -> None:
+def settled_before(cluster: Cluster, room: int, released_at: float) -> int:
     """S1 seen from outside: every chunk of ``room`` that any rank posted had
-    settled (its DONE barrier returned) before decode got the room back."""
+    settled (its DONE barrier returned) before decode got the room back.
+    How many chunks the ranks posted (what the release had to wait for)."""
+    total = 0
     for rank in cluster.ranks:
 
         def seen(rank: Any = rank) -> tuple[set[int], dict[int, dict[str, Any]]]:
@@ -53,6 +55,7 @@ def settled_before(cluster: Cluster, room: int, released_at: float) -> None:
         while not posted <= settled.keys() and time.monotonic() < deadline:
             time.sleep(0.01)
             posted, settled = seen()
+        total += len(posted)
         for index in sorted(posted):
             done = settled.get(index)
             if done is None or done["t"] > released_at:
@@ -61,6 +64,7 @@ def settled_before(cluster: Cluster, room: int, released_at: float) -> None:
                     f"S1 violated: room {room} was released while chunk {index} of rank "
                     f"{rank.address} could still land (its DONE barrier settled {when})"
                 )
+    return total
 
 
 def no_late_bytes(cluster: Cluster, room: int | str, pages: list[int], settle_s: float) -> None:

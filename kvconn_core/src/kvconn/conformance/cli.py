@@ -1,14 +1,25 @@
 """``kvconn conformance BACKEND [--strict] [--thorough] [--cross-host] [--watch S] [-k EXPR] [-o KEY=VALUE] [-x]``.
 
-What the modes add, and what they cost (loopback, the three side by side
-on 2 busy shared cores; see docs/writing-a-transport-plugin.md): the
-default run watches each check's released pages 2 s and guards them all to
-the end of the run (its last check, at least 15 s after the last release):
-281 s there (alone, at load 1-12 on the same 2 shared cores: loopback
-112-124 s, tcpdemo 88-134 s, nixl 98-224 s, mooncake 141-180 s).
---strict: a skip no capability rules out fails; 10 s watches and a 30 s guard: +18%.
---thorough: 20000-segment chunks, 8192-page rooms, 10 s watches and a 30 s
-guard: +30%.
+The transport conformance suite: what a backend must prove before kvconn
+trusts it with decode's pages. Every check runs real processes with the
+backend's own transport (decode's endpoint, prefill ranks, bare writers
+driving its hooks) and fails unless the transport's answers hold (LANDED
+means landed, a fence stops every write in flight, a killed writer leaves
+nothing behind, ...), and unless the run put something at stake for it
+(writes in flight at a fence, bytes outstanding at a cut, a writer that
+reaches the region): each check's summary line says how much. What a
+check released stays guarded until the run's last check.
+
+Modes: --strict: a skip no capability rules out fails, 10 s watches, a 30 s
+guard. --thorough: 20000-segment chunks, 8192-page rooms, 10 s watches, a
+30 s guard. --cross-host (root): decode on one host, writers on two others
+(network namespaces sharing nothing but the network). Run times are in
+docs/writing-a-transport-plugin.md, section 5.
+
+Exit codes: 0 every selected check passed; 1 a check failed; 2 the command
+line is wrong (an unknown backend or option, a -k expression that is
+malformed or selects no check); 3 the suite itself broke (please report
+it with the output); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -16,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import kvconn.conformance._collect as collect
 from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S
@@ -132,14 +142,49 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.durations is not None:
         argv.append(f"--durations={args.durations}")
     argv.append("-q" if args.quiet else "-v")
-    with tempfile.TemporaryDirectory(prefix="kvconn-conformance-") as rootdir:
-        argv += ["--rootdir", rootdir, "-c", os.devnull]
-        plugins: list[object] = []
-        if "kvconn.conformance.plugin" not in _loaded_plugins():
-            import kvconn.conformance.plugin as plugin
+    # No configuration file, no conftest outside the suite's own folder, no
+    # cache: nothing of the current directory joins the run. It is pytest's
+    # root all the same, so that the checks print as BACKEND::CHECK
+    # (plugin.py names them), not as a path.
+    here = os.path.dirname(collect.__file__)
+    argv += ["--rootdir", os.getcwd(), "--confcutdir", here, "-c", os.devnull]
+    plugins: list[object] = []
+    if "kvconn.conformance.plugin" not in _loaded_plugins():
+        import kvconn.conformance.plugin as plugin
 
-            plugins.append(plugin)
-        return int(pytest.main(argv, plugins=plugins))
+        plugins.append(plugin)
+    return exit_code(int(pytest.main(argv, plugins=plugins)), args.keyword)
+
+
+#: pytest's exit codes (``pytest.ExitCode``), and what ``kvconn
+#: conformance`` exits with for each (the documented codes: see the module's
+#: docstring) and says on stderr ("" for nothing).
+_EXIT = {
+    0: (0, ""),
+    1: (1, ""),
+    2: (130, "interrupted"),
+    3: (3, "the suite itself broke (an internal error above): please report it with the output"),
+    4: (2, "pytest refused the command line (above){k}"),
+    5: (2, "no check selected{k}"),
+}
+#: What a -k expression is, for the messages above.
+_K_HELP = (
+    ": -k {expr!r} {what}; -k takes words of the checks' names (docs/writing-a-transport-plugin.md, "
+    "section 6) joined by and, or, not and parentheses, e.g. -k 'fence and not partition'"
+)
+
+
+def exit_code(code: int, keyword: str | None) -> int:
+    """The documented exit code for pytest's ``code``, saying why on stderr
+    when it is not a plain pass or fail."""
+    mapped, message = _EXIT.get(code, (3, f"the suite exited with pytest's code {code}"))
+    if message:
+        detail = ""
+        if keyword and code in (4, 5):
+            what = "is not a valid expression" if code == 4 else "matches none of the suite's checks"
+            detail = _K_HELP.format(expr=keyword, what=what)
+        print(f"kvconn conformance: {message.format(k=detail)}", file=sys.stderr)
+    return mapped
 
 
 def _check_options(backend: str, items: list[str], write_timeout_s: float, abort_timeout_s: float) -> str:

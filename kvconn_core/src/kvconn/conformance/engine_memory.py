@@ -26,6 +26,7 @@ from kvconn.conformance import region_host
 from kvconn.conformance.harness import Child, ConformanceFailure, Settings, decode_host, prefill_host
 from kvconn.conformance.plugin import require_capability
 from kvconn.conformance.region_host import RemoteRegion
+from kvconn.conformance.stakes import at_stake
 from kvconn.testing.kvpattern import EngineShape
 from kvconn.transport import Settlement
 
@@ -97,10 +98,18 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
                     raise ConformanceFailure(
                         f"{what}: a healthy write by rank {r} settled {event['settlement']!r}"
                     )
-        for dec in decodes:
+        for dec in decodes:  # at once: a LANDED that came early is caught before the bytes do come
             found = dec.region.engine_diff(ENGINE_ROOM, DST_PAGES)
             if found:
                 raise ConformanceFailure(f"{what}: {dec.peer}: {found}")
+        settled = sum(1 for child in children for e in child.history() if e.get("event") == "settled")
+        at_stake(
+            settled,
+            prefill_tp * decode_tp,
+            f"{settled} writes LANDED by {prefill_tp} ranks into {decode_tp} decode ranks' "
+            f"{shape.num_buffers} buffers, {len(DST_PAGES)} pages each, every byte of every buffer compared",
+            "every prefill rank's write into every decode rank",
+        )
     finally:
         for child in children:
             child.close()

@@ -246,6 +246,8 @@ class OwnerProc(Child):
         )
         #: Handed to the run's guard: closed at the end of the suite.
         self.guarded = False
+        #: The most bytes seen waiting in its sockets while it was frozen.
+        self.queued = 0
 
     def command(self, timeout: float, what: str, op: str, **args: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (the event named ``op``'s past)."""

@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from kvconn.conformance import guard
 from kvconn.conformance.harness import (
     Child,
     ConformanceFailure,
@@ -20,6 +21,7 @@ from kvconn.conformance.harness import (
     prefill_host,
     scattered_rows,
 )
+from kvconn.conformance.stakes import at_stake
 from kvconn.conformance.writing import LANDED, BareWriter, limit_of, round_of
 from kvconn.testing.waiting import wait_for
 
@@ -40,7 +42,7 @@ def figures_line(figures: Mapping[str, Any]) -> str:
 #: nixl's transfer() pushes most of a write over tcp before it returns: on
 #: an idle 2-core machine, across hosts, 10-16 of the 64 MiB had landed 5 ms
 #: in (37 at 10 ms, 52-57 at 20), all of it by the time transfer() returned.
-OWNER_FENCE_FREEZE_AFTER_S = 0.005
+OWNER_FENCE_FREEZE_AFTER_S = 0.003
 
 
 def owner_fence_check(settings: Settings) -> dict[str, Any]:
@@ -63,6 +65,7 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
         host=decode_host(),
     )
     writers: list[BareWriter] = []
+    kept = False
     try:
         ready = owner.expect(60, "owner fence: the region opens", event="ready")
         old = bytes.fromhex(ready["metadata"])
@@ -88,11 +91,12 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
         # The clock starts as the post does (the fill of 64 MiB before it takes
         # longer than the write), not when on_post returns: nixl's transfer()
         # on an idle machine can move all of it before it returns.
-        frozen.expect(30, "owner fence: the writer is about to post", event="fill", round=2)
+        filled = frozen.expect(30, "owner fence: the writer is about to post", event="fill", round=2)
         # Frozen from outside, inside on_post or with its barrier driving the
         # transfer: bytes are on the wire, in socket buffers and in the
-        # transport's queues.
-        time.sleep(OWNER_FENCE_FREEZE_AFTER_S)
+        # transport's queues. Timed from the fill's end (the post begins
+        # there), not from when its report crossed the pipe.
+        time.sleep(max(0.0, float(filled["t"]) + OWNER_FENCE_FREEZE_AFTER_S - time.monotonic()))
         frozen.signal(signal.SIGSTOP)
         wait_for(frozen.stopped, 5, "owner fence: the writer froze", poll=0.002)
         if any(e.get("event") == "barrier" and e.get("round") == 2 for e in frozen.history()):
@@ -108,11 +112,13 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
         new = bytes.fromhex(fenced["metadata"])
         if new == old:
             raise ConformanceFailure("owner fence: owner_fence() returned the old metadata")
-        if fenced["landed_before"] >= size:
-            raise ConformanceFailure(
-                "owner fence: the whole transfer had landed before the fence (the writer was not "
-                "caught mid-write, so this run proves nothing)"
-            )
+        at_stake(
+            size - fenced["landed_before"],
+            1,
+            f"{(size - fenced['landed_before']) / MiB:.1f} of 64 MiB not landed when the owner fenced, the "
+            "writer frozen mid-write",
+            "bytes of the write still to land at the fence",
+        )
         frozen.resume()
         owner.send_line(json.dumps({"cmd": "watch", "seconds": watch_s}))
         watched = owner.expect(watch_s + 60, "owner fence: the region is watched", event="watched")
@@ -161,11 +167,38 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
             raise ConformanceFailure(
                 f"owner fence: after the fence the writes landed wrong: {checked['bad']}"
             )
+        _keep_for_the_run(owner, writers, "a region fenced as owner, its writers alive")
+        kept = True
     finally:
+        if not kept:
+            for writer in writers:
+                writer.close()
+            owner.close()
+    return figures
+
+
+def _keep_for_the_run(owner: Child, writers: list[BareWriter], what: str) -> None:
+    """The owner's region, as it is now, and the writers of the check, alive,
+    go to the run's guard: a write of before the fence that lands later, past
+    the check's own watch, fails the run's last check."""
+    owner.send_line(json.dumps({"cmd": "rebase"}))
+    owner.expect(60, "owner fence: the region's contents become what it must hold", event="rebased")
+
+    def diff() -> str:
+        owner.send_line(json.dumps({"cmd": "watch", "seconds": 0}))
+        watched = owner.expect(60, "owner fence: the guard compares the region", event="watched")
+        return (
+            f"{watched['changed']} bytes changed (the first at offset {watched['first']})"
+            if watched["changed"]
+            else ""
+        )
+
+    def close() -> None:
         for writer in writers:
             writer.close()
         owner.close()
-    return figures
+
+    guard.GUARD.keep(what, diff, close)
 
 
 def stale_writer_check(settings: Settings) -> dict[str, Any]:
@@ -184,6 +217,7 @@ def stale_writer_check(settings: Settings) -> dict[str, Any]:
         host=decode_host(),
     )
     writer: BareWriter | None = None
+    kept = False
     try:
         ready = owner.expect(60, "stale writer: the region opens", event="ready")
         writer = BareWriter(
@@ -218,8 +252,19 @@ def stale_writer_check(settings: Settings) -> dict[str, Any]:
                 f"owner_fence() wrote {watched['changed']} bytes into the region (the first at offset "
                 f"{watched['first']}; its barrier answered {answer['settlement']!r})"
             )
+        stake = sum(n for _, _, n in rows)
+        at_stake(
+            stake,
+            1,
+            f"a writer that had landed a first write posted {stake / MiB:.1f} MiB with the old metadata after "
+            f"the fence (its barrier answered {answer['settlement']})",
+            "a write posted with the old metadata by a writer that reached the region",
+        )
+        _keep_for_the_run(owner, [writer], "a region fenced as owner, a stale writer alive")
+        kept = True
     finally:
-        if writer is not None:
-            writer.close()
-        owner.close()
+        if not kept:
+            if writer is not None:
+                writer.close()
+            owner.close()
     return figures

@@ -13,6 +13,8 @@ one JSON line at a time on stdin:
     snapshot until ``s`` passed -> ``{"event": "watched", "changed": bytes,
     "first": offset or -1, "at_s": seconds after the watch began, "polls": n}``
     (it stops at the first change);
+``{"cmd": "rebase"}``  the region as it is now becomes the snapshot (what a
+    later watch compares with) -> ``{"event": "rebased"}``;
 ``{"cmd": "check", "rounds": [[round, rows], ...]}``  the region must hold
     the snapshot with each round's pattern in its rows, and nothing else ->
     ``{"event": "checked", "bad": "" or what differs}``.
@@ -80,6 +82,9 @@ def main() -> None:
                         break
                     time.sleep(min(WATCH_POLL_S, max(0.0, deadline - time.monotonic())))
                 emit({"event": "watched", "changed": changed, "first": first, "at_s": at, "polls": polls})
+            elif cmd["cmd"] == "rebase":
+                snapshot = np.frombuffer(region.read(0, nbytes), dtype=np.uint8).copy()
+                emit({"event": "rebased"})
             elif cmd["cmd"] == "check":
                 image.want = snapshot.copy()
                 for round_no, rows in cmd["rounds"]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvconn.conformance import guard, harness, region_host
+from kvconn.conformance import guard, harness, region_host, stakes
 from kvconn.conformance.harness import ABORT_TIMEOUT_S, WRITE_TIMEOUT_S, Settings
 from kvconn.options import OptionError, parse_key_values
 from kvconn.plugins import BackendError, get_backend
@@ -114,7 +114,7 @@ def _make_hosts(config: pytest.Config) -> None:
         config.stash[_no_hosts_key] = why
         return
     try:
-        fabric = hosts.make(("decode", "prefill0", "prefill1"))
+        fabric = hosts.make(("decode", "prefill0", "prefill1"), sealed=True)
     except hosts.HostsUnavailable as exc:
         config.stash[_no_hosts_key] = str(exc)
         return
@@ -127,10 +127,12 @@ def _make_hosts(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> Generator[None, None, None]:
-    """The guard's final check runs last in its class, whenever a check of
-    its class that releases pages runs (``-k`` or not): it checks what they
-    released. Checks that release pages run before those that do not."""
+    """The guard's final check runs last in its class whenever any check of
+    its class runs (``-k`` or not): whatever a check released or fenced is
+    guarded to the end of the run. Checks that release pages run before
+    those that do not, which then fill the guard's window."""
     finals = {getattr(item, "cls", None): item for item in items if item.name == FINAL_CHECK}
+    _name_checks_of_the_cli(config, items)
     yield
     # A stable sort within each class (classes stay where they are).
     rank = {cls: i for i, cls in enumerate(dict.fromkeys(getattr(item, "cls", None) for item in items))}
@@ -138,14 +140,30 @@ def pytest_collection_modifyitems(
         (item for item in items if item.name != FINAL_CHECK),
         key=lambda item: (rank[getattr(item, "cls", None)], item.get_closest_marker(RELEASES) is None),
     )
-    # Only where a check that gives pages to the guard runs: else it would check nothing.
-    classes = {getattr(item, "cls", None) for item in order if item.get_closest_marker(RELEASES)}
+    classes = {getattr(item, "cls", None) for item in order}
     for cls, final in finals.items():
         if cls not in classes:
             continue
         last = max(i for i, item in enumerate(order) if getattr(item, "cls", None) is cls)
         order.insert(last + 1, final)
     items[:] = order
+
+
+def _name_checks_of_the_cli(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``kvconn conformance``'s checks are named ``BACKEND::CHECK``: their
+    file is the suite's own collection module, whose path says nothing."""
+    import kvconn.conformance._collect as collect
+
+    backend = config.getoption("--kvconn-backend") or "conformance"
+    for item in items:
+        if str(item.path) != collect.__file__:
+            continue
+        name = f"{backend}::{item.name}"
+        # pytest keeps the name as ``_id`` (a NodeId, pytest 9) or ``_nodeid`` (before).
+        if hasattr(item, "_id"):
+            item._id = type(item._id).parse(name)
+        else:
+            item._nodeid = name  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -200,6 +218,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if item.get_closest_marker(_MARK) is None:
         return report
+    if report.when == "call" and report.passed and not stakes.taken():
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.name} passed without stating what it put at stake (stakes.at_stake): a check that can "
+            "pass with nothing at stake proves nothing (a bug of the suite)"
+        )
     if report.skipped and item.config.getoption("--kvconn-strict"):
         reason = _skip_reason(report)
         if not reason.startswith(DECLARED):
@@ -222,6 +246,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     start = time.monotonic()
     guard.GUARD.check = item.name
+    stakes.begin()
     item.stash[_reports_key] = []
     result = yield
     reports = item.stash[_reports_key]
@@ -238,9 +263,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if rep.skipped:
             outcome, why = "skipped", _skip_reason(rep)
     if outcome == "passed":
-        # What a check measured (``record_property("figures", ...)``), on its summary line.
+        # What it put at stake, and what it measured (``record_property("figures", ...)``).
         figures = [v for rep in reports for k, v in rep.user_properties if k == "figures"]
-        why = "; ".join(dict.fromkeys(str(v) for v in figures))  # every phase's report carries them
+        said = ["at stake: " + "; ".join(stakes.taken())]
+        why = "; ".join(dict.fromkeys(said + [str(v) for v in figures]))  # every phase's report carries them
     item.config.stash[_results_key].append((_backend_of(item), item.name, outcome, why))
     return result
 

@@ -13,6 +13,9 @@ so the parent can order a chunk's life against decode's release.
      "raise": POINT,                     # raise from the hook at POINT
      "await_abort": POINT,               # at POINT, wait (10 s at most) until the
                                          # room's ABORT reached on_abort_notification
+     "gather": POINT, "gather_n": 2,     # at POINT, wait (10 s at most) until the chunks
+                                         # of gather_n watched rooms are all there, then
+                                         # go on together (two workers post at once)
      "hold": POINT, "hold_s": 2.5,       # after the stop at POINT, hold the hook that
                                          # long (the core acts on its answer only then),
                                          # if the answer is one the suite watches after:
@@ -22,8 +25,9 @@ so the parent can order a chunk's life against decode's release.
 
 POINT is one of ``dequeue``, ``skip``, ``before_post``, ``after_post``,
 ``before_barrier``, ``after_barrier``, ``abort``; a ``stop`` may also name
-``fenced``: right after ``on_fence`` returned (before the core acts on it),
-whichever room the fence was for.
+``fencing``: right before ``on_fence`` is called, and ``fenced``: right
+after it returned (before the core acts on it), whichever room the fence
+was for.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Faults:
         self.spec = {int(room): rule for room, rule in spec.items()}
         self._aborted: set[int] = set()
         self._abort_seen = threading.Condition()
+        self._gathered: dict[str, int] = {}
+        self._gathering = threading.Condition()
 
     @staticmethod
     def _stops(rule: dict[str, Any]) -> list[str]:
@@ -73,6 +79,13 @@ class Faults:
         if rule.get("pause") == point and at("index"):
             emit({"event": "paused", "point": point, "room": room, "index": index})
             time.sleep(float(rule.get("pause_s", 0.15)))
+        if rule.get("gather") == point and at("index"):
+            with self._gathering:
+                self._gathered[point] = self._gathered.get(point, 0) + 1
+                self._gathering.notify_all()
+                n = int(rule.get("gather_n", 2))
+                met = self._gathering.wait_for(lambda: self._gathered[point] >= n, timeout=10.0)
+            emit({"event": "gathered", "room": room, "index": index, "met": met})
         if rule.get("await_abort") == point and at("index"):
             with self._abort_seen:
                 seen = self._abort_seen.wait_for(lambda: room in self._aborted, timeout=10.0)
@@ -124,6 +137,11 @@ class Faults:
     @hookimpl(wrapper=True)
     def on_fence(self) -> Generator[None, object, object]:
         emit({"event": "fencing"})
+        for rule in self.spec.values():
+            if "fencing" in self._stops(rule):
+                emit({"event": "stopping", "point": "fencing"})
+                stop_self()
+                break
         result = yield
         emit({"event": "fenced", "result": result is True})
         for rule in self.spec.values():

@@ -12,6 +12,7 @@ prefill rank or bare writer is a child process using the plugin's transport.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,9 @@ from kvconn.conformance import guard
 from kvconn.conformance.checking import MiB, generous, no_late_bytes, open_cluster, settled_before
 from kvconn.conformance.engine_memory import EngineMemoryChecks
 from kvconn.conformance.harness import ACK_PROOFS, Cluster, ConformanceFailure, Settings, wait_for
+from kvconn.conformance.plugin import require_capability
 from kvconn.conformance.rank_checks import RankChecks
+from kvconn.conformance.stakes import at_stake
 from kvconn.conformance.transport_checks import TransportChecks
 from kvconn.conformance.writer_faults import WriterFaultChecks
 from kvconn.protocol.hold import Proof
@@ -36,6 +39,8 @@ RACE_POINTS = ("dequeue", "before_post", "after_post", "before_barrier", "after_
 RACE_ROOMS = {point: 0x5EED_0000 + i for i, point in enumerate(RACE_POINTS)}
 FANOUT_ROOM = 0xFA_0001
 FORGED_ROOM = 0xF06_0001
+#: Rooms aborted right behind their request (the racing rank reports them).
+TOMBSTONE_ROOMS = tuple(0x70B_0000 + i for i in range(5))
 
 
 @pytest.mark.kvconn_conformance
@@ -66,7 +71,10 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
     @pytest.fixture(scope="class")
     @classmethod
     def racing(cls, request: pytest.FixtureRequest, kvconn_settings: Settings) -> Iterator[Cluster]:
-        faults = {room: {"pause": p, "index": 1, "pause_s": 0.15} for p, room in RACE_ROOMS.items()}
+        faults: dict[int, dict[str, Any]] = {
+            room: {"pause": p, "index": 1, "pause_s": 0.15} for p, room in RACE_ROOMS.items()
+        }
+        faults.update({room: {} for room in TOMBSTONE_ROOMS})  # reported, not disturbed
         with open_cluster(kvconn_settings, num_ranks=1, chunk_pages=2, faults=faults) as cluster:
             yield cluster
 
@@ -142,6 +150,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
                 )
                 room = cluster.new_room()
                 rooms.append((cluster, room, pages, cluster.receiver(room, pages)))
+        checked = 0
         for cluster, room, pages, rx in rooms:
             state = cluster.wait_done(rx, 30, f"integrity: room of {len(pages)} pages completes")
             if state != "SUCCESS":
@@ -158,6 +167,15 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
                     f"after SUCCESS (pages {bad[:8]})"
                 )
             cluster.finish(rx)
+            checked += len(pages)
+        page_bytes = clusters[0].page_bytes
+        at_stake(
+            checked,
+            sum(n for n, _ in plans) * len(clusters),
+            f"{len(rooms)} rooms of {checked} pages ({checked * page_bytes / MiB:.1f} MiB) written by "
+            f"{clusters[0].num_ranks} ranks and compared byte for byte",
+            "every room planned written and compared",
+        )
         for i, cluster in enumerate(clusters):
             bad = cluster.changed_free_pages()
             if bad:
@@ -185,19 +203,43 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
             raise ConformanceFailure(
                 f"abort race at {point}: healthy writer, released by {release.proof.value}"
             )
-        settled_before(racing, room, released_at)
+        posted = settled_before(racing, room, released_at)
+        at_stake(
+            posted,
+            1,
+            f"{posted} chunks of the room posted before its release (the ABORT met the second at {point})",
+            "a chunk posted before the release",
+        )
         no_late_bytes(racing, room, pages, 2 * kvconn_settings.write_timeout_s)
 
     @pytest.mark.kvconn_releases
     def test_abort_before_request_arrives(self, racing: Cluster) -> None:
         """An ABORT right behind the transfer request: tombstone, nothing written."""
-        for _ in range(5):
-            room = racing.new_room()
+        for room in TOMBSTONE_ROOMS:
             pages = racing.alloc(4)
             rx = racing.receiver(room, pages)
             rx.abort()
             _, released_at = racing.wait_released(room, 3.0, "abort before request: acked")
             settled_before(racing, room, released_at)
+        rank = racing.ranks[0]
+
+        def reached() -> set[int]:
+            """The rooms whose ABORT reached the rank (decode may settle one that
+            never left it without a word to the rank)."""
+            return {int(e["room"]) for e in rank.history() if e.get("event") == "abort"} & set(
+                TOMBSTONE_ROOMS
+            )
+
+        with contextlib.suppress(ConformanceFailure):
+            wait_for(lambda: reached() == set(TOMBSTONE_ROOMS), 5.0, "abort before request: the ABORTs")
+        posted = {e["room"] for e in rank.history() if e.get("event") == "before_post"} & set(TOMBSTONE_ROOMS)
+        at_stake(
+            len(reached()),
+            1,
+            f"{len(reached())} of {len(TOMBSTONE_ROOMS)} ABORTs reached the rank right behind their request "
+            f"({len(posted)} of those rooms had a chunk posted first)",
+            "an ABORT reaching the rank",
+        )
 
     @pytest.mark.kvconn_releases
     def test_random_aborts_leave_no_late_write(self, healthy: Cluster, kvconn_settings: Settings) -> None:
@@ -205,19 +247,33 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
         within the deadline, and no byte of its pages changes after release."""
         rng = healthy.rng
         watched: list[tuple[int, list[int]]] = []
+        unfinished = 0
         deadline = healthy.settings.effective_abort_timeout()
         for _wave in range(4):
-            wave = []
+            wave: list[tuple[int, list[int], Any, float]] = []
+            due: list[tuple[int, list[int], Any, float]] = []
+
+            def abort(room: int, pages: list[int], rx: Any) -> None:
+                nonlocal unfinished
+                if rx.poll().name != "SUCCESS":
+                    unfinished += 1
+                rx.abort()
+                watched.append((room, pages))
+
             for _ in range(10):
                 pages = healthy.alloc(rng.randrange(4, 24), scattered=rng.random() < 0.5)
                 room = healthy.new_room()
-                wave.append(
-                    (room, pages, healthy.receiver(room, pages), time.monotonic() + rng.uniform(0, 0.03))
-                )
-            for room, pages, rx, at in sorted(wave, key=lambda w: w[3]):
+                entry = (room, pages, healthy.receiver(room, pages), time.monotonic() + rng.uniform(0, 0.03))
+                wave.append(entry)
+                due.append(entry)
+                # Aborted as soon as due, between the rooms opened after it: on a
+                # loaded host, opening all ten first left every room complete.
+                for waiting in [w for w in due if w[3] <= time.monotonic()]:
+                    due.remove(waiting)
+                    abort(*waiting[:3])
+            for room, pages, rx, at in sorted(due, key=lambda w: w[3]):
                 time.sleep(max(0.0, at - time.monotonic()))
-                rx.abort()
-                watched.append((room, pages))
+                abort(room, pages, rx)
             for room, _, _, _ in wave:
                 release, released_at = healthy.wait_released(
                     room, deadline + 2.0, "L2: aborted room leaves hold"
@@ -229,6 +285,12 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
                 if release.quarantined_for > 0:
                     raise ConformanceFailure(f"L1: healthy writers, room {room} was quarantined")
                 settled_before(healthy, room, released_at)
+        at_stake(
+            unfinished,
+            1,
+            f"{unfinished} of {len(watched)} rooms aborted before they completed",
+            "a room aborted while its transfer ran",
+        )
         time.sleep(2 * kvconn_settings.write_timeout_s)
         for room, pages in watched:
             no_late_bytes(healthy, room, pages, 0)
@@ -255,6 +317,15 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
         if release.proof not in ACK_PROOFS | {Proof.WRITER_FENCE}:
             raise ConformanceFailure(f"fan-out: released by {release.proof.value}")
         settled_before(wide, FANOUT_ROOM, released_at)
+        unacked = sum(
+            1 for e in straggler.history() if e.get("room") == FANOUT_ROOM and e["event"] == "after_post"
+        )
+        at_stake(
+            unacked,
+            1,
+            f"rank 2 of 3 frozen with {unacked} chunk posted, unacked, while ranks 0 and 1 acked",
+            "a rank with a chunk posted and not acked",
+        )
         no_late_bytes(wide, FANOUT_ROOM, pages, 2 * kvconn_settings.write_timeout_s)
 
     # -- acks that prove nothing ------------------------------------------------
@@ -301,6 +372,13 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
                 for frame in (b"", b"\x00", b"\xff" * 64, bytes(range(256))):
                     raw.send(frame)
                 time.sleep(0.3)
+                at_stake(
+                    len(forged) + 4,
+                    1,
+                    f"{len(forged)} forged acks and 4 malformed frames sent while the room was held "
+                    f"({cluster.state(FORGED_ROOM)})",
+                    "a frame that could release the room",
+                )
                 found = cluster.release_of(FORGED_ROOM)
                 if found is not None:
                     raise ConformanceFailure(
@@ -340,12 +418,22 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
         the pages it landed in."""
         kept = guard.GUARD.kept()
         # A shared cluster that released nothing yet has no "since" (0).
-        oldest = min((t for item in kept if (t := item.since()) > 0), default=time.monotonic())
+        released = [t for item in kept if (t := item.since()) > 0]
+        if not released:
+            guard.GUARD.close()
+            require_capability(False, "no check of this run released pages or fenced a region to guard")
+        oldest, youngest = min(released), max(released)
+        window = kvconn_settings.guard_s
         try:
-            found = guard.GUARD.watch(kvconn_settings.guard_s)
-            record_property(
-                "figures",
-                f"{len(kept)} regions guarded, the longest {time.monotonic() - oldest:.0f} s",
+            found = guard.GUARD.watch(window)
+            now = time.monotonic()
+            at_stake(
+                len(released),
+                1,
+                f"{len(released)} regions released or fenced by {len({i.check for i in kept})} checks, each "
+                f"guarded {now - youngest:.0f} s at least (the window: {window:.0f} s) and up to "
+                f"{now - oldest:.0f} s",
+                "a region a check released",
             )
         finally:
             guard.GUARD.close()  # frees the regions kept, ends the writers kept alive

@@ -35,6 +35,7 @@ from kvconn.conformance.harness import (
 )
 from kvconn.conformance.owner_fence import figures_line, owner_fence_check, stale_writer_check
 from kvconn.conformance.plugin import NEEDS_HOSTS, require_capability
+from kvconn.conformance.stakes import at_stake
 from kvconn.conformance.writer_fence import frozen_past_deadline
 from kvconn.conformance.writing import (
     LANDED,
@@ -94,6 +95,7 @@ class TransportChecks:
                     "rounds would check host memory"
                 )
             image = RegionImage(regions["a"], size)
+            compared = 0
             rounds = [round_of(rows, ["wait", "post", "barrier", "freeze"]) for rows in rounds_rows]
             child = BareWriter(
                 settings, metadata_of(regions), rounds, size, {**settings.options, **extra}, 5.0
@@ -115,8 +117,17 @@ class TransportChecks:
                             f"region does not hold exactly what was posted: {found}"
                         )
                     child.resume()
+                    compared += sum(n for _, _, n in rows)
             finally:
                 child.close()
+            at_stake(
+                compared,
+                sum(n for rows in rounds_rows for _, _, n in rows),
+                f"{len(rounds_rows)} LANDED answers, {compared / MiB:.1f} MiB in up to "
+                f"{max(len(rows) for rows in rounds_rows)} segments a chunk, the whole {size // MiB} MiB "
+                "region compared right after each",
+                "every round answered and compared",
+            )
         finally:
             regions_cm.__exit__(None, None, None)
 
@@ -165,15 +176,7 @@ class TransportChecks:
         require_capability(kvconn_settings.cross_host, NEEDS_HOSTS)
         require_capability(kvconn_settings.capabilities.writer_fence, "writer_fence not declared")
         figures = writer_fence.partition_fence_check(kvconn_settings)
-        record_property(
-            "figures",
-            f"{figures['in_flight_at_cut'] / MiB:.1f} of 32 MiB in flight at the cut; "
-            + (
-                "fenced during the cut"
-                if figures["fenced_while_cut"]
-                else "the fence returned only after the heal"
-            ),
-        )
+        record_property("figures", writer_fence.partition_figures(figures))
 
     def test_landed_across_a_partition_means_delivered(
         self, kvconn_settings: Settings, record_property: Callable[[str, object], None]
@@ -227,20 +230,32 @@ class TransportChecks:
         rows = [[i * 65536, (i * 263 % 512) * 65536, 65536] for i in range(512)]
         with open_regions(settings, {"a": size}) as regions:
             image = RegionImage(regions["a"], size)
+            # A deadline a write meets on a loaded host: an answer past it
+            # (UNSETTLED) vouches for nothing, and the check would have nothing to check.
             child = BareWriter(
-                settings, metadata_of(regions), [round_of(rows, ["post", "abort", "barrier", "freeze"])], size
+                settings,
+                metadata_of(regions),
+                [round_of(rows, ["post", "abort", "barrier", "freeze"])],
+                size,
+                write_timeout_s=max(settings.write_timeout_s, 5.0) + limit_of(settings),
             )
             kept = False
             try:
                 child.expect(60, "cancel: writer start", event="ready")
                 settlement = child.settlement(settings, "cancel: the barrier answers")
+                image.land(1, rows)
+                pending = image.differing(rows)
                 if settlement == LANDED:
-                    image.land(1, rows)
                     found = image.diff()
                     if found:
                         raise ConformanceFailure(f"cancel: the barrier answered LANDED but {found}")
-                if settlement == UNSETTLED:
-                    return  # honest: the core would poison the room and fence
+                at_stake(
+                    0 if settlement == UNSETTLED else size,
+                    1,
+                    f"a cancelled 32 MiB write answered {settlement} with {pending / MiB:.1f} MiB not landed",
+                    "an answer that vouches for the write (LANDED or FAILED_SETTLED; UNSETTLED vouches for "
+                    "nothing, and the core would fence, which the fence checks check)",
+                )
                 image.last = rows
                 image.recanary(rows)
                 child.resume()
@@ -319,6 +334,17 @@ class TransportChecks:
                 child.close()
                 for region in old:
                     region.close()
+            rounds_of = {
+                name: sum(1 for peer in plan if peer.removeprefix("restart-") == name) for name in rooms
+            }
+            at_stake(
+                min(rounds_of.values()),
+                1,
+                f"{len(plan)} LANDED rounds into two decodes numbering their rooms alike "
+                f"({', '.join(f'{n}: {k}' for n, k in sorted(rounds_of.items()))}, one restart), both "
+                "regions compared after each",
+                "rounds into each decode",
+            )
 
     # -- claims ------------------------------------------------------------
     def test_vram_claim_is_device_memory(self, kvconn_settings: Settings) -> None:
@@ -348,6 +374,7 @@ class TransportChecks:
                 pytest.skip("the region exposes no address (addr) to ask CUDA where it lives")
             if kind != "device":
                 raise ConformanceFailure(f"vram declared, but the memory=vram region is {kind} memory")
+            at_stake(1, 1, "a memory=vram region CUDA calls device memory", "a region CUDA was asked about")
         finally:
             region.close()
 
@@ -381,14 +408,39 @@ def _across_hosts(settings: Settings, check: Callable[[Settings, Host, Host], No
     why = hosts_harness.unavailable()
     if why:
         pytest.skip(f"cross_host: {why}")
-    with hosts_harness.hosts(("decode", "prefill0")) as pair:
+    with hosts_harness.hosts(("decode", "prefill0"), sealed=True) as pair:
         check(settings, pair["decode"], pair["prefill0"])
+
+
+def _crossed(
+    what: str, decode: Host, writer_host: Host, before: tuple[int, int, int, int], payload: int
+) -> None:
+    """The payload crossed the network: the writer's host sent, and decode's
+    received, at least that many bytes on their links while it was written
+    (a transport that reaches the region another way, a file or memory
+    the hosts share, sends next to nothing)."""
+    decode_rx, _ = decode.traffic()
+    _, writer_tx = writer_host.traffic()
+    sent, received = writer_tx - before[3], decode_rx - before[0]
+    at_stake(
+        min(sent, received),
+        payload,
+        f"{payload / MiB:.1f} MiB {what}, {sent / MiB:.1f} MiB sent on the writer's link and "
+        f"{received / MiB:.1f} MiB received on decode's",
+        "the bytes written to cross the network between the hosts (the hosts share nothing else)",
+    )
+
+
+def _traffic(decode: Host, writer_host: Host) -> tuple[int, int, int, int]:
+    return (*decode.traffic(), *writer_host.traffic())
 
 
 def _cross_host_rooms(settings: Settings, decode: Host, writer_host: Host) -> None:
     page_bytes, num_pages = 64 << 10, 96
     rank = RankProc(settings, 0, 1, page_bytes, 4, num_pages, on=writer_host)
     owner: OwnerProc | None = None
+    before = _traffic(decode, writer_host)
+    written = 0
     try:
         owner = OwnerProc(settings, [rank.ready()], num_pages, page_bytes, on=decode)
         started = owner.next_event(
@@ -420,6 +472,8 @@ def _cross_host_rooms(settings: Settings, decode: Host, writer_host: Host) -> No
                     f"cross_host: a room written by a rank on another host holds wrong bytes in pages "
                     f"{done['bad'][:8]}"
                 )
+            written += len(pages) * page_bytes
+        _crossed("of two rooms written by a rank on another host", decode, writer_host, before, written)
     finally:
         if owner is not None:
             owner.close()
@@ -436,6 +490,7 @@ def _cross_hostround_of(settings: Settings, decode: Host, writer_host: Host) -> 
     )
     try:
         ready = owner.expect(60, "cross_host: region opens in its namespace", event="ready")
+        before = _traffic(decode, writer_host)
         writer = BareWriter(
             settings,
             {"a": bytes.fromhex(ready["metadata"])},
@@ -463,5 +518,12 @@ def _cross_hostround_of(settings: Settings, decode: Host, writer_host: Host) -> 
         checked = owner.expect(30, "cross_host: the region checks the round", event="checked")
         if checked["bad"]:
             raise ConformanceFailure(f"cross_host: the round landed wrong: {checked['bad']}")
+        _crossed(
+            "written by a bare writer on another host",
+            decode,
+            writer_host,
+            before,
+            sum(n for _, _, n in rows),
+        )
     finally:
         owner.close()

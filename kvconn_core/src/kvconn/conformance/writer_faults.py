@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from kvconn.conformance.harness import (
     wait_for,
 )
 from kvconn.conformance.plugin import NEEDS_HOSTS, require_capability
+from kvconn.conformance.stakes import at_stake
 from kvconn.protocol.hold import HoldState, Proof
 from kvconn.protocol.messages import TcpConnection
 from kvconn.runtime.sockets import TcpTable
@@ -116,6 +118,7 @@ def _resume_across_hosts(settings: Settings, owner: OwnerProc, pages: list[int])
     """The frozen owner resumes after its writer on another host was killed:
     no proof of that exit can come, so the room is not released (a release
     would have to name a proof, and no timeout is one)."""
+    _queued_to(owner)
     owner.signal(signal.SIGCONT)
     try:
         release = owner.expect(
@@ -156,15 +159,43 @@ def _frozen_owner(settings: Settings) -> Iterator[tuple[RankProc, OwnerProc, lis
         owner.signal(signal.SIGSTOP)  # the writer posts 64 MiB into a frozen owner
         wait_for(owner.stopped, 5, "frozen owner: decode froze")
         yield rank, owner, pages
+        at_stake(
+            sum(1 for e in rank.history() if e.get("event") == "after_post" and e.get("room") == OWNER_ROOM),
+            1,
+            f"a 64 MiB chunk posted into the frozen page owner, {_queued_to(owner) / MiB:.1f} MiB waiting in "
+            "its sockets when it resumed",
+            "a write posted while the owner was frozen",
+        )
     finally:
         if owner is not None and not owner.guarded:
             owner.close()
         rank.close()
 
 
+def _queued_to(owner: OwnerProc) -> int:
+    """Bytes waiting in the receive queues of the (frozen) owner's TCP sockets."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{owner.pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{owner.pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    queued = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{owner.pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[9] in inodes:
+                    queued += int(fields[4].split(":")[1], 16)
+    owner.queued = max(owner.queued, queued)
+    return owner.queued
+
+
 def _resume_and_check(settings: Settings, owner: OwnerProc, pages: list[int], proof: str) -> None:
     """Resume the owner; once it released the room (and wrote fresh canaries
     into its pages), no byte of the old write may change them."""
+    _queued_to(owner)
     owner.signal(signal.SIGCONT)
     release = owner.expect(
         settings.effective_abort_timeout() + 10, "frozen owner: released", event="released"
@@ -204,6 +235,26 @@ def _guard_owner(owner: OwnerProc, pages: list[int], why: str) -> None:
     owner.guarded = True
 
 
+def _unsettled_chunk(
+    rank: RankProc, room: int, cluster: Cluster, pages: list[int], how: str, ranks: list[int] | None = None
+) -> None:
+    """At stake: a chunk of ``room`` that ``rank`` posted and has not settled
+    (it stopped right after posting), and how much of the room it had yet
+    to write."""
+    events = [e for e in rank.history() if e.get("room") == room]
+    posted = {e["index"] for e in events if e["event"] == "after_post"}
+    settled = {e["index"] for e in events if e["event"] == "after_barrier"}
+    unsettled = len(posted - settled)
+    pending = len(cluster.bad_pattern_pages(room, pages, ranks))
+    at_stake(
+        unsettled,
+        1,
+        f"{unsettled} chunk posted and not settled by the rank {how}; {pending} of {len(pages)} pages "
+        "of the room not yet written by it then",
+        "a posted chunk the writer had not settled",
+    )
+
+
 class WriterFaultChecks:
     """The unhealthy-writer checks (mixed into :class:`ConformanceSuite`)."""
 
@@ -225,6 +276,7 @@ class WriterFaultChecks:
                 raise ConformanceFailure(
                     "S2 violated: released while rank 1 (frozen, write in flight) had not acked"
                 )
+            _unsettled_chunk(victim, KILLED_ROOM, cluster, pages, "killed", ranks=[1])
             if kvconn_settings.cross_host:
                 _killed_across_hosts(cluster, victim, KILLED_ROOM, pages)
                 return
@@ -251,6 +303,7 @@ class WriterFaultChecks:
             writer = cluster.ranks[0]
             writer.expect(10, "frozen writer: posts", event="stopping")
             wait_for(writer.stopped, 5, "frozen writer: froze")
+            _unsettled_chunk(writer, FROZEN_ROOM, cluster, pages, "frozen past decode's deadline")
             rx.abort()
             deadline = cluster.settings.effective_abort_timeout()
             wait_for(
@@ -368,8 +421,21 @@ class WriterFaultChecks:
                     raise ConformanceFailure(
                         "S2 violated: released while its writer was cut off (timeout alone)"
                     )
+                # Nothing crosses the cut link: the pages not written yet are what the heal may still bring.
+                pending = len(cluster.bad_pattern_pages(PARTITION_ROOM, pages))
+                posted = any(
+                    e.get("event") == "after_post" and e.get("room") == PARTITION_ROOM
+                    for e in writer.history()
+                )
             finally:
                 writer.host.heal()
+            at_stake(
+                pending if posted else 0,
+                1,
+                f"{pending} of {len(pages)} pages of a chunk posted during the cut still to cross past decode's "
+                "deadline" + ("" if posted else " (on_post had not returned)"),
+                "a posted chunk with bytes still to cross when the link healed",
+            )
             healed = time.monotonic()
             limit = kvconn_settings.capabilities.max_write_timeout_s or 0.0
             release, released_at = cluster.wait_released(
@@ -416,6 +482,16 @@ class WriterFaultChecks:
             )
             kill_rank(writer, "raising hooks", [cluster.owner_pid])
             raised_at = {e["room"]: e["t"] for e in writer.history() if e["event"] == "raising"}
+            missed = [point for point, room in RAISE_ROOMS.items() if room not in raised_at]
+            # A raise that a timing makes moot (the ABORT came after the chunk
+            # it was to skip) leaves its room nothing to prove; the others do.
+            at_stake(
+                len(raised_at),
+                1,
+                f"hooks raised at {len(raised_at)} of {len(RAISE_POINTS)} points, each with its room aborted"
+                + (f" (not at {', '.join(missed)}: the chunk went by first)" if missed else ""),
+                "a hook that raised with its room's pages held",
+            )
             # Across hosts no proof of the exit comes: the rooms still held stay so.
             held = (
                 [r for r in RAISE_ROOMS.values() if cluster.release_of(r) is None]

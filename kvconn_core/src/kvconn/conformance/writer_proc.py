@@ -10,6 +10,8 @@ room id is unique per decode only), each step one of:
 ``wait``     read a line from stdin (the parent says go);
 ``connect``  read a line, the peer's new metadata (hex): a decode restart;
 ``fill``     fill the source with the round's pattern (else ``post`` does);
+``fill_all`` fill the source with every round's pattern, each in its own rows
+             (so that later rounds post back to back, nothing between them);
 ``post``     fill the source with the round's pattern and ``on_post``;
 ``abort``    ``on_abort_notification`` for the round's room, from its peer (a cancel);
 ``barrier``  ``on_done_barrier`` (deadline fixed before ``post``);
@@ -68,6 +70,7 @@ def main() -> None:
         emit({"event": "connect_failed", "error": f"{type(exc).__name__}: {exc}"})
         raise
     timeout = float(args["write_timeout_s"])
+    prefilled: set[int] = set()
     emit({"event": "ready", "pid": os.getpid()})
     try:
         for i, spec in enumerate(args["rounds"], start=1):
@@ -86,8 +89,12 @@ def main() -> None:
                 elif step == "fill":
                     fill(writer, i, rows)
                     filled = True
+                elif step == "fill_all":
+                    for j, other in enumerate(args["rounds"], start=1):
+                        fill(writer, j, other["segments"])
+                        prefilled.add(j)
                 elif step == "post":
-                    if not filled:
+                    if not filled and i not in prefilled:
                         fill(writer, i, rows)
                     deadline = time.monotonic() + timeout
                     try:

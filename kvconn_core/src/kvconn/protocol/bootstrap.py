@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvconn.errors import BootstrapError, RequestError
+from kvconn.errors import BootstrapError, RequestError, UnavailableError
 from kvconn.protocol import wire
 from kvconn.protocol.endpoint_events import Action, AwaitAnswers, Bootstrapped, GiveUp, Instance, Send
 from kvconn.protocol.messages import Hello
@@ -51,6 +51,12 @@ def begin(
     waiter's clock); refused (nothing recorded) with
     :class:`~kvconn.errors.RequestError` for no address, one named twice,
     or a rank of another instance."""
+    if state.endpoint_down is not None:
+        raise UnavailableError(
+            f"decode has no transport endpoint since its owner fence ({state.endpoint_down}): "
+            "no prefill instance can be bootstrapped until it makes a new one",
+            cause="endpoint_down",
+        )
     if not addresses:
         raise RequestError("a prefill instance needs at least one rank address")
     if len(set(addresses)) != len(addresses):

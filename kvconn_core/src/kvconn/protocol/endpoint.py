@@ -33,7 +33,14 @@ from typing import Any, TypeVar
 
 import attrs
 
-from kvconn.errors import FinishRefusedError, PageError, RequestError, RoomInUseError
+from kvconn.errors import (
+    FinishRefusedError,
+    PageError,
+    PageInUseError,
+    RequestError,
+    RoomInUseError,
+    UnavailableError,
+)
 from kvconn.protocol import bootstrap, drain, liveness
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint_events import (
@@ -158,6 +165,9 @@ class EndpointState:
         #: The region's metadata since the last owner fence (None: none yet,
         #: each instance's Hello has it).
         self.metadata: bytes | None = None
+        #: Why this endpoint has no transport endpoint (an owner fence held
+        #: but its new endpoint could not be made yet; None: it has one).
+        self.endpoint_down: str | None = None
 
     # -- queries -----------------------------------------------------------
     def instance(self, addresses: Sequence[str] | None) -> Instance | None:
@@ -185,14 +195,15 @@ class EndpointState:
         """The earliest instant a :class:`Tick` has something to do: a hold's
         or a transfer's deadline, the owner fence, and the exit check while
         a held room owes a proof (or a fenced ack waits for its drain) and
-        the heartbeat while a rank is watched, down or asked; None: nothing
+        the heartbeat while a rank is watched, down or asked (and the region
+        has a transport endpoint: without one a tick skips it); None: nothing
         until the state changes. A tick before it changes nothing."""
         times = [self.tracker.next_deadline(), self._deadlines[0][0] if self._deadlines else None]
         if self._owing or self.draining:
             times.append(self._next_exit_check)
-        if self.ranks and (self._rooms_of_rank or self.down or self._asked):
-            times.append(self._next_heartbeat)
-        if self.owner_fence.enabled:
+        if self.ranks and (self._rooms_of_rank or self.down or self._asked) and self.endpoint_down is None:
+            times.append(self._next_heartbeat)  # no heartbeat without an endpoint (_on_tick)
+        if self.owner_fence.enabled or self.endpoint_down is not None:
             since = min((at for _, at, _ in self.tracker.quarantined()), default=None)
             times.append(self.owner_fence.next_due(since))
         return min((t for t in times if t is not None), default=None)
@@ -210,7 +221,7 @@ class EndpointState:
         """What a :class:`Tick` at ``now`` needs looked up."""
         owed = self.owed() if now >= self._next_exit_check else frozenset()
         live: frozenset[WriterIdentity] = frozenset()
-        if self.ranks and now >= self._next_heartbeat:
+        if self.ranks and now >= self._next_heartbeat and self.endpoint_down is None:
             live = liveness.live(self)
         return Probes(tuple(self.draining.values()), owed, live)
 
@@ -271,8 +282,11 @@ class EndpointState:
             raise RoomInUseError(f"still tracked ({state.value}): its pages are not back yet", room)
         if self.check_pages and not self._in_use.isdisjoint(pages):
             taken = sorted(self._in_use.intersection(pages))
-            raise PageError(f"pages {taken[:8]} belong to another room not finished or released yet", room)
+            raise PageInUseError(
+                f"pages {taken[:8]} belong to another room not finished or released yet", room
+            )
         ids = frozenset(instance.ids[r] for r in local)
+        self._refuse_if_unavailable(ids, room)
         # Every refusal is behind us: from here on the request is recorded whole.
         self.tracker.open(room, pages, ids)
         if self.check_pages:
@@ -296,16 +310,30 @@ class EndpointState:
     def sent(self, request: Request, unsent: Sequence[int], now: float) -> list[Action]:
         """The runtime sent ``request``'s TransferRequests; those to ``unsent``
         ranks were dropped. Nothing re-sends a request, and a room not yet
-        aborted has no deadline: it fails now, so the engine aborts it. A
-        room asked of a rank known down fails now too, onto the abort path
-        (it would stay TRANSFERRING)."""
+        aborted has no deadline: it fails now, so the engine aborts it."""
         if unsent:
             request.fail(f"request to ranks {sorted(unsent)} dropped: send queue full")
-        down = sorted(set(request.writers) & set(self.down))
-        if not down:
-            return []
-        reason = "; ".join(f"rank {r} is down: {self.down[r]}" for r in down)
-        return self._fail_and_abort(request, reason, now)
+        return []
+
+    def _refuse_if_unavailable(self, ids: frozenset[int], room: int) -> None:
+        """Nothing is asked of a rank known down, nor while this endpoint has
+        no transport endpoint: such a room could only fail, and once asked its
+        pages would wait for a proof from a writer decode cannot reach.
+        Refused here, nothing was sent: the pages never left the engine."""
+        if self.endpoint_down is not None:
+            raise UnavailableError(
+                f"decode has no transport endpoint since its owner fence ({self.endpoint_down}); "
+                "it makes a new one on its own: retry later or recompute",
+                room,
+                cause="endpoint_down",
+            )
+        down = sorted(ids & self.down.keys()) if self.down else ()
+        if down:
+            reason = "; ".join(
+                f"rank {self._rank_of[r][1]} ({self.writers[r].address}) is down: {self.down[r]}"
+                for r in down
+            )
+            raise UnavailableError(f"{reason}; nothing was asked of it", room, cause="rank_down")
 
     def abort(self, request: Request, now: float) -> list[Action]:
         """The engine gave ``request`` up."""
@@ -416,8 +444,9 @@ class EndpointState:
             return [Drop(reason)]
         if msg.session == self.writers[rank].session:
             liveness.heard_from(self, rank, now)
-            self.down.pop(rank, None)
-            return []
+            if self.down.pop(rank, None) is None:
+                return []
+            return liveness.back_up(self, rank, now)
         return [Identify(msg)]
 
     def _on_identified(self, event: Identified, now: float) -> list[Action]:
@@ -458,14 +487,17 @@ class EndpointState:
         if now >= self._next_exit_check:
             self._next_exit_check = now + self.EXIT_CHECK_S
             actions += self._exits(event.gone, event.peers_drained, now)
-        if self.ranks and now >= self._next_heartbeat:
+        # Without a transport endpoint there is no metadata to Hello with,
+        # and no room for a rank to write.
+        if self.ranks and now >= self._next_heartbeat and self.endpoint_down is None:
             self._next_heartbeat = now + self.heartbeat_interval_s
             actions += liveness.heartbeat(self, event.gone, now)
         actions += self._expire(now)
-        if self.owner_fence.enabled:
-            fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
-            actions += [fence] if fence is not None else []
-        return actions
+        policy = self.owner_fence
+        if not policy.enabled and policy.rearm_at is None:
+            return actions  # no fence can be due: spare the walk of the quarantined rooms
+        fence = policy.due(now, self.tracker.quarantined(), bool(self.pending))
+        return actions if fence is None else [*actions, fence]
 
     def _on_bootstrap_tick(self, event: BootstrapTick, now: float) -> list[Action]:
         return bootstrap.step(self, event.instance, now, now if event.at is None else event.at)
@@ -474,11 +506,13 @@ class EndpointState:
         return self._exits(event.gone, event.peers_drained, now)
 
     def _on_owner_fence_done(self, event: OwnerFenceDone, now: float) -> list[Action]:
-        return owner_fenced(self, event.metadata, now)
+        return owner_fenced(self, event, now)
 
     def _on_owner_fence_error(self, event: OwnerFenceError, now: float) -> list[Action]:
         self.owner_fence.ended(ok=False)  # nothing proven: every page stays held
-        return [OwnerFenced(False, name=self.name, reason=event.reason)]
+        if self.endpoint_down is not None:  # asked again for the endpoint: ask later
+            self.owner_fence.endpoint_made(False, now)
+        return [OwnerFenced(False, name=self.name, reason=event.reason, endpoint=self.endpoint_down is None)]
 
     # -- internals -----------------------------------------------------------
     def _hello(self, instance: Instance) -> Hello:

@@ -85,7 +85,9 @@ class FenceAsOwner:
     """Fence the region as its owner (``kvconn.transport.owner_fence``) and
     answer :class:`OwnerFenceDone` with its new metadata, or
     :class:`OwnerFenceError`. ``rooms`` are the rooms quarantined past the
-    age (what the fence is for; it proves every room of the endpoint)."""
+    age (what the fence is for; it proves every room of the endpoint); none
+    when the fence is asked again only to make the endpoint an earlier fence
+    left without one."""
 
     rooms: tuple[int, ...]
     pages: int
@@ -93,10 +95,14 @@ class FenceAsOwner:
 
 @attrs.frozen(slots=True)
 class OwnerFenceDone:
-    """The owner fence happened: nothing sent to the old metadata can land;
-    ``metadata`` is the region's new one."""
+    """The owner fence happened: nothing sent to the old metadata can land.
+    ``metadata`` is the region's new one, or None when the old endpoint is
+    gone but a new one could not be made yet (``reason`` says why: UCX
+    refuses while decode's own interface is down); the endpoint then asks
+    for the fence again, on a bounded schedule, until it has one."""
 
-    metadata: bytes
+    metadata: bytes | None
+    reason: str = ""
 
 
 @attrs.frozen(slots=True)
@@ -120,6 +126,9 @@ class OwnerFenced:
     failed: int = 0
     name: str = ""
     reason: str = ""
+    #: The region has a transport endpoint again (False: the fence held,
+    #: but the new endpoint is still to be made; ``reason`` says why).
+    endpoint: bool = True
 
 
 # -- stimuli that are not messages ---------------------------------------------

@@ -173,6 +173,22 @@ class HoldTracker:
         entry = self._holds.get(room)
         return entry.held_at if entry is not None else None
 
+    def unproven(self, room: int) -> frozenset[int]:
+        """The ranks whose proof a held ``room`` still waits for (none for a
+        room not held)."""
+        entry = self._holds.get(room)
+        return frozenset() if entry is None else frozenset(entry.ranks - entry.proven)
+
+    def awaiting(self) -> dict[tuple[int, HoldState], int]:
+        """(rank, state) -> how many held rooms in that state (held or
+        quarantined) still wait for that rank's proof: which rank an
+        operator's quarantine waits for."""
+        counts: dict[tuple[int, HoldState], int] = {}
+        for entry in self._holds.values():
+            for rank in entry.ranks - entry.proven:
+                counts[(rank, entry.state)] = counts.get((rank, entry.state), 0) + 1
+        return counts
+
     def ranks_of(self, room: int) -> frozenset[int]:
         """The ranks writing ``room``; none for a room not tracked."""
         entry = self._rooms.get(room)
@@ -258,6 +274,26 @@ class HoldTracker:
                 entry.exited = True
             if entry.proven >= entry.ranks:
                 actions.append(self._release(room, entry, self._proof(entry), now))
+        return actions
+
+    def reask(self, rank: int, rooms: Collection[int], now: float) -> list[HoldAction]:
+        """``rank`` is reachable again (it answered after being down): ask it
+        at once, with fresh generations, for each held room of ``rooms`` it
+        has not proven, instead of at the room's next re-send (backed off up
+        to ``max_resend_interval``), and re-send from the shortest interval
+        again."""
+        actions: list[HoldAction] = []
+        for room in sorted(rooms):
+            entry = self._holds.get(room)
+            if entry is None or rank not in entry.ranks or rank in entry.proven:
+                continue
+            generation = next(self._generations)
+            entry.generations.add(generation)
+            actions.append(SendAbort(rank, Abort(room, generation, self.decode, self.reply_to)))
+            if entry.state is HoldState.QUARANTINED:
+                entry.resend_every = self.resend_interval
+                entry.resend_at = now + entry.resend_every
+                self._schedule(room, entry)
         return actions
 
     def owner_fenced(self, now: float) -> list[HoldAction]:

@@ -113,6 +113,20 @@ def heartbeat(state: EndpointState, gone: frozenset[WriterIdentity], now: float)
     return actions
 
 
+def back_up(state: EndpointState, rank: int, now: float) -> list[Action]:
+    """``rank``, down, answered: its link healed or it resumed, so the proof
+    of every held room it owes can come now. Its ABORTs go out at once (a
+    quarantined room's re-sends back off to 30 s; those sent during the cut
+    may have been lost with a dropped connection). A walk of the held rooms
+    only when the rank owes one (``state._owing``), as :func:`exits` walks
+    them only once an exit is proven."""
+    writer = state.writers[rank]
+    if writer not in state._owing:  # the per-writer count: no held room waits for it
+        return []
+    rooms = [room for room, request in state._held.items() if request.writers.get(rank) == writer]
+    return state.carry(state.tracker.reask(rank, rooms, now))
+
+
 def live(state: EndpointState) -> frozenset[WriterIdentity]:
     """The writers a heartbeat looks up in ``/proc``: those of watched ranks up."""
     return frozenset(state.writers[r] for r in state.watched() if r not in state.down)

@@ -17,6 +17,13 @@ with the old metadata while the fence runs would be connected to nothing).
 It is never a timeout free: pages come back only once the runtime reports
 the fence done (:class:`OwnerFenceDone`); a failed one
 (:class:`OwnerFenceError`) changes nothing but the count.
+
+A fence can hold and still leave the region without an endpoint: the old
+one is gone (so nothing can land), but the transport could not make the new
+one (UCX refuses while decode's own interface is down). The endpoint is then
+down, whether or not any room is held: it refuses new rooms at once, with
+the reason, and the policy asks for the fence again after 1, 2, 4, ... s, at
+most :attr:`OwnerFencePolicy.REARM_MAX_S` apart, until a call makes it.
 """
 
 from __future__ import annotations
@@ -56,6 +63,13 @@ class OwnerFencePolicy:
     #: Fences that ended, by outcome: the endpoint's n-th is its epoch.
     ok: int = 0
     failed: int = 0
+    #: When to ask again for the endpoint a fence left the region without
+    #: (None: it has one), and how many asks failed so far.
+    rearm_at: float | None = None
+    rearm_failures: int = 0
+
+    REARM_FIRST_S = 1.0
+    REARM_MAX_S = 10.0
 
     @property
     def enabled(self) -> bool:
@@ -66,7 +80,14 @@ class OwnerFencePolicy:
     ) -> FenceAsOwner | None:
         """A fence to carry out now, if one is due. ``quarantined``: (room,
         quarantined since, pages) of every quarantined room."""
-        if not self.enabled or self.running or bootstrapping or not quarantined:
+        if self.running:
+            return None
+        if self.rearm_at is not None:  # no endpoint: nothing else matters
+            if now < self.rearm_at:
+                return None
+            self.running, self.last_attempt = True, now
+            return FenceAsOwner((), 0)
+        if not self.enabled or bootstrapping or not quarantined:
             return None
         assert self.after_s is not None
         if self.last_attempt is not None and now < self.last_attempt + self.min_interval_s:
@@ -79,7 +100,11 @@ class OwnerFencePolicy:
 
     def next_due(self, oldest_quarantined_at: float | None) -> float | None:
         """The earliest instant :meth:`due` could say yes (None: no room waits)."""
-        if not self.enabled or self.running or oldest_quarantined_at is None:
+        if self.running:
+            return None
+        if self.rearm_at is not None:
+            return self.rearm_at
+        if not self.enabled or oldest_quarantined_at is None:
             return None
         assert self.after_s is not None
         at = oldest_quarantined_at + self.after_s
@@ -94,6 +119,16 @@ class OwnerFencePolicy:
         else:
             self.failed += 1
 
+    def endpoint_made(self, made: bool, now: float) -> None:
+        """A fence that held made the region's new endpoint, or could not
+        (then it is asked again, sooner the first times)."""
+        if made:
+            self.rearm_at, self.rearm_failures = None, 0
+            return
+        wait = min(self.REARM_MAX_S, self.REARM_FIRST_S * 2**self.rearm_failures)
+        self.rearm_failures += 1
+        self.rearm_at = now + wait
+
 
 __all__ = [
     "FenceAsOwner",
@@ -106,11 +141,14 @@ __all__ = [
 
 
 # -- what a fence that happened proves and costs ------------------------------------
-def owner_fenced(state: EndpointState, metadata: bytes, now: float) -> list[Action]:
+def owner_fenced(state: EndpointState, done: OwnerFenceDone, now: float) -> list[Action]:
     """Nothing sent to the old metadata can land: rooms in flight fail and,
     with the held ones, are released. A new name makes every rank connect
     anew with the new metadata (docs/multi-host.md); each is down until it
-    answers the new Hello, which its channel delivers before any request."""
+    answers the new Hello, which its channel delivers before any request.
+    Without new metadata (the region has no endpoint yet) nothing is
+    Hello'd: every request is refused as unavailable until a later fence
+    makes the endpoint and the Hellos go out."""
     actions: list[Action] = []
     failed = 0
     for request in list(state.requests.values()):
@@ -122,9 +160,15 @@ def owner_fenced(state: EndpointState, metadata: bytes, now: float) -> list[Acti
     state.draining.clear()
     state.owner_fence.ended(ok=True)
     state.name = state.tracker.decode = f"{state._first_name}.f{state.owner_fence.ok}"
-    state.metadata = metadata
+    made = done.metadata is not None
+    state.owner_fence.endpoint_made(made, now)
+    state.endpoint_down = None if made else (done.reason or "the transport made no new endpoint")
     for rank in sorted(state.ranks):
         state.down.setdefault(rank, "re-bootstrapping after the owner fence")
-        actions.append(Send(state.writers[rank].address, state._hello(state._rank_of[rank][0]), rank))
+    if made:
+        state.metadata = done.metadata
+        for rank in sorted(state.ranks):
+            actions.append(Send(state.writers[rank].address, state._hello(state._rank_of[rank][0]), rank))
     pages = sum(len(r.pages) for r in released)
-    return [*actions, *released, OwnerFenced(True, len(released), pages, failed, state.name)]
+    fenced = OwnerFenced(True, len(released), pages, failed, state.name, state.endpoint_down or "", made)
+    return [*actions, *released, fenced]

@@ -20,10 +20,18 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvconn.config import Config
-from kvconn.errors import ArgumentError, BootstrapError, RequestError
+from kvconn.errors import (
+    ArgumentError,
+    BootstrapError,
+    KvconnError,
+    PageInUseError,
+    RequestError,
+    RoomInUseError,
+    UnavailableError,
+)
 from kvconn.layout import KVLayout, checked_buffers
 from kvconn.metrics import Exported, Metrics, export
-from kvconn.protocol.drain import DrainReport
+from kvconn.protocol.drain import DrainingError, DrainReport
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import (
@@ -59,6 +67,15 @@ T = TypeVar("T")
 #: allocator may hand these pages out again.
 ReleaseCallback = Callable[[Release], None]
 
+
+#: ``kvconn_requests_refused_total``'s reason for each refusal of ``receiver()``.
+_REFUSALS: tuple[tuple[type[KvconnError], str], ...] = (
+    (UnavailableError, "rank_down"),
+    (DrainingError, "draining"),
+    (PageInUseError, "pages_in_use"),
+    (RoomInUseError, "room_in_use"),
+    (BootstrapError, "bootstrap"),
+)
 
 #: Regions of closed endpoints that still had pages held: kept for the life
 #: of the process (see DecodeEndpoint.close).
@@ -123,7 +140,9 @@ class DecodeEndpoint:
         else:
             self.region = backend.open_region(num_pages * page_bytes, self.config.backend_options)
         self._lock = threading.Lock()
-        self._outbox = Outbox(self.config.auth_key, self._count_drop)
+        self._outbox = Outbox(
+            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+        )
         #: Requests are numbered and sent under one lock: a rank takes only a
         #: request numbered above the last it took.
         self._request_lock = threading.Lock()
@@ -173,6 +192,7 @@ class DecodeEndpoint:
             self._count_drop,
             owner_fence=lambda: owner_fence(self.region),
             tracer=self._tracer,
+            clock=self.clock,
         )
         gauge_hold_state(self.metrics, self._state, self._lock, self.clock)
         self.metrics_server: Exported | None = None
@@ -249,20 +269,34 @@ class DecodeEndpoint:
 
         Refused (nothing sent, nothing tracked, no page marked in use) with
         :class:`~kvconn.errors.PageError` for pages out of range or
-        duplicated, or (``Config.check_pages``) still in use by another room,
+        duplicated, :class:`~kvconn.errors.PageInUseError` (``Config.check_pages``)
+        for pages still in use by another room (the engine freed them
+        before ``on_release``: counted, logged as an error, alerted on),
         with :class:`~kvconn.errors.RoomInUseError` while ``room`` itself
-        is still tracked, and with :class:`~kvconn.errors.RequestError` (a
+        is still tracked, with :class:`~kvconn.errors.UnavailableError` while
+        a rank it would ask is down or this endpoint has no transport
+        endpoint (such a room could only fail: fail it, route it elsewhere
+        or recompute it), and with :class:`~kvconn.errors.RequestError` (a
         ValueError) for no instance, unknown or no ranks, or an extras slot
-        outside the layout."""
-        if prefill is None:
-            instance = self._state.default
-            if instance is None:
-                raise RequestError("no prefill instance: name its ranks' addresses (prefill=)", room)
-        else:
-            instance = self._instance(prefill)
+        outside the layout. Every refusal is counted in
+        ``kvconn_requests_refused_total{reason}``."""
+        try:
+            if prefill is None:
+                instance = self._state.default
+                if instance is None:
+                    raise RequestError("no prefill instance: name its ranks' addresses (prefill=)", room)
+            else:
+                instance = self._instance(prefill)
+        except KvconnError as exc:
+            self._refused(exc)
+            raise
         with self._request_lock, self._lock:
             now = self.clock()
-            request, sends = self._state.open(room, pages, instance, ranks, extras_slot, now)
+            try:
+                request, sends = self._state.open(room, pages, instance, ranks, extras_slot, now)
+            except KvconnError as exc:
+                self._refused(exc)
+                raise
             self._tracer.opened(room, len(request.pages), sorted(request.writers), self.name)
             outgoing = self._tracer.outgoing
             unsent = [s.rank for s in sends if not self._outbox.send(s.address, outgoing(s.message))]
@@ -366,6 +400,8 @@ class DecodeEndpoint:
                 if isinstance(end, GiveUp):
                     raise end.error
                 if isinstance(end, Bootstrapped):
+                    for rank in end.instance.ids:
+                        self.metrics.known_rank(rank, self._state.writers[rank].address)
                     return
                 assert isinstance(end, AwaitAnswers)
                 self._bootstrapped.wait(max(0.0, end.until - at))
@@ -450,6 +486,18 @@ class DecodeEndpoint:
                 self.on_release(release)
             except Exception:
                 log.exception("on_release callback raised for room %d", release.room)
+
+    def _refused(self, exc: KvconnError) -> None:
+        """Count a request ``receiver()`` refused (asking nothing), by why."""
+        reason = "invalid"
+        for kind, why in _REFUSALS:
+            if isinstance(exc, kind):
+                reason = exc.cause if isinstance(exc, UnavailableError) else why
+                break
+        self.metrics.requests_refused.labels(reason).inc()
+        if reason == "pages_in_use":
+            # kvconn still guards them: the engine's allocator freed them early.
+            log.error("the engine reused pages kvconn has not released: %s", exc)
 
     def _count_drop(self, reason: DropReason) -> None:
         self.metrics.dropped.labels(reason).inc()

@@ -35,7 +35,7 @@ from kvconn.runtime.control import Outbox
 from kvconn.runtime.procs import WriterIdentity
 from kvconn.runtime.sockets import undrained
 from kvconn.runtime.tracing import NO_TRACER, NoTracer
-from kvconn.transport import OwnerFenceUnsupported
+from kvconn.transport import FencedWithoutEndpoint, OwnerFenceUnsupported
 
 log = logging.getLogger("kvconn.runtime.decode")
 
@@ -52,9 +52,13 @@ class Carrier:
         on_drop: Callable[[DropReason], None],
         owner_fence: Callable[[], bytes] | None = None,
         tracer: NoTracer = NO_TRACER,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """``owner_fence``: the region's (``kvconn.transport.owner_fence``):
-        fences it and returns its new metadata."""
+        fences it and returns its new metadata (``FencedWithoutEndpoint``: no
+        endpoint yet).
+        ``clock``: the endpoint's, read once a fence is over (it can take a
+        second: its releases count it)."""
         self._state = state
         self._outbox = outbox
         self.metrics = metrics
@@ -62,6 +66,7 @@ class Carrier:
         self._on_drop = on_drop
         self._owner_fence = owner_fence
         self._tracer = tracer
+        self._clock = clock
 
     def run(self, actions: Sequence[Action], now: float) -> list[Release]:
         """Carry out ``actions``; the releases are returned, for the engine's
@@ -80,25 +85,43 @@ class Carrier:
         do(self, action, now, releases)
 
     def _send(self, action: Send, now: float, releases: list[Release]) -> None:
+        sending = self._tracer.now()  # before the send: the rank may take it at once
         if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
             action.message, Abort
         ):
             self.metrics.aborts_sent.inc()
-            self._tracer.carried(action)
+            self._tracer.abort_sent(action, sending)
 
     def _release(self, action: Release, now: float, releases: list[Release]) -> None:
         releases.append(action)
         proof = action.proof.value
         self.metrics.releases.labels(proof).inc()
         self.metrics.released_pages.labels(proof).inc(len(action.pages))
-        self.metrics.release_latency.labels(proof).observe(action.held_for)
+        m = self.metrics
+        m.observe(m.release_latency, "kvconn_abort_to_release_seconds", action.held_for, proof=proof)
         self.metrics.quarantine_seconds.inc(action.quarantined_for)
         self._tracer.carried(action)
 
     def _quarantine(self, action: Quarantine, now: float, releases: list[Release]) -> None:
         self.metrics.quarantines.inc()
         self._tracer.carried(action)
-        log.warning("room %d quarantined: %d pages held, no proof yet", action.room, len(action.pages))
+        waiting = ", ".join(self.rank_name(r) for r in sorted(self._state.tracker.unproven(action.room)))
+        log.warning(
+            "room %d quarantined: %d pages held, no proof yet from %s",
+            action.room,
+            len(action.pages),
+            waiting or "no rank",
+        )
+
+    def rank_name(self, rank: int) -> str:
+        """How the log names an endpoint-wide rank id: with its address (the
+        id alone counts ranks across the instances this decode serves)."""
+        writer = self._state.writers.get(rank)
+        return f"prefill rank {rank}" if writer is None else f"prefill rank {rank} ({writer.address})"
+
+    def _labels(self, rank: int) -> tuple[str, str]:
+        writer = self._state.writers.get(rank)
+        return str(rank), "" if writer is None else writer.address
 
     def _drop(self, action: Drop, now: float, releases: list[Release]) -> None:
         self._on_drop(action.reason)
@@ -114,11 +137,13 @@ class Carrier:
     def _ack_counted(self, action: AckCounted, now: float, releases: list[Release]) -> None:
         self.metrics.acks_received.inc()
         if action.waited is not None:
-            self.metrics.ack_wait.labels(str(action.rank)).observe(action.waited)
+            rank, address = self._labels(action.rank)
+            m = self.metrics
+            m.observe(m.ack_wait, "kvconn_abort_to_ack_seconds", action.waited, rank=rank, address=address)
 
     def _rank_down(self, action: RankDown, now: float, releases: list[Release]) -> None:
-        self.metrics.ranks_down.labels(action.cause).inc()
-        log.warning("prefill rank %d is down: %s", action.rank, action.reason)
+        self.metrics.ranks_down.labels(action.cause, *self._labels(action.rank)).inc()
+        log.warning("%s is down: %s", self.rank_name(action.rank), action.reason)
 
     def _rank_restarted(self, action: RankRestarted, now: float, releases: list[Release]) -> None:
         self.metrics.rank_restarts.inc()
@@ -139,16 +164,27 @@ class Carrier:
             if self._owner_fence is None:
                 raise OwnerFenceUnsupported("this endpoint has no owner fence")
             event = OwnerFenceDone(self._owner_fence())
+        except FencedWithoutEndpoint as exc:  # it held: releases, then retries for the endpoint
+            event = OwnerFenceDone(None, str(exc))
         except Exception as exc:  # OwnerFenceFailed or anything else: nothing proven
             log.debug("owner fence raised", exc_info=True)
             event = OwnerFenceError(f"{type(exc).__name__}: {exc}")
-        releases += self.run(self._state.handle(event, now), now)
+        # Its releases are timed from when the fence was over, not asked for.
+        after = now if self._clock is None else self._clock()
+        releases += self.run(self._state.handle(event, after), after)
 
     def _owner_fenced(self, action: OwnerFenced, now: float, releases: list[Release]) -> None:
-        self.metrics.owner_fences.labels("ok" if action.ok else "failed").inc()
+        outcome = "failed" if not action.ok else "ok" if action.endpoint else "no_endpoint"
+        self.metrics.owner_fences.labels(outcome).inc()
         if not action.ok:
             log.warning("owner fence failed, every held page stays held: %s", action.reason)
             return
+        if not action.endpoint:
+            log.warning(
+                "decode has no transport endpoint since its owner fence (%s): new rooms are refused "
+                "until a retry makes one",
+                action.reason,
+            )
         self.metrics.owner_fence_pages.inc(action.pages)
         log.warning(
             "owner fence: %d rooms (%d pages) recovered, %d rooms in flight failed; "
@@ -204,3 +240,22 @@ def gauge_hold_state(
     metrics.pages_quarantined.set_function(locked(lambda: tracker.pages_in(quarantined)))
     metrics.quarantine_age.set_function(locked(lambda: tracker.oldest_quarantine(clock())))
     metrics.acks_draining.set_function(locked(lambda: len(state.draining)))
+    metrics.endpoint_up.set_function(locked(lambda: 0.0 if state.endpoint_down is not None else 1.0))
+
+    def ranks_up() -> list[tuple[tuple[str, str], float]]:
+        with lock:
+            return [
+                ((str(r), w.address), float(r not in state.down)) for r, w in sorted(state.writers.items())
+            ]
+
+    def awaiting() -> list[tuple[tuple[str, str, str], float]]:
+        with lock:
+            counts = tracker.awaiting()
+            return [
+                ((str(r), w.address, hold.value), float(counts.get((r, hold), 0)))
+                for r, w in sorted(state.writers.items())
+                for hold in (held, quarantined)
+            ]
+
+    metrics.rank_up.set_function(ranks_up)
+    metrics.awaiting_rank.set_function(awaiting)

@@ -110,7 +110,9 @@ class PrefillRank(TransferPath):
         self.pm.check_pending()
         self._hooks = ChunkHooks(self.pm)
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
-        self._outbox = Outbox(self.config.auth_key, self._count_drop)
+        self._outbox = Outbox(
+            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+        )
         #: Every decision: bootstraps, requests, senders, verdicts, chunks' ends.
         terms = WriterTerms(
             backend.name,
@@ -141,6 +143,7 @@ class PrefillRank(TransferPath):
             idle=self._on_idle,
         )
         self.address = self._listener.address
+        self.metrics.rank_info.set_function(lambda: [((self.address, str(self.rank)), 1.0)])
         self.metrics_server: Exported | None = None
         if self.config.metrics_port is not None:
             try:

@@ -141,10 +141,13 @@ class RankActions:
         carry(self, action, later)
 
     def _send_ack(self, action: SendAck, later: Later) -> None:
+        if not self.config.acks_enabled:
+            return
         ack = action.ack
-        if self.config.acks_enabled and self._outbox.send(action.reply_to, ack):
+        sending = self._tracer.now()  # before the send: decode may take it at once
+        if self._outbox.send(action.reply_to, ack):
             self.metrics.acks_sent.inc()
-            self._tracer.acked(ack, self.rank)
+            self._tracer.acked(ack, self.rank, sending)
             arrived = self._abort_at.pop((ack.decode, ack.room), None)
             if arrived is not None:
                 # From the later of the ABORT's arrival and the end of this
@@ -164,8 +167,9 @@ class RankActions:
 
     def _notify_decode(self, action: NotifyDecode, later: Later) -> None:
         peer = self.state.peers.get(action.decode)
+        sending = self._tracer.now()
         if peer is not None and self._outbox.send(peer.reply_to, action.status):
-            self._tracer.notified(action.decode, action.status)
+            self._tracer.notified(action.decode, action.status, sending)
 
     def _announce(self, action: Announce, later: Later) -> None:
         peer = self.state.peers.get(action.decode)
@@ -263,9 +267,10 @@ class RankActions:
                 if ok:
                     traced["result"] = "ok"
                     traced["closed"] = len(closed)
-                self._thread.settled_at = self.clock()
-                with self._lock:
-                    later = self._execute(self.state.fence_ended(ok, closed))
+            # the fence's spans end before its acks go out (decode may release at once)
+            self._thread.settled_at = self.clock()
+            with self._lock:
+                later = self._execute(self.state.fence_ended(ok, closed))
         self._after(later)
 
     def _plugin_error(self, hook: str, exc: Exception) -> None:

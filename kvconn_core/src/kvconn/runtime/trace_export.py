@@ -94,10 +94,48 @@ def write_spans_to(path: str) -> TracerProvider:
     return provider
 
 
+_file_providers: dict[str, TracerProvider] = {}
+_file_lock = threading.Lock()
+
+
+def trace_to_file(path: str) -> TracerProvider:
+    """:func:`write_spans_to` once per process and path (an engine builds
+    one connector or KV manager per role and rank, and OpenTelemetry takes
+    one provider per process): what an engine adapter calls for its
+    ``trace_file`` setting. Raises :class:`ImportError` naming the extra
+    when ``opentelemetry-sdk`` is missing, so a configured trace file never
+    silently records nothing."""
+    with _file_lock:
+        provider = _file_providers.get(path)
+        if provider is None:
+            try:
+                provider = _add_file(path)
+            except ImportError as exc:
+                raise ImportError(
+                    f"a trace file needs opentelemetry-sdk: pip install 'kvconn-core[trace]' ({exc})"
+                ) from exc
+            _file_providers[path] = provider
+        return provider
+
+
+def _add_file(path: str) -> TracerProvider:
+    """The file's exporter on the process's SDK provider if the engine set
+    one up (its spans keep going where they went), else on a new one."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    current = trace.get_tracer_provider()
+    if not isinstance(current, TracerProvider):
+        return write_spans_to(path)
+    current.add_span_processor(SimpleSpanProcessor(cast(Any, JsonLinesExporter(path))))
+    return current
+
+
 def read_spans(path: str) -> list[dict[str, Any]]:
     """The records of a file :class:`JsonLinesExporter` wrote."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["JsonLinesExporter", "read_spans", "span_record", "write_spans_to"]
+__all__ = ["JsonLinesExporter", "read_spans", "span_record", "trace_to_file", "write_spans_to"]

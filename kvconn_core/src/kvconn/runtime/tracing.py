@@ -21,6 +21,7 @@ still handled) and counted in ``kvconn_trace_contexts_dropped_total``.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -118,6 +119,13 @@ class NoTracer:
 
     enabled = False
 
+    def now(self) -> int:
+        """The span clock's time (Unix epoch ns), read just before a message
+        goes out: what :meth:`abort_sent`, :meth:`acked` and :meth:`notified`
+        are given, so that no span or event of the sender dates after what the
+        message caused at its peer (0 with tracing off)."""
+        return 0
+
     # -- decode ------------------------------------------------------------
     def opened(self, room: int, pages: int, ranks: Sequence[int], decode: str) -> None:
         pass
@@ -129,6 +137,9 @@ class NoTracer:
         pass
 
     def carried(self, action: object) -> None:
+        pass
+
+    def abort_sent(self, action: Send, sent_ns: int) -> None:
         pass
 
     def aborted(self, room: int) -> None:
@@ -144,10 +155,10 @@ class NoTracer:
     def landed(self, key: RoomKey) -> None:
         pass
 
-    def acked(self, ack: AbortAck, rank: int) -> None:
+    def acked(self, ack: AbortAck, rank: int, sent_ns: int) -> None:
         pass
 
-    def notified(self, decode: str, status: RoomStatus) -> None:
+    def notified(self, decode: str, status: RoomStatus, sent_ns: int) -> None:
         pass
 
     def contexts(self, rooms: frozenset[RoomKey]) -> list[tuple[RoomKey, Context]]:
@@ -171,6 +182,9 @@ class DecodeTracer(NoTracer):
     """A decode endpoint's room spans (called under the endpoint's lock)."""
 
     enabled = True
+
+    def now(self) -> int:
+        return time.time_ns()  # the SDK's span clock
 
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = tracer
@@ -245,17 +259,23 @@ class DecodeTracer(NoTracer):
             span = self._spans.get(action.room)
             if span is not None:
                 span.add_event("kvconn.quarantine", {"kvconn.pages": len(action.pages)})
-        elif isinstance(action, Send) and isinstance(action.message, Abort):
-            span = self._spans.get(action.message.room)
-            if span is not None:
-                rank = -1 if action.rank is None else action.rank
-                span.add_event(
-                    "kvconn.abort_sent", {"kvconn.rank": rank, "kvconn.generation": action.message.generation}
-                )
         elif isinstance(action, RoomFailed):
             span = self._spans.get(action.room)
             if span is not None:
                 span.add_event("kvconn.room_failed", {"kvconn.cause": action.cause})
+
+    def abort_sent(self, action: Send, sent_ns: int) -> None:
+        """An ABORT went out; ``sent_ns``: :meth:`now` just before the send
+        (the rank may take it, and record it, before this thread runs again)."""
+        assert isinstance(action.message, Abort)
+        span = self._spans.get(action.message.room)
+        if span is not None:
+            rank = -1 if action.rank is None else action.rank
+            span.add_event(
+                "kvconn.abort_sent",
+                {"kvconn.rank": rank, "kvconn.generation": action.message.generation},
+                timestamp=sent_ns,
+            )
 
     def aborted(self, room: int) -> None:
         span = self._spans.get(room)
@@ -329,13 +349,20 @@ class RankTracer(NoTracer):
         if room is not None:
             room.chunks += 1
 
-    def acked(self, ack: AbortAck, rank: int) -> None:
-        """(Under the rank's lock.) ``ack`` was sent."""
+    def now(self) -> int:
+        return time.time_ns()  # the SDK's span clock
+
+    def acked(self, ack: AbortAck, rank: int, sent_ns: int) -> None:
+        """(Under the rank's lock.) ``ack`` was sent; ``sent_ns``: :meth:`now`
+        just before. The ack's span starts there, and the room's span ends
+        there: decode may take the ack (its ``kvconn.ack`` event) before
+        this thread runs again, and no span of the rank may start after
+        what it caused at decode."""
         key = RoomKey(ack.decode, ack.room)
         ctx = self._contexts.get(key)
         if ctx is None:
             return
-        self._conclude(key, "acked")
+        self._conclude(key, "acked", sent_ns)
         attributes = {
             "kvconn.room": room_id(ack.room),
             "kvconn.rank": rank,
@@ -343,17 +370,21 @@ class RankTracer(NoTracer):
             "kvconn.fenced": ack.fenced,
             "kvconn.closed_connections": len(ack.closed),
         }
-        self._tracer.start_span("kvconn.rank.ack", context=ctx, attributes=attributes).end()
+        # A point in time: the send itself is queued, decode takes it on its own.
+        self._tracer.start_span(
+            "kvconn.rank.ack", context=ctx, attributes=attributes, start_time=sent_ns
+        ).end(end_time=sent_ns)
 
-    def notified(self, decode: str, status: RoomStatus) -> None:
-        """(Under the rank's lock.) ``status`` was sent to ``decode``."""
-        self._conclude(RoomKey(decode, status.room), status.outcome.name.lower(), status.reason)
+    def notified(self, decode: str, status: RoomStatus, sent_ns: int) -> None:
+        """(Under the rank's lock.) ``status`` was sent to ``decode``
+        (``sent_ns``: :meth:`now` just before): the room's span ends there."""
+        self._conclude(RoomKey(decode, status.room), status.outcome.name.lower(), sent_ns, status.reason)
 
     def close(self) -> None:
         for key in list(self._spans):
             self._conclude(key, "open at close")
 
-    def _conclude(self, key: RoomKey, outcome: str, reason: str = "") -> None:
+    def _conclude(self, key: RoomKey, outcome: str, end_ns: int | None = None, reason: str = "") -> None:
         room = self._spans.pop(key, None)
         if room is None:
             return
@@ -362,7 +393,7 @@ class RankTracer(NoTracer):
         span.set_attribute("kvconn.outcome", outcome)
         if reason:
             span.set_attribute("kvconn.reason", reason)
-        span.end()
+        span.end(end_time=end_ns)
 
     def contexts(self, rooms: frozenset[RoomKey]) -> list[tuple[RoomKey, Context]]:
         return [(key, ctx) for key in sorted(rooms) if (ctx := self._contexts.get(key)) is not None]

@@ -34,7 +34,7 @@ from kvconn.testing.waiting import wait_for
 if TYPE_CHECKING:
     from kvconn.testing.hosts import Host
 
-__all__ = ["Child", "ChildError", "StderrLog", "emit", "load_args", "quiet_interrupts", "stop_self"]
+__all__ = ["Child", "ChildError", "StderrLog", "busy", "emit", "load_args", "quiet_interrupts", "stop_self"]
 
 _out_lock = threading.Lock()
 #: Popen's arguments for a process group of its own (``process_group`` is 3.11's).
@@ -69,6 +69,21 @@ def quiet_interrupts() -> None:
     a run at once. The parent tears the run down and closes our stdin, and we
     exit then, without a traceback of our own."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def busy(seconds: float) -> threading.Thread:
+    """In a child: a thread that computes in Python for ``seconds`` (an
+    engine's busy step loop), taking the GIL from the process's other
+    threads, kvconn's listener among them, at every switch interval."""
+
+    def spin() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, daemon=True, name="kvconn-busy-engine")
+    thread.start()
+    return thread
 
 
 def stop_self() -> None:
@@ -171,22 +186,35 @@ class Child:
         if failure is not None:
             self.failure = failure
         payload = json.dumps(dict(args))
-        self._args_file: str | None = None
+        # A long argument goes in a memory file the child inherits: no path
+        # in a /tmp that a host of its own does not share.
+        args_fd: int | None = None
         if len(payload) > self.INLINE_ARGS:
-            fd, self._args_file = tempfile.mkstemp(prefix="kvconn-conformance-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                f.write(payload)
-            payload = "@" + self._args_file
+            args_fd = os.memfd_create("kvconn-child-args", 0)
+            os.write(args_fd, payload.encode())
+            payload = f"@/proc/self/fd/{args_fd}"
         self.host = host
-        self.proc = subprocess.Popen(
-            [*(host.prefix() if host is not None else ()), *prefix, sys.executable, "-m", module, payload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            **({"start_new_session": True} if own_session else _OWN_GROUP),
-            env=None if env is None else {**os.environ, **env},
-            stderr=log.file if log is not None else stderr,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    *(host.prefix() if host is not None else ()),
+                    *prefix,
+                    sys.executable,
+                    "-m",
+                    module,
+                    payload,
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                **({"start_new_session": True} if own_session else _OWN_GROUP),
+                env=None if env is None else {**os.environ, **env},
+                stderr=log.file if log is not None else stderr,
+                pass_fds=() if args_fd is None else (args_fd,),
+            )
+        finally:
+            if args_fd is not None:
+                os.close(args_fd)
         #: Signals, freezes and kills go here: on another host, the command
         #: itself (its wrappers, pid 1 of its PID namespace among them,
         #: would not pass a SIGSTOP on).
@@ -318,9 +346,6 @@ class Child:
             self.proc.stdout.close()
         if self.log is not None:
             self.log.close()
-        if self._args_file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._args_file)
 
     def frozen(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
         """The child's next ``freeze`` report, once every thread is stopped."""

@@ -78,6 +78,13 @@ class Rank(Child):
     def value(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, frozenset(labels.items())), 0.0)
 
+    def unsettled(self, timeout: float = 10) -> list[tuple[int, float]]:
+        """(room, seconds since decode asked for it) of the rooms the rank
+        still works on (``prefill_proc.Driver.unsettled``)."""
+        self.send_line("rooms")
+        rooms = self.next_with("unsettled", timeout, "rank rooms")["unsettled"]
+        return [(int(room), float(age)) for room, age in rooms]
+
     def spans(self, timeout: float = 10) -> list[dict[str, Any]]:
         """The spans the rank process finished so far (a ``Cluster`` with
         ``tracing``), as :func:`kvconn.runtime.trace_export.span_record` makes them."""
@@ -212,6 +219,27 @@ class Cluster:
         for rank in ranks:
             rank.ready()
         return ranks
+
+    def restart_rank(self, r: int, timeout: float = 10.0) -> Rank:
+        """Start rank ``r`` anew at the address of the process before it
+        (which must be gone): a restart, as decode sees one. The earlier
+        process is closed with the cluster."""
+        old = self.ranks[r]
+        port = int(old.address.rsplit(":", 1)[1])
+        deadline = time.monotonic() + timeout
+        while True:
+            rank = Rank({**self._rank_args[r], "port": port}, self._netns, self._wrap)
+            try:
+                rank.ready()
+                break
+            except AssertionError:  # the address is not free yet (the old sockets close)
+                rank.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.extra_ranks.append(old)
+        self.ranks[r] = rank
+        return rank
 
     def start_decode(self, proxy: bool = False) -> DecodeEndpoint:
         with self.lock:

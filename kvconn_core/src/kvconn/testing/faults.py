@@ -8,7 +8,8 @@
 * :class:`RaisingObserver`: a pluggy observer that raises from one hook.
 * A prefill rank process with observers, an explicit bind host and a
   ``metrics`` command on stdin, so a test can read the rank's Prometheus
-  counters: ``python -m kvconn.testing.faults ARGS_JSON`` (the arguments of
+  counters (and a ``rooms`` command: the rooms it still works on, and how
+  long since decode asked for each): ``python -m kvconn.testing.faults ARGS_JSON`` (the arguments of
   :mod:`kvconn.testing.prefill_proc` plus ``host`` and ``observers``).
 """
 
@@ -234,7 +235,7 @@ def metric_samples(registry: Any) -> list[tuple[str, dict[str, str], float]]:
 def main() -> None:
     import kvconn.testing.prefill_proc as prefill_proc
     from kvconn.runtime.prefill import PrefillRank
-    from kvconn.testing.child import emit, load_args
+    from kvconn.testing.child import busy, emit, load_args
 
     logging.basicConfig(level=logging.CRITICAL, stream=sys.stderr)
     args = load_args(sys.argv[1])
@@ -273,6 +274,10 @@ def main() -> None:
         elif line.startswith("drain "):  # the API path: "drain GRACE_S"
             report = driver.rank.drain(float(line.split()[1]))
             emit({"drain": attrs.asdict(report)})
+        elif line.startswith("busy "):  # an engine busy in Python: "busy SECONDS"
+            busy(float(line.split()[1]))
+        elif line.strip() == "rooms":  # the rooms it still works on, and for how long
+            print(json.dumps({"unsettled": driver.unsettled()}), flush=True)
         elif line.strip() == "spans":
             print(json.dumps({"spans": finished_spans() if args.get("tracing") else []}), flush=True)
     driver.rank.close()

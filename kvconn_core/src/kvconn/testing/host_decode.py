@@ -14,6 +14,7 @@ seconds) and waits for the ranks' addresses::
     {"op": "abort", "room": R}                  -> {"event": "aborted"}
     {"op": "landed", "room": R}                 -> {"event": "landed", "bytes": B}
     {"op": "fetch", "room": R, "pages": N}     -> {"event": "fetched", "state": "success", "wrong": W}
+                                                  (state "failed", or "refused" with "why")
     {"op": "late"}                              -> {"event": "late", "pages": [...], "held": H}
     {"op": "stream", "rank": r, "pages": N}     (starts a stream of rooms on rank r)
     {"op": "stream_stop"}                       -> {"event": "streamed", "done": D, "failed": F, "wrong": W}
@@ -30,6 +31,7 @@ import time
 from typing import Any
 
 from kvconn.config import Config
+from kvconn.errors import KvconnError
 from kvconn.plugins import get_backend
 from kvconn.protocol.hold import Release
 from kvconn.protocol.ledger import KVPoll
@@ -132,7 +134,12 @@ def main() -> None:
             emit({"event": "landed", "room": cmd["room"], "bytes": landed})
         elif op == "fetch":  # a whole request: open, wait for it (bounded), check, give back
             taken, _ = pages.take(int(cmd["pages"]), fresh_first=True)
-            rx = endpoint.receiver(cmd["room"], taken)
+            try:
+                rx = endpoint.receiver(cmd["room"], taken)
+            except KvconnError as exc:  # refused (a rank down): asked nothing, the pages are ours
+                pages.untake(taken)
+                emit({"event": "fetched", "room": cmd["room"], "state": "refused", "wrong": 0, "why": str(exc)})
+                continue
             deadline = time.monotonic() + float(cmd.get("timeout_s", 30.0))
             while (state := rx.poll()) not in (KVPoll.SUCCESS, KVPoll.FAILED) and time.monotonic() < deadline:
                 time.sleep(0.002)

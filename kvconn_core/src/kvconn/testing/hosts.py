@@ -3,6 +3,15 @@ whose processes each get a private PID and mount namespace (their own
 ``/proc`` view and a tmpfs ``/dev/shm``), all joined by veth pairs through a
 bridge that lives in a namespace of its own.
 
+A *sealed* fabric (``make(..., sealed=True)``, what the conformance suite
+makes) shares nothing else a transport could use to reach another host:
+each process started on a host also gets its own ``/tmp``, ``/var/tmp``,
+``/run`` (empty tmpfs: only the software this process runs from, where it
+lies under one of them, is bound in read-only), its host's hostname (a UTS
+namespace) and its host's boot id (``/proc/sys/kernel/random/boot_id``),
+and ``/etc/hosts`` naming its host. Only the network joins the hosts;
+:meth:`Host.traffic` counts what crossed each host's link.
+
 Nothing is added to the caller's network namespace: the bridge, the links
 and the addresses (one /24 drawn from 10.64.0.0/10 per run) exist only in
 the namespaces made here. Names carry this process's pid and a random tag,
@@ -26,14 +35,17 @@ import atexit
 import contextlib
 import ctypes
 import ipaddress
+import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import types
@@ -84,6 +96,8 @@ def _setns(fd: int) -> None:
 
 
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
+_MS_BIND = 4096
 _MS_REC = 0x4000
 _MS_SLAVE = 1 << 19
 _MNT_DETACH = 2
@@ -226,6 +240,43 @@ def _endpoint(field: str) -> tuple[str, int]:
     return str(ip6.ipv4_mapped or ip6), int(hex_port, 16)
 
 
+@attrs.frozen
+class TcpQueue:
+    """One TCP socket of a host towards an address, as its kernel holds it."""
+
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    state: int  #: /proc/net/tcp's state (1 ESTABLISHED, 4 FIN_WAIT1, ...)
+    unsent: int  #: bytes queued to send, not yet acknowledged (tx_queue)
+    #: Whether a process still holds it (0 inode: closed, the kernel's alone).
+    owned: bool
+
+
+def tcp_queues_to(host: Host, address: str) -> list[TcpQueue]:
+    """``host``'s TCP sockets whose remote end is ``address`` (read in its
+    network namespace): what its kernel will still send there, whether or
+    not a process still holds the socket."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", host.netns, "cat", "/proc/net/tcp", "/proc/net/tcp6"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 10 or fields[0] == "sl":
+            continue
+        remote = _endpoint(fields[2])
+        if remote[0] != address:
+            continue
+        tx, _ = fields[4].split(":")
+        found.append(
+            TcpQueue(_endpoint(fields[1]), remote, int(fields[3], 16), int(tx, 16), fields[9] != "0")
+        )
+    return found
+
+
 def ns_pid(pid: int) -> list[int]:
     """``pid`` in each PID namespace it is in, outermost first (``NSpid``)."""
     with open(f"/proc/{pid}/status") as f:
@@ -233,6 +284,70 @@ def ns_pid(pid: int) -> list[int]:
             if line.startswith("NSpid:"):
                 return [int(x) for x in line.split()[1:]]
     return [pid]
+
+
+#: What a sealed host's processes get fresh and empty (tmpfs), in this order.
+PRIVATE = ("/dev/shm", "/tmp", "/var/tmp", "/run")
+
+
+def _kept_paths() -> list[str]:
+    """The folders under :data:`PRIVATE` that a process started from this
+    one runs from (its interpreter, its ``sys.path`` and ``PYTHONPATH``, its
+    working directory): a sealed host binds them in read-only, as another
+    machine would have the same software installed."""
+    candidates = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+    ]
+    candidates += [p for p in sys.path if p]
+    candidates += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    with contextlib.suppress(OSError):
+        candidates.append(os.getcwd())
+    found: set[str] = set()
+    for path in candidates:
+        real = os.path.realpath(path)
+        if not os.path.isdir(real):
+            continue
+        for root in PRIVATE:
+            if real == root or real.startswith(root + "/"):
+                found.add(real)
+    # Only the outermost of nested folders.
+    return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
+
+
+def _sealing_script(host: Host) -> str:
+    """The shell (pid 1 of the command's PID namespace) that seals its mount
+    and UTS namespaces, then runs the command (``"$0" "$@"``)."""
+    keep = _kept_paths()
+    lines = ["set -e", "mount -t tmpfs kvh-shm /dev/shm", "mkdir /dev/shm/.kvh-keep"]
+    # Bound aside first: the tmpfs mounted over a folder hides what it kept.
+    for i, path in enumerate(keep):
+        lines.append(
+            f"mkdir /dev/shm/.kvh-keep/{i} && mount --bind -o ro {shlex.quote(path)} /dev/shm/.kvh-keep/{i}"
+        )
+    for root in PRIVATE[1:]:
+        lines.append(f"mount -t tmpfs kvh-{root.strip('/').replace('/', '-')} {root}")
+    for i, path in enumerate(keep):
+        lines.append(
+            f"mkdir -p {shlex.quote(path)} && mount --move /dev/shm/.kvh-keep/{i} {shlex.quote(path)}"
+        )
+    lines.append("rmdir /dev/shm/.kvh-keep/* 2>/dev/null || true; rmdir /dev/shm/.kvh-keep")
+    hosts_file = f"127.0.0.1 localhost\n{host.ip} {host.hostname}\n"
+    lines += [
+        f"echo {shlex.quote(host.hostname)} > /proc/sys/kernel/hostname",
+        f"echo {shlex.quote(host.boot_id)} > /run/kvh-boot_id",
+        "mount --bind -o ro /run/kvh-boot_id /proc/sys/kernel/random/boot_id",
+        f"printf {shlex.quote(hosts_file)} > /run/kvh-hosts",
+        "mount --bind -o ro /run/kvh-hosts /etc/hosts",
+        # The working directory again, through the new mounts (the old one
+        # would still reach this machine's folder).
+        f"cd {shlex.quote(os.getcwd())} 2>/dev/null || cd /",
+        "set +e",
+        '"$0" "$@"',
+    ]
+    return "\n".join(lines)
 
 
 @attrs.define(eq=False)
@@ -245,28 +360,32 @@ class Host:
     iface: str  #: its interface (the same name on every host)
     port: str  #: its veth end on the bridge, in the switch namespace
     fabric: Fabric = attrs.field(repr=False)
+    #: Its hostname and boot id (what its processes see, in a sealed fabric).
+    hostname: str = ""
+    boot_id: str = attrs.Factory(lambda: str(uuid.uuid4()))
 
     def prefix(self, isolated: bool = True) -> list[str]:
         """A command prefix that runs in this host. ``isolated``: in a PID and
-        mount namespace of its own (its own ``/proc``, a tmpfs ``/dev/shm``);
-        the command runs as pid 2 under a shell that is pid 1, so that it
-        can stop itself and take signals as any process does (pid 1 ignores
-        what it has no handler for). ``isolated=False``: the network only."""
+        mount namespace of its own (its own ``/proc``, a tmpfs ``/dev/shm``;
+        in a sealed fabric also its own ``/tmp``, ``/var/tmp``, ``/run``,
+        hostname and boot id: see the module); the command runs as pid 2
+        under a shell that is pid 1, so that it can stop itself and take
+        signals as any process does (pid 1 ignores what it has no handler
+        for). ``isolated=False``: the network only."""
         base = ["ip", "netns", "exec", self.netns]
         if not isolated:
             return base
-        return [
-            *base,
-            "unshare",
-            "--mount",
-            "--pid",
-            "--fork",
-            "--kill-child",
-            "--mount-proc",
-            "sh",
-            "-c",
-            'mount -t tmpfs kvh-shm /dev/shm && "$0" "$@"',
-        ]
+        unshare = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        if self.fabric is not None and self.fabric.sealed:
+            return [*base, *unshare, "--uts", "sh", "-c", _sealing_script(self)]
+        return [*base, *unshare, "sh", "-c", 'mount -t tmpfs kvh-shm /dev/shm && "$0" "$@"']
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes (received, sent) on this host's interface so far: what
+        crossed its link, whatever the processes on it did."""
+        out = ip("-j", "-s", "-n", self.netns, "link", "show", "dev", self.iface)
+        stats = json.loads(out)[0]["stats64"]
+        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
     def popen(self, argv: Sequence[str], isolated: bool = True, **kwargs: Any) -> subprocess.Popen[Any]:
         return subprocess.Popen([*self.prefix(isolated), *argv], **kwargs)
@@ -348,6 +467,16 @@ class Host:
         _libc_call("umount2", b"/sys", _MNT_DETACH)
         _mount(self.netns.encode(), b"/sys", b"sysfs", 0)
         _mount(b"kvh-shm", b"/dev/shm", b"tmpfs", 0)
+        if self.fabric is not None and self.fabric.sealed:
+            # Its hostname and boot id; /tmp and /run stay this machine's (it
+            # runs `ip netns` for the other hosts).
+            _libc_call("unshare", _CLONE_NEWUTS)
+            with open("/proc/sys/kernel/hostname", "w") as f:
+                f.write(self.hostname)
+            with open("/dev/shm/.kvh-boot_id", "w") as f:
+                f.write(self.boot_id + "\n")
+            _mount(b"/dev/shm/.kvh-boot_id", b"/proc/sys/kernel/random/boot_id", None, _MS_BIND)
+            os.unlink("/dev/shm/.kvh-boot_id")
 
     def main_pid(self, proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
         """The pid (as this process sees it) of the command that ``proc``
@@ -387,6 +516,8 @@ class Fabric:
     tag: str
     switch: str  #: the namespace holding the bridge
     subnet: str  #: e.g. "10.77.3" (hosts are .1, .2, ...)
+    #: Its hosts share nothing but the network (see the module).
+    sealed: bool = False
     hosts: dict[str, Host] = attrs.Factory(dict)
     _made: list[str] = attrs.Factory(list)
     _closed: bool = False
@@ -450,9 +581,10 @@ def _pick_subnet(rng: random.Random) -> str:
     return f"10.{rng.randrange(64, 128)}.{rng.randrange(0, 256)}"
 
 
-def make(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Fabric:
+def make(names: Sequence[str] = ("decode", "prefill0", "prefill1"), sealed: bool = False) -> Fabric:
     """Make the hosts ``names`` (at least two) on one bridge; close the
-    returned :class:`Fabric` when done (or use :func:`hosts`)."""
+    returned :class:`Fabric` when done (or use :func:`hosts`). ``sealed``:
+    they share nothing but the network (see the module)."""
     why = unavailable()
     if why:
         raise HostsUnavailable(why)
@@ -461,7 +593,7 @@ def make(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Fabric:
     sweep_stale()
     tag = uuid.uuid4().hex[:6]
     rng = random.Random(uuid.uuid4().int)
-    fabric = Fabric(tag, f"{PREFIX}{os.getpid()}-{tag}-sw", _pick_subnet(rng))
+    fabric = Fabric(tag, f"{PREFIX}{os.getpid()}-{tag}-sw", _pick_subnet(rng), sealed)
     _install_handlers()
     _live.add(fabric)
     try:
@@ -498,7 +630,7 @@ def make(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Fabric:
             ip("-n", netns, "addr", "add", f"{address}/24", "dev", IFACE)
             ip("-n", netns, "link", "set", IFACE, "up")
             ip("-n", netns, "link", "set", "lo", "up")
-            fabric.hosts[name] = Host(name, netns, address, IFACE, port, fabric)
+            fabric.hosts[name] = Host(name, netns, address, IFACE, port, fabric, f"kvh-{tag}-{name}")
     except BaseException:
         fabric.close()
         raise
@@ -506,9 +638,11 @@ def make(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Fabric:
 
 
 @contextlib.contextmanager
-def hosts(names: Sequence[str] = ("decode", "prefill0", "prefill1")) -> Iterator[Fabric]:
+def hosts(
+    names: Sequence[str] = ("decode", "prefill0", "prefill1"), sealed: bool = False
+) -> Iterator[Fabric]:
     """:func:`make`, removed after."""
-    fabric = make(names)
+    fabric = make(names, sealed)
     try:
         yield fabric
     finally:

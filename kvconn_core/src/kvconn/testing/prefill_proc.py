@@ -84,12 +84,39 @@ class Driver:
         self._inflight: deque[tuple[Sender, int, int]] = deque()
         #: kvconn's calls on the driver's (the engine's) thread, timed
         self.calls = CallTimer()
+        #: When decode asked for each room not yet known settled (unsettled()).
+        self._asked: dict[int, float] = {}
+        #: Senders of the rooms taken off the queue, until settled.
+        self._senders: dict[int, Sender] = {}
         threading.Thread(target=self._feed, daemon=True, name="kvconn-driver").start()
 
     def _on_request(self, room: int, npages: int) -> None:
         with self._cond:
             self._jobs.append((room, npages))
+            self._asked.setdefault(room, time.monotonic())
             self._cond.notify()
+
+    def unsettled(self) -> list[tuple[int, float]]:
+        """(room, seconds since decode asked for it) of every room this rank
+        still works on: queued, being sent, or with chunks not yet settled
+        (the prefill half of a request; one that never settles has hung)."""
+        now = time.monotonic()
+        with self._cond:
+            queued = {room for room, _ in self._jobs}
+            asked, senders = dict(self._asked), dict(self._senders)
+        out = []
+        for room, at in asked.items():
+            sender = senders.get(room)
+            if room in queued or sender is None or not sender.settled():
+                out.append((room, now - at))
+            else:
+                self._forget(room)
+        return out
+
+    def _forget(self, room: int) -> None:
+        with self._cond:
+            self._asked.pop(room, None)
+            self._senders.pop(room, None)
 
     def _feed(self) -> None:
         while True:
@@ -119,15 +146,19 @@ class Driver:
                 time.sleep(0.0005)
             self.calls(sender.clear)
             self._inflight.popleft()
+            self._forget(sender.room)
         return first
 
     def _send_room(self, room: int, npages: int) -> None:
         sender = self.calls(self.rank.sender, room)
+        with self._cond:
+            self._senders[room] = sender
         if self.calls(sender.poll) is KVPoll.BOOTSTRAPPING:
             # The request was aborted before we got to it. Kept, the sender
             # would take the next decode's request for the id (prefill TP
             # smaller than decode TP) and never send it: the rooms behind
             # it would wait for it to settle for good.
+            self._forget(room)
             return
         rng = random.Random(room ^ (self.seed << 1) ^ self.rank_id)
         fail_at = rng.randrange(npages) if rng.random() < self.fail_fraction else -1

@@ -1,141 +1,292 @@
-"""Faults that happen in production, each met by kvconn's mode and by the
-timeout-only legacy mode, on loopback with real rank processes
-(``kvconn bench --faults``).
+"""The fault matrix: faults that happen in production, each met in the same
+run by kvconn's mode and by the timeout-only mode (the policy SGLang, vLLM
+and TensorRT-LLM ship: acks off, pages freed at decode's deadline), on
+loopback with real processes (``kvconn bench --faults``).
 
-* ``frozen``: a rank stops half way through a chunk (a GC pause, a frozen
-  host: loopback's ``freeze_chunks`` makes it SIGSTOP itself there) and is
-  continued after decode's deadline; the rest of the chunk then lands.
-* ``late_queue``: half a chunk waits in the transport's queue and lands past
-  decode's deadline (loopback's ``late_chunks``); the writer's fence has to
-  wait for it.
-* ``partition``: the ranks run in their own network namespace and the link
-  is cut mid-transfer: decode's ABORTs do not reach them and they keep
-  writing (loopback's data plane is shared memory and does not cross the
-  link); healed after decode's deadline.
+Each row is one fault in one mode, on fresh processes: two prefill ranks
+(:mod:`kvconn.testing.faults`) and a decode process
+(:mod:`kvconn.testing.matrix_decode`) whose client sends requests at a fixed
+rate, whatever the fault, and checks every answer byte for byte. Both
+modes meet each fault at the same moment (a barrier), on the same machine
+load. Decode and the ranks run on two hosts (network namespaces) when they
+can be made (root, iproute2); the partitions need them.
 
-Per fault and mode: the pages written after decode handed them back
-(corrupted: the next request's KV), and what kvconn paid instead: pages
-quarantined and the time from the abort to the release, with its proof.
+Per row, what safety costs and what liveness gives:
+
+* ``corrupted``: pages a write reached after decode handed them back (found
+  free with their canary changed, or in a later request's answer);
+* ``hung``: requests that did not end within the fault's bound
+  (:data:`BOUNDS`, stated in docs/reliability.md), and prefill halves (a
+  rank's rooms) still unsettled past it (``hung_prefill``);
+* ``answered`` (bytes verified), ``recomputed`` (answered by a retry after a
+  failure with a reason), ``failed`` (with a reason, retry included);
+* ``pinned_page_seconds``: pages decode held for aborted or failed rooms,
+  integrated over the row;
+* ``capacity_back_s``: the longest any page stayed held after a proof for
+  it became possible (the fault cleared, or the room was aborted after
+  that), until its release; None while pages are still held at the end;
+* ``false_rank_downs``: ranks called down although they had been alive and
+  reachable for the whole peer timeout and two heartbeats before.
+
+How a row is run and each figure judged is :mod:`kvconn.testing.matrix_row`'s.
 
 Interrupted (Ctrl-C, or a SIGTERM handler that raises), :func:`run` stops
-both modes' threads, closes their clusters (a frozen rank is continued and
-told to exit) and their hosts, and re-raises, within seconds.
+both modes' threads, closes their processes (a frozen one is continued and
+told to exit), stops the CPU hogs and removes the hosts, and re-raises,
+within seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvconn.runtime.procs import all_threads_stopped
+from kvconn.runtime.procs import all_threads_stopped, wait_until_stopped
 from kvconn.testing import hosts
-from kvconn.testing.cluster import Cluster
-from kvconn.testing.hosts import Host, HostsUnavailable
-from kvconn.testing.patterns import CANARY
+from kvconn.testing.hosts import Fabric, HostsUnavailable
+from kvconn.testing.matrix_row import (
+    BRIEF_S,
+    CAPACITY_TARGET_S,
+    CUT_PAGES,
+    CUT_ROOM,
+    DEADLINE_S,
+    DECODE_FROZEN_S,
+    FREEZE_ROOM,
+    HEARTBEAT_S,
+    LATE_ROOM,
+    LATE_S,
+    OVERLOAD_S,
+    PAGES,
+    PAST_S,
+    PEER_S,
+    RATE,
+    SILENT_BOUND_S,
+    STORM_ROOM,
+    STORM_ROOMS,
+    TAIL_S,
+    UNWIND_S,
+    WRITE_S,
+    Hogs,
+    Outcome,
+    Row,
+    Stop,
+    Stopped,
+    bootstrap_at_same_address,
+    close_row,
+    measure,
+    start_decode,
+    start_row,
+)
 from kvconn.testing.waiting import wait_for
 
-FAULTS = ("frozen", "late_queue", "partition")
-WRITE_S, DEADLINE_S = 0.4, 0.8  #: writer and decode deadlines (the legacy mode frees at the latter)
-LATE_S = 1.6  #: how late the queued half of a chunk lands (past DEADLINE_S)
-PAST_DEADLINE_S = 0.5  #: a frozen rank is continued, a link healed, this long past the deadline
-PAGES = 8
+__all__ = [
+    "BOUNDS",
+    "DEADLINE_S",
+    "FAULTS",
+    "HEARTBEAT_S",
+    "MATRIX",
+    "PEER_S",
+    "RATE",
+    "SHORT",
+    "WRITE_S",
+    "Fault",
+    "Outcome",
+    "Stopped",
+    "misses",
+    "run",
+]
+
+
+def _freeze_rank(seconds: float) -> Callable[[Row], None]:
+    """Rank 0 stops itself half way through a chunk of a room (a GC pause, a
+    frozen host), which decode aborts; continued ``seconds`` later."""
+
+    def inject(row: Row) -> None:
+        row.victim(FREEZE_ROOM, PAGES)
+        pid = row.rank(0).proc.pid
+        wait_for(row.stop.until(lambda: all_threads_stopped(pid)), 30, "rank 0 frozen mid-write", poll=0.001)
+        t = row.abort(FREEZE_ROOM)
+        row.stop.sleep(t + seconds - time.monotonic())
+        row.rank(0).signal(signal.SIGCONT)
+        row.proof_at = time.monotonic()
+        row.windows.append((0, t, row.proof_at))
+
+    return inject
+
+
+def _late_queue(row: Row) -> None:
+    """Half a chunk of rank 0 waits in the transport's queue and lands
+    LATE_S after its post, past decode's deadline; decode aborts the room."""
+    row.victim(LATE_ROOM, PAGES)
+    wait_for(row.stop.until(lambda: row.landed(LATE_ROOM, rank=0) > 0), 30, "rank 0's first bytes")
+    t = row.abort(LATE_ROOM)
+    row.proof_at = t + LATE_S  # the queued half lands about now: the writer's fence can end
+    row.stop.sleep(row.proof_at - time.monotonic())
+
+
+def _kill_rank(restart: bool) -> Callable[[Row], None]:
+    def inject(row: Row) -> None:
+        rank = row.rank(0)
+        t = time.monotonic()
+        rank.signal(signal.SIGKILL)
+        rank.proc.wait(10)
+        row.proof_at = t  # its exit is a proof at once
+        if not restart:
+            row.windows.append((0, t, None))
+            return
+        row.cluster.restart_rank(0)  # at the same address
+        row.windows.append((0, t, time.monotonic()))
+
+    return inject
+
+
+def _partition(seconds: float, room: bool) -> Callable[[Row], None]:
+    """The ranks' host cut off (its bridge port down), healed ``seconds``
+    later; with ``room``, a long room aborted right after the cut, whose
+    writers go on writing it (loopback's data plane does not cross the link)."""
+
+    def inject(row: Row) -> None:
+        assert row.link is not None
+        if room:
+            row.victim(CUT_ROOM, CUT_PAGES)
+            wait_for(row.stop.until(lambda: row.landed(CUT_ROOM) > 0), 30, "the room's first bytes")
+        row.link.cut()
+        row.cut = True
+        t = time.monotonic()
+        if room:
+            row.abort(CUT_ROOM)
+        row.stop.sleep(t + seconds - time.monotonic())
+        row.link.heal()
+        row.cut = False
+        row.proof_at = time.monotonic()
+        row.windows.append((None, t, row.proof_at))
+
+    return inject
+
+
+def _lost(row: Row) -> None:
+    """The ranks' host cut off, then every process on it killed (no FIN or
+    RST reaches decode); on one machine their exit is still a proof."""
+    assert row.link is not None and row.fabric is not None
+    row.link.cut()
+    row.cut = True
+    t = time.monotonic()
+    row.stop.sleep(BRIEF_S)
+    row.proof_at = time.monotonic()
+    hosts.kill_all_in(row.link.netns)
+    row.windows.append((None, t, None))
+
+
+def _freeze_decode(row: Row) -> None:
+    pid = row.decode.proc.pid
+    t = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    wait_until_stopped(pid)
+    row.stop.sleep(t + DECODE_FROZEN_S - time.monotonic())
+    os.kill(pid, signal.SIGCONT)
+    row.proof_at = time.monotonic()
+
+
+def _kill_decode(restart: bool) -> Callable[[Row], None]:
+    def inject(row: Row) -> None:
+        old = row.decode
+        old.kill_now()
+        row.capacity_note = "n/a: decode's pages died with it"
+        if restart:
+            port = int(old.address.rsplit(":", 1)[1])
+            # Its rooms numbered apart: a rank may still hold the killed one's.
+            row.decodes.append(start_decode(row.mode, row.fabric, row.stop, port, first_room=2 << 20))
+            bootstrap_at_same_address(row, port)
+            row.start_client(TAIL_S)
+
+    return inject
+
+
+def _overload(row: Row) -> None:
+    """No fault at all: the machine's CPUs busy with hogs (10 per core), and
+    every rank and decode busy in Python (an engine's step loop, taking the
+    GIL from kvconn's threads)."""
+    for rank in row.cluster.ranks:
+        rank.send_line(f"busy {OVERLOAD_S}")
+    row.decode.send_json({"op": "busy", "seconds": OVERLOAD_S})
+    row.hogs.on()
+    try:
+        row.stop.sleep(OVERLOAD_S)
+    finally:
+        row.hogs.off()
+    row.proof_at = time.monotonic()
+
+
+def _abort_storm(row: Row) -> None:
+    """Many rooms opened at once, aborted together mid-transfer."""
+    done = row.decode.ask("storm", 60, op="storm", first=STORM_ROOM, rooms=STORM_ROOMS, pages=PAGES)
+    row.proof_at = float(done["t"])  # every writer lives: acks can prove them at once
 
 
 @attrs.frozen
-class Outcome:
-    fault: str
-    mode: str  #: "kvconn" or "legacy"
-    rooms: int = 0
-    pages: int = 0  #: pages of the aborted rooms
-    corrupted_pages: int = 0  #: written after decode handed them back
-    quarantined_pages: int = 0
-    recovery_s: tuple[float, ...] = ()  #: abort -> release, per room released
-    unreleased: int = 0  #: rooms still held at the end (never freed without proof)
-    proofs: tuple[str, ...] = ()
-    skipped: str = ""
-
-    def as_dict(self) -> dict[str, object]:
-        return attrs.asdict(self)
+class Fault:
+    inject: Callable[[Row], None]
+    #: How long it lasts: the row's users arrive for WARM_S + span_s + TAIL_S.
+    span_s: float
+    #: A request not ended this long after its arrival has hung
+    #: (docs/reliability.md states each).
+    bound_s: float = SILENT_BOUND_S
+    needs_hosts: bool = False  #: it cuts a link
 
 
-class Stopped(Exception):
-    """Raised in a mode's thread once :func:`run` was interrupted."""
+#: The matrix, in the order it runs.
+MATRIX: dict[str, Fault] = {
+    "frozen_brief": Fault(_freeze_rank(BRIEF_S), BRIEF_S),
+    "frozen_past_peer": Fault(_freeze_rank(PEER_S + PAST_S), PEER_S + PAST_S),
+    "frozen": Fault(_freeze_rank(DEADLINE_S + PAST_S), DEADLINE_S + PAST_S),
+    "late_queue": Fault(_late_queue, LATE_S),
+    "killed": Fault(_kill_rank(restart=False), 0.0),
+    "restarted": Fault(_kill_rank(restart=True), 1.0),
+    "partition_brief": Fault(_partition(BRIEF_S, room=False), BRIEF_S, needs_hosts=True),
+    "partition": Fault(_partition(DEADLINE_S + PAST_S, room=True), DEADLINE_S + PAST_S, needs_hosts=True),
+    "lost": Fault(_lost, BRIEF_S, needs_hosts=True),
+    # Its users' requests wait with it: the freeze, then the usual bound.
+    "decode_frozen": Fault(_freeze_decode, DECODE_FROZEN_S, DECODE_FROZEN_S + SILENT_BOUND_S),
+    "decode_killed": Fault(_kill_decode(restart=False), 0.0),
+    "decode_restarted": Fault(_kill_decode(restart=True), 0.0),
+    # A machine this busy serves slower: its users wait through it, then the usual bound.
+    "overload": Fault(_overload, OVERLOAD_S, OVERLOAD_S + SILENT_BOUND_S),
+    "abort_storm": Fault(_abort_storm, 0.5),
+}
+FAULTS = tuple(MATRIX)
+#: The bound on each fault's requests, from their arrival.
+BOUNDS = {name: fault.bound_s for name, fault in MATRIX.items()}
+#: The selection ``kvconn bench --faults short`` (and CI) runs: the whole
+#: matrix is ``--faults long``.
+SHORT = ("frozen", "late_queue", "partition", "killed", "restarted", "overload")
 
 
-#: How long an interrupted :func:`run` waits for its threads to unwind
-#: (their hosts go with them) after it closed their clusters.
-UNWIND_S = 15.0
-
-
-@attrs.define(eq=False)
-class _Stop:
-    """What an interrupted :func:`run` tears down: every wait of a mode's
-    thread checks :attr:`event`, and the clusters the threads made are
-    closed from the interrupted thread, once each."""
-
-    event: threading.Event = attrs.Factory(threading.Event)
-    _open: list[Cluster] = attrs.Factory(list)
-    _lock: threading.Lock = attrs.Factory(threading.Lock)
-
-    def check(self) -> None:
-        if self.event.is_set():
-            raise Stopped("the fault run was interrupted")
-
-    def until(self, cond: Callable[[], bool]) -> Callable[[], bool]:
-        """``cond`` for :func:`wait_for`, raising :class:`Stopped` once stopped."""
-
-        def checked() -> bool:
-            self.check()
-            return cond()
-
-        return checked
-
-    def sleep(self, seconds: float) -> None:
-        if self.event.wait(max(0.0, seconds)):
-            self.check()
-
-    def opened(self, cluster: Cluster) -> None:
-        with self._lock:
-            self._open.append(cluster)
-        self.check()  # stopped while it started: closed by whoever stopped, or below
-
-    def close(self, cluster: Cluster) -> None:
-        with self._lock:
-            if cluster not in self._open:
-                return
-            self._open.remove(cluster)
-        cluster.close()
-
-    def stop(self) -> None:
-        self.event.set()
-        with self._lock:
-            clusters, self._open = self._open, []
-        for cluster in clusters:
-            with contextlib.suppress(Exception):
-                cluster.close()
-
-
-def run(rooms: int = 1, on_step: Callable[[str], None] = print) -> list[Outcome]:
-    """Every fault, ``rooms`` rooms each, in both modes (side by side, on two
-    threads: most of a fault is waiting for a deadline)."""
+# -- running rows ----------------------------------------------------------------------
+def run(faults: Sequence[str] = SHORT, on_step: Callable[[str], None] = print) -> list[Outcome]:
+    """Every fault of ``faults`` in both modes (side by side, on two threads
+    that meet at each row)."""
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}: choose from {', '.join(FAULTS)}")
     results: dict[str, list[Outcome]] = {}
-    stop = _Stop()
+    stop, hogs = Stop(), Hogs()
+    stop.opened(hogs)
 
     def one(mode: str) -> None:
         try:
-            results[mode] = _mode(mode, rooms, on_step, stop)
+            results[mode] = _mode(mode, faults, on_step, stop, hogs)
         except BaseException:
-            if not stop.event.is_set():  # else it failed because its cluster was closed under it
+            stop.barrier.abort()  # the other thread must not wait for this one
+            if not stop.event.is_set():  # else it failed because its processes were closed under it
                 raise
 
-    # Daemons: an interrupted run returns once its clusters are closed and
+    # Daemons: an interrupted run returns once its processes are closed and
     # its hosts gone (below), never waiting on a thread that has not noticed.
     threads = [threading.Thread(target=one, args=(m,), name=m, daemon=True) for m in ("kvconn", "legacy")]
     try:
@@ -149,189 +300,86 @@ def run(rooms: int = 1, on_step: Callable[[str], None] = print) -> list[Outcome]
         for t in threads:  # each leaves its hosts on the way out
             t.join(max(0.0, deadline - time.monotonic()))
         raise
+    finally:
+        hogs.close()
     missing = [m for m in ("kvconn", "legacy") if m not in results]
     if missing:
         raise RuntimeError(f"the fault run of {', '.join(missing)} failed (its error is above)")
-    return results["kvconn"] + results["legacy"]
+    legacy = {o.fault: o for o in results["legacy"]}
+    return [attrs.evolve(o, misses=misses(o, legacy.get(o.fault))) for o in results["kvconn"]] + results[
+        "legacy"
+    ]
 
 
-def _mode(mode: str, rooms: int, on_step: Callable[[str], None], stop: _Stop) -> list[Outcome]:
-    """One cluster: its ranks in a namespace of their own when one can be
-    built (then also the partition), every fault in turn."""
-    legacy = mode == "legacy"
-    # One page a chunk, 0.2 s a chunk: in a partition the ranks are still
-    # writing the room well past decode's deadline, each chunk within its own.
-    options = {
-        "piece_bytes": "16384",
-        "piece_delay_s": "0.1",
-        "freeze_chunks": ",".join(f"0:{_room('frozen', i)}:0" for i in range(rooms)),
-        "late_chunks": ",".join(f"0:{_room('late_queue', i)}:0" for i in range(rooms)),
-        "late_delivery_s": str(LATE_S),
-    }
+def misses(k: Outcome, legacy: Outcome | None) -> tuple[str, ...]:
+    """The done-when targets kvconn's row ``k`` missed."""
+    if k.skipped:
+        return ()
+    if k.error:
+        return (f"did not complete: {k.error}",)
+    out = []
+    if k.corrupted:
+        out.append(f"{k.corrupted} pages corrupted")
+    if k.hung:
+        out.append(f"{k.hung} hung ({k.hung_prefill} at prefill)" if k.hung_prefill else f"{k.hung} hung")
+    if k.false_rank_downs:
+        out.append(f"{k.false_rank_downs} false rank-downs")
+    if k.capacity_back_s is None and not k.capacity_note.startswith("n/a"):
+        out.append(f"pages {k.capacity_note}")
+    elif k.capacity_back_s is not None and k.capacity_back_s > CAPACITY_TARGET_S:
+        out.append(f"pages back after {k.capacity_back_s:.2f} s (> {CAPACITY_TARGET_S:g} s)")
+    if legacy is not None and legacy.requests and not legacy.error:
+        # Both modes' users arrive at one rate, over windows a few arrivals apart.
+        expected = legacy.answered * k.requests / legacy.requests
+        if k.answered < expected - 1:
+            out.append(
+                f"answered {k.answered} of {k.requests} < timeout-only's {legacy.answered} of {legacy.requests}"
+            )
+    return tuple(out)
+
+
+def _mode(
+    mode: str, faults: Sequence[str], on_step: Callable[[str], None], stop: Stop, hogs: Hogs
+) -> list[Outcome]:
+    """Every row of one mode, on its own two hosts when they can be made."""
     with contextlib.ExitStack() as stack:
-        # Decode (this process) on one host, the ranks on another; the
-        # ranks share this machine's /dev/shm (loopback's data plane).
-        link: Host | None = None
-        where: dict[str, str] = {}
-        on_decode_host: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        fabric: Fabric | None = None
+        why = ""
         try:
             stop.check()
             fabric = stack.enter_context(hosts.hosts(("decode", "prefill0")))
-            link = fabric["prefill0"]
-            where = {"decode_host": fabric["decode"].ip, "rank_host": link.ip, "netns": link.netns}
-            on_decode_host = fabric["decode"].entered()
         except HostsUnavailable as exc:
-            skipped = str(exc)
-        # Pages enough that no room gets another's: in the legacy mode a page a
-        # late write reached goes back to the pool, and a room given it would
-        # look written before its rank wrote a byte.
-        npages = rooms * (2 * PAGES + 2 * PAGES)
-        with on_decode_host:
-            c = stack.enter_context(_cluster(legacy, options, stop, num_pages=npages, chunk_pages=1, **where))
+            why = str(exc)
         out = []
-        for fault in FAULTS:
+        for fault in faults:
             stop.check()
             on_step(f"{mode}: {fault}")
-            if fault == "partition" and link is None:
-                out.append(Outcome(fault, mode, skipped=skipped))
-            else:
-                out.append(_measure(c, fault, mode, rooms, link, stop))
+            if MATRIX[fault].needs_hosts and fabric is None:
+                out.append(Outcome(fault, mode, BOUNDS[fault], skipped=why))
+                continue
+            out.append(_row(fault, mode, fabric, stop, hogs))
         return out
 
 
-def _room(fault: str, i: int) -> int:
-    return 1000 * (1 + FAULTS.index(fault)) + i
-
-
-@attrs.define
-class _Tally:
-    corrupted: int = 0
-    quarantined: int = 0
-    recovery: list[float] = attrs.Factory(list)
-    proofs: list[str] = attrs.Factory(list)
-    unreleased: int = 0
-
-    def outcome(self, fault: str, mode: str, rooms: int, pages: int) -> Outcome:
-        return Outcome(
-            fault,
-            mode,
-            rooms,
-            rooms * pages,
-            self.corrupted,
-            self.quarantined,
-            tuple(self.recovery),
-            self.unreleased,
-            tuple(sorted(set(self.proofs))),
-        )
-
-
-def _measure(c: Cluster, fault: str, mode: str, rooms: int, link: Host | None, stop: _Stop) -> Outcome:
-    tally = _Tally()
-    npages = 2 * PAGES if fault == "partition" else PAGES
-    for i in range(rooms):
-        room = _room(fault, i)
-        before = _rank_counts(c)
-        rx, pages = c.open(room, npages, exclude=sorted(c.pages.returned_once))
-        if fault == "frozen":  # half way through its chunk
-            frozen = functools.partial(all_threads_stopped, c.ranks[0].proc.pid)
-            wait_for(stop.until(frozen), 30, "rank 0 stopped", poll=0.001)
-        elif fault == "late_queue":  # rank 0 posted the chunk: its first half is in
-            wait_for(stop.until(functools.partial(_rank_wrote, c, pages[0], 0)), 30, "rank 0's first bytes")
-        else:
-            wait_for(stop.until(functools.partial(_landed, c, pages)), 30, "first bytes")
-        if fault == "partition" and link is not None:
-            link.cut()
-        t0 = time.monotonic()
-        rx.abort()
-        if fault == "late_queue":
-            stop.sleep(t0 + LATE_S - time.monotonic())  # the queued half lands about now
-        else:
-            stop.sleep(t0 + DEADLINE_S + PAST_DEADLINE_S - time.monotonic())
-            if fault == "frozen":
-                c.ranks[0].signal(signal.SIGCONT)
-            elif link is not None:
-                link.heal()
-        _settle(c, room, tally, stop)
-        _quiet(c, before, fault, stop)
-        tally.corrupted += len(c.late_pages(pages))
-        tally.quarantined += npages if _was_quarantined(c, room) else 0
-    return tally.outcome(fault, mode, rooms, npages)
-
-
-@contextlib.contextmanager
-def _cluster(legacy: bool, options: dict[str, str], stop: _Stop, **kw: Any) -> Iterator[Cluster]:
-    c = Cluster(
-        write_timeout_s=WRITE_S,
-        abort_timeout_s=DEADLINE_S,
-        backend_options=options,
-        legacy=legacy,
-        **kw,
-    )
+def _row(fault: str, mode: str, fabric: Fabric | None, stop: Stop, hogs: Hogs) -> Outcome:
+    row: Row | None = None
+    error = ""
     try:
-        stop.opened(c)
-        yield c
+        row = start_row(fault, mode, MATRIX[fault].bound_s, fabric, stop, hogs)
+    except (Stopped, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        error = f"did not start: {type(exc).__name__}: {exc}"
+    try:
+        stop.meet()  # both modes meet the fault together, started or not
+        if row is None:
+            return Outcome(fault, mode, BOUNDS[fault], error=error)
+        try:
+            return measure(row, MATRIX[fault].inject, MATRIX[fault].span_s)
+        except (Stopped, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            return Outcome(fault, mode, BOUNDS[fault], error=f"{type(exc).__name__}: {exc}")
     finally:
-        stop.close(c)
-
-
-def _rank_counts(c: Cluster) -> list[tuple[float, float]]:
-    """Per rank: ABORTs handled, fences that succeeded."""
-    out = []
-    for rank in c.ranks:
-        samples = rank.metrics()
-        aborts = samples.get(("kvconn_messages_total", frozenset({("type", "Abort")})), 0.0)
-        out.append((aborts, samples.get(("kvconn_fences_total", frozenset({("result", "ok")})), 0.0)))
-    return out
-
-
-def _quiet(c: Cluster, before: list[tuple[float, float]], fault: str, stop: _Stop) -> None:
-    """Wait until the fault's late bytes have had their chance to land."""
-    if fault in ("frozen", "late_queue"):
-        # Rank 0 fences the chunk it could not settle in time, and the fence
-        # returns only once the transfer handed to hardware has landed.
-        wait_for(stop.until(lambda: _rank_counts(c)[0][1] > before[0][1]), 60, "rank 0's fence")
-        return
-    # Partitioned ranks write on until the healed link brings the ABORT; a
-    # chunk in flight then ends by its writer deadline.
-    wait_for(
-        stop.until(lambda: all(n[0] > b[0] for n, b in zip(_rank_counts(c), before, strict=True))),
-        60,
-        "ABORTs",
-    )
-    stop.sleep(2 * WRITE_S)
-
-
-def _landed(c: Cluster, pages: list[int]) -> bool:
-    return c.landed_bytes(pages) > 0
-
-
-def _rank_wrote(c: Cluster, page: int, rank: int) -> bool:
-    shard = c.dec.region.read(page * c.page_bytes + rank * c.shard, c.shard)
-    return shard.count(CANARY) < len(shard)
-
-
-def _settle(c: Cluster, room: int, tally: _Tally, stop: _Stop) -> None:
-    """Wait (bounded) for the room's release; late bytes land or not."""
-    try:
-        wait_for(stop.until(lambda: c.released(room) is not None), 20, f"release of room {room}")
-    except AssertionError:
-        tally.unreleased += 1
-        return
-    rel = c.released(room)
-    assert rel is not None
-    tally.recovery.append(rel.held_for)
-    tally.proofs.append(rel.proof.value)
-
-
-def _was_quarantined(c: Cluster, room: int) -> bool:
-    rel = c.released(room)
-    return rel is not None and rel.quarantined_for > 0
-
-
-def iter_rows(outcomes: list[Outcome]) -> Iterator[tuple[str, Outcome | None, Outcome | None]]:
-    """(fault, kvconn's outcome, legacy's outcome), in FAULTS order."""
-    by = {(o.fault, o.mode): o for o in outcomes}
-    for fault in FAULTS:
-        k, leg = by.get((fault, "kvconn")), by.get((fault, "legacy"))
-        if k or leg:
-            yield fault, k, leg
+        if row is not None:
+            close_row(row)

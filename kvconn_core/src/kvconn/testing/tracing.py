@@ -9,6 +9,8 @@ start and answers ``spans`` on stdin with :func:`finished_spans`.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvconn.runtime.trace_export import span_record
@@ -41,4 +43,74 @@ def finished_spans() -> list[dict[str, Any]]:
     return [span_record(s) for s in memory_exporter().get_finished_spans()]
 
 
-__all__ = ["finished_spans", "memory_exporter"]
+def _events(span: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [e for e in span["events"] if e["name"] == name]
+
+
+def order_errors(spans: Sequence[dict[str, Any]]) -> list[str]:
+    """What is out of order in one room's trace (records as
+    :func:`kvconn.runtime.trace_export.span_record` makes them, from every
+    process on one host: one wall clock); empty when it is whole and in order:
+
+    * one root, ``kvconn.room``, and every other span its child;
+    * no child starts before the root or ends after it;
+    * each ack decode took (``kvconn.ack`` event, ``taken``) has the rank's
+      ``kvconn.rank.ack`` span (same rank and generation), started no later;
+    * each ``kvconn.abort_received`` at a rank comes no earlier than decode's
+      ``kvconn.abort_sent`` of that generation;
+    * the root's events: the abort, then its sends, then the acks, then the release.
+    """
+    errors: list[str] = []
+    roots = [s for s in spans if s["parent_id"] is None]
+    if len(roots) != 1 or roots[0]["name"] != "kvconn.room":
+        return [f"want one root kvconn.room span, got {[(s['name'], s['parent_id']) for s in roots]}"]
+    (root,) = roots
+    children = [s for s in spans if s is not root]
+    for s in children:
+        if s["parent_id"] != root["span_id"] or s["trace_id"] != root["trace_id"]:
+            errors.append(f"{s['name']} (pid {s['pid']}) is not a child of the room's root span")
+        if s["start_ns"] < root["start_ns"]:
+            errors.append(
+                f"{s['name']} starts {(root['start_ns'] - s['start_ns']) / 1e6:.3f} ms before the root"
+            )
+        if s["end_ns"] > root["end_ns"]:
+            errors.append(f"{s['name']} ends {(s['end_ns'] - root['end_ns']) / 1e6:.3f} ms after the root")
+    acks = {
+        (s["attributes"]["kvconn.rank"], s["attributes"]["kvconn.generation"]): s
+        for s in children
+        if s["name"] == "kvconn.rank.ack"
+    }
+    for event in _events(root, "kvconn.ack"):
+        a = event["attributes"]
+        if a.get("kvconn.result") != "taken":
+            continue
+        span = acks.get((a["kvconn.rank"], a["kvconn.generation"]))
+        if span is None:
+            errors.append(
+                f"decode took rank {a['kvconn.rank']}'s ack {a['kvconn.generation']}: no rank span for it"
+            )
+        elif span["start_ns"] > event["time_ns"]:
+            late = (span["start_ns"] - event["time_ns"]) / 1e6
+            errors.append(
+                f"rank {a['kvconn.rank']}'s kvconn.rank.ack starts {late:.3f} ms after decode took it"
+            )
+    sent = {
+        (e["attributes"]["kvconn.rank"], e["attributes"]["kvconn.generation"]): e["time_ns"]
+        for e in _events(root, "kvconn.abort_sent")
+    }
+    for s in children:
+        for event in _events(s, "kvconn.abort_received"):
+            key = (s["attributes"]["kvconn.rank"], event["attributes"]["kvconn.generation"])
+            if key in sent and event["time_ns"] < sent[key]:
+                errors.append(f"rank {key[0]} received abort {key[1]} before decode sent it")
+    order = ["kvconn.abort", "kvconn.abort_sent", "kvconn.ack", "kvconn.release"]
+    firsts: dict[str, int] = {}
+    for t, name in sorted((e["time_ns"], e["name"]) for e in root["events"] if e["name"] in order):
+        firsts.setdefault(name, t)
+    for before, after in itertools.pairwise(order):
+        if before in firsts and after in firsts and firsts[after] < firsts[before]:
+            errors.append(f"the root's first {after} event comes before its first {before}")
+    return errors
+
+
+__all__ = ["finished_spans", "memory_exporter", "order_errors"]

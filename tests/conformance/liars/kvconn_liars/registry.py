@@ -26,6 +26,8 @@ def liar_path(root: Path) -> str:
     lines += [
         "liar-loopback = kvconn_liars.loopback:backend",
         "liar-mooncake = kvconn_liars.mooncake:backend",
+        "liar-net = kvconn_liars.net:backend",
+        "liar-nixl = kvconn_liars.nixl:backend",
     ]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     parts = [str(root), str(HERE), os.environ.get("PYTHONPATH", "")]

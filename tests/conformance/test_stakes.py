@@ -1,0 +1,52 @@
+"""No conformance check passes with nothing at stake: one that states too
+little fails saying what it lacked, one that states nothing fails as a bug
+of the suite, and each passed check's summary line says what it had at
+stake. The run's guard runs whatever ``-k`` selects."""
+
+from __future__ import annotations
+
+import pytest
+from conformance_cli import conformance
+
+pytest_plugins = ["pytester"]
+
+CHECKS = """
+import pytest
+from kvconn.conformance.stakes import at_stake
+
+
+@pytest.mark.kvconn_conformance
+class TestChecks:
+    backend_name = "loopback"
+
+    def test_states_nothing(self):
+        pass
+
+    def test_states_enough(self):
+        at_stake(3, 2, "3 writes in flight at the fence", "two writes")
+
+    def test_states_too_little(self):
+        at_stake(1, 2, "1 write in flight at the fence", "two writes")
+"""
+
+
+def test_a_check_passes_only_with_something_at_stake(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_checks=CHECKS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=2)
+    out = result.stdout.str()
+    assert "test_states_nothing passed without stating what it put at stake" in out, out
+    assert "nothing at stake: 1 write in flight at the fence, and the check needs two writes" in out, out
+    assert "PASSED   test_states_enough  (at stake: 3 writes in flight at the fence)" in out, out
+
+
+def test_the_guard_runs_whatever_k_selects() -> None:
+    """A run of checks not marked as releasing pages still ends with the
+    run's guard (which says why it has nothing to do here)."""
+    code, out = conformance("loopback", "-k", "integrity and one_page", timeout=240)
+    assert code == 0, out
+    assert "PASSED   test_integrity[one_page]  (at stake: 1 rooms of 1 pages" in out, out
+    assert (
+        "SKIPPED  test_nothing_landed_late_in_the_whole_run  ([capability] no check of this run released"
+        in out
+    ), out
