@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import pytest
-from endpoint_world import aborts, endpoint
+from endpoint_world import aborts, announce, endpoint
 
 from kvconn.config import Config
 from kvconn.hookspecs import hookimpl
@@ -27,6 +27,7 @@ from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.endpoint_events import Tick
 from kvconn.protocol.ledger import KVPoll, RoomKey, RoomLedger
 from kvconn.protocol.messages import Abort, AbortAck, RoomOutcome, RoomStatus
+from kvconn.protocol.owner_fence import FenceAsOwner, OwnerFenceDone, OwnerFencePolicy
 from kvconn.runtime import rank_actions, transfer
 from kvconn.runtime.decode import DecodeEndpoint, Release
 from kvconn.runtime.prefill import PrefillRank
@@ -299,3 +300,29 @@ def test_decode_has_nothing_to_tick_with_nothing_tracked() -> None:
     assert state.next_wakeup() is None  # no room: no exit check, no heartbeat
     state.open(1, (1,), state.default, None, None, 1.0)  # type: ignore[arg-type]
     assert state.next_wakeup() is not None  # its ranks are watched: a heartbeat is due
+
+
+def test_a_rank_back_up_owing_no_held_room_is_not_looked_for_in_the_held_rooms() -> None:
+    # After an owner fence every rank is down until it answers the new Hello
+    # (liveness.back_up on each answer): a rank no held room was asked of
+    # re-asks nothing, found by the per-writer count, not a walk of the held
+    # rooms; a rank that owes rooms is asked for those at once.
+    state = endpoint((("p0", "p1"),), heartbeat_interval_s=1.0, owner_fence=OwnerFencePolicy(5.0, 60.0, True))
+    assert state.default is not None
+    request, _ = state.open(1, (1,), state.default, None, None, 0.0)
+    state.abort(request, 0.0)
+    state.handle(Tick(), 30.0)  # quarantined
+    assert any(isinstance(a, FenceAsOwner) for a in state.handle(Tick(), 35.0))
+    state.handle(OwnerFenceDone(b"new-metadata"), 35.5)
+    assert state.down.keys() == {0, 1} and not state.owed()
+    announce(state, 1, "p1", 1, 36.0)
+    held = []
+    for room in range(2, 6):
+        request, _ = state.open(room, (room,), state.default, frozenset({1}), None, 36.1)
+        held += aborts(state.abort(request, 36.1))
+    assert len(held) == 4 and state.down.keys() == {0}
+    state._held = _Rooms(state._held)  # type: ignore[assignment]
+    state.requests = _Rooms(state.requests)  # type: ignore[assignment]
+    state.tracker._holds = _Rooms(state.tracker._holds)  # type: ignore[assignment]
+    assert aborts(announce(state, 0, "p0", 1, 36.2)) == []
+    assert state.down == {}
