@@ -53,7 +53,11 @@ def main() -> None:
     rank = PrefillRank(backend, 0, npages * page_bytes, Config())
     released = threading.Event()
     decode = DecodeEndpoint(
-        backend, npages, page_bytes, [rank.address], Config(check_pages=False),
+        backend,
+        npages,
+        page_bytes,
+        [rank.address],
+        Config(check_pages=False),
         on_release=lambda r: released.set(),
     )
     room_ids = iter(range(1, 10**9))

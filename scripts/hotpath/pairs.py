@@ -72,7 +72,9 @@ def run_together(trees: list[Path], bench: list[str], hops: bool) -> list[dict[s
                 env["KVCONN_HOTPATH_HOPS"] = "1"
             out = folder / "bench.json"
             cmd = [str(tree / ".venv/bin/kvconn"), "bench", *bench, "--json", str(out)]
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
             runs.append((tree, folder, out, proc))
         figures = []
         for tree, folder, out, proc in runs:
@@ -174,9 +176,13 @@ def _hops(procs: list[dict[str, Any]]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", action="append", required=True, type=Path, help="a checkout with its own .venv (twice)")
+    ap.add_argument(
+        "--tree", action="append", required=True, type=Path, help="a checkout with its own .venv (twice)"
+    )
     ap.add_argument("--pairs", type=int, default=8)
-    ap.add_argument("--hops", action="store_true", help="trace each abort's hops (costs a little CPU in both)")
+    ap.add_argument(
+        "--hops", action="store_true", help="trace each abort's hops (costs a little CPU in both)"
+    )
     ap.add_argument(
         "--together",
         action="store_true",
@@ -205,7 +211,9 @@ def main() -> None:
                 flush=True,
             )
     keys = sorted({k for fs in runs.values() for f in fs for k in f})
-    print(f"\n{'median over ' + str(a.pairs) + ' pairs':44s}{names[0]:>18s}{names[1]:>18s}{'B / A':>8s}  B lower")
+    print(
+        f"\n{'median over ' + str(a.pairs) + ' pairs':44s}{names[0]:>18s}{names[1]:>18s}{'B / A':>8s}  B lower"
+    )
     for k in keys:
         a_vals = [f.get(k, float("nan")) for f in runs[names[0]]]
         b_vals = [f.get(k, float("nan")) for f in runs[names[1]]]

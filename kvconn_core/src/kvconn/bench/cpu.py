@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from kvconn.bench.stats import bucket_bound
+
 T = TypeVar("T")
 
 FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -186,3 +188,62 @@ class CallTimer:
         """CPU seconds in kvconn: the timed calls, and the counted ones at
         the cost :meth:`per_counted` measured."""
         return max(0.0, self.seconds - self.calls * self._cost) + self.counts * self._count_cost
+
+
+def per_request(before: Mapping[str, Any], after: Mapping[str, Any], requests: int) -> dict[str, Any]:
+    """A run's cost per request between two snapshots (``ModeRun._cpu``), by part (microseconds of CPU, not wall time: it holds under load):
+    decode's kvconn threads and its calls on the engine's thread, the
+    stand-in engine's own; each rank's the same, and the transport's
+    copy; page faults; and the time threads waited for a CPU."""
+    n = max(1, requests)
+    calls = after["calls"][0] - before["calls"][0]
+    decode = by_part(before["threads"], after["threads"])
+    parts: dict[str, Any] = {
+        "decode": {
+            "kvconn": (decode["kvconn"] + calls) / n * 1e6,
+            "kvconn_threads": decode["kvconn"] / n * 1e6,
+            "kvconn_calls": calls / n * 1e6,
+            "engine": max(0.0, decode["engine"] - calls) / n * 1e6,
+            "other": decode["other"] / n * 1e6,
+            "cpu_wait": decode["wait"] / n * 1e6,
+            "page_faults": (after["faults"] - before["faults"]) / n,
+        },
+        "ranks": [],
+    }
+    for r, (b, a) in enumerate(zip(before["ranks"], after["ranks"], strict=True)):
+        threads = by_part(
+            {k: tuple(v) for k, v in b["threads"].items()}, {k: tuple(v) for k, v in a["threads"].items()}
+        )
+        rank_calls = a["calls_s"] - b["calls_s"]
+        chunks = max(1, a["chunks"] - b["chunks"])
+        own = [(le, n - dict(b["abort_own"]).get(le, 0)) for le, n in a["abort_own"]]
+        acks = own[-1][1] if own else 0
+        kvconn = threads["kvconn"] + rank_calls
+        parts["ranks"].append(
+            {
+                "rank": r,
+                "kvconn": kvconn / n * 1e6,
+                "kvconn_per_chunk": kvconn / chunks * 1e6,
+                "kvconn_calls": rank_calls / n * 1e6,
+                "copy": threads["copy"] / n * 1e6,
+                "engine": max(0.0, threads["engine"] - rank_calls) / n * 1e6,
+                "other": threads["other"] / n * 1e6,
+                "cpu_wait": threads["wait"] / n * 1e6,
+                "page_faults": (a["faults"] - b["faults"]) / n,
+                "chunks": chunks,
+                # kvconn's own share of a release at this rank, ms
+                "abort_own_ms": {
+                    "acks": acks,
+                    "mean": (a["abort_own_sum"] - b["abort_own_sum"]) / acks * 1e3 if acks else 0.0,
+                    **{f"p{q}_at_most": (bucket_bound(own, q / 100) or 0.0) * 1e3 for q in (50, 99)},
+                },
+            }
+        )
+    ranks = parts["ranks"]
+    parts["kvconn_decode"] = parts["decode"]["kvconn"]
+    parts["kvconn_rank_per_chunk"] = max((r["kvconn_per_chunk"] for r in ranks), default=0.0)
+    parts["page_faults"] = parts["decode"]["page_faults"] + sum(r["page_faults"] for r in ranks)
+    parts["total"] = sum(parts["decode"][k] for k in ("kvconn", "engine", "other")) + sum(
+        r[k] for r in ranks for k in ("kvconn", "copy", "engine", "other")
+    )
+    return parts

@@ -48,7 +48,7 @@ class ModeResult:
     violations: list[Violation] = attrs.Factory(list)
     #: This machine's CPU shares while the mode ran (kvconn.bench.cpu).
     cpu: dict[str, float] = attrs.Factory(dict)
-    #: The workload phase's CPU per request, by part (ModeRun._cpu_per_request).
+    #: The workload phase's CPU per request, by part (kvconn.bench.cpu.per_request).
     cpu_per_request_us: dict[str, Any] = attrs.Factory(dict)
     #: Abort to each rank's accepted ack: how many, and the bucket bounds (ms)
     #: that half and 99% of them were under (decode's ``kvconn_abort_to_ack_seconds``

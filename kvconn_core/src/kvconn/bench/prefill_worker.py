@@ -9,16 +9,18 @@ rooms) that live in this process's registry.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from kvconn.bench import cpu
 from kvconn.metrics import Metrics
 from kvconn.runtime.trace_export import write_spans_to
-from kvconn.testing.child import quiet_interrupts
+from kvconn.testing.child import Child, ChildError, StderrLog, quiet_interrupts
 from kvconn.testing.prefill_proc import Driver
 
 
@@ -66,6 +68,55 @@ def main() -> None:
     driver.rank.close()
     if provider is not None:
         provider.shutdown()
+
+
+class PrefillProcs:
+    """N prefill rank processes, each running :func:`main` (started by the bench)."""
+
+    def __init__(self, args: Sequence[dict[str, Any]]) -> None:
+        self.procs: list[Child] = []
+        self.addresses: list[str] = []
+        self.metrics: list[dict[str, float]] = []
+        try:
+            for a in args:
+                self.procs.append(
+                    Child(
+                        "kvconn.bench.prefill_worker",
+                        a,
+                        log=StderrLog(),
+                        name="a prefill rank process",
+                        failure=ChildError,
+                        # In the bench's session: a session of its own is a
+                        # scheduling group of its own (Child's docstring).
+                        own_session=False,
+                    )
+                )
+            for i, p in enumerate(self.procs):
+                self.addresses.append(
+                    str(p.next_with("address", 120, f"prefill rank {i}'s start")["address"])
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def cpu(self) -> list[dict[str, Any]]:
+        """Each rank's CPU so far, by part, its kvconn calls' and its chunks
+        (:func:`kvconn.bench.prefill_worker.cpu`)."""
+        for p in self.procs:
+            p.send_line("cpu")
+        return [p.next_with("cpu", 30, f"prefill rank {i}'s CPU")["cpu"] for i, p in enumerate(self.procs)]
+
+    def close(self) -> None:
+        for p in self.procs:  # all at once: each exits once its stdin closes
+            if p.proc.stdin is not None and not p.proc.stdin.closed:
+                with contextlib.suppress(OSError):
+                    p.proc.stdin.close()
+        for p in self.procs:
+            p.close(15)
+            metrics = p.last_with("metrics")  # printed on its way out
+            if metrics is not None:
+                self.metrics.append(metrics)
+        self.procs = []
 
 
 if __name__ == "__main__":

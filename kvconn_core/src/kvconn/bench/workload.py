@@ -22,7 +22,6 @@ passes of the loop that polls the rooms (whose length grows with them).
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import random
 import resource
@@ -37,13 +36,13 @@ import attrs
 
 from kvconn.bench import cpu
 from kvconn.bench.mode_result import ModeResult, Violation
+from kvconn.bench.prefill_worker import PrefillProcs
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
-from kvconn.testing.child import Child, ChildError, StderrLog
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend
 
@@ -188,55 +187,6 @@ def rank_args(
         "trace_file": trace_file,
         "metrics_port": None if metrics_port is None else metrics_port + 1 + rank,
     }
-
-
-class PrefillProcs:
-    """N prefill rank processes (:mod:`kvconn.bench.prefill_worker`)."""
-
-    def __init__(self, args: Sequence[dict[str, Any]]) -> None:
-        self.procs: list[Child] = []
-        self.addresses: list[str] = []
-        self.metrics: list[dict[str, float]] = []
-        try:
-            for a in args:
-                self.procs.append(
-                    Child(
-                        "kvconn.bench.prefill_worker",
-                        a,
-                        log=StderrLog(),
-                        name="a prefill rank process",
-                        failure=ChildError,
-                        # In the bench's session: a session of its own is a
-                        # scheduling group of its own (Child's docstring).
-                        own_session=False,
-                    )
-                )
-            for i, p in enumerate(self.procs):
-                self.addresses.append(
-                    str(p.next_with("address", 120, f"prefill rank {i}'s start")["address"])
-                )
-        except BaseException:
-            self.close()
-            raise
-
-    def cpu(self) -> list[dict[str, Any]]:
-        """Each rank's CPU so far, by part, its kvconn calls' and its chunks
-        (:func:`kvconn.bench.prefill_worker.cpu`)."""
-        for p in self.procs:
-            p.send_line("cpu")
-        return [p.next_with("cpu", 30, f"prefill rank {i}'s CPU")["cpu"] for i, p in enumerate(self.procs)]
-
-    def close(self) -> None:
-        for p in self.procs:  # all at once: each exits once its stdin closes
-            if p.proc.stdin is not None and not p.proc.stdin.closed:
-                with contextlib.suppress(OSError):
-                    p.proc.stdin.close()
-        for p in self.procs:
-            p.close(15)
-            metrics = p.last_with("metrics")  # printed on its way out
-            if metrics is not None:
-                self.metrics.append(metrics)
-        self.procs = []
 
 
 class ModeRun:
@@ -594,7 +544,7 @@ class ModeRun:
         res.elapsed_s = self._now() - t0
         res.cpu = cpu.shares(machine, cpu.sample())
         if cpu_before is not None:
-            res.cpu_per_request_us = self._cpu_per_request(cpu_before, self._cpu())
+            res.cpu_per_request_us = cpu.per_request(cpu_before, self._cpu(), self.result.requests)
         self._finish()
         return res
 
@@ -617,71 +567,13 @@ class ModeRun:
 
     # -- what the run cost -----------------------------------------------------
     def _cpu(self) -> dict[str, Any]:
-        """This process's and every rank's CPU so far (see :meth:`_cpu_per_request`)."""
+        """This process's and every rank's CPU so far (see :func:`kvconn.bench.cpu.per_request`)."""
         return {
             "threads": cpu.thread_seconds(),
             "calls": (self.calls.total, self.calls.calls),
             "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
             "ranks": self.procs.cpu() if self._owns_procs else [],
         }
-
-    def _cpu_per_request(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        """The run's cost per request, by part (microseconds of CPU, not wall time: it holds under load):
-        decode's kvconn threads and its calls on the engine's thread, the
-        stand-in engine's own; each rank's the same, and the transport's
-        copy; page faults; and the time threads waited for a CPU."""
-        n = max(1, self.result.requests)
-        calls = after["calls"][0] - before["calls"][0]
-        decode = cpu.by_part(before["threads"], after["threads"])
-        parts: dict[str, Any] = {
-            "decode": {
-                "kvconn": (decode["kvconn"] + calls) / n * 1e6,
-                "kvconn_threads": decode["kvconn"] / n * 1e6,
-                "kvconn_calls": calls / n * 1e6,
-                "engine": max(0.0, decode["engine"] - calls) / n * 1e6,
-                "other": decode["other"] / n * 1e6,
-                "cpu_wait": decode["wait"] / n * 1e6,
-                "page_faults": (after["faults"] - before["faults"]) / n,
-            },
-            "ranks": [],
-        }
-        for r, (b, a) in enumerate(zip(before["ranks"], after["ranks"], strict=True)):
-            threads = cpu.by_part(
-                {k: tuple(v) for k, v in b["threads"].items()}, {k: tuple(v) for k, v in a["threads"].items()}
-            )
-            rank_calls = a["calls_s"] - b["calls_s"]
-            chunks = max(1, a["chunks"] - b["chunks"])
-            own = [(le, n - dict(b["abort_own"]).get(le, 0)) for le, n in a["abort_own"]]
-            acks = own[-1][1] if own else 0
-            kvconn = threads["kvconn"] + rank_calls
-            parts["ranks"].append(
-                {
-                    "rank": r,
-                    "kvconn": kvconn / n * 1e6,
-                    "kvconn_per_chunk": kvconn / chunks * 1e6,
-                    "kvconn_calls": rank_calls / n * 1e6,
-                    "copy": threads["copy"] / n * 1e6,
-                    "engine": max(0.0, threads["engine"] - rank_calls) / n * 1e6,
-                    "other": threads["other"] / n * 1e6,
-                    "cpu_wait": threads["wait"] / n * 1e6,
-                    "page_faults": (a["faults"] - b["faults"]) / n,
-                    "chunks": chunks,
-                    # kvconn's own share of a release at this rank, ms
-                    "abort_own_ms": {
-                        "acks": acks,
-                        "mean": (a["abort_own_sum"] - b["abort_own_sum"]) / acks * 1e3 if acks else 0.0,
-                        **{f"p{q}_at_most": (bucket_bound(own, q / 100) or 0.0) * 1e3 for q in (50, 99)},
-                    },
-                }
-            )
-        ranks = parts["ranks"]
-        parts["kvconn_decode"] = parts["decode"]["kvconn"]
-        parts["kvconn_rank_per_chunk"] = max((r["kvconn_per_chunk"] for r in ranks), default=0.0)
-        parts["page_faults"] = parts["decode"]["page_faults"] + sum(r["page_faults"] for r in ranks)
-        parts["total"] = sum(parts["decode"][k] for k in ("kvconn", "engine", "other")) + sum(
-            r[k] for r in ranks for k in ("kvconn", "copy", "engine", "other")
-        )
-        return parts
 
     def _finish(self) -> None:
         res = self.result
