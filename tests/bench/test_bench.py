@@ -34,7 +34,9 @@ def bench(tmp_path: Path, *extra: str, liars: bool = False) -> tuple[int, dict[s
         [sys.executable, "-m", "kvconn.cli", "bench", *SMALL, "--json", str(out), *extra],
         capture_output=True,
         text=True,
-        timeout=50,
+        # a bound against a hang, not a speed limit: on the shared 2-core
+        # machine at load 55-65 this small run took 31 s alone
+        timeout=180,
         env=env,
     )
     report = json.loads(out.read_text()) if out.exists() else {}
@@ -78,6 +80,17 @@ def test_small_run_passes_and_reports(tmp_path: Path) -> None:
     }
     assert "kvconn bench: loopback" in out
     assert not undocumented(rep), "fields docs/bench.md does not explain"
+    # CPU per request by part (issue 42): kvconn's own at decode and at each
+    # rank, the transport's copy, the stand-in engine's; the targets stated
+    parts = rep["cpu_per_request_us"]
+    assert parts == fast["cpu_per_request_us"] and parts["decode"]["kvconn"] > 0
+    assert [r["rank"] for r in parts["ranks"]] == [0, 1]
+    assert all(r["kvconn_per_chunk"] > 0 and r["copy"] > 0 and r["engine"] > 0 for r in parts["ranks"])
+    assert parts["kvconn_rank_per_chunk"] == max(r["kvconn_per_chunk"] for r in parts["ranks"])
+    assert rep["overhead"]["send_us"] > 0
+    stated = {t["target"] for t in rep["targets"] if not t["gates_exit"]}
+    assert {"Sender.send, engine's thread", "kvconn's CPU at decode, per request"} <= stated
+    assert rep["workload"]["abort_window_ms"] == 20.0  # the same schedule for every run
 
 
 def test_linger_after_fail_is_a_violation(tmp_path: Path) -> None:
@@ -303,5 +316,8 @@ def test_a_curve_runs_kvconns_mode_at_each_point_and_prints_the_ratios(tmp_path:
         )  # released by proof, not the deadline
         assert row["throughput_gbps"] > 0 and 0 <= row["p99_vs_timeout"] < 1
         assert "unsafe_timeout" not in row["releases_by_proof"]
+        # what of the point is kvconn's own (issue 42): CPU by part, faults
+        assert row["kvconn_decode_us"] > 0 and row["kvconn_rank_chunk_us"] > 0
+        assert row["page_faults_per_request"] >= 0 and row["cpu_wait_us"] >= 0
     assert "ratios to the first point" in out
     assert not undocumented(rep), "fields docs/bench.md does not explain"

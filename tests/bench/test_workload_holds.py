@@ -5,7 +5,6 @@ their release (``unexpected_release``) are kvconn's, not violations."""
 from __future__ import annotations
 
 import threading
-from collections import deque
 from types import SimpleNamespace
 
 import attrs
@@ -60,7 +59,7 @@ def _run(held: int, active: dict[int, KVPoll], aborted: dict[int, int]) -> ModeR
     run._aborted = {room: _Aborted(room, pages, 0.0, "decode") for room, pages in aborted.items()}
     run._held_expected = sum(aborted.values())
     run._released_unpolled = set()
-    run._free, run._owner, run._canary, run._now = deque(), {}, b"", lambda: 0.0
+    run._free, run._owner, run._canary, run._now = [], {}, b"", lambda: 0.0
     run.wl = SimpleNamespace(page_bytes=8)  # type: ignore[assignment]
     return run
 

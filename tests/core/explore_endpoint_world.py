@@ -142,6 +142,9 @@ def _clone(world: World) -> World:
     new.unconfirmed = set(s.unconfirmed)
     new._id_of_session = dict(s._id_of_session)
     new.requests = {room: requests[id(r)] for room, r in s.requests.items()}
+    new._rooms_of_rank = dict(s._rooms_of_rank)
+    new._held = {room: requests[id(r)] for room, r in s._held.items()}
+    new._owing = dict(s._owing)
     new._in_use = set(s._in_use)
     new._deadlines = [(t, n, requests[id(r)]) for t, n, r in s._deadlines]
     new.draining = dict(s.draining)

@@ -93,6 +93,13 @@ def _mark_gone(decode: DecodeEndpoint, rank: int, pid: int) -> None:
         for request in decode._state.requests.values():
             if rank in request.writers:
                 request.writers[rank] = gone
+        # The writers held rooms owe proofs, counted as rooms are held: the
+        # identities just swapped in count instead of the ones they replaced.
+        owing: dict[object, int] = {}
+        for request in decode._state._held.values():
+            for writer in request.writers.values():
+                owing[writer] = owing.get(writer, 0) + 1
+        decode._state._owing = owing  # type: ignore[assignment]
 
 
 def _check_exits(decode: DecodeEndpoint) -> None:

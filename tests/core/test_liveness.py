@@ -104,8 +104,10 @@ def test_a_down_rank_that_answers_again_is_asked_for_its_held_rooms_at_once() ->
         state.handle(Tick(), float(t))
     assert 0 in state.down and state.hold_state(request) is HoldState.QUARANTINED
     assert other.poll() is KVPoll.FAILED  # failed when the rank went down, and aborted
-    due = state.next_wakeup()
-    assert due is not None and due > 120.5  # the next re-send is seconds away
+    # the next re-send is seconds away (next_wakeup also has the heartbeat's
+    # and the exit check's times: the tracker's deadline is the re-send's)
+    due = state.tracker.next_deadline()
+    assert due is not None and due > 120.5
     actions = announce(state, 0, "p0", 1, 120.5)  # healed: it answers a heartbeat
     assert state.down == {}
     sent = aborts(actions)

@@ -61,10 +61,10 @@ def test_rank_is_safe_in_every_interleaving(name: str, capsys: pytest.CaptureFix
 class _Untagged(RankState[str]):
     """Chunks queued without their incarnation tag."""
 
-    def plan_send(self, s: SenderState, src: Sequence[int], last: bool, polled: KVPoll) -> SendPlan[str]:
+    def plan_send(self, s: SenderState, src: Sequence[int], last: bool, polled: KVPoll) -> SendPlan:
         plan = super().plan_send(s, src, last, polled)
-        legs = tuple(attrs.evolve(leg, incarnation=None) for leg in plan.legs)
-        return attrs.evolve(plan, legs=legs)
+        legs = tuple(leg._replace(incarnation=None) for leg in plan.legs)
+        return plan._replace(legs=legs)
 
 
 class _SettledByAny(RankState[str]):
@@ -90,8 +90,8 @@ class _SettledUnbound(RankState[str]):
 class _ShortLast(RankState[str]):
     """A last chunk that leaves pages of the room unwritten accepted."""
 
-    def plan_send(self, s: SenderState, src: Sequence[int], last: bool, polled: KVPoll) -> SendPlan[str]:
-        return attrs.evolve(super().plan_send(s, src, False, polled), last=last)
+    def plan_send(self, s: SenderState, src: Sequence[int], last: bool, polled: KVPoll) -> SendPlan:
+        return super().plan_send(s, src, False, polled)._replace(last=last)
 
 
 class _DrainIgnoresInFlight(RankState[str]):

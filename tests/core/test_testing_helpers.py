@@ -193,3 +193,24 @@ def test_a_wait_on_a_child_a_signal_ended_names_the_signal() -> None:
             child.next_with("address", 30, "crashed")
     finally:
         child.close()
+
+
+def test_a_child_in_a_process_group_of_its_own_stays_in_our_session() -> None:
+    """``own_session=False`` (the bench's ranks): the child shares this
+    process's session, so the kernel's autogroup scheduling puts it in our
+    scheduling group (a session of its own made every wake-up between the
+    bench's processes wait for another group's turn: issue 42), while the
+    terminal's Ctrl-C, sent to the foreground process group, still misses it."""
+    env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    grouped = Child("child_echo", {"events": [{"event": "up"}]}, env=env, own_session=False)
+    apart = Child("child_echo", {"events": [{"event": "up"}]}, env=env)
+    try:
+        for child in (grouped, apart):
+            child.expect(10, "start", event="up")
+        assert os.getsid(grouped.pid) == os.getsid(0)
+        assert os.getpgid(grouped.pid) == grouped.pid != os.getpgid(0)
+        assert os.getsid(apart.pid) == apart.pid != os.getsid(0)
+        assert grouped.survivors() == [] and apart.survivors() == []
+    finally:
+        grouped.close()
+        apart.close()

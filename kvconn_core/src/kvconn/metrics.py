@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -59,6 +60,12 @@ RANK_LABELS = ("rank", "address")
 #: Seconds: 0.1 ms to 100 s in 1-2-5 steps (a fast ack to past a 30 s deadline).
 LATENCY_BUCKETS = (
     1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100,
+)  # fmt: skip
+
+
+#: Seconds: 10 µs to 1 s in 1-2-5 steps (kvconn's own share of an abort at a rank).
+FINE_BUCKETS = (
+    1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1,
 )  # fmt: skip
 
 
@@ -137,6 +144,8 @@ class Metrics:
         self._listeners: list[Callable[[str, Mapping[str, str], float], None]] = []
         self.dropped = Counter("kvconn_dropped_messages", "Control frames dropped", ["reason"], registry=r)
         self.messages = Counter("kvconn_messages", "Control messages handled", ["type"], registry=r)
+        #: ``messages``' child per message type: ``labels()`` costs a few µs, on every message.
+        self._message_counters: dict[type, Any] = {}
         self.trace_contexts_dropped = Counter(
             "kvconn_trace_contexts_dropped",
             "Trace contexts that did not parse (message still handled)",
@@ -149,6 +158,13 @@ class Metrics:
         self.fences = Counter("kvconn_fences", "Writer fences by result", ["result"], registry=r)
         self.plugin_errors = Counter("kvconn_plugin_errors", "Hooks that raised", ["hook"], registry=r)
         self.poisoned_rooms = Gauge("kvconn_poisoned_rooms", "Rooms waiting for a fence", registry=r)
+        self.abort_own = Histogram(
+            "kvconn_abort_ack_own_seconds",
+            "An ABORT reaching the rank's handler to its ABORT_ACK sent, less the wait for the "
+            "chunk in flight to settle: the rank's own share of a release",
+            registry=r,
+            buckets=FINE_BUCKETS,
+        )
         self.rank_info = LabelledScrapeGauge(
             "kvconn_rank_info",
             "1, labelled with this prefill rank's control address (what decode's per-rank series name it by)",
@@ -294,6 +310,13 @@ class Metrics:
         for cause in RANK_DOWN_CAUSES:
             self.ranks_down.labels(cause, *labels)
         self.ack_wait.labels(*labels)
+
+    def count_message(self, kind: type) -> None:
+        """One more control message of type ``kind`` handled."""
+        counter = self._message_counters.get(kind)
+        if counter is None:
+            counter = self._message_counters[kind] = self.messages.labels(kind.__name__)
+        counter.inc()
 
     def value(self, name: str, **labels: str) -> float:
         """The sum of the samples ``name`` whose labels include ``labels``

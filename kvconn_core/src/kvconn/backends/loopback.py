@@ -86,6 +86,7 @@ from kvconn.backends.loopback_peers import (
     _Peer,
     _ProcessPeer,
     _ShmPeer,
+    populate,
 )
 from kvconn.buffers import Buffer, FlatSpace, buffers_of
 from kvconn.chunk import Chunk, Segment, SegmentTable
@@ -147,6 +148,7 @@ class LoopbackRegion:
         self.nbytes = nbytes
         self._shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
         _CREATED_HERE[self._shm._name] = (os.getpid(), self._shm)  # type: ignore[attr-defined]
+        populate(self._shm._mmap)  # type: ignore[attr-defined]
         self._buf = _buffer(self._shm)
         self.metadata = self._shm.name.encode()
 
@@ -231,6 +233,7 @@ class LoopbackWriter:
         self._src: mmap.mmap | None = None
         if isinstance(source, int):
             self._src = mmap.mmap(-1, max(source, 1))
+            populate(self._src)
             base, self._src_anchor = _address(self._src)
             self._space = FlatSpace([Buffer(base, max(source, 1), owner=self._src)])
             self.nbytes = source

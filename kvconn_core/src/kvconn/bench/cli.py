@@ -42,7 +42,15 @@ from kvconn.bench.output import console as make_console
 from kvconn.bench.raw import RawResult, run_raw
 from kvconn.bench.report import KVCONN, LEGACY
 from kvconn.bench.sizes import size_arg
-from kvconn.bench.workload import ModeRun, Planned, Workload, plan, plan_for_decode
+from kvconn.bench.workload import (
+    DEFAULT_ABORT_WINDOW_MS,
+    ModeRun,
+    Planned,
+    Workload,
+    plan,
+    plan_for_decode,
+    pool_pages,
+)
 from kvconn.errors import KvconnError
 from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
@@ -118,9 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--abort-window-ms",
         type=float,
-        default=None,
-        help="aborts fall uniformly in [0, window] after the request (default: the streaming phase's "
-        "p50 latency)",
+        default=DEFAULT_ABORT_WINDOW_MS,
+        help="aborts fall uniformly in [0, window] after the request, at times drawn from --seed: the "
+        "same schedule for every run and every curve point",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (which rooms abort, and when)")
     p.add_argument(
@@ -438,7 +446,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
             f"{args.backend} may take {limit} s to fail a write: legacy timeout raised to {legacy_timeout} s"
         )
     stream_n = min(args.stream_requests, max(1, args.requests)) if args.stream_requests else 0
-    pool = args.pool_pages or max(stream_n * args.pages, 8 * args.concurrency * args.pages, args.pages)
+    pool = args.pool_pages or pool_pages(args.pages, args.concurrency, stream_n)
     wl = Workload(
         requests=args.requests,
         pages=args.pages,
@@ -578,8 +586,7 @@ def _curve(
             gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
         )
 
-    window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
-    report = curve_mod.run(args, wl, new_run, window)
+    report = curve_mod.run(args, wl, new_run, args.abort_window_ms / 1e3)
     curve_mod.print_report(console, report)
     if args.json:
         write_json(args.json, report)

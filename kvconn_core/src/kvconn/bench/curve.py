@@ -29,7 +29,7 @@ from rich.table import Table
 from kvconn.bench import fleet, segments, tombstones
 from kvconn.bench.mode_result import ModeResult
 from kvconn.bench.output import write_json
-from kvconn.bench.workload import ModeRun, Workload, plan
+from kvconn.bench.workload import ModeRun, Workload, plan, pool_pages
 
 #: Each axis: the Workload field it varies, and its default points.
 AXES: dict[str, tuple[str, tuple[float, ...]]] = {
@@ -123,12 +123,11 @@ def points(axis: str, text: str | None) -> list[float]:
 
 
 def run(
-    args: argparse.Namespace,
-    base: Workload,
-    new_run: Callable[[Workload], ModeRun],
-    window_s: float | None,
+    args: argparse.Namespace, base: Workload, new_run: Callable[[Workload], ModeRun], window_s: float
 ) -> dict[str, Any]:
-    """Run kvconn's mode at every point of ``args.curve``; the report."""
+    """Run kvconn's mode at every point of ``args.curve`` (each after a warm-up
+    of its streaming rooms, not measured; every point aborts on the same
+    schedule, ``window_s``); the report."""
     field, _ = AXES[args.curve]
     rows: list[dict[str, Any]] = []
     for value in points(args.curve, args.curve_points):
@@ -136,12 +135,12 @@ def run(
         wl = attrs.evolve(base, **changes)
         if wl.page_bytes % (8 * wl.ranks):
             raise ValueError(f"--page-bytes must split evenly over {wl.ranks} ranks (in 8-byte words)")
-        wl = attrs.evolve(wl, pool_pages=max(base.pool_pages, 8 * wl.concurrency * wl.pages))
+        if args.pool_pages is None:
+            wl = attrs.evolve(wl, pool_pages=pool_pages(wl.pages, wl.concurrency, wl.stream_requests))
         work, stream_rooms = plan(wl)
         mode = new_run(wl)
         try:
-            if window_s is None:  # aborts fall within the first point's request latency, at every point
-                window_s = mode.stream(stream_rooms, lambda _: None)["latency_p50_ms"] / 1e3 or 0.01
+            mode.stream(stream_rooms, lambda _: None)
             result = mode.run(work, window_s, lambda _: None)
         finally:
             mode.close()
@@ -150,11 +149,13 @@ def run(
     # A point without aborts (a storm's baseline of 0) has no release p99:
     # the p99s compare with the first point that has one.
     first_p99 = next((row["release_p99_ms"] for row in rows if row["release_p99_ms"]), 0.0)
+    first_own = next((row["own_share_ms"] for row in rows if row["own_share_ms"]), 0.0)
     for row in rows:
         row["p99_ratio"] = _ratio(row["release_p99_ms"], first_p99) if row["release_p99_ms"] else None
         row["throughput_ratio"] = _ratio(row["throughput_gbps"], first["throughput_gbps"])
         row["p99_vs_timeout"] = row["release_p99_ms"] / (args.abort_timeout * 1e3)
-    return {"curve": args.curve, "axis": field, "window_ms": (window_s or 0.0) * 1e3, "points": rows}
+        row["own_share_ratio"] = _ratio(row["own_share_ms"], first_own) if row["own_share_ms"] else None
+    return {"curve": args.curve, "axis": field, "window_ms": window_s * 1e3, "points": rows}
 
 
 def _row(field: str, value: float, r: ModeResult) -> dict[str, Any]:
@@ -173,6 +174,26 @@ def _row(field: str, value: float, r: ModeResult) -> dict[str, Any]:
         "unreleased_end": r.rooms_unreleased_end,
         "releases_by_proof": dict(r.releases_by_proof),
         "cpu": dict(r.cpu),
+        **_kvconn_share(r.cpu_per_request_us),
+    }
+
+
+def _kvconn_share(parts: dict[str, Any]) -> dict[str, Any]:
+    """What of a point is kvconn's own: its CPU at decode per request and at
+    the busiest rank per chunk, a rank's own share of a release (the mean
+    over every rank's acks, ms), the page faults per request, and the time
+    threads waited for a CPU per request (the machine's share)."""
+    if not parts:
+        return {"kvconn_decode_us": None, "kvconn_rank_chunk_us": None, "own_share_ms": None,
+                "page_faults_per_request": None, "cpu_wait_us": None}  # fmt: skip
+    shares = [r["abort_own_ms"] for r in parts["ranks"] if r["abort_own_ms"]["acks"]]
+    acks = sum(x["acks"] for x in shares)
+    return {
+        "kvconn_decode_us": parts["kvconn_decode"],
+        "kvconn_rank_chunk_us": parts["kvconn_rank_per_chunk"],
+        "own_share_ms": sum(x["mean"] * x["acks"] for x in shares) / acks if acks else None,
+        "page_faults_per_request": parts["page_faults"],
+        "cpu_wait_us": parts["decode"]["cpu_wait"] + sum(r["cpu_wait"] for r in parts["ranks"]),
     }
 
 
@@ -188,9 +209,13 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     table.add_column("p99 / timeout", justify="right")
     table.add_column("prefill-failed p99 ms", justify="right")
     table.add_column("violations, unreleased", justify="right")
-    table.add_column("CPU busy / stolen", justify="right")
+    table.add_column("kvconn CPU us: decode/req, rank/chunk", justify="right")
+    table.add_column("rank's own share ms (x first)", justify="right")
+    table.add_column("faults/req", justify="right")
+    table.add_column("CPU busy / stolen, wait us/req", justify="right")
     for row in report["points"]:
         cpu = row["cpu"]
+        own = row["own_share_ms"]
         table.add_row(
             f"{row[field]:g}",
             f"{row['requests']} / {row['aborted']}",
@@ -201,18 +226,27 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             f"{row['p99_vs_timeout']:.1e}",
             f"{row['prefill_fail_p99_ms']:.2f}",
             f"{row['violations']}, {row['unreleased_end']}",
-            f"{cpu.get('busy', 0):.0f}% / {cpu.get('steal', 0):.0f}%" if cpu else "n/a",
+            _us(row["kvconn_decode_us"], row["kvconn_rank_chunk_us"]),
+            "n/a" if own is None else f"{own:.3f} ({_x(row['own_share_ratio'])})",
+            "n/a" if row["page_faults_per_request"] is None else f"{row['page_faults_per_request']:.1f}",
+            (f"{cpu.get('busy', 0):.0f}% / {cpu.get('steal', 0):.0f}%" if cpu else "n/a")
+            + ("" if row["cpu_wait_us"] is None else f", {row['cpu_wait_us']:.0f}"),
         )
     console.print(table)
     console.print(
         "goals (issue 35): rooms and ranks, p99 within 2x and throughput within 10% of the first point; "
-        "storm, 0 violations and every room released by proof."
+        "storm, 0 violations and every room released by proof. Issue 42: a rank's own share of a "
+        "release within 2x of the first point, page faults per request flat."
     )
     for row in report["points"]:
         for v in row["violation_examples"]:
             console.print(
                 f"violation at {field} {row[field]:g}: {v['kind']}, room {v['room']}: {v['detail']}"
             )
+
+
+def _us(decode: float | None, rank: float | None) -> str:
+    return "n/a" if decode is None or rank is None else f"{decode:.0f}, {rank:.0f}"
 
 
 def _x(ratio: float | None) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from kvconn.bench.workload import ModeRun, PrefillProcs, Workload, plan
+from kvconn.bench.prefill_worker import PrefillProcs
+from kvconn.bench.workload import ModeRun, Workload, plan
 from kvconn.plugins import get_backend
 from kvconn.testing.child import emit, load_args, quiet_interrupts
 

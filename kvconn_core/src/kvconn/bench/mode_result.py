@@ -46,9 +46,10 @@ class ModeResult:
     peak_pages_aborted_unreleased: int = 0
     prefill: dict[str, float] = attrs.Factory(dict)
     violations: list[Violation] = attrs.Factory(list)
-    stream: dict[str, float] = attrs.Factory(dict)
     #: This machine's CPU shares while the mode ran (kvconn.bench.cpu).
     cpu: dict[str, float] = attrs.Factory(dict)
+    #: The workload phase's CPU per request, by part (kvconn.bench.cpu.per_request).
+    cpu_per_request_us: dict[str, Any] = attrs.Factory(dict)
     #: Abort to each rank's accepted ack: how many, and the bucket bounds (ms)
     #: that half and 99% of them were under (decode's ``kvconn_abort_to_ack_seconds``
     #: histogram): which rank the releases waited for.

@@ -29,6 +29,8 @@ class Overhead:
     direct_us: float  #: per chunk: ledger + hooks + lowering + metrics
     queued_us: float  #: per chunk through Sender.send and the worker thread
     control_rtt_ms: float  #: p50, one-chunk room: request -> SUCCESS at decode
+    #: CPU of one one-page ``Sender.send`` on the calling (the engine's) thread
+    send_us: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return attrs.asdict(self)
@@ -67,9 +69,10 @@ def measure(chunks: int = 20000, rooms: int = 100) -> Overhead:
         decode.receiver(2, pages)
         _wait_requested(rank, 2)
         sender = rank.sender(2)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for i in range(chunks):
             sender.send([i], last=i == chunks - 1)
+        send = (time.thread_time() - c0) / chunks
         while sender.poll() is not KVPoll.SUCCESS:
             time.sleep(0.0001)
         queued = (time.perf_counter() - t0) / chunks
@@ -84,7 +87,7 @@ def measure(chunks: int = 20000, rooms: int = 100) -> Overhead:
                 time.sleep(0.00005)
             rtts.append(time.perf_counter() - t0)
             rx.finish()
-        return Overhead(chunks, direct * 1e6, queued * 1e6, statistics.median(rtts) * 1e3)
+        return Overhead(chunks, direct * 1e6, queued * 1e6, statistics.median(rtts) * 1e3, send * 1e6)
     finally:
         decode.close()
         rank.close()

@@ -87,6 +87,22 @@ def build(
                 None,
             )
     target("per-chunk overhead (hooks+ledger)", "<= 10 us", f"{ovh.direct_us:.1f} us", ovh.direct_us <= 10)
+    target("Sender.send, engine's thread", "<= 3 us CPU", f"{ovh.send_us:.1f} us", ovh.send_us <= 3)
+    parts = modes.get(KVCONN, {}).get("cpu_per_request_us") or {}
+    if parts:
+        target(
+            "kvconn's CPU at decode, per request",
+            "<= 100 us",
+            f"{parts['kvconn_decode']:.0f} us",
+            parts["kvconn_decode"] <= 100,
+        )
+    if parts.get("ranks"):
+        target(
+            "kvconn's CPU at a rank, per chunk",
+            "<= 50 us",
+            f"{parts['kvconn_rank_per_chunk']:.0f} us (the busiest rank)",
+            parts["kvconn_rank_per_chunk"] <= 50,
+        )
     if raw_d is not None and raw_d.get("kvconn_over_raw") is not None:
         target(
             # Stated, not judged: both sides run one process per rank, but a raw
@@ -155,12 +171,39 @@ def build(
         if raw_d is not None
         else ({"available": False, "detail": "not requested (--compare-raw)"}),
         "modes": modes,
+        "cpu_per_request_us": parts,
         "comparison": cmp,
         "targets": targets,
         "violations": violations,
         "notes": notes,
         "ok": not violations[KVCONN],
     }
+
+
+def _decode_cpu(d: dict[str, Any]) -> str:
+    parts = d["cpu_per_request_us"]
+    if not parts:
+        return "-"
+    return f"{parts['decode']['kvconn']:.0f} / {parts['decode']['engine']:.0f}"
+
+
+def _ranks_cpu(d: dict[str, Any]) -> str:
+    ranks = (d["cpu_per_request_us"] or {}).get("ranks") or []
+    if not ranks:
+        return "-"
+    total = {k: sum(r[k] for r in ranks) for k in ("kvconn", "copy", "engine")}
+    per_chunk = max(r["kvconn_per_chunk"] for r in ranks)
+    return f"{total['kvconn']:.0f} / {total['copy']:.0f} / {total['engine']:.0f} ({per_chunk:.0f} a chunk)"
+
+
+def _own_share(d: dict[str, Any]) -> str:
+    ranks = (d["cpu_per_request_us"] or {}).get("ranks") or []
+    shares = [r["abort_own_ms"] for r in ranks if r["abort_own_ms"]["acks"]]
+    if not shares:
+        return "-"
+    acks = sum(x["acks"] for x in shares)
+    mean = sum(x["mean"] * x["acks"] for x in shares) / acks
+    return f"{mean:.3f} / {max(x['p99_at_most'] for x in shares):g}"
 
 
 def _fmt_lat(d: dict[str, float]) -> str:
@@ -234,6 +277,13 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
     row(
         "unreleased at end: rooms / held / quarantined pages",
         lambda d: f"{d['rooms_unreleased_end']} / {d['pages_held_end']} / {d['pages_quarantined_end']}",
+    )
+    row("CPU us/request: decode kvconn / stand-in engine", _decode_cpu)
+    row("CPU us/request: ranks kvconn / copy / stand-in engine", _ranks_cpu)
+    row("a rank's own share of a release, ms: mean / p99", _own_share)
+    row(
+        "page faults per request",
+        lambda d: f"{d['cpu_per_request_us']['page_faults']:.1f}" if d["cpu_per_request_us"] else "-",
     )
     row(
         "machine CPU: busy / stolen by the hypervisor",

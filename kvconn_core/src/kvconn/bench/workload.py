@@ -7,16 +7,24 @@ Verification:
 * every page that goes back to the free pool (released after an abort, or
   taken by the engine and done with) gets a canary at once; the canary is
   checked when the page is handed out again and at the end: a changed canary
-  is a write after release, charged to the room that last owned the page;
+  is a write after release, charged to the room that last owned the page
+  (pages never handed out are neither laid nor checked);
 * every aborted room is accounted for: released with a named proof, or still
   held / quarantined at the end (counted, never freed);
 * pages kvconn holds never exceed the pages of rooms aborted and not released.
+
+Equal work for every run compared: the pool holds what the run needs and
+hands the page given back last out first (so the pages a run touches stay
+few, whatever its size), and a room's abort falls at a time after its
+request drawn from the seed (``abort_window_s``), kept by a clock, not by
+passes of the loop that polls the rooms (whose length grows with them).
 """
 
 from __future__ import annotations
 
-import contextlib
+import heapq
 import random
+import resource
 import statistics
 import threading
 import time
@@ -28,13 +36,13 @@ import attrs
 
 from kvconn.bench import cpu
 from kvconn.bench.mode_result import ModeResult, Violation
+from kvconn.bench.prefill_worker import PrefillProcs
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
-from kvconn.testing.child import Child, ChildError, StderrLog
 from kvconn.testing.patterns import canary, shard_bytes
 from kvconn.transport import Backend
 
@@ -42,6 +50,11 @@ from kvconn.transport import Backend
 #: one ``Receiver.poll`` and its loop cost (2 µs), so polling takes at most
 #: about half of the bench process's GIL however many rooms are in flight.
 POLL_PAUSE_PER_ROOM_S = 2e-6
+#: Where aborts fall after their request, by default: a fixed time, so that
+#: runs on a loaded machine and on an idle one (and the points of a curve)
+#: run the same schedule; a window taken from the machine's own latency made
+#: two runs compared abort 15 and 199 rooms mid-transfer.
+DEFAULT_ABORT_WINDOW_MS = 20.0
 
 
 @attrs.frozen
@@ -126,6 +139,21 @@ class _Aborted:
     kind: str  #: "decode" (planned abort) or "prefill_fail"
 
 
+def pool_pages(wl_pages: int, concurrency: int, stream_requests: int = 0) -> int:
+    """Decode pages a run needs: its rooms in flight, as many again for
+    aborted rooms whose pages are held until proof (a run that holds more
+    waits for pages), and at least the streaming phase's rooms."""
+    return max(2 * concurrency * wl_pages, stream_requests * wl_pages, wl_pages)
+
+
+def source_pages(wl: Workload) -> int:
+    """A rank's source pages (each decode's rooms have their own): its rooms
+    in flight, and as many again for rooms whose senders have not settled
+    (the stand-in engine waits for the oldest to settle when it wraps
+    around); at least 512, as a small run always had."""
+    return max(2 * wl.concurrency * wl.pages * wl.decodes, 512, wl.pages)
+
+
 def rank_args(
     backend_name: str,
     wl: Workload,
@@ -147,7 +175,7 @@ def rank_args(
         "page_bytes": wl.page_bytes,
         "num_ranks": wl.ranks,
         "chunk_pages": wl.chunk_pages,
-        "source_pages": max(256, 4 * wl.concurrency * wl.pages * wl.decodes, wl.pages),
+        "source_pages": source_pages(wl),
         "seed": wl.seed,
         "prefill_fail_fraction": wl.prefill_fail_fraction,
         "write_timeout_s": write_timeout_s,
@@ -159,45 +187,6 @@ def rank_args(
         "trace_file": trace_file,
         "metrics_port": None if metrics_port is None else metrics_port + 1 + rank,
     }
-
-
-class PrefillProcs:
-    """N prefill rank processes (:mod:`kvconn.bench.prefill_worker`)."""
-
-    def __init__(self, args: Sequence[dict[str, Any]]) -> None:
-        self.procs: list[Child] = []
-        self.addresses: list[str] = []
-        self.metrics: list[dict[str, float]] = []
-        try:
-            for a in args:
-                self.procs.append(
-                    Child(
-                        "kvconn.bench.prefill_worker",
-                        a,
-                        log=StderrLog(),
-                        name="a prefill rank process",
-                        failure=ChildError,
-                    )
-                )
-            for i, p in enumerate(self.procs):
-                self.addresses.append(
-                    str(p.next_with("address", 120, f"prefill rank {i}'s start")["address"])
-                )
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for p in self.procs:  # all at once: each exits once its stdin closes
-            if p.proc.stdin is not None and not p.proc.stdin.closed:
-                with contextlib.suppress(OSError):
-                    p.proc.stdin.close()
-        for p in self.procs:
-            p.close(15)
-            metrics = p.last_with("metrics")  # printed on its way out
-            if metrics is not None:
-                self.metrics.append(metrics)
-        self.procs = []
 
 
 class ModeRun:
@@ -237,8 +226,9 @@ class ModeRun:
         self.settle_s = settle_s
         self.result = ModeResult(mode)
         self._lock = threading.RLock()
-        self._free: deque[int] = deque(range(wl.pool_pages))
-        self._owner: dict[int, int] = {}  # page -> room that last owned it
+        #: Free pages, a stack: the page given back last goes out first.
+        self._free: list[int] = list(range(wl.pool_pages - 1, -1, -1))
+        self._owner: dict[int, int] = {}  # page -> room that last owned it (it carries a canary)
         self._aborted: dict[int, _Aborted] = {}
         self._held_expected = 0
         #: The rooms in flight of the phase running (stream or run).
@@ -248,9 +238,12 @@ class ModeRun:
         self._released_unpolled: set[int] = set()
         self._canary = canary(wl.page_bytes)
         self._now = time.monotonic
+        #: kvconn's calls on this (the engine's) thread
+        self.calls = cpu.CallTimer()
         #: the engine's poll period; on few cores a busy loop would steal the writers' CPU
         self.poll_s = 0.0005
         self._owns_procs = procs is None
+        self._progress: Callable[[int], None] = lambda n: None
         if procs is None:
             args = [
                 rank_args(
@@ -293,7 +286,6 @@ class ModeRun:
             if self._owns_procs:
                 self.procs.close()
             raise
-        self._lay_canary(range(wl.pool_pages))
 
     # -- pages -------------------------------------------------------------
     def _lay_canary(self, pages: Sequence[int]) -> None:
@@ -318,18 +310,20 @@ class ModeRun:
         with self._lock:
             if len(self._free) < n:
                 return None
-            pages = tuple(self._free.popleft() for _ in range(n))
-        for page in pages:
+            pages = tuple(self._free[-n:][::-1])
+            del self._free[-n:]
+            given_back = [page for page in pages if page in self._owner]
+        for page in given_back:  # a page never handed out carries no canary
             self._check_canary(page, "before reuse")
         return pages
 
     def _give_back(self, room: int, pages: Sequence[int]) -> None:
-        """Pages leave the room: canary first, then the free pool."""
+        """Pages leave the room: canary first, then the free pool (on top)."""
         self._lay_canary(pages)
         with self._lock:
             for page in pages:
                 self._owner[page] = room
-            self._free.extend(pages)
+            self._free.extend(reversed(pages))
 
     def _violation(self, kind: str, room: int | None, detail: str, page: int | None = None) -> None:
         with self._lock:
@@ -374,7 +368,7 @@ class ModeRun:
         with self._lock:
             self._aborted[room] = _Aborted(room, len(active.pages), self._now(), kind)
             self._held_expected += len(active.pages)
-            active.rx.abort()
+            self.calls(active.rx.abort)
         self._sample()
 
     def _sample(self) -> None:
@@ -431,9 +425,12 @@ class ModeRun:
         return base
 
     # -- the run -------------------------------------------------------------
+    def _open(self, room: int, pages: tuple[int, ...]) -> Receiver:
+        return self.calls(self.decode.receiver, room, pages)
+
     def stream(self, rooms: Sequence[int], progress: Callable[[int], None]) -> dict[str, float]:
         """No aborts, pages never reused during the timing: throughput and
-        the request latency that sizes the abort window."""
+        the request latency."""
         wl = self.wl
         todo = deque(rooms)
         active: dict[int, _Active] = {}
@@ -449,7 +446,7 @@ class ModeRun:
                 if pages is None:
                     break
                 room = todo.popleft()
-                active[room] = _Active(None, self.decode.receiver(room, pages), pages, self._now(), None)
+                active[room] = _Active(None, self._open(room, pages), pages, self._now(), None)
             for room, a in list(active.items()):
                 st = a.rx.poll()
                 if st is KVPoll.SUCCESS:
@@ -485,13 +482,23 @@ class ModeRun:
     def run(
         self, work: Sequence[Planned], abort_window_s: float, progress: Callable[[int], None]
     ) -> ModeResult:
-        wl, res = self.wl, self.result
+        """The workload: every room requested as pages allow (``concurrency``
+        in flight), aborted at its time (``abort_u`` of the window after its
+        request, kept by the clock whatever the rooms in flight), polled
+        until it completes or fails. Measured: CPU by part, in this process
+        and every rank, and page faults."""
+        wl, res, calls = self.wl, self.result, self.calls
+        self._progress = progress
         todo = deque(work)
         active: dict[int, _Active] = {}
         self._active = active
+        aborts: list[tuple[float, int]] = []  # (when, room): a heap
+        poll_timed = False
         res.pages_verified = 0  # the workload's pages only, not the streaming phase's
+        measured = wl.decodes == 1  # decodes side by side share this process and the ranks
+        machine = cpu.sample()
+        cpu_before = self._cpu() if measured else None
         t0 = self._now()
-        cpu_before = cpu.sample()
         while todo or active:
             while todo and len(active) < wl.concurrency:
                 pages = self._alloc(wl.pages)
@@ -500,44 +507,73 @@ class ModeRun:
                 p = todo.popleft()
                 now = self._now()
                 abort_at = now + p.abort_u * abort_window_s if p.abort else None
-                active[p.room] = _Active(p, self.decode.receiver(p.room, pages), pages, now, abort_at)
-            now = self._now()
+                active[p.room] = _Active(p, self._open(p.room, pages), pages, now, abort_at)
+                if abort_at is not None:
+                    heapq.heappush(aborts, (abort_at, p.room))
+                if not poll_timed:  # what a poll costs, on the first receiver
+                    calls.per_counted(active[p.room].rx.poll)
+                    poll_timed = True
+            while aborts and aborts[0][0] <= self._now():  # due, however many rooms are in flight
+                room = heapq.heappop(aborts)[1]
+                a = active.get(room)
+                if a is not None and calls.counted(a.rx.poll) not in (KVPoll.SUCCESS, KVPoll.FAILED):
+                    res.aborted_mid_transfer += 1
+                    self._abort(room, a, "decode")
+                    self._done(room)
             for room, a in list(active.items()):
-                st = a.rx.poll()
+                st = calls.counted(a.rx.poll)
                 if st is KVPoll.SUCCESS:
                     if a.abort_at is not None:
                         res.completed_before_abort_point += 1
                     self._verify(room, a.pages)
-                    a.rx.finish()
+                    calls(a.rx.finish)
                     self._give_back(room, a.pages)
                     res.completed += 1
                     res.bytes_completed += len(a.pages) * wl.page_bytes
                 elif st is KVPoll.FAILED:
                     res.prefill_failed += 1
                     self._failed(room, a)
-                elif a.abort_at is not None and now >= a.abort_at:
-                    res.aborted_mid_transfer += 1
-                    self._abort(room, a, "decode")
                 else:
                     continue
-                del active[room]
-                res.requests += 1
-                progress(1)
+                self._done(room)
             self._sample()
-            self._pause(len(active))
+            pause = self._pause_s(len(active))
+            if aborts:
+                pause = min(pause, max(0.0, aborts[0][0] - self._now()))
+            time.sleep(pause)
         res.elapsed_s = self._now() - t0
-        res.cpu = cpu.shares(cpu_before, cpu.sample())
+        res.cpu = cpu.shares(machine, cpu.sample())
+        if cpu_before is not None:
+            res.cpu_per_request_us = cpu.per_request(cpu_before, self._cpu(), self.result.requests)
         self._finish()
         return res
 
-    def _pause(self, rooms: int) -> None:
-        """Sleep between two polls of every room in flight: ``poll_s``, or
+    def _done(self, room: int) -> None:
+        del self._active[room]
+        self.result.requests += 1
+        self._progress(1)
+
+    def _pause_s(self, rooms: int) -> float:
+        """The pause between two polls of every room in flight: ``poll_s``, or
         :data:`POLL_PAUSE_PER_ROOM_S` per room if longer. An engine polls its
         requests once a step; a scan of 512 rooms every 0.5 ms kept this
         process's GIL busy about as long as it slept, and decode's listener,
         which takes the acks, waited for it: the release latency grew with
         the rooms in flight for the bench's own sake."""
-        time.sleep(max(self.poll_s, rooms * POLL_PAUSE_PER_ROOM_S))
+        return max(self.poll_s, rooms * POLL_PAUSE_PER_ROOM_S)
+
+    def _pause(self, rooms: int) -> None:
+        time.sleep(self._pause_s(rooms))
+
+    # -- what the run cost -----------------------------------------------------
+    def _cpu(self) -> dict[str, Any]:
+        """This process's and every rank's CPU so far (see :func:`kvconn.bench.cpu.per_request`)."""
+        return {
+            "threads": cpu.thread_seconds(),
+            "calls": (self.calls.total, self.calls.calls),
+            "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+            "ranks": self.procs.cpu() if self._owns_procs else [],
+        }
 
     def _finish(self) -> None:
         res = self.result
@@ -549,8 +585,8 @@ class ModeRun:
             time.sleep(0.005)
         time.sleep(self.settle_s)  # late writes of live writers land now, or never
         with self._lock:
-            free = list(self._free)
-        for page in free:
+            given_back = [page for page in self._free if page in self._owner]
+        for page in given_back:
             self._check_canary(page, "at the end")
         m = self.decode.metrics
         res.acks_received = m.value("kvconn_acks_received_total")

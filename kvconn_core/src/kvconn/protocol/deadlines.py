@@ -78,6 +78,16 @@ class DeadlineQueue(Generic[T]):
         self._end = pos + 1
         return pos
 
+    def earliest(self) -> float | None:
+        """The earliest deadline queued (None: none)."""
+        first = None
+        if self._head < self._end:
+            chunk, off = self._slot(self._head)
+            first = chunk.deadlines[off]
+        if self._late and (first is None or self._late[0][0] < first):
+            first = self._late[0][0]
+        return first
+
     def push_late(self, deadline: float, room: int, tag: T) -> None:
         self._seq += 1
         heapq.heappush(self._late, (deadline, self._seq, room, tag))

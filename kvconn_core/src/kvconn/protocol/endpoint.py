@@ -29,11 +29,10 @@ tracker's :class:`~kvconn.protocol.hold.Release`, which names its proof.
 
 from __future__ import annotations
 
-import functools
 import heapq
 from collections import Counter
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 
@@ -88,6 +87,7 @@ from kvconn.protocol.owner_fence import (
 )
 
 _R = TypeVar("_R", AbortAck, RoomStatus)
+_K = TypeVar("_K")
 
 
 class EndpointState:
@@ -134,6 +134,14 @@ class EndpointState:
         self.pending: dict[str, Instance] = {}
         #: The current request of every room the tracker has (open or held).
         self.requests: dict[int, Request] = {}
+        #: How many of those each rank was asked to write (the watched ranks:
+        #: protocol/liveness.py), the held or quarantined ones, and how many
+        #: held rooms each writer process owes a proof (an exit check looks
+        #: those up): kept as rooms come and go, so that a heartbeat or an
+        #: exit check costs O(ranks), not a walk of the rooms.
+        self._rooms_of_rank: dict[int, int] = {}
+        self._held: dict[int, Request] = {}
+        self._owing: dict[WriterIdentity, int] = {}
         #: Pages of tracked rooms, when check_pages (a set: its C-level
         #: isdisjoint/update cost ~15 us for 1024 pages, a Python loop ~100).
         self._in_use: set[int] = set()
@@ -195,8 +203,17 @@ class EndpointState:
         return self.tracker.pages_in(HoldState.HELD) + self.tracker.pages_in(HoldState.QUARANTINED)
 
     def next_wakeup(self) -> float | None:
-        """The earliest instant a :class:`Tick` has a deadline to act on."""
+        """The earliest instant a :class:`Tick` has something to do: a hold's
+        or a transfer's deadline, the owner fence, and the exit check while
+        a held room owes a proof (or a fenced ack waits for its drain) and
+        the heartbeat while a rank is watched, down or asked (and the region
+        has a transport endpoint: without one a tick skips it); None: nothing
+        until the state changes. A tick before it changes nothing."""
         times = [self.tracker.next_deadline(), self._deadlines[0][0] if self._deadlines else None]
+        if self._owing or self.draining:
+            times.append(self._next_exit_check)
+        if self.ranks and (self._rooms_of_rank or self.down or self._asked) and self.endpoint_down is None:
+            times.append(self._next_heartbeat)  # no heartbeat without an endpoint (_on_tick)
         if self.owner_fence.enabled or self.endpoint_down is not None:
             since = min((at for _, at, _ in self.tracker.quarantined()), default=None)
             times.append(self.owner_fence.next_due(since))
@@ -212,17 +229,17 @@ class EndpointState:
     def watched(self) -> set[int]:
         """The ranks some tracked room was asked of: the only ones a
         heartbeat asks or judges (protocol/liveness.py)."""
-        return liveness.watched(self)
+        return set(self._rooms_of_rank)
 
     def owed(self) -> frozenset[WriterIdentity]:
         """The writers held rooms wait for (an exit check looks these up)."""
-        return frozenset(w for _, w, _ in liveness.owed(self))
+        return frozenset(self._owing)
 
     def probes(self, now: float) -> Probes:
         """What a :class:`Tick` at ``now`` needs looked up."""
         owed = self.owed() if now >= self._next_exit_check else frozenset()
         live: frozenset[WriterIdentity] = frozenset()
-        if self.ranks and now >= self._next_heartbeat:
+        if self.ranks and now >= self._next_heartbeat and self.endpoint_down is None:
             live = liveness.live(self)
         return Probes(tuple(self.draining.values()), owed, live)
 
@@ -295,6 +312,9 @@ class EndpointState:
         writers = {rank: self.writers[rank] for rank in ids}
         slot = 0 if extras_slot is None else extras_slot + 1
         request = self.requests[room] = Request(room, pages, writers, instance.ids, slot=slot)
+        rooms_of_rank = self._rooms_of_rank
+        for rank in ids:
+            rooms_of_rank[rank] = rooms_of_rank.get(rank, 0) + 1
         if self.transfer_timeout_s is not None:
             self._deadline_seq += 1
             heapq.heappush(self._deadlines, (now + self.transfer_timeout_s, self._deadline_seq, request))
@@ -334,7 +354,7 @@ class EndpointState:
                 room,
                 cause="endpoint_down",
             )
-        down = sorted(ids & self.down.keys())
+        down = sorted(ids & self.down.keys()) if self.down else ()
         if down:
             reason = "; ".join(
                 f"rank {self._rank_of[r][1]} ({self.writers[r].address}) is down: {self.down[r]}"
@@ -350,13 +370,7 @@ class EndpointState:
         # The engine's own verdict, even over a SUCCESS that raced it: its
         # pages come back through on_release, never through finish().
         request.verdict = KVPoll.FAILED
-        return self._abort_hold(request, now)
-
-    def _abort_hold(self, request: Request, now: float) -> list[Action]:
-        """Hold ``request``'s pages until proof, but from ranks it was sent
-        to only: one it never was can write nothing of it."""
-        untold, request.unsent = frozenset(request.unsent), set()
-        return self.carry(self.tracker.abort(request.room, now, untold))
+        return self._hold(request, now)
 
     def finish(self, request: Request) -> tuple[int, ...]:
         """The engine takes a completed request's pages."""
@@ -388,13 +402,16 @@ class EndpointState:
         return drain.decode_drain_tick(self, now, now if at is None else at)
 
     # -- stimuli -------------------------------------------------------------
-    @functools.singledispatchmethod
     def handle(self, stimulus: object, now: float) -> list[Action]:
-        """Feed one stimulus in; carry out what comes back, in order."""
-        return [Drop(DropReason.UNEXPECTED_TYPE)]
+        """Feed one stimulus in; carry out what comes back, in order. One
+        dispatch by type (:data:`_HANDLERS`: a dict, as ``singledispatchmethod``
+        builds a wrapper on every access, on every message)."""
+        handler = _HANDLERS.get(type(stimulus))
+        if handler is None:
+            return [Drop(DropReason.UNEXPECTED_TYPE)]
+        return handler(self, stimulus, now)
 
-    @handle.register
-    def _(self, msg: AbortAck, now: float) -> list[Action]:
+    def _on_abort_ack(self, msg: AbortAck, now: float) -> list[Action]:
         ack = self._for_us(msg)
         if isinstance(ack, DropReason):
             return [Drop(ack)]
@@ -403,8 +420,7 @@ class EndpointState:
             return [*heard, CheckDrain(ack)]
         return heard + self._ack(ack, now)
 
-    @handle.register
-    def _(self, event: Undrained, now: float) -> list[Action]:
+    def _on_undrained(self, event: Undrained, now: float) -> list[Action]:
         if event.drained:
             return self._ack(event.ack, now)
         key = (event.ack.room, event.ack.rank, event.ack.generation)
@@ -413,8 +429,7 @@ class EndpointState:
         self.draining[key] = event.ack
         return []
 
-    @handle.register
-    def _(self, msg: RoomStatus, now: float) -> list[Action]:
+    def _on_room_status(self, msg: RoomStatus, now: float) -> list[Action]:
         status = self._for_us(msg)
         if isinstance(status, DropReason):
             return [Drop(status)]
@@ -429,14 +444,12 @@ class EndpointState:
             request.fail(status.reason)
         return heard
 
-    @handle.register
-    def _(self, msg: RankDraining, now: float) -> list[Action]:
+    def _on_rank_draining(self, msg: RankDraining, now: float) -> list[Action]:
         rank = self.id_of_session(msg.rank, msg.session) if msg.decode == self.name else None
         heard = liveness.hear(self, rank, msg.session, now) if rank is not None else []
         return heard + drain.rank_draining(self, msg, now)
 
-    @handle.register
-    def _(self, msg: HelloAck, now: float) -> list[Action]:
+    def _on_hello_ack(self, msg: HelloAck, now: float) -> list[Action]:
         instance = self.pending.get(msg.address)
         if instance is not None:
             if msg.error:
@@ -462,8 +475,7 @@ class EndpointState:
             return heard + liveness.back_up(self, rank, now)
         return [Identify(msg)]
 
-    @handle.register
-    def _(self, event: Identified, now: float) -> list[Action]:
+    def _on_identified(self, event: Identified, now: float) -> list[Action]:
         msg, writer = event.ack, event.writer
         instance = self.pending.get(msg.address)
         if instance is not None:
@@ -493,8 +505,7 @@ class EndpointState:
         # Requests that waited to learn who answers there are the new one's.
         return actions + liveness.heard_from(self, rank, now)
 
-    @handle.register
-    def _(self, event: Tick, now: float) -> list[Action]:
+    def _on_tick(self, event: Tick, now: float) -> list[Action]:
         actions: list[Action] = []
         for ack in event.drained:
             if self.draining.pop((ack.room, ack.rank, ack.generation), None) is not None:
@@ -509,27 +520,25 @@ class EndpointState:
             self._next_heartbeat = now + self.heartbeat_interval_s
             actions += liveness.heartbeat(self, event.gone, now)
         actions += self._expire(now)
-        fence = self.owner_fence.due(now, self.tracker.quarantined(), bool(self.pending))
+        policy = self.owner_fence
+        if not policy.enabled and policy.rearm_at is None:
+            return actions  # no fence can be due: spare the walk of the quarantined rooms
+        fence = policy.due(now, self.tracker.quarantined(), bool(self.pending))
         return actions if fence is None else [*actions, fence]
 
-    @handle.register
-    def _(self, event: LinksChanged, now: float) -> list[Action]:
+    def _on_links_changed(self, event: LinksChanged, now: float) -> list[Action]:
         return liveness.links_changed(self, event.changes, now)
 
-    @handle.register
-    def _(self, event: BootstrapTick, now: float) -> list[Action]:
+    def _on_bootstrap_tick(self, event: BootstrapTick, now: float) -> list[Action]:
         return bootstrap.step(self, event.instance, now, now if event.at is None else event.at)
 
-    @handle.register
-    def _(self, event: ExitsProbed, now: float) -> list[Action]:
+    def _on_exits_probed(self, event: ExitsProbed, now: float) -> list[Action]:
         return self._exits(event.gone, event.peers_drained, now)
 
-    @handle.register
-    def _(self, event: OwnerFenceDone, now: float) -> list[Action]:
+    def _on_owner_fence_done(self, event: OwnerFenceDone, now: float) -> list[Action]:
         return owner_fenced(self, event, now)
 
-    @handle.register
-    def _(self, event: OwnerFenceError, now: float) -> list[Action]:
+    def _on_owner_fence_error(self, event: OwnerFenceError, now: float) -> list[Action]:
         self.owner_fence.ended(ok=False)  # nothing proven: every page stays held
         if self.endpoint_down is not None:  # asked again for the endpoint: ask later
             self.owner_fence.endpoint_made(False, now)
@@ -559,7 +568,8 @@ class EndpointState:
             return DropReason.OTHER_DECODE
         if writer is None or rank_id is None or msg.session != writer.session:
             return DropReason.OTHER_SESSION
-        return attrs.evolve(msg, rank=rank_id)
+        # The first instance's ids are its ranks' own: no copy (on every ack and status).
+        return msg if rank_id == msg.rank else attrs.evolve(msg, rank=rank_id)
 
     def _ack(self, ack: AbortAck, now: float) -> list[Action]:
         held_since = self.tracker.held_since(ack.room)
@@ -602,7 +612,20 @@ class EndpointState:
             return []
         request.fail(reason)
         request.aborted = True
-        return self._abort_hold(request, now)
+        return self._hold(request, now)
+
+    def _hold(self, request: Request, now: float) -> list[Action]:
+        """The tracker holds ``request``'s pages until proof, from the ranks
+        it was sent to only (one it never was can write nothing of it), or
+        releases them at once if no rank owes one."""
+        untold, request.unsent = frozenset(request.unsent), set()
+        actions = self.tracker.abort(request.room, now, untold)
+        if self.tracker.state(request.room) is HoldState.HELD and request.room not in self._held:
+            self._held[request.room] = request
+            owing = self._owing
+            for writer in request.writers.values():
+                owing[writer] = owing.get(writer, 0) + 1
+        return self.carry(actions)
 
     def _expire(self, now: float) -> list[Action]:
         """Open rooms past their transfer deadline fail."""
@@ -635,8 +658,39 @@ class EndpointState:
 
     def _forget(self, room: int) -> None:
         request = self.requests.pop(room, None)
-        if request is not None and self.check_pages:
+        if request is None:
+            return
+        if self.check_pages:
             self._in_use.difference_update(request.pages)
+        _uncount(self._rooms_of_rank, request.writers)
+        if self._held.pop(room, None) is not None:
+            _uncount(self._owing, request.writers.values())
+
+
+def _uncount(counts: dict[_K, int], keys: Iterable[_K]) -> None:
+    for key in keys:
+        n = counts[key] - 1
+        if n:
+            counts[key] = n
+        else:
+            del counts[key]
+
+
+#: EndpointState.handle's one dispatch: stimulus type -> handler.
+_HANDLERS: dict[type, Callable[[EndpointState, Any, float], list[Action]]] = {
+    AbortAck: EndpointState._on_abort_ack,
+    Undrained: EndpointState._on_undrained,
+    RoomStatus: EndpointState._on_room_status,
+    RankDraining: EndpointState._on_rank_draining,
+    HelloAck: EndpointState._on_hello_ack,
+    Identified: EndpointState._on_identified,
+    Tick: EndpointState._on_tick,
+    LinksChanged: EndpointState._on_links_changed,
+    BootstrapTick: EndpointState._on_bootstrap_tick,
+    ExitsProbed: EndpointState._on_exits_probed,
+    OwnerFenceDone: EndpointState._on_owner_fence_done,
+    OwnerFenceError: EndpointState._on_owner_fence_error,
+}
 
 
 __all__ = ["EndpointState"]

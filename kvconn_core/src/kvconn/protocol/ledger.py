@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections import deque
 from typing import ClassVar
 
@@ -77,6 +78,11 @@ class RoomLedger:
     #: Keep acked tombstones compact (the scanning reference of the tests
     #: turns it off, to be the ledger as it was).
     _compact_tombstones: ClassVar[bool] = True
+    #: The least time between two expire() calls :meth:`next_expiry` asks
+    #: for: rooms touched since the last call are scheduled by the next one
+    #: (their TTL counts from then: later, never early), and a backlog of
+    #: rooms due is taken ``expire_budget`` at a time, one call per pace.
+    EXPIRE_PACE_S: ClassVar[float] = 0.05
 
     def __init__(
         self, rank: int, tombstone_ttl: float = 600.0, session: int = 0, expire_budget: int = 256
@@ -104,6 +110,8 @@ class RoomLedger:
         #: Tombstones made since the last expire(): each pays for its own
         #: forgetting later, so forgetting keeps up with any abort rate.
         self._credit = 0
+        #: When expire() last ran (its pace: see :meth:`next_expiry`).
+        self._expired_at = -math.inf
         self._incarnations = itertools.count(1)
         #: The TCP connections the last fences closed, and their union, which
         #: every fenced ack names (decode counts it once its ends drained).
@@ -149,6 +157,14 @@ class RoomLedger:
             key = RoomKey(self._decode_at(pos), room)
             rooms[key] = self._full(key, item, self._expiry.deadline_at(pos), incarnation=0)
         return rooms
+
+    def is_failed(self, key: RoomKey) -> bool:
+        """``key`` has a full entry that failed (decode aborted it, or it
+        failed here): nothing more of it will be written. One dict lookup and
+        one read, safe without the caller's lock for a hint (a worker's: see
+        ``runtime/transfer.py``), never for a decision."""
+        entry = self._rooms.get(key)
+        return entry is not None and entry.status is KVPoll.FAILED
 
     def outstanding(self, key: RoomKey) -> int:
         entry = self._rooms.get(key)
@@ -393,6 +409,19 @@ class RoomLedger:
         self._poisoned.add(key)
         return self._mark_failed(key, entry, reason)
 
+    def next_expiry(self) -> float | None:
+        """When :meth:`expire` next has something to do (None: nothing until
+        a room is touched): the earliest deadline queued, or one pace
+        (:attr:`EXPIRE_PACE_S`) after the last call when rooms touched since
+        wait to be scheduled, whichever is first; never sooner than one pace
+        after the last call. The caller may call expire() later than this
+        (its thread sleeps until then or until a message comes): a room is
+        then forgotten later, never earlier."""
+        due = self._expiry.earliest()
+        if self._touched:  # the next call schedules them
+            due = self._expired_at if due is None else min(due, self._expired_at)
+        return None if due is None else max(due, self._expired_at + self.EXPIRE_PACE_S)
+
     def expire(self, now: float) -> list[RoomKey]:
         """Forget tombstones and cleared rooms once idle for ``tombstone_ttl``;
         returns the rooms forgotten.
@@ -403,12 +432,14 @@ class RoomLedger:
         ``expire_budget`` rooms, plus one per room scheduled since the
         previous call, are forgotten, however many the ledger remembers or
         are due: it never stalls the thread that handles control messages
-        (the listener calls it at least every 50 ms). Never forever: what is
+        (the listener calls it when :meth:`next_expiry` is due: at most one
+        call a pace, while anything is due). Never forever: what is
         left due is taken first by the next calls (deadline order), and the
         rooms scheduled meanwhile pay for their own share, so a room is
         forgotten at most ``backlog / expire_budget`` calls late."""
         credit = self._credit
         self._credit = 0
+        self._expired_at = now
         expiry = self._expiry
         for key in self._touched:
             entry = self._rooms.get(key)

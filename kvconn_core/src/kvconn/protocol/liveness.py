@@ -11,7 +11,8 @@ traffic is its own proof:
   process (a RoomStatus, an ABORT_ACK, a RankDraining, a HelloAck) is
   hearing from it (:func:`hear`): an active rank needs no Hello.
 * **Only the ranks that matter.** The ranks decode *watches* are those asked
-  to write a room it has open, held or quarantined (:func:`watched`). Each
+  to write a room it has open, held or quarantined (``EndpointState.watched``,
+  counted per rank as rooms come and go: no walk of the rooms). Each
   heartbeat Hellos a watched rank silent for ``heartbeat_interval_s``; it is
   down once its first unanswered Hello is ``peer_timeout_s`` old (counted
   from the probe, not from its last message: a rank idle for an hour that
@@ -50,23 +51,22 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvconn.protocol.endpoint_events import Action, RankDown, Request, Send, WriterIdentity
-from kvconn.protocol.hold import HoldState
 
 if TYPE_CHECKING:
     from kvconn.protocol.endpoint import EndpointState
 
 
 def owed(state: EndpointState) -> list[tuple[int, WriterIdentity, int]]:
-    """(rank, writer, room) for every held or quarantined room's unproven
-    writers: each room's own (a process restarted at a rank's address
-    proves nothing for the rooms the earlier one was asked to write)."""
-    found = []
-    for room in state.tracker.rooms_in(HoldState.HELD) + state.tracker.rooms_in(HoldState.QUARANTINED):
-        request = state.requests.get(room)
-        for rank in state.tracker.ranks_of(room):
-            writer = request.writers[rank] if request is not None else state.writers[rank]
-            found.append((rank, writer, room))
-    return found
+    """(rank, writer, room) for every held or quarantined room's writers:
+    each room's own (a process restarted at a rank's address proves nothing
+    for the rooms the earlier one was asked to write). A walk of the held
+    rooms: only once an exit is proven (:func:`exits`); the exit check asks
+    ``state.owed()``, kept up to date as rooms are held and released."""
+    return [
+        (rank, writer, room)
+        for room, request in state._held.items()
+        for rank, writer in request.writers.items()
+    ]
 
 
 def exits(
@@ -84,16 +84,6 @@ def exits(
     for (rank, _), held in rooms.items():
         actions += state.carry(state.tracker.writer_exited(rank, now, frozenset(held)))
     return actions
-
-
-def watched(state: EndpointState) -> set[int]:
-    """The ranks asked to write a room this endpoint has open, held or
-    quarantined: the ranks whose liveness a room depends on. A walk of the
-    tracked rooms, once a heartbeat: rooms in flight, not the fleet."""
-    ranks: set[int] = set()
-    for request in state.requests.values():
-        ranks.update(request.writers)
-    return ranks
 
 
 def heard_from(state: EndpointState, rank: int, now: float) -> list[Action]:
@@ -244,10 +234,14 @@ def back_up(state: EndpointState, rank: int, now: float) -> list[Action]:
     """``rank``, down, answered: its link healed or it resumed, so the proof
     of every held room it owes can come now. Its ABORTs go out at once (a
     quarantined room's re-sends back off to 30 s; those sent during the cut
-    may have been lost with a dropped connection)."""
+    may have been lost with a dropped connection). A walk of the held rooms
+    only when the rank owes one (``state._owing``), as :func:`exits` walks
+    them only once an exit is proven."""
     writer = state.writers[rank]
-    rooms = [room for r, w, room in owed(state) if r == rank and w == writer]
-    return state.carry(state.tracker.reask(rank, rooms, now)) if rooms else []
+    if writer not in state._owing:  # the per-writer count: no held room waits for it
+        return []
+    rooms = [room for room, request in state._held.items() if request.writers.get(rank) == writer]
+    return state.carry(state.tracker.reask(rank, rooms, now))
 
 
 def live(state: EndpointState) -> frozenset[WriterIdentity]:

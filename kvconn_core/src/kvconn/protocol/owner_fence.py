@@ -169,6 +169,9 @@ def owner_fenced(state: EndpointState, done: OwnerFenceDone, now: float) -> list
         state.metadata = done.metadata
         for rank in sorted(state.ranks):
             actions.append(Send(state.writers[rank].address, state._hello(state._rank_of[rank][0]), rank))
+        # These Hellos are a heartbeat round: the next is an interval away
+        # (one skipped while there was no endpoint is not owed at once).
+        state._next_heartbeat = now + state.heartbeat_interval_s
     pages = sum(len(r.pages) for r in released)
     fenced = OwnerFenced(True, len(released), pages, failed, state.name, state.endpoint_down or "", made)
     return [*actions, *released, fenced]

@@ -34,11 +34,11 @@ Hello's checks in ``rank_bootstrap.py``; a drain's in ``drain.py``.
 
 from __future__ import annotations
 
-import functools
+import heapq
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Generic
+from typing import Any, Generic
 
 from kvconn.errors import ArgumentError, IncompleteRoomError, KvconnError, PageError, RoomStateError
 from kvconn.protocol import drain as _drain
@@ -102,8 +102,11 @@ class RankState(Generic[L]):
         self._reachable = reachable
         self.peers: dict[str, Peer[L]] = {}
         #: Rooms given up (room id -> until when): a request arriving later
-        #: is refused, whichever decode sends it.
+        #: is refused, whichever decode sends it. ``_given_up_order``: the
+        #: same, by when (a heap; an item stale once the room was given up
+        #: again later): a tick forgets the ones due without a walk.
         self._given_up: dict[int, float] = {}
+        self._given_up_order: list[tuple[float, int]] = []
         #: Requests (incarnations) a live sender took. A sender dropped
         #: unused frees them: the engine's handle is the sender, and only it.
         self._taken: weakref.WeakValueDictionary[int, SenderState] = weakref.WeakValueDictionary()
@@ -111,12 +114,15 @@ class RankState(Generic[L]):
         self.drain: RankDrain | None = None
 
     # -- messages --------------------------------------------------------------
-    @functools.singledispatchmethod
     def handle(self, msg: object, now: float) -> list[Action]:
-        """A control message from a decode endpoint."""
-        return [Drop(DropReason.UNEXPECTED_TYPE)]
+        """A control message from a decode endpoint, dispatched by its type in
+        one place (:data:`_HANDLERS`: a dict, not ``singledispatchmethod``,
+        which builds a wrapper on every access and runs on every message)."""
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:
+            return [Drop(DropReason.UNEXPECTED_TYPE)]
+        return handler(self, msg, now)
 
-    @handle.register
     def _request(self, msg: TransferRequest, now: float) -> list[Action]:
         peer = self.peers.get(msg.decode)
         if peer is None:
@@ -145,13 +151,11 @@ class RankState(Generic[L]):
         actions.append(Requested(msg.room, len(msg.dst_pages)))
         return actions
 
-    @handle.register
     def _abort(self, msg: Abort, now: float) -> list[Action]:
         if not self._reachable(msg.reply_to):
             return [Drop(DropReason.BAD_REPLY_TO)]
         return [AbortHook(msg, self.ledger.abort(msg, now))]
 
-    @handle.register
     def _hello(self, msg: Hello, now: float) -> list[Action]:
         return _bootstrap.hello(self, msg)
 
@@ -221,11 +225,25 @@ class RankState(Generic[L]):
         return [Fence()] if self._fences else []
 
     def tick(self, now: float) -> list[Action]:
-        """Forget what expired: idle tombstones and cleared rooms, given-up rooms."""
+        """Forget what expired: idle tombstones and cleared rooms, given-up
+        rooms. Due at :meth:`next_wakeup` (earlier calls cost little)."""
         self.ledger.expire(now)
-        for room in [r for r, until in self._given_up.items() if until <= now]:
-            del self._given_up[room]
+        order = self._given_up_order
+        while order and order[0][0] <= now:
+            until, room = heapq.heappop(order)
+            if self._given_up.get(room) == until:
+                del self._given_up[room]
         return []
+
+    def next_wakeup(self) -> float | None:
+        """When :meth:`tick` next has something to do (None: nothing until
+        a room changes); the runtime's listener sleeps until then or until
+        a message comes."""
+        due = self.ledger.next_expiry()
+        if self._given_up_order:
+            first = self._given_up_order[0][0]
+            due = first if due is None else min(due, first)
+        return due
 
     def begin_drain(self, now: float, grace_s: float, report_after_s: float = math.inf) -> list[Action]:
         """Drain: refuse new requests, give held rooms ``grace_s`` to finish
@@ -320,7 +338,7 @@ class RankState(Generic[L]):
 
     def plan_next(
         self, s: SenderState, src_pages: Sequence[int], last: bool, now: float, extras_slot: int | None = None
-    ) -> tuple[SendPlan[L] | KvconnError, list[Action]]:
+    ) -> tuple[SendPlan | KvconnError, list[Action]]:
         """:meth:`poll`, then :meth:`plan_send`, as one stimulus: the poll's
         actions (a give-up) are the caller's to carry out even when the send
         is refused (then returned in place of the plan). A sender bound to
@@ -349,19 +367,20 @@ class RankState(Generic[L]):
         last: bool,
         polled: KVPoll,
         extras_slot: int | None = None,
-    ) -> SendPlan[L]:
+    ) -> SendPlan:
         """Check the sender's next chunk, of the source pages ``src_pages``
         (with a last chunk, this rank's extras slot ``extras_slot``;
         ``polled``: its status just now), and say where each leg's share
-        goes. Raises, and changes nothing, if it may not be sent."""
+        goes. Raises, and changes nothing, if it may not be sent. (On every
+        send: one pass over the legs, tuples rather than value objects.)"""
         room, npages = s.room, len(src_pages)
         if s.last_sent:
             raise RoomStateError("its last chunk was sent, no chunk may follow it", room)
-        ledger = self.ledger
+        rooms = self.ledger._rooms
         unasked = succeeded = False
         for leg in s.legs:
             entry = leg.entry
-            if ledger.entry(leg.key) is not entry:
+            if rooms.get(leg.key) is not entry and self.ledger.entry(leg.key) is not entry:
                 raise RoomStateError(
                     "its request is over (the room was cleared, or requested again since this sender began)",
                     room,
@@ -372,12 +391,13 @@ class RankState(Generic[L]):
             raise RoomStateError(f"this sender was cleared ({polled.name})", room)
         if s.gave_up:
             raise RoomStateError("this sender gave up waiting for decode's request", room)
-        if len(s.legs) < s.decodes and any(
-            entry.status is KVPoll.SUCCESS for entry in ledger.decodes_of(room).values()
+        bound = len(s.legs) >= s.decodes
+        if not bound and any(
+            entry.status is KVPoll.SUCCESS for entry in self.ledger.decodes_of(room).values()
         ):
             # Complete here, and not this sender's: its pages are decode's again.
             raise RoomStateError("complete at this rank: no chunk may follow its last", room)
-        if len(s.legs) < s.decodes or unasked:
+        if not bound or unasked:
             raise RoomStateError(
                 f"not bootstrapped yet ({len(s.legs)} of {s.decodes} decodes requested it; "
                 f"poll() says {polled.name})",
@@ -386,12 +406,16 @@ class RankState(Generic[L]):
         if succeeded:
             # Its last chunk landed and decode was told: the pages are decode's again.
             raise RoomStateError("complete at this rank: no chunk may follow its last", room)
-        legs = []
+        sent, legs, new = s.sent, [], tuple.__new__
+        # Every source page within this rank's source for that decode (min
+        # and max, not a walk).
+        low, high = (min(src_pages), max(src_pages)) if npages else (0, -1)
         for leg in s.legs:
-            dst_all = leg.entry.dst_pages
+            entry = leg.entry
+            dst_all = entry.dst_pages
             assert dst_all is not None  # checked above
-            dst = dst_all[s.sent : s.sent + npages]
-            left = len(dst_all) - s.sent
+            dst = dst_all[sent : sent + npages]
+            left = len(dst_all) - sent
             if len(dst) != npages:
                 raise PageError(f"{left} pages left, got {npages}", room)
             if last and npages != left:
@@ -400,13 +424,14 @@ class RankState(Generic[L]):
                     f"room's {len(dst_all)} destination pages unwritten",
                     room,
                 )
-            peer = self.peers[leg.key.decode]
-            _check_source(room, src_pages, peer.pairing.source_pages)
-            extras = _extras(room, peer.pairing, leg.entry.extras, extras_slot) if last else None
-            legs.append(LegChunk(leg.key, leg.entry.incarnation, dst, extras, peer.layout))
-        return SendPlan(s.index, last, npages, tuple(legs), extras_slot)
+            pairing = self.peers[leg.key.decode].pairing
+            if low < 0 or high >= pairing.source_pages:
+                _check_source(room, src_pages, pairing.source_pages)
+            extras = _extras(room, pairing, entry.extras, extras_slot) if last else None
+            legs.append(new(LegChunk, (leg.key, entry.incarnation, dst, extras, pairing.layout)))
+        return new(SendPlan, (s.index, last, npages, tuple(legs), extras_slot))
 
-    def commit_send(self, s: SenderState, plan: SendPlan[L]) -> list[Action]:
+    def commit_send(self, s: SenderState, plan: SendPlan) -> list[Action]:
         """The planned chunk is being queued (its legs' shares lowered)."""
         s.sent += plan.npages
         s.index += 1
@@ -510,7 +535,16 @@ class RankState(Generic[L]):
 
     def _give_up_room(self, room: int, now: float) -> None:
         # The ledger's TTL: a given-up room is refused as long as a tombstone is.
-        self._given_up[room] = now + self.ledger.tombstone_ttl
+        until = self._given_up[room] = now + self.ledger.tombstone_ttl
+        heapq.heappush(self._given_up_order, (until, room))
+
+
+#: RankState.handle's one dispatch: message type -> handler.
+_HANDLERS: dict[type, Callable[[RankState[Any], Any, float], list[Action]]] = {
+    TransferRequest: RankState._request,
+    Abort: RankState._abort,
+    Hello: RankState._hello,
+}
 
 
 def _check_source(room: int, src_pages: Sequence[int], capacity: int) -> None:

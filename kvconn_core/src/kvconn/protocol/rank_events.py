@@ -5,7 +5,7 @@ it returns, and its records of decodes and senders. All plain values."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import attrs
 
@@ -215,26 +215,28 @@ class SenderState:
     reason: str = ""
 
 
-@attrs.frozen(slots=True)
-class LegChunk(Generic[L]):
-    """One leg's share of a chunk to queue: tagged with its incarnation."""
+class LegChunk(NamedTuple):
+    """One leg's share of a chunk to queue: tagged with its incarnation. A
+    tuple, not an attrs value: one is made on every send."""
 
     key: RoomKey
     incarnation: int
     dst_pages: tuple[int, ...]
     #: decode's extras slot, on a last chunk whose extras this rank writes
     extras: int | None
-    layout: L
+    #: the pair's layout (the Pairing's ``L``: how the chunk is lowered)
+    layout: Any
 
 
-@attrs.frozen(slots=True)
-class SendPlan(Generic[L]):
-    """A checked send, not yet queued (:meth:`RankState.commit_send`)."""
+class SendPlan(NamedTuple):
+    """A checked send, not yet queued (:meth:`RankState.commit_send`). A
+    tuple, not an attrs value: one is made on every send."""
 
-    index: int
+    #: the chunk's number in its room (``Chunk.index``)
+    chunk_index: int
     last: bool
     npages: int
-    legs: tuple[LegChunk[L], ...]
+    legs: tuple[LegChunk, ...]
     #: this rank's extras slot, copied into each leg's ``extras`` slot
     extras_slot: int | None = None
 

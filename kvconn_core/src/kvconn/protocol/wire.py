@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import operator
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -80,9 +81,10 @@ class FrameError(ValueError):
 
 
 def encode(message: Message, key: bytes | None = None) -> bytes:
-    parts = [_HEADER.pack(MAGIC, VERSION, TAGS[type(message)])]
-    for code, value in zip(_SCHEMA[type(message)], attrs.astuple(message, recurse=False), strict=True):
-        parts.append(_ENCODERS[code](value))
+    cls = type(message)
+    parts = [_HEADER.pack(MAGIC, VERSION, TAGS[cls])]
+    for enc, value in zip(_ENCODE[cls], _FIELDS[cls](message), strict=True):
+        parts.append(enc(value))
     frame = b"".join(parts)
     if key is not None:
         frame += hmac.digest(key, frame, hashlib.sha256)
@@ -111,14 +113,12 @@ def decode(frame: bytes, key: bytes | None = None) -> Message:
     cls = _BY_TAG.get(tag)
     if cls is None:
         raise FrameError(DropReason.UNKNOWN_TAG, str(tag))
-    reader = _Reader(memoryview(frame), _HEADER.size)
-    schema = _SCHEMA[cls]
-    optional = schema.endswith("t")
+    reader = _Reader(frame, _HEADER.size)
     try:
-        values = [_DECODERS[code](reader) for code in (schema[:-1] if optional else schema)]
+        values = [dec(reader) for dec in _DECODE[cls]]
     except (struct.error, UnicodeDecodeError, ValueError) as exc:
         raise FrameError(DropReason.BAD_BODY, f"{cls.__name__}: {exc}") from None
-    if optional:
+    if _SCHEMA[cls].endswith("t"):
         values.append(_optional(reader, cls.__name__))
     if reader.pos != len(frame):
         raise FrameError(DropReason.TRAILING_BYTES, cls.__name__)
@@ -147,24 +147,36 @@ def _enc_optional(value: bytes) -> bytes:
 
 
 class _Reader:
-    __slots__ = ("buf", "pos")
+    """A frame's fields, one after the other (ints read in place: on every
+    message)."""
 
-    def __init__(self, buf: memoryview, pos: int) -> None:
+    __slots__ = ("buf", "end", "pos")
+
+    def __init__(self, buf: bytes, pos: int) -> None:
         self.buf = buf
         self.pos = pos
+        self.end = len(buf)
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buf):
+    def take(self, n: int) -> bytes:
+        pos = self.pos
+        if n < 0 or pos + n > self.end:
             raise ValueError("truncated")
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
+        self.pos = pos + n
+        return self.buf[pos : pos + n]
 
     def u64(self) -> int:
-        return int(_U64.unpack(self.take(8))[0])
+        pos = self.pos
+        if pos + 8 > self.end:
+            raise ValueError("truncated")
+        self.pos = pos + 8
+        return int(_U64.unpack_from(self.buf, pos)[0])
 
     def u32(self) -> int:
-        return int(_U32.unpack(self.take(4))[0])
+        pos = self.pos
+        if pos + 4 > self.end:
+            raise ValueError("truncated")
+        self.pos = pos + 4
+        return int(_U32.unpack_from(self.buf, pos)[0])
 
 
 def _enc_bytes(value: bytes) -> bytes:
@@ -179,7 +191,9 @@ def _dec_pages(r: _Reader) -> tuple[int, ...]:
     n = r.u32()
     if n > MAX_PAGES:
         raise ValueError(f"{n} pages")
-    return struct.unpack(f">{n}I", r.take(4 * n))
+    pos = r.pos
+    r.take(0 if n == 0 else 4 * n)  # bounds checked
+    return struct.unpack_from(f">{n}I", r.buf, pos)
 
 
 def _enc_str(value: str) -> bytes:
@@ -187,7 +201,7 @@ def _enc_str(value: str) -> bytes:
 
 
 def _dec_str(r: _Reader) -> str:
-    return str(r.take(r.u32()), "utf-8")
+    return r.take(r.u32()).decode("utf-8")
 
 
 def _enc_connections(conns: tuple[TcpConnection, ...]) -> bytes:
@@ -229,11 +243,20 @@ _ENCODERS: dict[str, Callable[[Any], bytes]] = {
 _DECODERS: dict[str, Callable[[_Reader], Any]] = {
     "u": _Reader.u64,
     "s": _dec_str,
-    "b": lambda r: bytes(r.take(r.u32())),
+    "b": lambda r: r.take(r.u32()),
     "p": _dec_pages,
     "?": _dec_bool,
     "o": lambda r: RoomOutcome(r.take(1)[0]),
     "c": _dec_connections,
+}
+
+#: Per message type, its fields' encoders and a getter of its fields, in
+#: schema order; and its decoders (the optional trailing field apart).
+_ENCODE = {cls: tuple(_ENCODERS[code] for code in schema) for cls, schema in _SCHEMA.items()}
+_FIELDS = {cls: operator.attrgetter(*(f.name for f in attrs.fields(cls))) for cls in _SCHEMA}
+_DECODE = {
+    cls: tuple(_DECODERS[code] for code in (schema[:-1] if schema.endswith("t") else schema))
+    for cls, schema in _SCHEMA.items()
 }
 
 __all__ = ["FrameError", "Tag", "decode", "encode", "MAX_FRAME", "VERSION"]

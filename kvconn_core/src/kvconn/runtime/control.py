@@ -19,10 +19,11 @@ call) and hands them to ``on_links``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -42,9 +43,13 @@ _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 class Listener:
     """Binds ``tcp://host:port`` (port 0: any free one) and calls ``handler``
-    for every decoded message and ``idle`` between messages; ``idle`` returns
-    how many seconds it may sleep at most (``None``: the default poll)."""
+    for every decoded message and ``idle`` between messages (after each
+    batch, and when the wait it asked for is up). ``idle`` returns how many
+    seconds the listener may sleep at most, or ``None``: until the next
+    message. Without ``idle`` it sleeps until a message comes. :meth:`wake`
+    (and :meth:`close`) end a sleep at once."""
 
+    #: The first wait, before ``idle`` said anything.
     POLL_S = 0.05
 
     def __init__(
@@ -70,12 +75,24 @@ class Listener:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        # A pair of in-process sockets ends the listener's sleep: it may
+        # sleep until its next message, however long.
+        wake_at = f"inproc://kvconn-wake-{id(self):x}"
+        self._woken = self._ctx.socket(zmq.PAIR)
+        self._woken.setsockopt(zmq.LINGER, 0)
+        self._woken.bind(wake_at)
+        self._waker = self._ctx.socket(zmq.PAIR)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(wake_at)
+        self._wake_lock = threading.Lock()
         self._handler = handler
         self._on_drop = on_drop
         self._key = key
         self._idle = idle
         self._links = links
         self._on_links = on_links
+        if links is not None:
+            links.on_monitors_changed = self.wake
         self._versions_seen: set[str] = set()  # wire versions of dropped frames, logged once each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvconn-listen-{name}", daemon=True)
@@ -83,18 +100,30 @@ class Listener:
     def start(self) -> None:
         self._thread.start()
 
+    def wake(self) -> None:
+        """End the listener's sleep now: it calls ``idle`` again."""
+        with self._wake_lock:
+            if not self._waker.closed:
+                with contextlib.suppress(zmq.Again):  # a wake-up is pending already
+                    self._waker.send(b"", zmq.NOBLOCK)
+
     def close(self) -> None:
         self._stop.set()
+        self.wake()
         if self._thread.ident is not None:  # an endpoint that failed to start closes it unstarted
             self._thread.join(timeout=5)
         self._sock.close()
+        with self._wake_lock:
+            self._waker.close()
+        self._woken.close()
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._woken, zmq.POLLIN)
         monitors: dict[zmq.Socket[bytes], str] = {}
         seen = -1
-        timeout = self.POLL_S
+        timeout: float | None = self.POLL_S
         while not self._stop.is_set():
             if self._links is not None and self._links.monitors_version != seen:
                 seen, current = self._links.monitors()
@@ -105,28 +134,26 @@ class Listener:
                 monitors = current
             # zmq polls in whole ms: rounding a 0.3 ms wait down to 0 would
             # spin until the deadline
-            ready = dict(poller.poll(math.ceil(timeout * 1000)))
+            ready = dict(poller.poll(None if timeout is None else math.ceil(timeout * 1000)))
             changes = [c for mon, at in monitors.items() if mon in ready for c in _link_events(mon, at)]
             if changes:
                 self._links_changed(changes)
+            if self._woken in ready:
+                for _ in _frames(self._woken):
+                    pass  # wake-ups carry nothing
             # Every frame that arrived is read before the idle call, which
             # judges silence: a busy moment of this thread blames no peer.
-            while True:
-                try:
-                    frame = self._sock.recv(zmq.NOBLOCK, copy=True)
-                except zmq.Again:
-                    break
+            for frame in _frames(self._sock):
                 self.deliver(frame)
-            timeout = self.POLL_S
+            timeout = None
             if self._idle is not None:
                 try:
                     wait = self._idle()
                 except Exception:
                     log.exception("kvconn idle handler raised")
                     self._on_drop(DropReason.IDLE_ERROR)
-                    wait = None
-                if wait is not None:
-                    timeout = max(0.0, min(timeout, wait))
+                    wait = self.POLL_S
+                timeout = None if wait is None else max(0.0, wait)
 
     def _links_changed(self, changes: list[tuple[str, bool]]) -> None:
         if self._on_links is None:
@@ -217,6 +244,9 @@ class Outbox:
         self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._retired: list[zmq.Socket[bytes]] = []
         self.monitors_version = 0
+        #: Called once a monitor was added or removed: the listener that
+        #: reads them (and may sleep until its next deadline) wakes to.
+        self.on_monitors_changed: Callable[[], None] | None = None
 
     def send(self, address: str, message: Message) -> bool:
         """Queue ``message`` for ``address``; False if it was dropped."""
@@ -270,6 +300,8 @@ class Outbox:
                 if monitor is not None:
                     self._monitors[monitor] = address
                     self.monitors_version += 1
+                    if self.on_monitors_changed is not None:
+                        self.on_monitors_changed()
             return entry
 
     def monitors(self) -> tuple[int, dict[zmq.Socket[bytes], str]]:
@@ -290,6 +322,8 @@ class Outbox:
                     del self._monitors[monitor]
                     self._retired.append(monitor)
                     self.monitors_version += 1
+                    if self.on_monitors_changed is not None:
+                        self.on_monitors_changed()
         if entry is not None:
             lock, sock = entry
             with lock:
@@ -307,6 +341,17 @@ class Outbox:
                 with lock:
                     sock.close()
             self._socks.clear()
+
+
+def _frames(sock: zmq.Socket[bytes]) -> Iterator[bytes]:
+    """Every frame waiting on ``sock``, read while ZMQ_EVENTS says one is
+    there: a recv that raises zmq.Again to end the batch costs more than the
+    check."""
+    while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        try:
+            yield sock.recv(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return
 
 
 def _link_events(monitor: zmq.Socket[bytes], address: str) -> list[tuple[str, bool]]:

@@ -43,11 +43,13 @@ from kvconn.protocol.endpoint_events import (
     GiveUp,
     Instance,
     LinksChanged,
+    Request,
     Send,
     Tick,
 )
 from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
 from kvconn.protocol.hold import HoldTracker, Proof, Release
+from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.liveness import link_heartbeat
 from kvconn.protocol.messages import AbortAck, Hello, Message
 from kvconn.protocol.owner_fence import OwnerFencePolicy
@@ -437,8 +439,15 @@ class DecodeEndpoint:
         self._notify(releases)
         return result
 
+    def poll(self, request: Request) -> KVPoll:
+        """``request``'s status (:meth:`Receiver.poll`): not through
+        :meth:`step`, as an engine polls every request every step, and
+        reading a verdict carries nothing out."""
+        with self._lock:
+            return request.poll()
+
     def _on_message(self, msg: Message) -> None:
-        self.metrics.messages.labels(type(msg).__name__).inc()
+        self.metrics.count_message(type(msg))
         now = self.clock()
         with self._lock:
             actions = self._state.handle(msg, now)
@@ -455,6 +464,13 @@ class DecodeEndpoint:
     def _on_idle(self) -> float | None:
         now = self.clock()
         with self._lock:
+            due = self._state.next_wakeup()
+            if (due is None or now < due) and not self._state.draining:
+                # Nothing is due: no /proc probe, no tick (this runs after
+                # every batch of messages). An engine thread's abort or
+                # request may bring a deadline forward: looked at again
+                # within EXIT_CHECK_S.
+                return self.EXIT_CHECK_S if due is None else min(due - now, self.EXIT_CHECK_S)
             probes = self._state.probes(now)
             drained: tuple[AbortAck, ...] = ()
             if probes.acks:
@@ -468,9 +484,13 @@ class DecodeEndpoint:
             next_deadline = self._state.next_wakeup()
             draining = bool(self._state.draining)
         self._notify(releases)
-        wait = None if next_deadline is None else max(0.0, next_deadline - now)
+        wait = (
+            self.EXIT_CHECK_S
+            if next_deadline is None
+            else min(max(0.0, next_deadline - now), self.EXIT_CHECK_S)
+        )
         if draining:
-            wait = self.DRAIN_CHECK_S if wait is None else min(wait, self.DRAIN_CHECK_S)
+            wait = min(wait, self.DRAIN_CHECK_S)
         return wait
 
     def _check_exits(self) -> None:

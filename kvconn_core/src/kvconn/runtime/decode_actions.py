@@ -6,10 +6,10 @@ anything."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvconn.metrics import Metrics
 from kvconn.protocol.drops import DropReason
@@ -76,12 +76,15 @@ class Carrier:
             self._do(action, now, releases)
         return releases
 
-    @functools.singledispatchmethod
     def _do(self, action: object, now: float, releases: list[Release]) -> None:
-        raise TypeError(f"no way to carry out {action!r}")
+        """One action, by its type, in one place (:data:`_DO`, a dict:
+        ``singledispatchmethod`` builds a wrapper on every access)."""
+        do = _DO.get(type(action))
+        if do is None:
+            raise TypeError(f"no way to carry out {action!r}")
+        do(self, action, now, releases)
 
-    @_do.register
-    def _(self, action: Send, now: float, releases: list[Release]) -> None:
+    def _send(self, action: Send, now: float, releases: list[Release]) -> None:
         sending = self._tracer.now()  # before the send: the rank may take it at once
         if self._outbox.send(action.address, self._tracer.outgoing(action.message)) and isinstance(
             action.message, Abort
@@ -89,8 +92,7 @@ class Carrier:
             self.metrics.aborts_sent.inc()
             self._tracer.abort_sent(action, sending)
 
-    @_do.register
-    def _(self, action: Release, now: float, releases: list[Release]) -> None:
+    def _release(self, action: Release, now: float, releases: list[Release]) -> None:
         releases.append(action)
         proof = action.proof.value
         self.metrics.releases.labels(proof).inc()
@@ -100,8 +102,7 @@ class Carrier:
         self.metrics.quarantine_seconds.inc(action.quarantined_for)
         self._tracer.carried(action)
 
-    @_do.register
-    def _(self, action: Quarantine, now: float, releases: list[Release]) -> None:
+    def _quarantine(self, action: Quarantine, now: float, releases: list[Release]) -> None:
         self.metrics.quarantines.inc()
         self._tracer.carried(action)
         waiting = ", ".join(self.rank_name(r) for r in sorted(self._state.tracker.unproven(action.room)))
@@ -122,48 +123,40 @@ class Carrier:
         writer = self._state.writers.get(rank)
         return str(rank), "" if writer is None else writer.address
 
-    @_do.register
-    def _(self, action: Drop, now: float, releases: list[Release]) -> None:
+    def _drop(self, action: Drop, now: float, releases: list[Release]) -> None:
         self._on_drop(action.reason)
 
-    @_do.register
-    def _(self, action: Identify, now: float, releases: list[Release]) -> None:
+    def _identify(self, action: Identify, now: float, releases: list[Release]) -> None:
         writer = WriterIdentity.announced(action.ack)
         releases += self.run(self._state.handle(Identified(action.ack, writer), now), now)
 
-    @_do.register
-    def _(self, action: CheckDrain, now: float, releases: list[Release]) -> None:
+    def _check_drain(self, action: CheckDrain, now: float, releases: list[Release]) -> None:
         event = Undrained(action.ack, drained=not undrained(action.ack.closed))
         releases += self.run(self._state.handle(event, now), now)
 
-    @_do.register
-    def _(self, action: AckCounted, now: float, releases: list[Release]) -> None:
+    def _ack_counted(self, action: AckCounted, now: float, releases: list[Release]) -> None:
         self.metrics.acks_received.inc()
         if action.waited is not None:
             rank, address = self._labels(action.rank)
             m = self.metrics
             m.observe(m.ack_wait, "kvconn_abort_to_ack_seconds", action.waited, rank=rank, address=address)
 
-    @_do.register
-    def _(self, action: RankDown, now: float, releases: list[Release]) -> None:
+    def _rank_down(self, action: RankDown, now: float, releases: list[Release]) -> None:
         self.metrics.ranks_down.labels(action.cause, *self._labels(action.rank)).inc()
         log.warning("%s is down: %s", self.rank_name(action.rank), action.reason)
 
-    @_do.register
-    def _(self, action: RankRestarted, now: float, releases: list[Release]) -> None:
+    def _rank_restarted(self, action: RankRestarted, now: float, releases: list[Release]) -> None:
         self.metrics.rank_restarts.inc()
         log.warning("prefill rank %d at %s restarted: re-bootstrapped", action.local_rank, action.address)
 
-    @_do.register
-    def _(self, action: RoomFailed, now: float, releases: list[Release]) -> None:
+    def _room_failed(self, action: RoomFailed, now: float, releases: list[Release]) -> None:
         if action.cause == "deadline":
             self.metrics.room_deadlines.inc()
         elif action.cause == "rank":
             self.metrics.rooms_failed_by_rank.inc()  # an owner fence's are in its log line
         self._tracer.carried(action)
 
-    @_do.register
-    def _(self, action: FenceAsOwner, now: float, releases: list[Release]) -> None:
+    def _fence_as_owner(self, action: FenceAsOwner, now: float, releases: list[Release]) -> None:
         # Under the endpoint's lock, on purpose: no request, bootstrap or
         # Hello may go out with the old name while the old endpoint goes.
         event: OwnerFenceDone | OwnerFenceError
@@ -180,8 +173,7 @@ class Carrier:
         after = now if self._clock is None else self._clock()
         releases += self.run(self._state.handle(event, after), after)
 
-    @_do.register
-    def _(self, action: OwnerFenced, now: float, releases: list[Release]) -> None:
+    def _owner_fenced(self, action: OwnerFenced, now: float, releases: list[Release]) -> None:
         outcome = "failed" if not action.ok else "ok" if action.endpoint else "no_endpoint"
         self.metrics.owner_fences.labels(outcome).inc()
         if not action.ok:
@@ -203,9 +195,26 @@ class Carrier:
             action.name,
         )
 
-    @_do.register
-    def _(self, action: Answered, now: float, releases: list[Release]) -> None:
+    def _answered(self, action: Answered, now: float, releases: list[Release]) -> None:
         self._bootstrapped.notify_all()
+
+
+#: Carrier._do's one dispatch: action type -> how it is carried out.
+_DO: dict[type, Callable[[Carrier, Any, float, list[Release]], None]] = {
+    Send: Carrier._send,
+    Release: Carrier._release,
+    Quarantine: Carrier._quarantine,
+    Drop: Carrier._drop,
+    Identify: Carrier._identify,
+    CheckDrain: Carrier._check_drain,
+    AckCounted: Carrier._ack_counted,
+    RankDown: Carrier._rank_down,
+    RankRestarted: Carrier._rank_restarted,
+    RoomFailed: Carrier._room_failed,
+    FenceAsOwner: Carrier._fence_as_owner,
+    OwnerFenced: Carrier._owner_fenced,
+    Answered: Carrier._answered,
+}
 
 
 def gauge_hold_state(

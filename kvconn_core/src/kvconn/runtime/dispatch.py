@@ -48,7 +48,8 @@ class HookManager(pluggy.PluginManager):
 
 
 class ChunkHooks:
-    """The four per-chunk hooks of one manager, each a direct call when it can be."""
+    """The four per-chunk hooks of one manager, each a direct call when it can
+    be, and whether the per-abort hook has anyone to call."""
 
     def __init__(self, pm: HookManager) -> None:
         self._pm = pm
@@ -60,6 +61,9 @@ class ChunkHooks:
         self._seen = self._pm.changes
         self.has_dequeue = bool(hook.on_dequeue.get_hookimpls())
         self.has_skip = bool(hook.on_skip.get_hookimpls())
+        #: Something must see on_abort_notification calls (an implementation,
+        #: or the hook-call monitoring of tracing); otherwise the call is skipped.
+        self.has_abort = self._pm.monitored or bool(hook.on_abort_notification.get_hookimpls())
         self._post = self._lone(hook.on_post, ("chunk", "segments"))
         self._barrier = self._lone(hook.on_done_barrier, ("chunk", "posted", "deadline"))
 

@@ -26,7 +26,7 @@ from kvconn.metrics import Exported, Metrics, export
 from kvconn.protocol.drain import REFUSED as DRAIN_REFUSED
 from kvconn.protocol.drain import DrainReport, rank_report_after
 from kvconn.protocol.ledger import FENCES_REMEMBERED, KVPoll, RoomLedger
-from kvconn.protocol.messages import Message
+from kvconn.protocol.messages import Abort, Message
 from kvconn.protocol.rank import Peer, RankState, Verdict, WriterTerms
 from kvconn.runtime.control import Listener, Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
@@ -94,6 +94,9 @@ class PrefillRank(TransferPath):
         self._gate = FenceGate()
         self._poisoned_shown = 0
         self._thread = threading.local()
+        #: When each ABORT reached the handler, until its ack is sent
+        #: (``kvconn_abort_ack_own_seconds``).
+        self._abort_at: dict[tuple[str, int], float] = {}
         self.writer: Writer
         if engine_buffers is not None:
             self.writer = register_writer(backend, engine_buffers, self.config.backend_options)
@@ -243,12 +246,33 @@ class PrefillRank(TransferPath):
 
     # -- control plane -----------------------------------------------------
     def _on_message(self, msg: Message) -> None:
-        self.metrics.messages.labels(type(msg).__name__).inc()
-        self.step(lambda state, now: (None, self._tracer.request(msg, self.rank, state.handle(msg, now))))
+        # step() without its closure: this runs for every control message.
+        self.metrics.count_message(type(msg))
+        now = self.clock()
+        if type(msg) is Abort:
+            self._abort_arrived(msg, now)
+        with self._lock:
+            actions = self.state.handle(msg, now)
+            if self._tracer.enabled:
+                actions = self._tracer.request(msg, self.rank, actions)
+            later = self._execute(actions)
+        if later:
+            self._after(later)
 
     def _on_idle(self) -> float | None:
-        self.step(lambda state, now: (None, state.tick(now)))
-        return None
+        """Between messages: the core's timers, when one is due, and how long
+        the listener may sleep (None: until a message; nothing is due)."""
+        now = self.clock()
+        with self._lock:
+            due = self.state.next_wakeup()
+            if due is not None and due <= now:
+                later = self._execute(self.state.tick(now))
+                due = self.state.next_wakeup()
+            else:
+                later = []
+        if later:
+            self._after(later)
+        return None if due is None else max(0.0, due - now)
 
 
 def _source_buffers(

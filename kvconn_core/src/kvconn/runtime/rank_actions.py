@@ -18,12 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvconn.config import Config
+from kvconn.errors import KvconnError
 from kvconn.layout import KVLayout
 from kvconn.metrics import Metrics
 from kvconn.protocol.drain import Announce
 from kvconn.protocol.drops import DropReason
 from kvconn.protocol.ledger import NotifyDecode, SendAck
-from kvconn.protocol.messages import HelloAck, RankDraining
+from kvconn.protocol.messages import Abort, HelloAck, RankDraining
 from kvconn.protocol.rank import (
     AbortHook,
     Action,
@@ -35,9 +36,11 @@ from kvconn.protocol.rank import (
     GaveUp,
     RankState,
     Requested,
+    SenderState,
+    SendPlan,
 )
 from kvconn.runtime.control import Outbox
-from kvconn.runtime.dispatch import HookManager
+from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.layout import pairing
 from kvconn.runtime.sockets import own_connections
 from kvconn.runtime.tracing import NoTracer
@@ -48,6 +51,8 @@ log = logging.getLogger("kvconn.runtime.prefill")
 T = TypeVar("T")
 #: What runs after the lock is let go (a hook, a callback, a thread's start).
 Later = list[Callable[[], None]]
+#: ABORTs whose arrival is remembered until their ack (the oldest dropped beyond).
+_ABORTS_TIMED = 65536
 
 
 class RankActions:
@@ -58,6 +63,7 @@ class RankActions:
     config: Config
     metrics: Metrics
     pm: HookManager
+    _hooks: ChunkHooks
     writer: Writer
     layout: KVLayout | None
     source_bytes: int | None
@@ -70,8 +76,10 @@ class RankActions:
     _tracer: NoTracer
     _process: tuple[str, int, int]
     _poisoned_shown: int
-    #: ``worker`` is set on a transfer worker's thread (it fences itself).
+    #: ``worker`` is set on a transfer worker's thread (it fences itself);
+    #: ``settled_at``, when its last transport call (barrier, fence) ended.
     _thread: threading.local
+    _abort_at: dict[tuple[str, int], float]
 
     def step(self, call: Callable[[RankState[Any], float], tuple[T, Sequence[Action]]]) -> T:
         """Run ``call(state, now)`` under the rank's lock and carry out the
@@ -82,12 +90,22 @@ class RankActions:
         self._after(later)
         return result
 
-    def commit(self, call: Callable[[RankState[Any]], Sequence[Action]]) -> None:
-        """:meth:`step` for a stimulus that needs no clock (a send's commit,
-        on every chunk)."""
+    def commit_send(
+        self, s: SenderState, src_pages: tuple[int, ...], last: bool, extras_slot: int | None
+    ) -> SendPlan:
+        """A sender's next chunk polled, planned and committed in one lock
+        section (this is on every send): the plan to queue, or the refusal
+        raised, having committed nothing."""
         with self._lock:
-            later = self._execute(call(self.state))
-        self._after(later)
+            plan, actions = self.state.plan_next(s, src_pages, last, self.clock(), extras_slot)
+            if not isinstance(plan, KvconnError):
+                self.state.commit_send(s, plan)
+            later = self._execute(actions) if actions else None
+        if later:
+            self._after(later)
+        if isinstance(plan, KvconnError):
+            raise plan
+        return plan
 
     def carry_out(self, actions: Sequence[Action]) -> None:
         """Carry out ``actions`` (with the rank's lock held, as :meth:`step` does)."""
@@ -113,69 +131,88 @@ class RankActions:
             run()
 
     # -- the one dispatch ------------------------------------------------------
-    @functools.singledispatchmethod
-    def _carry(self, action: object, later: Later) -> None:
-        raise TypeError(f"no way to carry out {action!r}")
+    def _carry(self, action: Action, later: Later) -> None:
+        """Carry out one action: by its type, in one place (:data:`_CARRY`, a
+        dict: ``singledispatchmethod`` builds a wrapper on every access, and
+        this runs for every action of every message and chunk)."""
+        carry = _CARRY.get(type(action))
+        if carry is None:
+            raise TypeError(f"no way to carry out {action!r}")
+        carry(self, action, later)
 
-    @_carry.register
-    def _(self, action: SendAck, later: Later) -> None:
+    def _send_ack(self, action: SendAck, later: Later) -> None:
         if not self.config.acks_enabled:
             return
+        ack = action.ack
         sending = self._tracer.now()  # before the send: decode may take it at once
-        if self._outbox.send(action.reply_to, action.ack):
+        if self._outbox.send(action.reply_to, ack):
             self.metrics.acks_sent.inc()
-            self._tracer.acked(action.ack, self.rank, sending)
+            self._tracer.acked(ack, self.rank, sending)
+            arrived = self._abort_at.pop((ack.decode, ack.room), None)
+            if arrived is not None:
+                # From the later of the ABORT's arrival and the end of this
+                # thread's last transport call (a worker's barrier, a fence):
+                # the wait for the chunk in flight is the transport's.
+                since = max(arrived, getattr(self._thread, "settled_at", arrived))
+                self.metrics.abort_own.observe(max(0.0, self.clock() - since))
 
-    @_carry.register
-    def _(self, action: NotifyDecode, later: Later) -> None:
+    def _abort_arrived(self, abort: Abort, now: float) -> None:
+        """An ABORT reached the handler at ``now`` (for kvconn_abort_ack_own_seconds)."""
+        if not self.config.acks_enabled:
+            return
+        pending = self._abort_at
+        if len(pending) >= _ABORTS_TIMED:  # acks that never come (a quarantine) leave entries
+            del pending[next(iter(pending))]
+        pending.setdefault((abort.decode, abort.room), now)
+
+    def _notify_decode(self, action: NotifyDecode, later: Later) -> None:
         peer = self.state.peers.get(action.decode)
         sending = self._tracer.now()
         if peer is not None and self._outbox.send(peer.reply_to, action.status):
             self._tracer.notified(action.decode, action.status, sending)
 
-    @_carry.register
-    def _(self, action: Announce, later: Later) -> None:
+    def _announce(self, action: Announce, later: Later) -> None:
         peer = self.state.peers.get(action.decode)
         if peer is not None:
             ledger = self.state.ledger
             notice = RankDraining(ledger.rank, ledger.session, action.decode, action.done, action.closed)
             self._outbox.send(peer.reply_to, notice)
 
-    @_carry.register
-    def _(self, action: AnswerHello, later: Later) -> None:
+    def _answer_hello(self, action: AnswerHello, later: Later) -> None:
         if action.error:
             log.warning("refusing bootstrap from %s: %s", action.hello.decode, action.error)
         session = self.state.ledger.session
         ack = HelloAck(self.rank, self.address, *self._process, action.error, session)
         self._outbox.send(action.hello.reply_to, ack)
 
-    @_carry.register
-    def _(self, action: Drop, later: Later) -> None:
+    def _drop(self, action: Drop, later: Later) -> None:
         self._count_drop(action.reason)
 
-    @_carry.register
-    def _(self, action: GaveUp, later: Later) -> None:
+    def _gave_up(self, action: GaveUp, later: Later) -> None:
         self.metrics.room_bootstrap_timeouts.inc()
 
-    @_carry.register
-    def _(self, action: Requested, later: Later) -> None:
+    def _requested(self, action: Requested, later: Later) -> None:
         if self.on_request is not None:
             later.append(functools.partial(self.on_request, action.room, action.npages))
 
-    @_carry.register
-    def _(self, action: Bootstrap, later: Later) -> None:
+    def _bootstrap(self, action: Bootstrap, later: Later) -> None:
         later.append(functools.partial(self._pair, action))
 
-    @_carry.register
-    def _(self, action: Connect, later: Later) -> None:
+    def _connect_later(self, action: Connect, later: Later) -> None:
         later.append(functools.partial(self._connect, action))
 
-    @_carry.register
-    def _(self, action: AbortHook, later: Later) -> None:
-        later.append(functools.partial(self._abort_hook, action))
+    def _abort_hook_or_ack(self, action: AbortHook, later: Later) -> None:
+        if self._hooks.current().has_abort:
+            later.append(functools.partial(self._abort_hook, action))
+            return
+        # No plugin implements on_abort_notification (nor watches hook
+        # calls): calling it would do nothing, so the room is acked in this
+        # same lock section, as if the hook had run, instead of in a second
+        # step after it (one lock section and one wake-up less on every abort).
+        for follow in self.state.abort_hooked(action.abort, raised=False):
+            self._carry(follow, later)
 
-    @_carry.register
-    def _(self, action: Fence, later: Later) -> None:
+    def _fence_action(self, action: Fence, later: Later) -> None:
         if getattr(self._thread, "worker", False):
             later.append(self._fence)  # a worker fences before it takes its next chunk
         else:
@@ -231,6 +268,7 @@ class RankActions:
                     traced["result"] = "ok"
                     traced["closed"] = len(closed)
             # the fence's spans end before its acks go out (decode may release at once)
+            self._thread.settled_at = self.clock()
             with self._lock:
                 later = self._execute(self.state.fence_ended(ok, closed))
         self._after(later)
@@ -253,3 +291,19 @@ class RankActions:
 
     def _count_drop(self, reason: DropReason) -> None:
         self.metrics.dropped.labels(reason).inc()
+
+
+#: RankActions._carry's one dispatch: action type -> how it is carried out.
+_CARRY: dict[type, Callable[[RankActions, Any, Later], None]] = {
+    SendAck: RankActions._send_ack,
+    NotifyDecode: RankActions._notify_decode,
+    Announce: RankActions._announce,
+    AnswerHello: RankActions._answer_hello,
+    Drop: RankActions._drop,
+    GaveUp: RankActions._gave_up,
+    Requested: RankActions._requested,
+    Bootstrap: RankActions._bootstrap,
+    Connect: RankActions._connect_later,
+    AbortHook: RankActions._abort_hook_or_ack,
+    Fence: RankActions._fence_action,
+}

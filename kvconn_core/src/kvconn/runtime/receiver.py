@@ -38,7 +38,7 @@ class Receiver:
         """TRANSFERRING until every rank reported every chunk landed
         (SUCCESS) or the room failed (FAILED); then that, for good, except
         that abort() makes it FAILED (for good)."""
-        return self._endpoint.step(lambda state, now: (self._request.poll(), ()))
+        return self._endpoint.poll(self._request)
 
     def failure(self) -> str | None:
         """Why the room failed, as a rank or this endpoint said (None: no

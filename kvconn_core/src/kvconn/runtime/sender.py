@@ -2,21 +2,20 @@
 
 Every decision (which requests it writes, what it may send and where, its
 verdict) is :class:`kvconn.protocol.rank.RankState`'s; a Sender asks it
-through :meth:`PrefillRank.step`, lowers the chunk on the engine's thread
-and queues it.
+through :meth:`PrefillRank.step` (a send: in one lock section, planned and
+committed) and queues the planned chunk; the worker lowers it (:func:`lower`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvconn.chunk import Chunk, SegmentTable
-from kvconn.errors import KvconnError
 from kvconn.protocol.ledger import KVPoll
-from kvconn.protocol.rank import LegChunk, SendPlan, Verdict
+from kvconn.protocol.rank import Verdict
 from kvconn.runtime.layout import EngineLayout, PageLayout
 
 if TYPE_CHECKING:
@@ -91,36 +90,17 @@ class Sender:
         :class:`~kvconn.errors.RoomStateError` (a room id decode reuses
         starts over with its request). A refused send queues nothing.
         """
-        rank, s = self._rank, self._state
-        checked = rank.step(lambda state, now: state.plan_next(s, src_pages, last, now, extras_slot))
-        if isinstance(checked, KvconnError):
-            raise checked
-        # Lowered here, on the engine's thread, while the worker writes the
-        # previous chunk (1024 scattered pages: ~0.08 ms); a refusal queues nothing.
-        work = [self._lowered(leg, checked, src_pages) for leg in checked.legs]
-        # Committed without a clock reading: one planned-and-polled step, one
-        # commit, where a send took three steps.
-        rank.commit(lambda state: state.commit_send(s, checked))
-        for (chunk, segments), leg in zip(work, checked.legs, strict=True):
+        rank = self._rank
+        src = tuple(src_pages)
+        # The chunk object and its segments are the worker's to make
+        # (lower()), once the ledger counted the chunk and said it is
+        # written: the engine's thread only plans, commits and queues.
+        plan = rank.commit_send(self._state, src, last, extras_slot)
+        for leg in plan.legs:
             # The incarnation tag: a chunk of this request, dequeued after the
             # room id was taken by a newer request, is skipped, not written
             # into the newer request's pages.
-            rank.enqueue(chunk, segments, leg.incarnation, leg.key)
-
-    def _lowered(
-        self, leg: LegChunk[PageLayout | EngineLayout], plan: SendPlan[Any], src_pages: Sequence[int]
-    ) -> tuple[Chunk, SegmentTable]:
-        """One leg's chunk of a checked send, lowered."""
-        rank, layout = self._rank, leg.layout
-        chunk = Chunk(
-            self.room, plan.index, plan.last, rank.rank, leg.key.decode, tuple(src_pages), leg.dst_pages
-        )
-        segments = layout.segments(rank.rank, chunk.src_pages, chunk.dst_pages)
-        if leg.extras is not None:
-            assert isinstance(layout, EngineLayout) and plan.extras_slot is not None  # the core checked
-            extras = layout.src.extra_segments(layout.dst, plan.extras_slot, leg.extras)
-            segments = SegmentTable(np.concatenate([segments.rows, extras.rows]))
-        return chunk, segments
+            rank.enqueue_planned(plan, leg, src)
 
     def settled(self) -> bool:
         """The room is Success or Failed and no chunk of it is being written
@@ -137,6 +117,20 @@ class Sender:
         live fails, and its decode is told: its queued chunks will not be
         written. Afterwards :meth:`poll` says Success or Failed for good."""
         self._rank.step(lambda state, now: (None, state.clear(self._state, now)))
+
+
+def lower(
+    rank: int, chunk: Chunk, layout: PageLayout | EngineLayout, extras: int | None, extras_slot: int | None
+) -> SegmentTable:
+    """A planned chunk's segments: its pages through the pair's layout, and
+    with a last chunk that writes decode's extras, this rank's extras slot
+    ``extras_slot`` into decode's slot ``extras`` (the core checked both)."""
+    segments = layout.segments(rank, chunk.src_pages, chunk.dst_pages)
+    if extras is not None:
+        assert isinstance(layout, EngineLayout) and extras_slot is not None  # the core checked
+        more = layout.src.extra_segments(layout.dst, extras_slot, extras)
+        segments = SegmentTable(np.concatenate([segments.rows, more.rows]))
+    return segments
 
 
 if TYPE_CHECKING:

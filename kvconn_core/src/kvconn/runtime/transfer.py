@@ -21,12 +21,16 @@ from typing import Any
 
 from kvconn.chunk import Chunk, SegmentTable
 from kvconn.protocol.ledger import RoomKey
-from kvconn.protocol.rank import ChunkEnd
+from kvconn.protocol.rank import ChunkEnd, LegChunk, SendPlan
 from kvconn.runtime.dispatch import ChunkHooks
 from kvconn.runtime.rank_actions import RankActions
+from kvconn.runtime.sender import lower
 from kvconn.transport import Settlement
 
 _STOP = object()
+#: A Sender's planned chunk, as queued: its index, last, source and
+#: destination pages, the pair's layout, decode's extras slot and this rank's.
+Planned = tuple[int, bool, tuple[int, ...], tuple[int, ...], Any, int | None, int | None]
 _LANDED = ChunkEnd.LANDED  # on every chunk: a module global, not an enum lookup
 
 
@@ -75,7 +79,6 @@ class TransferPath(RankActions):
     """The chunk path of a prefill rank (see the module doc)."""
 
     _gate: FenceGate
-    _hooks: ChunkHooks
     _queues: list[queue.SimpleQueue[Any]]
     _chunk_outcomes: Any
 
@@ -89,6 +92,22 @@ class TransferPath(RankActions):
         key = _key(chunk) if key is None else key
         self._queues[chunk.room % len(self._queues)].put((chunk, segments, incarnation, key))
 
+    def enqueue_planned(self, plan: SendPlan, leg: LegChunk, src_pages: tuple[int, ...]) -> None:
+        """Queue one leg of a committed send (:class:`~kvconn.runtime.sender.Sender`):
+        its worker makes the chunk and lowers it once the ledger said it is
+        written (a skipped chunk is never lowered), off the engine's thread."""
+        key = leg.key
+        planned = (
+            plan.chunk_index,
+            plan.last,
+            src_pages,
+            leg.dst_pages,
+            leg.layout,
+            leg.extras,
+            plan.extras_slot,
+        )
+        self._queues[key.room % len(self._queues)].put((None, planned, leg.incarnation, key))
+
     def _work(self, q: queue.SimpleQueue[Any]) -> None:
         # One chunk is in the transport at a time, as ever. But a chunk that
         # landed is accounted for (ledger, metrics) only once the next queued
@@ -98,8 +117,9 @@ class TransferPath(RankActions):
         # A room's last chunk is accounted for at once: its SUCCESS waits for
         # no other room's post, and a chunk queued behind it (a second
         # Sender's) meets a concluded room at dequeue and is skipped, instead
-        # of being posted while decode hears SUCCESS. With nothing queued, a
-        # landed chunk is accounted for at once too.
+        # of being posted while decode hears SUCCESS. So is a chunk of a room
+        # that failed meanwhile (an ABORT came): its ack waits for it. With
+        # nothing queued, a landed chunk is accounted for at once too.
         self._thread.worker = True
         landed: tuple[Chunk, RoomKey] | None = None
         while True:
@@ -117,12 +137,17 @@ class TransferPath(RankActions):
                     self._account_landed(*landed)
                 return
             chunk, segments, incarnation, key = item
+            if chunk is None:  # planned by a Sender: made here, lowered in _post
+                chunk = self._planned(key, segments)
             in_flight = self._post(chunk, segments, incarnation, key)
             if landed is not None:
                 self._account_landed(*landed)
                 landed = None
             if in_flight is not None and self._settle(chunk, *in_flight):
-                if chunk.last:
+                if chunk.last or self.state.ledger.is_failed(key):
+                    # A failed room (decode aborted it) waits for this
+                    # chunk's accounting to be acked: nothing is gained by
+                    # posting its next chunk first, which would be skipped.
                     self._account_landed(chunk, key)
                 else:
                     landed = (chunk, key)
@@ -135,11 +160,17 @@ class TransferPath(RankActions):
         if in_flight is not None and self._settle(chunk, *in_flight):
             self._account_landed(chunk, key)
 
+    def _planned(self, key: RoomKey, planned: Planned) -> Chunk:
+        index, last, src_pages, dst_pages = planned[:4]
+        return Chunk(key.room, index, last, self.rank, key.decode, src_pages, dst_pages)
+
     def _post(
-        self, chunk: Chunk, segments: SegmentTable, incarnation: int | None, key: RoomKey
+        self, chunk: Chunk, segments: SegmentTable | Planned, incarnation: int | None, key: RoomKey
     ) -> tuple[ChunkHooks, object, float] | None:
         """Count the chunk, then post it: (hooks, handle, deadline) with the
-        fence gate entered, or None if it was skipped or failed (accounted)."""
+        fence gate entered, or None if it was skipped or failed (accounted).
+        A planned chunk (``segments`` its plan) is lowered once it is to be
+        written."""
         hooks = self._hooks.current()
         with self._lock:
             write = self.state.ledger.dequeue(key, incarnation)  # invariant D: counted here
@@ -154,6 +185,12 @@ class TransferPath(RankActions):
         if not write:
             self._ended(key, ChunkEnd.SKIPPED)
             return None
+        if isinstance(segments, tuple):
+            try:
+                segments = lower(self.rank, chunk, *segments[4:])
+            except Exception as exc:  # nothing posted: nothing of it can land
+                self._ended(key, ChunkEnd.FAILED_SETTLED, f"lowering its pages failed: {exc!r}")
+                return None
         self._gate.enter()
         # The deadline covers post and write: a writer frozen inside on_post
         # finds it passed and must not report the chunk landed on a guess.
@@ -185,6 +222,7 @@ class TransferPath(RankActions):
             failure = exc
         finally:
             self._gate.leave()
+            self._thread.settled_at = self.clock()
         if failure is not None:
             self._fail_chunk(_key(chunk), "on_done_barrier", failure)
             return False

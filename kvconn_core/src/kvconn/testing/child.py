@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["Child", "ChildError", "StderrLog", "busy", "emit", "load_args", "quiet_interrupts", "stop_self"]
 
 _out_lock = threading.Lock()
+#: Popen's arguments for a process group of its own (``process_group`` is 3.11's).
+_OWN_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+)
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -135,7 +139,17 @@ def exited(what: str, code: int, log: StderrLog) -> str:
 class Child:
     """A child process that reports JSON lines on stdout, in a session of its
     own: whatever it starts stays in that session unless it leaves on purpose,
-    so a test can tell what outlived it (:meth:`survivors`)."""
+    so a test can tell what outlived it (:meth:`survivors`). Or, with
+    ``own_session=False``, in a process group of its own within this
+    process's session (the terminal's Ctrl-C, sent to the foreground group,
+    still stays the parent's to handle): for children whose wake-up latency
+    is measured. With the kernel's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``, on by default on many
+    distributions) a session is a scheduling group of its own, and every
+    wake-up between processes in sessions of their own waits for their
+    group's turn: on a loaded machine ``kvconn bench``'s abort-to-release
+    p50 was 6.9 ms with its ranks in sessions of their own, 2.1 ms in the
+    bench's (issue 42, load 43-46, 3 pairs)."""
 
     #: What a wait on the child raises when it runs out (the conformance
     #: suite's children raise its ConformanceFailure, the bench's ChildError).
@@ -156,6 +170,7 @@ class Child:
         log: StderrLog | None = None,
         name: str = "",
         failure: type[Exception] | None = None,
+        own_session: bool = True,
     ) -> None:
         """Run ``python -m module ARGS_JSON`` under the command ``prefix``
         (``ip netns exec NS``, ``unshare ...``), with ``env`` added to this
@@ -192,7 +207,7 @@ class Child:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
-                start_new_session=True,
+                **({"start_new_session": True} if own_session else _OWN_GROUP),
                 env=None if env is None else {**os.environ, **env},
                 stderr=log.file if log is not None else stderr,
                 pass_fds=() if args_fd is None else (args_fd,),
@@ -204,8 +219,9 @@ class Child:
         #: itself (its wrappers, pid 1 of its PID namespace among them,
         #: would not pass a SIGSTOP on).
         self.pid = self.proc.pid if host is None else host.main_pid(self.proc)
-        #: Everything it starts stays in this session.
+        #: Everything it starts stays in this session (or process group).
         self.session = self.proc.pid
+        self._by_group = not own_session
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._history: list[dict[str, Any]] = []
         self._log_lock = threading.Lock()
@@ -287,8 +303,8 @@ class Child:
         self.proc.wait(10)
 
     def survivors(self) -> list[str]:
-        """Processes of this child's session still alive ("pid cmdline"): a
-        helper that can write after the child is gone."""
+        """Processes of this child's session (or process group) still alive
+        ("pid cmdline"): a helper that can write after the child is gone."""
         found = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) in (self.pid, self.session):
@@ -297,7 +313,7 @@ class Child:
                 with open(f"/proc/{entry}/stat") as f:
                     stat = f.read()
                 fields = stat[stat.rindex(")") + 2 :].split()
-                state, session = fields[0], int(fields[3])
+                state, session = fields[0], int(fields[2] if self._by_group else fields[3])
                 if session != self.session or state in ("Z", "X"):
                     continue
                 with open(f"/proc/{entry}/cmdline", "rb") as f:

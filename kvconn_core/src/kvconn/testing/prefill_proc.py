@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import Any
 
+from kvconn.bench.cpu import CallTimer
 from kvconn.config import Config
 from kvconn.plugins import get_backend
 from kvconn.protocol.ledger import KVPoll
@@ -81,6 +82,8 @@ class Driver:
             )
         self._next_src = 0
         self._inflight: deque[tuple[Sender, int, int]] = deque()
+        #: kvconn's calls on the driver's (the engine's) thread, timed
+        self.calls = CallTimer()
         #: When decode asked for each room not yet known settled (unsettled()).
         self._asked: dict[int, float] = {}
         #: Senders of the rooms taken off the queue, until settled.
@@ -137,20 +140,20 @@ class Driver:
         deadline = time.monotonic() + 120
         while len(self._inflight) > 64 or any(lo < first + n and first < hi for _, lo, hi in self._inflight):
             sender = self._inflight[0][0]
-            while not sender.settled():
+            while not self.calls(sender.settled):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"room {sender.room} never settled")
                 time.sleep(0.0005)
-            sender.clear()
+            self.calls(sender.clear)
             self._inflight.popleft()
             self._forget(sender.room)
         return first
 
     def _send_room(self, room: int, npages: int) -> None:
-        sender = self.rank.sender(room)
+        sender = self.calls(self.rank.sender, room)
         with self._cond:
             self._senders[room] = sender
-        if sender.poll() is KVPoll.BOOTSTRAPPING:
+        if self.calls(sender.poll) is KVPoll.BOOTSTRAPPING:
             # The request was aborted before we got to it. Kept, the sender
             # would take the next decode's request for the id (prefill TP
             # smaller than decode TP) and never send it: the rooms behind
@@ -165,7 +168,7 @@ class Driver:
         while sent < npages:
             n = min(self.chunk_pages, npages - sent)
             if fail_at >= 0 and sent <= fail_at < sent + n:
-                sender.fail("prefill-initiated failure (injected)")
+                self.calls(sender.fail, "prefill-initiated failure (injected)")
                 break
             src = list(range(first + sent, first + sent + n))
             last = sent + n == npages
@@ -178,7 +181,7 @@ class Driver:
                     fill_page(self.shape, self.layout, self.arrays, room, i, page)
                 else:
                     self.rank.writer.write(page * self.shard, shard_bytes(room, self.rank_id, i, self.shard))
-            sender.send(src, last=last, extras_slot=extras_slot)
+            self.calls(sender.send, src, last=last, extras_slot=extras_slot)
             sent += n
             if self.chunk_gap_s:
                 time.sleep(self.chunk_gap_s)
