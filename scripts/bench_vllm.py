@@ -26,9 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
 
-import conftest  # noqa: F401  (environment for vLLM before it is imported)
 from engine_harness import Engine, generate
 from vllm_helpers import make_tiny_llama
+
+import conftest  # noqa: F401  (environment for vLLM before it is imported)
 
 SLOW = {"piece_bytes": "8192", "piece_delay_s": "0.05"}
 

@@ -52,7 +52,7 @@ class _Stream:
             room, self.next_room = self.next_room, self.next_room + 1
             try:
                 rx = self.c.dec.receiver(room, pages, prefill=instance)
-            except DrainingError:
+            except (DrainingError, UnavailableError):  # draining, or drained and gone
                 self.refused_at_open += 1
                 self.draining.add(instance)
                 continue

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import Zygote
 from test_sglang_lifecycle import ROOM_SEQ, decode_rank, prefill_done, receiver
 
+from conftest import Zygote
 from kvconn.protocol.drain import GRACE_OVER
 from kvconn.testing.waiting import wait_for
 from kvconn_sglang.conn import KVConnTransferError

@@ -32,10 +32,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import HERE, KVCONN_ENV, PrefillChild
 from kvpool import NUM_PAGES
 from test_sglang_lifecycle import ROOM_SEQ, Released, decode_rank, decode_request, receiver, transfer_queue
 
+from conftest import HERE, KVCONN_ENV, PrefillChild
 from kvconn.testing import hosts
 from kvconn.testing.libraries import why_unavailable
 from kvconn.testing.waiting import wait_for

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import KVCONN_ENV, Zygote, running
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import KVCONN_ENV, Zygote, running
 from kvconn.testing.waiting import wait_for
 
 

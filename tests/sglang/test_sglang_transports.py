@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import Zygote
 from test_sglang_lifecycle import ROOM_SEQ, Released, decode_rank, decode_request, receiver, transfer_queue
 
+from conftest import Zygote
 from kvconn.plugins import BackendError, get_backend
 from kvconn.testing.waiting import wait_for
 

@@ -8,6 +8,7 @@ model: ``slow``. (SIGTERM to the OpenAI servers: test_e2e_http_drain.py.)"""
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

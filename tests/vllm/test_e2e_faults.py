@@ -10,6 +10,7 @@ for them, bounded, instead of for production values.
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

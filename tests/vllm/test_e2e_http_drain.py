@@ -24,6 +24,7 @@ Three or four vLLM servers on the tiny model: ``slow``.
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

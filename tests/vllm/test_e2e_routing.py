@@ -7,6 +7,7 @@ processes on the tiny model, loopback transport."""
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

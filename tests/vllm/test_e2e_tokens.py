@@ -10,6 +10,7 @@ exactly; afterwards every block is back at both sides.
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

@@ -14,6 +14,7 @@ processes): ``pytest -m slow tests/vllm/test_e2e_tp1_into_tp2.py``.
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

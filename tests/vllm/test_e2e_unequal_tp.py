@@ -12,6 +12,7 @@ machine): ``pytest -m slow tests/vllm/test_e2e_unequal_tp.py``.
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

@@ -20,6 +20,7 @@ which kvconn refuses by design.
 from __future__ import annotations
 
 import pytest
+
 from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)

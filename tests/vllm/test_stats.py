@@ -13,8 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import NEEDS_VLLM
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from conftest import NEEDS_VLLM
 
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 
