@@ -14,7 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvconn.errors import UnavailableError
 from kvconn.protocol.hold import HoldState
+from kvconn.protocol.ledger import KVPoll
 from kvconn.testing import hosts
 from kvconn.testing.cluster import PROOFS, Cluster, total
 from kvconn.testing.hosts import Fabric
@@ -115,6 +117,48 @@ def test_pages_come_back_soon_after_a_long_partition_heals(fabric: Fabric) -> No
         assert rel is not None and rel.proof.value in ("late_acks", "writer_fence"), rel
         print(f"\ncut {LONG_CUT_S:.0f} s: pages back {back_s:.2f} s after the heal")
         assert back_s < 6.0, f"pages back {back_s:.2f} s after the heal"
+        assert c.late_bytes() == 0
+    finally:
+        c.close()
+
+
+def test_no_request_is_lost_in_cuts_shorter_than_the_peer_timeout(fabric: Fabric) -> None:
+    """Cuts as long as the control link's own heartbeat timeout (the link is
+    reported lost about when it heals) and shorter than the peer timeout (no
+    rank is called down), while requests keep coming: every one completes.
+    A connection dropped for the heartbeat lost the frames still in its
+    kernel buffer, and nothing re-sends a TransferRequest: its room waited
+    for ever (2 of 7 such cuts in kvconn bench's fault phase)."""
+    decode, link = fabric["decode"], fabric["prefill0"]
+    with decode.entered():
+        c = Cluster(
+            num_ranks=1,
+            decode_host=decode.ip,
+            rank_host=link.ip,
+            netns=link.netns,
+            decode_config={"heartbeat_interval_s": 0.25, "peer_timeout_s": 1.0, "peer_hung_timeout_s": 60.0},
+        )
+    try:
+        first, _ = c.open(9200, 4)
+        wait_for(lambda: first.poll() is not KVPoll.TRANSFERRING, 20, "a first room before the cuts")
+        opened = []
+        refused = 0
+        for _ in range(6):
+            link.cut()
+            t_cut = time.monotonic()
+            while time.monotonic() - t_cut < 0.5:  # the link heartbeat's timeout here
+                try:
+                    opened.append(c.open(9201 + len(opened) + refused, 4))
+                except UnavailableError:
+                    refused += 1  # refused at once: ended, with a reason
+                time.sleep(0.1)
+            link.heal()
+            time.sleep(1.0)
+        for rx, _ in opened:
+            wait_for(lambda rx=rx: rx.poll() is not KVPoll.TRANSFERRING, 20, f"room {rx.room}'s outcome")  # type: ignore[misc]
+        outcomes = [(rx.room, rx.poll().name, rx.failure()) for rx, _ in opened]
+        print(f"\nopened during six 0.5 s cuts: {len(opened)}, {refused} refused at once")
+        assert opened and all(rx.poll() is KVPoll.SUCCESS for rx, _ in opened), outcomes
         assert c.late_bytes() == 0
     finally:
         c.close()

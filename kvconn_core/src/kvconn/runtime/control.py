@@ -7,7 +7,11 @@ An outbox may keep its links alive and watched: ZMTP's own heartbeat
 (``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT``) pings each peer, and the peer's
 libzmq I/O thread answers without the peer's Python; a ping unanswered for
 the timeout drops the connection (the peer is stopped, gone or cut off).
-A connection attempt gives up after a second and is made again
+The heartbeat runs on a probe connection of its own beside the one that
+carries frames: dropping a connection loses what its kernel buffer still
+held, and a TransferRequest lost so is never sent again (its room waited
+for ever after a 0.5 s cut in 2 of 7 runs when the heartbeat ran on the
+frames' connection; 0 of 10 with it apart). A connection attempt gives up after a second and is made again
 (``ZMQ_CONNECT_TIMEOUT``, ``RECONNECT_IVL_MAX``): a link lost to a
 partition comes back within about that after the heal, where the kernel's
 SYN back-off waited up to half a minute. An
@@ -223,13 +227,14 @@ class Outbox:
         partition, TCP retransmits only at its backed-off timer, up to 2
         minutes apart: a 30 s cut measured 23 s from the heal to the first
         frame through, against 1 s with a fresh connection. Frames still in
-        the dropped connection's kernel buffer are lost; the protocol sends
-        again whatever it needs (Hellos each heartbeat, ABORTs while held),
-        and a partition that long has already made decode call the rank
-        down. Endpoints pass ``Config.peer_timeout_s``. ``heartbeat``:
-        (interval, timeout) in seconds of each link's ZMTP heartbeat (decode's:
-        liveness reads its links by it); ``watch``: a monitor on each link
-        (:meth:`monitors`)."""
+        the dropped connection's kernel buffer are lost: endpoints pass twice
+        ``Config.peer_timeout_s``, by when a partition has made decode call
+        the rank down and fail its rooms, and the protocol sends again
+        whatever else it needs (Hellos each heartbeat, ABORTs while held).
+        ``heartbeat``: (interval, timeout) in seconds of each link's ZMTP
+        heartbeat (decode's: liveness reads its links by it), and ``watch``:
+        a monitor on each link (:meth:`monitors`); both on a probe
+        connection that carries no frames."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._key = key
         self._on_drop = on_drop
@@ -239,6 +244,8 @@ class Outbox:
         self._watch = watch
         self._lock = threading.Lock()
         self._socks: dict[str, tuple[threading.Lock, zmq.Socket[bytes]]] = {}
+        #: Each link's probe connection (heartbeat and monitor), by address.
+        self._probes: dict[str, zmq.Socket[bytes]] = {}
         #: Each link's monitor socket (read by one listener thread only), and
         #: a count that changes whenever one is added or removed.
         self._monitors: dict[zmq.Socket[bytes], str] = {}
@@ -279,30 +286,37 @@ class Outbox:
                     sock.setsockopt(zmq.TCP_MAXRT, self._stalled_after_ms)
                     sock.setsockopt(zmq.CONNECT_TIMEOUT, round(self.CONNECT_TIMEOUT_S * 1000))
                     sock.setsockopt(zmq.RECONNECT_IVL_MAX, round(self.RECONNECT_MAX_S * 1000))
-                if self._heartbeat is not None:
-                    interval, timeout = self._heartbeat
-                    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
-                    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(timeout * 1000)))
-                monitor = None
-                if self._watch:  # before connect(), or its first handshake goes unseen
-                    monitor = sock.get_monitor_socket(_LINK_EVENTS)
                 try:
                     sock.connect(address)
                 except zmq.ZMQError:
-                    if monitor is not None:
-                        sock.disable_monitor()
-                        monitor.close(linger=0)
                     sock.close(linger=0)
                     if count:
                         self._on_drop(DropReason.UNSENDABLE_ADDRESS)
                     return None
                 entry = self._socks[address] = (threading.Lock(), sock)
-                if monitor is not None:
-                    self._monitors[monitor] = address
-                    self.monitors_version += 1
-                    if self.on_monitors_changed is not None:
-                        self.on_monitors_changed()
+                if self._watch or self._heartbeat is not None:
+                    self._probe(address)
             return entry
+
+    def _probe(self, address: str) -> None:
+        """The probe connection to ``address`` (lock held): the heartbeat's
+        and the monitor's, never a frame's."""
+        probe = self._ctx.socket(zmq.PUSH)
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.setsockopt(zmq.CONNECT_TIMEOUT, round(self.CONNECT_TIMEOUT_S * 1000))
+        probe.setsockopt(zmq.RECONNECT_IVL_MAX, round(self.RECONNECT_MAX_S * 1000))
+        if self._heartbeat is not None:
+            interval, timeout = self._heartbeat
+            probe.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
+            probe.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(timeout * 1000)))
+        monitor = probe.get_monitor_socket(_LINK_EVENTS) if self._watch else None  # before connect()
+        probe.connect(address)  # the frames' socket connected to it: a valid address
+        self._probes[address] = probe
+        if monitor is not None:
+            self._monitors[monitor] = address
+            self.monitors_version += 1
+            if self.on_monitors_changed is not None:
+                self.on_monitors_changed()
 
     def monitors(self) -> tuple[int, dict[zmq.Socket[bytes], str]]:
         """(version, each link's monitor socket and its address): for the one
@@ -317,6 +331,9 @@ class Outbox:
         written into it is lost with it (nothing re-sends a HelloAck)."""
         with self._lock:
             entry = self._socks.pop(address, None)
+            probe = self._probes.pop(address, None)
+            if probe is not None:
+                probe.close(linger=0)
             for monitor, at in list(self._monitors.items()):
                 if at == address:  # the listener stops reading it; closed with the outbox
                     del self._monitors[monitor]
@@ -337,6 +354,9 @@ class Outbox:
             self._monitors.clear()
             self._retired.clear()
             self.monitors_version += 1
+            for probe in self._probes.values():
+                probe.close(linger=0)
+            self._probes.clear()
             for lock, sock in self._socks.values():
                 with lock:
                     sock.close()

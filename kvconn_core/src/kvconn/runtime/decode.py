@@ -148,7 +148,7 @@ class DecodeEndpoint:
         self._outbox = Outbox(
             self.config.auth_key,
             self._count_drop,
-            stalled_after_s=self.config.peer_timeout_s,
+            stalled_after_s=2 * self.config.peer_timeout_s,
             heartbeat=link,
             watch=True,
         )

@@ -111,7 +111,7 @@ class PrefillRank(TransferPath):
         self._hooks = ChunkHooks(self.pm)
         self._chunk_outcomes = self.metrics.chunks.counts  # counted under self._lock
         self._outbox = Outbox(
-            self.config.auth_key, self._count_drop, stalled_after_s=self.config.peer_timeout_s
+            self.config.auth_key, self._count_drop, stalled_after_s=2 * self.config.peer_timeout_s
         )
         #: Every decision: bootstraps, requests, senders, verdicts, chunks' ends.
         terms = WriterTerms(
