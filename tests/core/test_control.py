@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 
 import pytest
+import zmq
 
 from kvconn.config import Config
 from kvconn.protocol import wire
@@ -153,3 +154,32 @@ def test_a_frame_of_another_wire_version_is_counted_and_logged_with_both_version
     assert warned == [
         f"kvconn dropping frames of wire version {ours - 1}: this side speaks wire version {ours}"
     ]
+
+
+def test_closing_a_watching_outbox_as_its_peers_go_leaves_zmq_working() -> None:
+    """A link's peer goes just as decode's outbox closes (a test's teardown,
+    a rank killed at shutdown). libzmq's I/O thread writes the link's
+    DISCONNECTED event to its monitor with a blocking send: with the
+    monitor's reader closed before the probe, that send never returned and
+    every socket of the process stopped moving (CI: each later bootstrap
+    saw 0 of N ranks answer; 4 of 4 runs of this loop wedged)."""
+    ctx = zmq.Context.instance()
+    for _ in range(50):
+        peer = ctx.socket(zmq.PULL)
+        port = peer.bind_to_random_port("tcp://127.0.0.1")
+        outbox = Outbox(watch=True, heartbeat=(0.1, 0.3))
+        assert outbox.reachable(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.01)  # the probe's handshake
+        peer.close(linger=0)
+        outbox.close()
+    # A fresh pair of sockets in the same context still talks.
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"x")
+        assert pull.poll(5000), "the ZMQ I/O thread is stuck"
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)

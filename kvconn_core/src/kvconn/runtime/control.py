@@ -333,7 +333,7 @@ class Outbox:
             entry = self._socks.pop(address, None)
             probe = self._probes.pop(address, None)
             if probe is not None:
-                probe.close(linger=0)
+                _close_probe(probe)
             for monitor, at in list(self._monitors.items()):
                 if at == address:  # the listener stops reading it; closed with the outbox
                     del self._monitors[monitor]
@@ -349,18 +349,31 @@ class Outbox:
     def close(self) -> None:
         """Close every link (stop the listener reading the monitors first)."""
         with self._lock:
+            # Probes before their monitors' readers: see _close_probe.
+            for probe in self._probes.values():
+                _close_probe(probe)
+            self._probes.clear()
             for monitor in [*self._monitors, *self._retired]:
                 monitor.close(linger=0)
             self._monitors.clear()
             self._retired.clear()
             self.monitors_version += 1
-            for probe in self._probes.values():
-                probe.close(linger=0)
-            self._probes.clear()
             for lock, sock in self._socks.values():
                 with lock:
                     sock.close()
             self._socks.clear()
+
+
+def _close_probe(probe: zmq.Socket[bytes]) -> None:
+    """Stop ``probe``'s monitor, then close it. libzmq's I/O thread writes a
+    monitor's events with a blocking send: an event for a monitor whose
+    reading socket is closed (the peer went as the outbox closed) blocks
+    that thread for good, and with it every ZMQ socket of the process. Once
+    ``disable_monitor`` returns no event is written, so the reader may then
+    close."""
+    with contextlib.suppress(zmq.ZMQError):  # no monitor on it (watch=False)
+        probe.disable_monitor()
+    probe.close(linger=0)
 
 
 def _frames(sock: zmq.Socket[bytes]) -> Iterator[bytes]:
