@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,16 @@ class _Allocator:
         return self.free_count
 
 
+@pytest.fixture
+def watches() -> Iterator[list[Any]]:
+    """The watches a test made, stopped after it: a watch's thread still in a
+    torch call as the interpreter finalizes aborts pytest."""
+    made: list[Any] = []
+    yield made
+    for watch in made:
+        watch.close()
+
+
 def _events(path: Path, kind: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -55,11 +66,12 @@ def _events(path: Path, kind: str, timeout_s: float = 10.0) -> list[dict[str, An
         time.sleep(0.05)
 
 
-def test_a_write_into_a_freed_slot_is_reported(tmp_path: Path) -> None:
+def test_a_write_into_a_freed_slot_is_reported(tmp_path: Path, watches: list[Any]) -> None:
     site = _site()
     allocator = _Allocator()
     path = tmp_path / "watch.jsonl"
     watch = site._Watch(allocator, str(path))
+    watches.append(watch)
     watch.freed(torch.tensor([3, 4]))
     assert bool((allocator.pool.v_buffer[1][4] == site.CANARY).all())
     time.sleep(0.2)
@@ -69,11 +81,14 @@ def test_a_write_into_a_freed_slot_is_reported(tmp_path: Path) -> None:
     assert (late["slots"], late["when"]) == (1, "free")
 
 
-def test_a_write_before_reuse_is_reported_at_allocation_and_the_slot_unwatched(tmp_path: Path) -> None:
+def test_a_write_before_reuse_is_reported_at_allocation_and_the_slot_unwatched(
+    tmp_path: Path, watches: list[Any]
+) -> None:
     site = _site()
     allocator = _Allocator()
     path = tmp_path / "watch.jsonl"
     watch = site._Watch(allocator, str(path))
+    watches.append(watch)
     with watch.lock:  # no check of the loop's in between
         watch.freed(torch.tensor([7]))
         allocator.pool.v_buffer[0][7, 0, 0] = 1.0
@@ -82,11 +97,11 @@ def test_a_write_before_reuse_is_reported_at_allocation_and_the_slot_unwatched(t
     assert watch.watched == {}
 
 
-def test_slots_in_use_are_reported_as_they_change(tmp_path: Path) -> None:
+def test_slots_in_use_are_reported_as_they_change(tmp_path: Path, watches: list[Any]) -> None:
     site = _site()
     allocator = _Allocator()
     path = tmp_path / "watch.jsonl"
-    site._Watch(allocator, str(path))
+    watches.append(site._Watch(allocator, str(path)))
     allocator.free_count = 10
     deadline = time.monotonic() + 10
     while [e["used"] for e in _events(path, "used")][-1:] != [6] and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ SGLang's own transfer backends (``mooncake``, ``nixl``) as well as kvconn's
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.util
 import json
@@ -61,7 +62,17 @@ class _Watch:
         self.lock = threading.RLock()
         self.watched: dict[int, float] = {}
         self.last_used = -1
-        threading.Thread(target=self._loop, name="kvconn-page-watch", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvconn-page-watch", daemon=True)
+        self._thread.start()
+        # A daemon thread still in a torch call as the interpreter finalizes
+        # aborts the process ("terminate called without an active exception").
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the watch's thread (at the latest at exit)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def _buffers(self) -> list[Any]:
         kv = self.allocator.get_kvcache()
@@ -98,13 +109,14 @@ class _Watch:
             changed |= (buf.index_select(0, index) != CANARY).reshape(len(slots), -1).any(dim=1)
         bad = [s for s, c in zip(slots, changed.tolist(), strict=True) if c]
         if bad:
-            self._emit(kind="late_write", slots=len(bad), when=when, freed_at=min(self.watched[s] for s in bad))
+            self._emit(
+                kind="late_write", slots=len(bad), when=when, freed_at=min(self.watched[s] for s in bad)
+            )
             for buf in self._buffers():
                 buf[torch.tensor(bad, dtype=torch.long)] = CANARY
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(0.05)
+        while not self._stop.wait(0.05):
             try:
                 with self.lock:
                     if self.watched:
