@@ -7,6 +7,7 @@ return until the peer acted on the message."""
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -160,3 +161,66 @@ def test_order_errors_finds_an_ack_span_that_starts_after_decode_took_the_ack() 
     (error,) = order_errors([root, ack])
     assert "starts 10.000 ms after decode took it" in error
     assert order_errors([root, {**ack, "start_ns": 40_000_000, "end_ns": 40_000_000}]) == []
+
+
+def test_order_errors_lets_a_rank_answer_a_repeated_abort_after_the_release() -> None:
+    """A rank stopped while decode re-sent its ABORT answers every copy when
+    it resumes; decode releases on the first ack. The repeats' spans end
+    after the root; a first answer that late is still an error."""
+    root = {
+        "name": "kvconn.room",
+        "trace_id": "t",
+        "span_id": "r",
+        "parent_id": None,
+        "start_ns": 0,
+        "end_ns": 100_000_000,
+        "pid": 1,
+        "attributes": {},
+        "events": [],
+    }
+
+    def rank_span(name: str, span_id: str, at: int) -> dict[str, Any]:
+        return {
+            "name": name,
+            "trace_id": "t",
+            "span_id": span_id,
+            "parent_id": "r",
+            "start_ns": at,
+            "end_ns": at,
+            "pid": 2,
+            "attributes": {"kvconn.rank": 0, "kvconn.generation": 2},
+            "events": [],
+        }
+
+    first = rank_span("kvconn.rank.ack", "a1", 99_000_000)
+    repeats = [
+        rank_span("kvconn.rank.abort", "b2", 100_100_000),
+        rank_span("kvconn.rank.ack", "a2", 100_200_000),
+    ]
+    assert order_errors([root, first, *repeats]) == []
+    late_first = {**first, "start_ns": 100_050_000, "end_ns": 100_050_000}
+    assert order_errors([root, late_first]) == ["kvconn.rank.ack ends 0.050 ms after the root"]
+    other_generation = {**repeats[0], "attributes": {"kvconn.rank": 0, "kvconn.generation": 3}}
+    assert order_errors([root, first, other_generation]) == ["kvconn.rank.abort ends 0.100 ms after the root"]
+
+
+def test_span_ids_do_not_follow_pythons_seeded_random() -> None:
+    """Engines seed ``random`` (vLLM: 0 in every worker); the SDK's default
+    ids come from it, and decode's and prefill's spans shared ids."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kvconn.runtime.trace_export import OsRandomIds
+
+    def first_span_id() -> int:
+        random.seed(0)
+        provider = TracerProvider(id_generator=OsRandomIds())  # type: ignore[arg-type]
+        span = provider.get_tracer("t").start_span("s")
+        span.end()
+        return span.get_span_context().span_id
+
+    assert first_span_id() != first_span_id()
+    random.seed(0)
+    seeded = TracerProvider().get_tracer("t").start_span("s").get_span_context().span_id
+    random.seed(0)
+    assert TracerProvider().get_tracer("t").start_span("s").get_span_context().span_id == seeded  # the SDK's

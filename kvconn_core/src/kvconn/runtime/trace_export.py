@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -78,6 +79,24 @@ class JsonLinesExporter:
         return True
 
 
+class OsRandomIds:
+    """Trace and span ids from the OS's randomness, for the providers kvconn
+    makes. The SDK's default draws them from Python's ``random``, which
+    engines seed (vLLM seeds every worker with 0): its decode and prefill
+    processes drew the same ids, a rank's span carried its parent's span id,
+    and each restart repeated the first trace ids. (An IdGenerator by duck
+    type, as the exporter below.)"""
+
+    def generate_span_id(self) -> int:
+        return secrets.randbits(64) or 1  # 0 is the invalid id
+
+    def generate_trace_id(self) -> int:
+        return secrets.randbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:
+        return True  # all 128 bits are random (W3C Trace Context level 2)
+
+
 def write_spans_to(path: str) -> TracerProvider:
     """Make this process's tracer provider an SDK one that appends every
     finished span to ``path`` (at once: kvconn ends a few spans per room),
@@ -87,7 +106,7 @@ def write_spans_to(path: str) -> TracerProvider:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    provider = TracerProvider()
+    provider = TracerProvider(id_generator=cast(Any, OsRandomIds()))
     # An exporter by duck type: subclassing the SDK's would import it with kvconn.
     provider.add_span_processor(SimpleSpanProcessor(cast(Any, JsonLinesExporter(path))))
     trace.set_tracer_provider(provider)
@@ -138,4 +157,4 @@ def read_spans(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["JsonLinesExporter", "read_spans", "span_record", "trace_to_file", "write_spans_to"]
+__all__ = ["JsonLinesExporter", "OsRandomIds", "read_spans", "span_record", "trace_to_file", "write_spans_to"]
