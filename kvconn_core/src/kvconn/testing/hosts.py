@@ -68,7 +68,9 @@ class HostsUnavailable(RuntimeError):
 
 
 def ip(*args: str) -> str:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    # In a session of its own: a Ctrl-C at the terminal goes to the caller's
+    # process group, and an `ip netns del` killed by it left a namespace behind.
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, start_new_session=True)
     if done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, ["ip", *args], done.stdout, done.stderr)
     return done.stdout
@@ -154,7 +156,7 @@ def kill_all_in(netns: str, timeout: float = 5.0) -> None:
 def _delete(netns: str) -> None:
     with contextlib.suppress(Exception):
         kill_all_in(netns)
-    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10, start_new_session=True)
 
 
 def _alive(pid: int) -> bool:
