@@ -50,3 +50,18 @@ def test_the_guard_runs_whatever_k_selects() -> None:
         "SKIPPED  test_nothing_landed_late_in_the_whole_run  ([capability] no check of this run released"
         in out
     ), out
+
+
+def test_a_bare_writers_prefilled_rounds_keep_their_own_patterns() -> None:
+    """The writer-fence check prefilled every round's source at once, and
+    its later rounds reused the earlier ones' rows: each earlier write then
+    carried the last round's pattern, landed bytes still differed from what
+    the suite expected, and the stake counted them as in flight (loopback:
+    8 of 8 writes, 31.9 MiB, where 4 of 8 and 15.9 MiB were). Prefilling
+    overlapping rows is refused, and the check's later rounds fill their own."""
+    from kvconn.conformance.writer_fence import MANY_ROUNDS, ROWS
+    from kvconn.conformance.writer_proc import _disjoint_sources
+
+    _disjoint_sources([(k, rows) for k, (_peer, rows) in enumerate(MANY_ROUNDS, start=1)])
+    with pytest.raises(ValueError, match="rounds 1 and 9 share source rows"):
+        _disjoint_sources([*[(k, rows) for k, (_peer, rows) in enumerate(MANY_ROUNDS, start=1)], (9, ROWS)])

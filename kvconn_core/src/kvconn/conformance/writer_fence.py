@@ -95,7 +95,7 @@ def writer_fence_check(settings: Settings) -> dict[str, Any]:
     fence_round = len(rounds)
     deadline_round, inside_round = fence_round + 1, fence_round + 2
     rounds += [
-        round_of(ROWS, ["post", "freeze", "barrier", "freeze", "fence", "freeze"], "b"),
+        round_of(ROWS, ["fill", "post", "freeze", "barrier", "freeze", "fence", "freeze"], "b"),
         # Only if the posts left too little in flight: frozen from outside inside on_post.
         round_of(ROWS, ["wait", "fill", "post", "barrier"], "c"),
     ]

@@ -10,8 +10,11 @@ room id is unique per decode only), each step one of:
 ``wait``     read a line from stdin (the parent says go);
 ``connect``  read a line, the peer's new metadata (hex): a decode restart;
 ``fill``     fill the source with the round's pattern (else ``post`` does);
-``fill_all`` fill the source with every round's pattern, each in its own rows
-             (so that later rounds post back to back, nothing between them);
+``fill_all`` fill the source with the pattern of every round that has no
+             ``fill`` step of its own, each in its own rows (so that later
+             rounds post back to back, nothing between them); those rows
+             must not overlap, or a later round's pattern would stand in an
+             earlier one's rows;
 ``post``     fill the source with the round's pattern and ``on_post``;
 ``abort``    ``on_abort_notification`` for the round's room, from its peer (a cancel);
 ``barrier``  ``on_done_barrier`` (deadline fixed before ``post``);
@@ -32,6 +35,7 @@ the writer. Every step reports one JSON line (``rank_proc.emit``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -90,8 +94,14 @@ def main() -> None:
                     fill(writer, i, rows)
                     filled = True
                 elif step == "fill_all":
-                    for j, other in enumerate(args["rounds"], start=1):
-                        fill(writer, j, other["segments"])
+                    batch = [
+                        (j, other["segments"])
+                        for j, other in enumerate(args["rounds"], start=1)
+                        if "fill" not in other["steps"]
+                    ]
+                    _disjoint_sources(batch)
+                    for j, segments in batch:
+                        fill(writer, j, segments)
                         prefilled.add(j)
                 elif step == "post":
                     if not filled and i not in prefilled:
@@ -122,6 +132,16 @@ def main() -> None:
         sys.stdin.read()
     finally:
         writer.close()
+
+
+def _disjoint_sources(rounds: list[tuple[int, list[list[int]]]]) -> None:
+    """Raise if two of ``rounds`` fill the same source bytes: the later
+    pattern would be posted for the earlier round (and its bytes, landed,
+    would count as still in flight)."""
+    spans = sorted((src, src + nbytes, j) for j, rows in rounds for src, _dst, nbytes in rows)
+    for (_, end, j), (start, _, k) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"fill_all: rounds {j} and {k} share source rows")
 
 
 if __name__ == "__main__":
