@@ -164,9 +164,10 @@ def test_order_errors_finds_an_ack_span_that_starts_after_decode_took_the_ack() 
 
 
 def test_order_errors_lets_a_rank_answer_a_repeated_abort_after_the_release() -> None:
-    """A rank stopped while decode re-sent its ABORT answers every copy when
-    it resumes; decode releases on the first ack. The repeats' spans end
-    after the root; a first answer that late is still an error."""
+    """A rank stopped while decode re-sent its ABORT (a new generation each
+    time) answers every copy when it resumes; decode releases on the first
+    ack. The repeats' spans end after the root; a first answer that late,
+    or another rank's, is still an error."""
     root = {
         "name": "kvconn.room",
         "trace_id": "t",
@@ -200,8 +201,10 @@ def test_order_errors_lets_a_rank_answer_a_repeated_abort_after_the_release() ->
     assert order_errors([root, first, *repeats]) == []
     late_first = {**first, "start_ns": 100_050_000, "end_ns": 100_050_000}
     assert order_errors([root, late_first]) == ["kvconn.rank.ack ends 0.050 ms after the root"]
-    other_generation = {**repeats[0], "attributes": {"kvconn.rank": 0, "kvconn.generation": 3}}
-    assert order_errors([root, first, other_generation]) == ["kvconn.rank.abort ends 0.100 ms after the root"]
+    later_generation = {**repeats[0], "attributes": {"kvconn.rank": 0, "kvconn.generation": 3}}
+    assert order_errors([root, first, later_generation]) == []
+    other_rank = {**repeats[0], "attributes": {"kvconn.rank": 1, "kvconn.generation": 2}}
+    assert order_errors([root, first, other_rank]) == ["kvconn.rank.abort ends 0.100 ms after the root"]
 
 
 def test_span_ids_do_not_follow_pythons_seeded_random() -> None:

@@ -54,9 +54,10 @@ def order_errors(spans: Sequence[dict[str, Any]]) -> list[str]:
 
     * one root, ``kvconn.room``, and every other span its child;
     * no child starts before the root or ends after it, except a rank's
-      answer to an ABORT it had answered already (decode re-sends ABORTs
-      while a room is held: a rank that resumes from a stop answers each,
-      and decode may release on the first before the rank reads the rest);
+      answers to ABORTs of a room it had acked already (decode re-sends
+      ABORTs, each with a new generation, while a room is held; a rank that
+      resumes from a stop answers every copy, and decode releases on the
+      first ack before the rank reads the rest);
     * each ack decode took (``kvconn.ack`` event, ``taken``) has the rank's
       ``kvconn.rank.ack`` span (same rank and generation), started no later;
     * each ``kvconn.abort_received`` at a rank comes no earlier than decode's
@@ -69,16 +70,16 @@ def order_errors(spans: Sequence[dict[str, Any]]) -> list[str]:
         return [f"want one root kvconn.room span, got {[(s['name'], s['parent_id']) for s in roots]}"]
     (root,) = roots
     children = [s for s in spans if s is not root]
-    first_acks: dict[tuple[Any, Any], int] = {}
+    first_acks: dict[Any, int] = {}  # rank -> when its first ack of the room started
     for s in children:
         if s["name"] == "kvconn.rank.ack":
-            key = (s["attributes"]["kvconn.rank"], s["attributes"]["kvconn.generation"])
-            first_acks[key] = min(first_acks.get(key, s["start_ns"]), s["start_ns"])
+            rank = s["attributes"]["kvconn.rank"]
+            first_acks[rank] = min(first_acks.get(rank, s["start_ns"]), s["start_ns"])
 
     def repeat(s: dict[str, Any]) -> bool:
         if s["name"] not in ("kvconn.rank.abort", "kvconn.rank.ack"):
             return False
-        first = first_acks.get((s["attributes"]["kvconn.rank"], s["attributes"]["kvconn.generation"]))
+        first = first_acks.get(s["attributes"]["kvconn.rank"])
         return first is not None and first < s["start_ns"] and first <= root["end_ns"]
 
     for s in children:
