@@ -129,8 +129,9 @@ def test_spans_of_an_aborted_room_are_in_order_when_the_peer_acts_first(slow: st
     assert order_errors(_aborted_room_spans(slow)) == []
 
 
-def test_order_errors_finds_an_ack_span_that_starts_after_decode_took_the_ack() -> None:
-    root = {
+def _root(*events: dict[str, Any]) -> dict[str, Any]:
+    """A room's root span record, 0 to 100 ms."""
+    return {
         "name": "kvconn.room",
         "trace_id": "t",
         "span_id": "r",
@@ -139,14 +140,18 @@ def test_order_errors_finds_an_ack_span_that_starts_after_decode_took_the_ack() 
         "end_ns": 100_000_000,
         "pid": 1,
         "attributes": {},
-        "events": [
-            {
-                "name": "kvconn.ack",
-                "time_ns": 50_000_000,
-                "attributes": {"kvconn.rank": 0, "kvconn.generation": 1, "kvconn.result": "taken"},
-            }
-        ],
+        "events": list(events),
     }
+
+
+def test_order_errors_finds_an_ack_span_that_starts_after_decode_took_the_ack() -> None:
+    root = _root(
+        {
+            "name": "kvconn.ack",
+            "time_ns": 50_000_000,
+            "attributes": {"kvconn.rank": 0, "kvconn.generation": 1, "kvconn.result": "taken"},
+        }
+    )
     ack = {
         "name": "kvconn.rank.ack",
         "trace_id": "t",
@@ -168,17 +173,7 @@ def test_order_errors_lets_a_rank_answer_a_repeated_abort_after_the_release() ->
     time) answers every copy when it resumes; decode releases on the first
     ack. The repeats' spans end after the root; a first answer that late,
     or another rank's, is still an error."""
-    root = {
-        "name": "kvconn.room",
-        "trace_id": "t",
-        "span_id": "r",
-        "parent_id": None,
-        "start_ns": 0,
-        "end_ns": 100_000_000,
-        "pid": 1,
-        "attributes": {},
-        "events": [],
-    }
+    root = _root()
 
     def rank_span(name: str, span_id: str, at: int) -> dict[str, Any]:
         return {
