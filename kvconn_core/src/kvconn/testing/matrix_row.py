@@ -425,11 +425,15 @@ def measure(row: Row, inject: Callable[[Row], None], span_s: float) -> Outcome:
     ``inject`` strikes after WARM_S and returns once the fault cleared (or
     for good)."""
     load = os.getloadavg()[0]
+    started = time.monotonic()
     row.start_client(WARM_S + span_s + TAIL_S)
     row.stop.sleep(WARM_S)
     row.fault_at = time.monotonic()
     inject(row)
     row.stop.sleep(TAIL_S)
+    # Every user of the schedule arrives, however soon this mode's fault
+    # cleared (a restart's length varies): both modes get as many.
+    row.stop.sleep(started + WARM_S + span_s + TAIL_S - time.monotonic())
     live = [d for d in row.decodes if d.gone_at is None]
     for d in live:
         d.send_json({"op": "stop"})
