@@ -27,6 +27,7 @@ from kvconn.conformance.harness import Child, ConformanceFailure, Settings, deco
 from kvconn.conformance.plugin import require_capability
 from kvconn.conformance.region_host import RemoteRegion
 from kvconn.conformance.stakes import at_stake
+from kvconn.conformance.writing import healthy_write_timeout
 from kvconn.testing.kvpattern import EngineShape
 from kvconn.transport import Settlement
 
@@ -81,7 +82,7 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
                 "room": ENGINE_ROOM,
                 "src_pages": SRC_PAGES,
                 "dst_pages": DST_PAGES,
-                "write_timeout_s": max(settings.write_timeout_s, 10.0),
+                "write_timeout_s": healthy_write_timeout(settings),
                 "decodes": [
                     {"peer": dec.peer, "metadata": dec.region.metadata.hex(), "layout": dec.layout_hex}
                     for dec in decodes
@@ -92,7 +93,7 @@ def _engine_transfer(settings: Settings, shape: EngineShape, prefill_tp: int, de
             child.expect(60, f"{what}: writer {r} starts", event="ready")
             for dec in decodes:
                 event = child.expect(
-                    60, f"{what}: writer {r} settles into {dec.peer}", event="settled", peer=dec.peer
+                    60 + healthy_write_timeout(settings), f"{what}: writer {r} settles into {dec.peer}", event="settled", peer=dec.peer
                 )
                 if event["settlement"] != Settlement.LANDED.value:
                     raise ConformanceFailure(

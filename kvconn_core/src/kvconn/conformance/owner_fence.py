@@ -22,7 +22,7 @@ from kvconn.conformance.harness import (
     scattered_rows,
 )
 from kvconn.conformance.stakes import at_stake
-from kvconn.conformance.writing import LANDED, BareWriter, limit_of, round_of
+from kvconn.conformance.writing import LANDED, BareWriter, healthy_write_timeout, limit_of, round_of
 from kvconn.testing.waiting import wait_for
 
 MiB = 1 << 20
@@ -139,12 +139,12 @@ def owner_fence_check(settings: Settings) -> dict[str, Any]:
             {"a": new},
             [round_of(second, ["post", "barrier"])],
             size,
-            write_timeout_s=max(settings.write_timeout_s, 10.0) + limit_of(settings),
+            write_timeout_s=healthy_write_timeout(settings),
             host=prefill_host(1),
         )
         writers.append(other)
         landed = other.expect(
-            60 + limit_of(settings), "owner fence: a new writer's barrier answers", event="barrier"
+            60 + healthy_write_timeout(settings), "owner fence: a new writer's barrier answers", event="barrier"
         )
         if landed["settlement"] != LANDED:
             raise ConformanceFailure(

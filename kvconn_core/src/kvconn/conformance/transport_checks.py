@@ -41,6 +41,7 @@ from kvconn.conformance.writing import (
     LANDED,
     UNSETTLED,
     BareWriter,
+    healthy_write_timeout,
     keep_for_the_run,
     limit_of,
     metadata_of,
@@ -293,14 +294,8 @@ class TransportChecks:
             rows_of.append(rows)
         with open_regions(settings, {"a": size, "b": size}) as regions:
             images = {name: RegionImage(region, size) for name, region in regions.items()}
-            # A healthy-write check: a first write to a new peer may set up a
-            # connection, so a deadline no transport needs to meet.
             child = BareWriter(
-                settings,
-                metadata_of(regions),
-                rounds,
-                size,
-                write_timeout_s=max(settings.write_timeout_s, 5.0),
+                settings, metadata_of(regions), rounds, size, write_timeout_s=healthy_write_timeout(settings)
             )
             old: list[PageRegion] = []
             try:
@@ -496,11 +491,13 @@ def _cross_hostround_of(settings: Settings, decode: Host, writer_host: Host) -> 
             {"a": bytes.fromhex(ready["metadata"])},
             [round_of(rows, ["post", "barrier"])],
             size,
-            write_timeout_s=max(settings.write_timeout_s, 5.0),
+            write_timeout_s=healthy_write_timeout(settings),
             host=writer_host,
         )
         try:
-            event = writer.expect(60 + limit_of(settings), "cross_host: the barrier answers", event="barrier")
+            event = writer.expect(
+                60 + healthy_write_timeout(settings), "cross_host: the barrier answers", event="barrier"
+            )
         except ConformanceFailure as exc:
             failed = [e for e in writer.history() if e.get("event") == "connect_failed"]
             why = failed[0]["error"] if failed else str(exc)

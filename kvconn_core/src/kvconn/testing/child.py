@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvconn.runtime.procs import all_threads_stopped
-from kvconn.testing.waiting import wait_for
+from kvconn.testing.waiting import slowness, wait_for
 
 if TYPE_CHECKING:
     from kvconn.testing.hosts import Host
@@ -300,7 +300,9 @@ class Child:
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
-        self.proc.wait(10)
+        # A killed process is gone once the kernel next schedules it: on a
+        # loaded (or paused) VM that took over 10 s once in CI.
+        self.proc.wait(60)
 
     def survivors(self) -> list[str]:
         """Processes of this child's session (or process group) still alive
@@ -337,7 +339,7 @@ class Child:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.close()
-                self.proc.wait(timeout)
+                self.proc.wait(timeout * slowness())
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
         self.reap_survivors()  # one of them may hold its stdout open

@@ -34,17 +34,17 @@ def wait_for(
     poll: float = 0.005,
     failure: type[Exception] = AssertionError,
 ) -> float:
-    """Poll ``cond`` every ``poll`` s until it is true and return the time it
-    took; past ``timeout`` s raise ``failure`` (an AssertionError, so pytest
+    """Poll ``cond`` every ``poll`` s until it is true and return the (wall)
+    time it took; once ``timeout`` s of an idle machine are spent (a
+    :class:`Budget`) raise ``failure`` (an AssertionError, so pytest
     reports it as a failed check; the conformance suite passes its own
     ``ConformanceFailure``) naming ``what``."""
-    t0 = time.monotonic()
-    deadline = t0 + timeout
+    budget = Budget(timeout)
     while not cond():
-        if time.monotonic() > deadline:
+        if budget.left() <= 0:
             raise failure(f"{what}: not within {timeout:g} s")
         time.sleep(poll)
-    return time.monotonic() - t0
+    return budget.elapsed()
 
 
 def _cores() -> int:
