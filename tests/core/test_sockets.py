@@ -10,7 +10,7 @@ import pytest
 
 from kvconn.protocol import wire
 from kvconn.protocol.messages import AbortAck, TcpConnection
-from kvconn.runtime.sockets import dead_peer_ends, own_connections, undrained
+from kvconn.runtime.sockets import dead_peer_ends, fenced_connections, own_connections, undrained
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -68,3 +68,23 @@ def test_an_end_whose_peer_closed_is_waited_for_until_closed(server: socket.sock
     assert ours in dead_peer_ends()  # read, but still open
     accepted.close()
     assert ours not in dead_peer_ends()
+
+
+def test_a_connection_closed_before_the_fence_with_bytes_unread_is_named(server: socket.socket) -> None:
+    """A transport that closes a connection once its bytes are queued (the
+    owner frozen, reading nothing): the fence closes nothing of it, yet its
+    bytes can still land, so the fence names it and decode waits for it."""
+    client = socket.create_connection(server.getsockname())
+    conn = _writer_view(client)
+    accepted, _ = server.accept()
+    client.sendall(b"x" * 1000)
+    client.close()  # before the fence: an orphan in FIN_WAIT2, 1000 bytes in the owner's queue
+    held = own_connections()
+    assert conn not in held
+    named = fenced_connections(held)
+    assert conn in named
+    assert undrained(named) == [conn]
+    assert accepted.recv(4096)
+    accepted.close()  # the owner read to the end and closed: the orphan goes to TIME_WAIT
+    assert conn not in fenced_connections(own_connections())
+    assert undrained([conn]) == []

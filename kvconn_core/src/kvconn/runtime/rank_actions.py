@@ -42,7 +42,7 @@ from kvconn.protocol.rank import (
 from kvconn.runtime.control import Outbox
 from kvconn.runtime.dispatch import ChunkHooks, HookManager
 from kvconn.runtime.layout import pairing
-from kvconn.runtime.sockets import own_connections
+from kvconn.runtime.sockets import fenced_connections, own_connections
 from kvconn.runtime.tracing import NoTracer
 from kvconn.transport import Writer
 
@@ -263,7 +263,7 @@ class RankActions:
                     self._plugin_error("on_fence", exc)
                     ok = False
                 self.metrics.fences.labels("ok" if ok else "failed").inc()
-                closed = before - own_connections() if ok else frozenset()
+                closed = fenced_connections(before) if ok else frozenset()
                 if ok:
                     traced["result"] = "ok"
                     traced["closed"] = len(closed)

@@ -32,6 +32,10 @@ _LISTEN = 0x0A
 _UNDRAINED = frozenset({0x01, 0x02, 0x03, 0x08})
 #: Ends that can still take bytes in: ESTABLISHED, SYN_RECV, CLOSE_WAIT.
 _RECEIVING = frozenset({0x01, 0x03, 0x08})
+#: Closed ends whose bytes may not be read yet at the other end: FIN_WAIT1
+#: (bytes or the FIN not acknowledged yet), FIN_WAIT2 (all acknowledged, so
+#: waiting in the peer's receive queue until its transport reads them).
+_SENT_UNREAD = frozenset({0x04, 0x05})
 
 
 @attrs.frozen(slots=True)
@@ -107,6 +111,14 @@ class TcpTable:
         """The TCP connections this process holds open (listening sockets aside)."""
         return frozenset(r.conn for r in self.rows if r.inode in self._inodes and r.state != _LISTEN)
 
+    def orphans_unread(self) -> frozenset[TcpConnection]:
+        """Connections of this network namespace that no process holds any
+        more and whose bytes the other end may not have read yet. A transport
+        that closes a connection once its bytes are queued (before the peer
+        read them) leaves them there, out of any process's sockets: a fence
+        after that close does not close them, yet they can still land."""
+        return frozenset(r.conn for r in self.rows if r.inode == 0 and r.state in _SENT_UNREAD)
+
     def undrained(self, closed: Iterable[TcpConnection]) -> list[TcpConnection]:
         """Of the connections a writer's fence ``closed`` (the writer's view),
         those whose end in this process may still deliver bytes to it. A
@@ -143,6 +155,16 @@ class TcpTable:
 def own_connections() -> frozenset[TcpConnection]:
     """The TCP connections this process holds open (listening sockets aside)."""
     return TcpTable().own_connections()
+
+
+def fenced_connections(held_before: frozenset[TcpConnection]) -> frozenset[TcpConnection]:
+    """What a writer's fence names for decode to wait on, read after the
+    fence: the connections this process held before it (``held_before``,
+    from :func:`own_connections`) and holds no more, and the closed ones
+    still carrying bytes (:meth:`TcpTable.orphans_unread`, whoever closed
+    them: decode waits only on those whose other end it holds)."""
+    table = TcpTable()
+    return (held_before - table.own_connections()) | table.orphans_unread()
 
 
 def undrained(closed: Iterable[TcpConnection]) -> list[TcpConnection]:
