@@ -857,7 +857,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.table:
-        rows = [Row(**r) for r in json.loads(args.table.read_text())]
+        try:
+            rows = [Row(**r) for r in json.loads(args.table.read_text())]
+        except (OSError, ValueError, TypeError) as exc:
+            parser.error(f"--table {args.table}: not the rows of an earlier --json ({exc})")
         print_table(rows, args.engine + (" + sglang-router" if args.router else ""), args.transport)
         return 0
     names = [f.name for f in FAULTS]
