@@ -15,6 +15,7 @@ connection is named and a fence is taken as it is.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import struct
 from collections.abc import Iterable
@@ -23,6 +24,8 @@ import attrs
 
 from kvconn.protocol.messages import TcpConnection
 from kvconn.sockets import socket_fds
+
+log = logging.getLogger(__name__)
 
 # /proc/net/tcp state codes
 _LISTEN = 0x0A
@@ -164,7 +167,13 @@ def fenced_connections(held_before: frozenset[TcpConnection]) -> frozenset[TcpCo
     still carrying bytes (:meth:`TcpTable.orphans_unread`, whoever closed
     them: decode waits only on those whose other end it holds)."""
     table = TcpTable()
-    return (held_before - table.own_connections()) | table.orphans_unread()
+    closed, unread = held_before - table.own_connections(), table.orphans_unread()
+    log.info(
+        "fence: %d connections closed by it, %d closed before it with bytes still unread",
+        len(closed),
+        len(unread),
+    )
+    return closed | unread
 
 
 def undrained(closed: Iterable[TcpConnection]) -> list[TcpConnection]:
