@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
 import sys
+import termios
 from collections.abc import Iterator
 
 import pytest
 
 from kvconn.protocol import wire
 from kvconn.protocol.messages import AbortAck, TcpConnection
-from kvconn.runtime.sockets import dead_peer_ends, fenced_connections, own_connections, undrained
+from kvconn.runtime.sockets import TcpTable, dead_peer_ends, fenced_connections, own_connections, undrained
+from kvconn.testing.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -88,3 +92,40 @@ def test_a_connection_closed_before_the_fence_with_bytes_unread_is_named(server:
     accepted.close()  # the owner read to the end and closed: the orphan goes to TIME_WAIT
     assert conn not in fenced_connections(own_connections())
     assert undrained([conn]) == []
+
+
+def _reset(client: socket.socket) -> None:
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+
+
+def test_a_reset_connection_drains_only_once_its_unread_bytes_are_read(server: socket.socket) -> None:
+    """A fence resets its connections (SO_LINGER 0): the RST drops what the
+    writer had queued, but what reached the owner stays readable after its
+    end left /proc's table, and would still land."""
+    client = socket.create_connection(server.getsockname())
+    conn = _writer_view(client)
+    accepted, _ = server.accept()
+    client.sendall(b"x" * 50_000)
+    wait_for(lambda: _unread(accepted) == 50_000, 5, "the bytes reach the owner")
+    _reset(client)
+    wait_for(lambda: conn not in {r.conn for r in TcpTable().rows} and _reversed_gone(conn), 5, "the RST")
+    assert undrained([conn]) == [conn]
+    assert TcpConnection("127.0.0.1", conn.remote_port, "", 0) in dead_peer_ends()
+    read = 0
+    with pytest.raises(ConnectionResetError):
+        while chunk := accepted.recv(65536):
+            read += len(chunk)
+    assert read == 50_000  # every byte was still there to land
+    assert undrained([conn]) == []
+    accepted.close()
+
+
+def _unread(sock: socket.socket) -> int:
+    (n,) = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))
+    return int(n)
+
+
+def _reversed_gone(conn: TcpConnection) -> bool:
+    reverse = TcpConnection(conn.remote_host, conn.remote_port, conn.local_host, conn.local_port)
+    return reverse not in {r.conn for r in TcpTable().rows}

@@ -14,10 +14,13 @@ connection is named and a fence is taken as it is.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import logging
+import os
 import socket
 import struct
+import termios
 from collections.abc import Iterable
 
 import attrs
@@ -78,8 +81,39 @@ def _rows() -> list[_Row]:
     return rows
 
 
-def _own_inodes() -> set[int]:
-    return set(socket_fds().values())
+def _plain(host: str) -> str:
+    """An address as the table spells it (an IPv4-mapped IPv6 one as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def _unread_bytes(fd: int, inode: int) -> tuple[tuple[str, int], int] | None:
+    """The local endpoint of this process's TCP socket ``fd`` (``inode``) and
+    the bytes it holds unread; None for another kind of socket, or one closed
+    meanwhile. A duplicate is asked, so the owner's descriptor is never touched."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != inode:  # closed, and the number reused
+            return None
+        sock = socket.socket(fileno=dup)  # owns the duplicate from here on
+        dup = -1
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            (unread,) = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))
+            host, port = sock.getsockname()[:2]
+            return (_plain(host), port), unread
+    except OSError:
+        return None
+    finally:
+        if dup >= 0:
+            os.close(dup)
 
 
 def _reversed(conn: TcpConnection) -> TcpConnection:
@@ -100,7 +134,8 @@ class TcpTable:
 
     def __init__(self) -> None:
         self.rows = _rows()
-        self._inodes = _own_inodes()
+        self._fds = socket_fds()
+        self._inodes = set(self._fds.values())
         self._listening = {
             r.conn.local_port for r in self.rows if r.state == _LISTEN and r.inode in self._inodes
         }
@@ -122,17 +157,46 @@ class TcpTable:
         after that close does not close them, yet they can still land."""
         return frozenset(r.conn for r in self.rows if r.inode == 0 and r.state in _SENT_UNREAD)
 
+    def reset_unread(self) -> frozenset[tuple[str, int]]:
+        """Local endpoints (host, port) of this process's TCP sockets that a
+        reset took out of the table with bytes still unread. A fence resets
+        its connections (:func:`kvconn.sockets.resetting_closed_sockets`):
+        the RST drops what the writer still had queued, but what already
+        reached this end stays readable, and the transport writes it into
+        the pages when it reads it; the end, closed by the RST, is no longer
+        listed in ``/proc``, so only its descriptor tells."""
+        listed = {r.inode for r in self.rows}
+        found = set()
+        for fd, inode in self._fds.items():
+            if inode in listed:
+                continue
+            unread = _unread_bytes(fd, inode)
+            if unread is not None and unread[1] > 0:
+                found.add(unread[0])
+        return frozenset(found)
+
     def undrained(self, closed: Iterable[TcpConnection]) -> list[TcpConnection]:
         """Of the connections a writer's fence ``closed`` (the writer's view),
-        those whose end in this process may still deliver bytes to it. A
-        connection whose other end is not here (another host, another
-        process, or gone) is not listed."""
+        those whose end in this process may still deliver bytes to it: open,
+        or reset with bytes unread (a reset end is known by its address
+        alone: every connection to that address is listed). A connection
+        whose other end is not here (another host, another process, or gone)
+        is not listed."""
         wanted = {_reversed(c): c for c in closed}
         if not wanted:
             return []
-        return [
+        found = [
             wanted[r.conn] for r in self.rows if r.conn in wanted and r.state in _UNDRAINED and self._ours(r)
         ]
+        reset = self.reset_unread()
+        if reset:
+            listed = set(found)
+            found += [
+                c
+                for c in wanted.values()
+                if c not in listed and (_plain(c.remote_host), c.remote_port) in reset
+            ]
+        return found
 
     def dead_peer_ends(self) -> list[TcpConnection]:
         """This process's ends, still open, of same-host connections whose
@@ -142,10 +206,12 @@ class TcpTable:
         The writer-exit proof waits for these: a killed writer's kernel goes
         on delivering its send queue. Only peers on this host are judged
         (loopback, or the connection's own address at both ends); a peer
-        elsewhere is invisible here and not waited for.
+        elsewhere is invisible here and not waited for. An end a reset took
+        out of the table with bytes unread (:meth:`reset_unread`) is listed
+        too, as its local address alone, whoever its peer was.
         """
         owner = {r.conn: r.inode for r in self.rows}
-        return [
+        ends = [
             r.conn
             for r in self.rows
             if r.state in _RECEIVING
@@ -153,6 +219,10 @@ class TcpTable:
             and (_is_local(r.conn.remote_host) or r.conn.remote_host == r.conn.local_host)
             and not owner.get(_reversed(r.conn))
         ]
+        # A killed process's kernel resets a connection it had bytes unread
+        # in: this end leaves the table, its unread bytes stay (its peer
+        # cannot be named any more, so any such end counts).
+        return ends + [TcpConnection(host, port, "", 0) for host, port in sorted(self.reset_unread())]
 
 
 def own_connections() -> frozenset[TcpConnection]:
