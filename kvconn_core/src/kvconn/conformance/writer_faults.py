@@ -163,7 +163,7 @@ def _frozen_owner(settings: Settings) -> Iterator[tuple[RankProc, OwnerProc, lis
             sum(1 for e in rank.history() if e.get("event") == "after_post" and e.get("room") == OWNER_ROOM),
             1,
             f"a 64 MiB chunk posted into the frozen page owner, {_queued_to(owner) / MiB:.1f} MiB waiting in "
-            "its sockets when it resumed",
+            "its sockets (the most seen while it was frozen)",
             "a write posted while the owner was frozen",
         )
     finally:
@@ -173,7 +173,9 @@ def _frozen_owner(settings: Settings) -> Iterator[tuple[RankProc, OwnerProc, lis
 
 
 def _queued_to(owner: OwnerProc) -> int:
-    """Bytes waiting in the receive queues of the (frozen) owner's TCP sockets."""
+    """Bytes waiting in the receive queues of the (frozen) owner's TCP sockets,
+    the most seen so far (an end a reset closed leaves /proc's table with
+    its bytes: look before the writer's fence or exit)."""
     inodes = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{owner.pid}/fd"):
@@ -350,6 +352,7 @@ class WriterFaultChecks:
                 "frozen owner: the writer settles",
                 event="after_barrier",
             )
+            _queued_to(owner)  # before the fence: its resets take the owner's ends out of /proc's table
             # FAILED_SETTLED is a true answer too (a chunk of an aborted room
             # settled before a byte was written): it needs no fence, and the
             # watch below holds the transport to it.
@@ -378,6 +381,7 @@ class WriterFaultChecks:
         with _frozen_owner(kvconn_settings) as (rank, owner, pages):
             rank.expect(10, "frozen owner: the writer posts", event="after_post")
             time.sleep(0.2)  # the transport fills the socket buffers towards the frozen owner
+            _queued_to(owner)  # before the kill resets what the writer had unread
             kill_rank(rank, "frozen owner, killed writer", [owner.pid])
             if kvconn_settings.cross_host:
                 _resume_across_hosts(kvconn_settings, owner, pages)
