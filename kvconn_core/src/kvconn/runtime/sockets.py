@@ -157,28 +157,29 @@ class TcpTable:
         after that close does not close them, yet they can still land."""
         return frozenset(r.conn for r in self.rows if r.inode == 0 and r.state in _SENT_UNREAD)
 
-    def reset_unread(self) -> frozenset[tuple[str, int]]:
-        """Local endpoints (host, port) of this process's TCP sockets that a
-        reset took out of the table with bytes still unread. A fence resets
-        its connections (:func:`kvconn.sockets.resetting_closed_sockets`):
-        the RST drops what the writer still had queued, but what already
-        reached this end stays readable, and the transport writes it into
-        the pages when it reads it; the end, closed by the RST, is no longer
-        listed in ``/proc``, so only its descriptor tells."""
+    def reset_ends(self) -> dict[tuple[str, int], int]:
+        """This process's TCP sockets that a reset took out of the table,
+        still open: local endpoint (host, port) -> the most bytes one of them
+        holds unread. A fence resets its connections
+        (:func:`kvconn.sockets.resetting_closed_sockets`): the RST drops what
+        the writer still had queued, but what already reached this end stays
+        readable, and the transport writes it into the pages when it reads
+        it; the end, closed by the RST, is no longer listed in ``/proc``, so
+        only its descriptor tells."""
         listed = {r.inode for r in self.rows}
-        found = set()
+        found: dict[tuple[str, int], int] = {}
         for fd, inode in self._fds.items():
             if inode in listed:
                 continue
-            unread = _unread_bytes(fd, inode)
-            if unread is not None and unread[1] > 0:
-                found.add(unread[0])
-        return frozenset(found)
+            end = _unread_bytes(fd, inode)
+            if end is not None:
+                found[end[0]] = max(found.get(end[0], 0), end[1])
+        return found
 
     def undrained(self, closed: Iterable[TcpConnection]) -> list[TcpConnection]:
         """Of the connections a writer's fence ``closed`` (the writer's view),
         those whose end in this process may still deliver bytes to it: open,
-        or reset with bytes unread (a reset end is known by its address
+        or reset and not closed yet (a reset end is known by its address
         alone: every connection to that address is listed). A connection
         whose other end is not here (another host, another process, or gone)
         is not listed."""
@@ -188,7 +189,8 @@ class TcpTable:
         found = [
             wanted[r.conn] for r in self.rows if r.conn in wanted and r.state in _UNDRAINED and self._ours(r)
         ]
-        reset = self.reset_unread()
+        # Until the transport closes it: it may still be copying what it read.
+        reset = self.reset_ends()
         if reset:
             listed = set(found)
             found += [
@@ -207,7 +209,7 @@ class TcpTable:
         on delivering its send queue. Only peers on this host are judged
         (loopback, or the connection's own address at both ends); a peer
         elsewhere is invisible here and not waited for. An end a reset took
-        out of the table with bytes unread (:meth:`reset_unread`) is listed
+        out of the table with bytes unread (:meth:`reset_ends`) is listed
         too, as its local address alone, whoever its peer was.
         """
         owner = {r.conn: r.inode for r in self.rows}
@@ -222,7 +224,8 @@ class TcpTable:
         # A killed process's kernel resets a connection it had bytes unread
         # in: this end leaves the table, its unread bytes stay (its peer
         # cannot be named any more, so any such end counts).
-        return ends + [TcpConnection(host, port, "", 0) for host, port in sorted(self.reset_unread())]
+        unread = sorted(end for end, n in self.reset_ends().items() if n > 0)
+        return ends + [TcpConnection(host, port, "", 0) for host, port in unread]
 
 
 def own_connections() -> frozenset[TcpConnection]:
