@@ -83,15 +83,20 @@ def test_a_connection_closed_before_the_fence_with_bytes_unread_is_named(server:
     accepted, _ = server.accept()
     client.sendall(b"x" * 1000)
     client.close()  # before the fence: an orphan in FIN_WAIT2, 1000 bytes in the owner's queue
+    assert conn not in own_connections()
+    # Named only with a connection to the same peer address held at the fence
+    assert conn not in fenced_connections(own_connections())
+    still = socket.create_connection(server.getsockname())
     held = own_connections()
-    assert conn not in held
     named = fenced_connections(held)
     assert conn in named
     assert undrained(named) == [conn]
     assert accepted.recv(4096)
     accepted.close()  # the owner read to the end and closed: the orphan goes to TIME_WAIT
-    assert conn not in fenced_connections(own_connections())
+    assert conn not in fenced_connections(held)
     assert undrained([conn]) == []
+    still.close()
+    server.accept()[0].close()
 
 
 def _reset(client: socket.socket) -> None:

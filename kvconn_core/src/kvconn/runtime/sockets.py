@@ -237,10 +237,14 @@ def fenced_connections(held_before: frozenset[TcpConnection]) -> frozenset[TcpCo
     """What a writer's fence names for decode to wait on, read after the
     fence: the connections this process held before it (``held_before``,
     from :func:`own_connections`) and holds no more, and the closed ones
-    still carrying bytes (:meth:`TcpTable.orphans_unread`, whoever closed
-    them: decode waits only on those whose other end it holds)."""
+    still carrying bytes (:meth:`TcpTable.orphans_unread`) to an address
+    one of those went to (a transport's peer: an unrelated connection in
+    this network, whose other end decode may keep half-closed for long,
+    would hold the pages with it)."""
     table = TcpTable()
-    closed, unread = held_before - table.own_connections(), table.orphans_unread()
+    closed = held_before - table.own_connections()
+    peers = {(c.remote_host, c.remote_port) for c in held_before}
+    unread = frozenset(c for c in table.orphans_unread() if (c.remote_host, c.remote_port) in peers)
     log.info(
         "fence: %d connections closed by it, %d closed before it with bytes still unread",
         len(closed),
