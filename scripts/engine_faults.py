@@ -61,7 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests" / "sglang")]
 
-from kvconn.testing import hosts  # noqa: E402
+from kvconn.testing import hosts, shm  # noqa: E402
 from kvconn.testing.cluster import free_port  # noqa: E402
 
 #: kvconn's deadlines in the matrix (the engines' defaults otherwise):
@@ -130,10 +130,12 @@ class Server:
     def kill(self) -> None:
         if self.proc is None:
             return
+        held = shm.held_by_group(self.proc.pid)  # what the killed group cannot unlink itself
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
+        shm.remove_unheld(held)
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         from prometheus_client.parser import text_string_to_metric_families

@@ -304,13 +304,18 @@ class Process:
         return sum(self.samples(name, **labels))
 
     def stop(self) -> None:
-        """SIGKILL to the group this test started, then reap."""
+        """SIGKILL to the group this test started, then reap, and remove the
+        /dev/shm files the killed group could not."""
         import contextlib
 
+        from kvconn.testing import shm
+
+        held = shm.held_by_group(self.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGCONT)
             os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait(60)
+        shm.remove_unheld(held)
 
 
 def _names(process: Any) -> list[str]:
