@@ -8,8 +8,11 @@ a swap or GC stall) or cut off, its transport writes them into the pages when
 it runs again. TCP delivers a connection's FIN after all of its data, so once
 decode's end of every connection the fence closed has seen the FIN and been
 closed by decode's transport (which reads up to end-of-stream first), nothing
-sent before the fence can land. Read from ``/proc`` (Linux); elsewhere no
-connection is named and a fence is taken as it is.
+sent before the fence can land. A fence that resets its connections sends an
+RST instead: that drops the writer's queue but not what reached decode, and
+takes decode's end out of ``/proc``'s table, so decode's own descriptors are
+asked too. Read from ``/proc`` (Linux); elsewhere no connection is named and
+a fence is taken as it is.
 """
 
 from __future__ import annotations
