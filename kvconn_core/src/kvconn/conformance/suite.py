@@ -152,7 +152,7 @@ class ConformanceSuite(WriterFaultChecks, TransportChecks, RankChecks, EngineMem
                 rooms.append((cluster, room, pages, cluster.receiver(room, pages)))
         checked = 0
         for cluster, room, pages, rx in rooms:
-            state = cluster.wait_done(rx, 30, f"integrity: room of {len(pages)} pages completes")
+            state = cluster.wait_done(rx, 60, f"integrity: room of {len(pages)} pages completes")
             if state != "SUCCESS":
                 raise ConformanceFailure(f"integrity: room {room} ended {state}: {rx.failure()}")
             bad = cluster.bad_pattern_pages(room, pages)
