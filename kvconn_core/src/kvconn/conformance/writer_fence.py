@@ -325,6 +325,15 @@ def partition_fence_check(settings: Settings) -> dict[str, Any]:
                 _partition_stake(figures),
                 "an eighth of the write at least still to cross when the fence was asked, the link cut",
             )
+            orphaned = figures.get("orphaned_at_fence", 0)
+            if orphaned:
+                # Whether they land in the watch depends on the peer's side
+                # (and on load): their being on the way at all is the failure.
+                raise ConformanceFailure(
+                    f"writer fence across a partition: {orphaned / MiB:.2f} MiB still queued towards decode "
+                    "after on_fence returned True, on connections no process holds (closed, not reset: the "
+                    "kernel sends them once the link heals)"
+                )
             # What the writer's host had sent before the fence may still be on
             # the wire (a link's queue holds it through the cut); the runtime's
             # proof of the fence crosses after it. So a message from that host
