@@ -241,6 +241,10 @@ FENCE_WHILE_CUT_S = 15.0
 #: catches the write with its connections open and bytes queued in them.
 PARTITION_RATE = "100mbit"
 CUT_AFTER_S = 0.5
+#: Bytes a fence may leave queued on connections no process holds: an honest
+#: nixl fence across hosts left a few (under 0.005 MiB: a closing message, not
+#: a write) once in CI; the closing_fence lie left 1.58 MiB.
+ORPHANED_LIMIT = 64 * 1024
 
 
 #: How long, at most, the watch after the heal waits for the writer's host to
@@ -326,7 +330,7 @@ def partition_fence_check(settings: Settings) -> dict[str, Any]:
                 "an eighth of the write at least still to cross when the fence was asked, the link cut",
             )
             orphaned = figures.get("orphaned_at_fence", 0)
-            if orphaned:
+            if orphaned >= ORPHANED_LIMIT:
                 # Whether they land in the watch depends on the peer's side
                 # (and on load): their being on the way at all is the failure.
                 raise ConformanceFailure(
