@@ -482,9 +482,9 @@ def test_the_quarantine_runbook_works_from_the_servers_own_scrapes_and_the_abort
     (proof,) = rose
     assert rose[proof] == 1.0 and proof in ("late_acks", "writer_fence"), rose
     assert [v for _, v in _one(decode, "kvconn_pages_quarantined", **dec)] == [0.0]
-    _wait_for(  # the rank is heard again; the scrape may trail the release
+    _wait_for(  # the rank is heard again; the scrape may trail the release (30 s was missed once in CI)
         lambda: [v for _, v in _one(decode, "kvconn_prefill_rank_up", address=found, **dec)] == [1.0],
-        30,
+        90,
         "decode does not hear the resumed rank",
     )
     print(f"\nrunbook: room released by {proof} {time.monotonic() - held_s:.1f} s after SIGCONT")
