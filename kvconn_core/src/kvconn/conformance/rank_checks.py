@@ -212,10 +212,8 @@ class RankChecks:
         posting = rank.expect(
             40, "barrier inside a post: the rank posts", event="before_post", room=INSIDE_ROOM
         )
-        time.sleep(max(0.0, float(posting["t"]) + FREEZE_AFTER_S - time.monotonic()))
-        rank.signal(signal.SIGSTOP)
         try:
-            wait_for(rank.stopped, 5, "barrier inside a post: the rank froze")
+            rank.stop_at(float(posting["t"]) + FREEZE_AFTER_S, "barrier inside a post: the rank froze")
             pending = len(cluster.bad_pattern_pages(INSIDE_ROOM, pages))
             if case == "cancelled":
                 rx.abort()

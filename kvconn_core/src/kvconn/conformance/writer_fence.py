@@ -171,10 +171,10 @@ def _in_flight_inside_post(
         filled = child.expect(
             30, "writer fence: a last write is about to be posted", event="fill", round=round_no
         )
-        time.sleep(max(0.0, float(filled["t"]) + FREEZE_AFTER_S - time.monotonic()))
-        child.signal(signal.SIGSTOP)
         try:
-            wait_for(child.stopped, 5, "writer fence: the writer froze inside its post")
+            child.stop_at(
+                float(filled["t"]) + FREEZE_AFTER_S, "writer fence: the writer froze inside its post"
+            )
             pending = max(pending, image.differing())
         finally:
             child.resume()

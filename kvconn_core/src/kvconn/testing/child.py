@@ -349,6 +349,13 @@ class Child:
         if self.log is not None:
             self.log.close()
 
+    def stop_at(self, t: float, what: str) -> None:
+        """SIGSTOP at monotonic time ``t`` (at once if it passed), and return
+        once every thread is stopped: a freeze from outside, mid-call."""
+        time.sleep(max(0.0, t - time.monotonic()))
+        self.signal(signal.SIGSTOP)
+        wait_for(self.stopped, 5, what, poll=0.002, failure=self.failure)
+
     def frozen(self, timeout: float, what: str, **match: Any) -> dict[str, Any]:
         """The child's next ``freeze`` report, once every thread is stopped."""
         event = self.expect(timeout, what, event="freeze", **match)
