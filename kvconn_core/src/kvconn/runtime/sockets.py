@@ -18,6 +18,7 @@ a fence is taken as it is.
 from __future__ import annotations
 
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -160,6 +161,7 @@ class TcpTable:
         after that close does not close them, yet they can still land."""
         return frozenset(r.conn for r in self.rows if r.inode == 0 and r.state in _SENT_UNREAD)
 
+    @functools.cached_property
     def reset_ends(self) -> dict[tuple[str, int], int]:
         """This process's TCP sockets that a reset took out of the table,
         still open: local endpoint (host, port) -> the most bytes one of them
@@ -193,7 +195,7 @@ class TcpTable:
             wanted[r.conn] for r in self.rows if r.conn in wanted and r.state in _UNDRAINED and self._ours(r)
         ]
         # Until the transport closes it: it may still be copying what it read.
-        reset = self.reset_ends()
+        reset = self.reset_ends
         if reset:
             listed = set(found)
             found += [
@@ -212,7 +214,7 @@ class TcpTable:
         on delivering its send queue. Only peers on this host are judged
         (loopback, or the connection's own address at both ends); a peer
         elsewhere is invisible here and not waited for. An end a reset took
-        out of the table with bytes unread (:meth:`reset_ends`) is listed
+        out of the table with bytes unread (:attr:`reset_ends`) is listed
         too, as its local address alone, whoever its peer was.
         """
         owner = {r.conn: r.inode for r in self.rows}
@@ -227,7 +229,7 @@ class TcpTable:
         # A killed process's kernel resets a connection it had bytes unread
         # in: this end leaves the table, its unread bytes stay (its peer
         # cannot be named any more, so any such end counts).
-        unread = sorted(end for end, n in self.reset_ends().items() if n > 0)
+        unread = sorted(end for end, n in self.reset_ends.items() if n > 0)
         return ends + [TcpConnection(host, port, "", 0) for host, port in unread]
 
 
