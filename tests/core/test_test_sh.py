@@ -6,6 +6,7 @@ folder, not the system's temporary one."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -90,3 +91,31 @@ def test_test_sh_runs_every_stage_through_stages_sh() -> None:
 def test_the_scripts_parse(script: str) -> None:
     proc = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root")
+def test_unlower_gives_a_niced_build_and_its_children_back_the_normal_priority(tmp_path: Path) -> None:
+    """The engine venvs build at nice 10 while the main suite runs; after it
+    they go back to nice 0, the children they already started included
+    (beside busy neighbours a niced build starved for half an hour)."""
+    proc = run_stages(
+        "nice -n 10 bash -c 'sleep 30 & sleep 30 & wait' &\n"
+        "build=$!\n"
+        "for _ in $(seq 100); do [ $(pgrep -P $build | wc -l) -eq 2 ] && break; sleep 0.05; done\n"
+        'before="$(ps -o ni= -p $build $(pgrep -P $build) | tr -s " \\n" " ")"\n'
+        "unlower $build\n"
+        'echo "before:$before"\n'
+        'echo "after:$(ps -o ni= -p $build $(pgrep -P $build) | tr -s " \\n" " ")"\n'
+        "kill $(pgrep -P $build) $build\n",
+        tmp_path,
+    )
+    lines = dict(line.split(":", 1) for line in proc.stdout.splitlines() if ":" in line)
+    assert lines["before"].split() == ["10", "10", "10"], proc.stdout + proc.stderr
+    assert lines["after"].split() == ["0", "0", "0"], proc.stdout + proc.stderr
+    assert "back at normal priority (3 processes)" in proc.stderr
+
+
+def test_test_sh_unlowers_its_background_builds_once_the_main_suite_is_done() -> None:
+    text = (SCRIPTS / "test.sh").read_text()
+    suite = text.index('stage "main suite (pytest -n 2)"')
+    assert suite < text.index('unlower "$ENGINE_PID" "$DISTS_PID"') < text.index("finish_background")

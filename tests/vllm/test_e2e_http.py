@@ -373,10 +373,12 @@ def _state(pid: int) -> str:
     ).stdout
 
 
-def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+def _wait_for(cond: Any, timeout_s: float, what: str, explain: Any = None) -> None:
+    """Wait for ``cond``; on timeout fail with ``what`` and, if given, what
+    ``explain()`` says then (the figures a failure in CI needs read)."""
     deadline = time.monotonic() + timeout_s
     while not cond():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what if explain is None else f"{what}\n{explain()}"
         time.sleep(0.25)
 
 
@@ -482,10 +484,14 @@ def test_the_quarantine_runbook_works_from_the_servers_own_scrapes_and_the_abort
     (proof,) = rose
     assert rose[proof] == 1.0 and proof in ("late_acks", "writer_fence"), rose
     assert [v for _, v in _one(decode, "kvconn_pages_quarantined", **dec)] == [0.0]
-    _wait_for(  # the rank is heard again; the scrape may trail the release (30 s was missed once in CI)
+    _wait_for(  # the rank is heard again; the scrape may trail the release (30 s was missed twice in CI)
         lambda: [v for _, v in _one(decode, "kvconn_prefill_rank_up", address=found, **dec)] == [1.0],
         90,
         "decode does not hear the resumed rank",
+        lambda: (
+            f"rank_up: {_one(decode, 'kvconn_prefill_rank_up', **dec)}\n"
+            f"drops: {_one(decode, 'kvconn_dropped_messages_total', **dec)}\n{decode.tail()}"
+        ),
     )
     print(f"\nrunbook: room released by {proof} {time.monotonic() - held_s:.1f} s after SIGCONT")
 
