@@ -95,11 +95,12 @@ class Carrier:
     def _release(self, action: Release, now: float, releases: list[Release]) -> None:
         releases.append(action)
         proof = action.proof.value
-        self.metrics.releases.labels(proof).inc()
-        self.metrics.released_pages.labels(proof).inc(len(action.pages))
         m = self.metrics
+        m.child(m.releases, proof).inc()
+        m.child(m.released_pages, proof).inc(len(action.pages))
         m.observe(m.release_latency, "kvconn_abort_to_release_seconds", action.held_for, proof=proof)
-        self.metrics.quarantine_seconds.inc(action.quarantined_for)
+        if action.quarantined_for:
+            m.quarantine_seconds.inc(action.quarantined_for)
         self._tracer.carried(action)
 
     def _quarantine(self, action: Quarantine, now: float, releases: list[Release]) -> None:
