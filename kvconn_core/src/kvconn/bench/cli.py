@@ -23,9 +23,11 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -36,16 +38,16 @@ from kvconn.bench import overhead as overhead_mod
 from kvconn.bench import plot as plot_mod
 from kvconn.bench import report as report_mod
 from kvconn.bench import transport as transport_mod
-from kvconn.bench.mode_result import ModeResult, merge
+from kvconn.bench.mode_result import KVCONN, LEGACY, ModeResult, Violation, merge
 from kvconn.bench.output import check_output_paths, write_json
 from kvconn.bench.output import console as make_console
 from kvconn.bench.raw import RawResult, run_raw
-from kvconn.bench.report import KVCONN, LEGACY
 from kvconn.bench.sizes import size_arg
 from kvconn.bench.workload import (
     DEFAULT_ABORT_WINDOW_MS,
     ModeRun,
     Planned,
+    Settings,
     Workload,
     plan,
     plan_for_decode,
@@ -56,7 +58,7 @@ from kvconn.options import parse_key_values
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, scenarios
 from kvconn.testing.child import StderrLog
-from kvconn.transport import Backend, capabilities_of
+from kvconn.transport import capabilities_of
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -447,20 +449,12 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         )
     stream_n = min(args.stream_requests, max(1, args.requests)) if args.stream_requests else 0
     pool = args.pool_pages or pool_pages(args.pages, args.concurrency, stream_n)
-    wl = Workload(
-        requests=args.requests,
-        pages=args.pages,
-        page_bytes=args.page_bytes,
-        chunk_pages=args.chunk_pages,
-        ranks=args.ranks,
-        concurrency=args.concurrency,
-        abort_fraction=args.abort_fraction,
-        prefill_fail_fraction=args.prefill_fail_fraction,
-        seed=args.seed,
-        pool_pages=pool,
-        stream_requests=stream_n,
-        decodes=args.decodes,
-    )
+    # Every field but these two is the option of the same name.
+    sized = {"pool_pages": pool, "stream_requests": stream_n}
+    fields: dict[str, Any] = {
+        f.name: sized.get(f.name, getattr(args, f.name)) for f in attrs.fields(Workload)
+    }
+    wl = Workload(**fields)
     preflight.check_memory(args, wl)
     if args.page_bytes % (8 * args.ranks):
         raise ValueError("--page-bytes must split evenly over --ranks (in 8-byte words)")
@@ -469,7 +463,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
     if args.host_faults != parser_default_host_faults():
         raise ValueError("--host-faults needs --hosts")
     if args.curve:
-        return _curve(args, console, backend, options, wl)
+        return _curve(args, console, options, wl)
     work, stream_rooms = plan(wl)
     results: dict[str, ModeResult] = {}
     stream_info: dict[str, float] = {}
@@ -489,34 +483,25 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
         for mode in modes:
             legacy = mode == LEGACY
-            timeout = legacy_timeout if legacy else args.abort_timeout
             runs: list[ModeRun] = []
-
-            new_run = functools.partial(
-                ModeRun,
-                mode,
-                args.backend,
-                backend,
-                wl,
-                timeout,
-                min(5.0, timeout / 2),
-                legacy,
+            settings = Settings.of(
+                args,
                 options,
+                legacy=legacy,
+                decode_timeout_s=legacy_timeout if legacy else args.abort_timeout,
                 drain_s=(legacy_timeout + 1.0) if legacy else args.drain_s,
-                settle_s=args.settle_s,
-                gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
                 trace_file=args.trace,
                 metrics_port=args.metrics_port,
             )
             try:
                 # decode 0 starts the prefill ranks; every other decode shares them
-                run = new_run(procs=None)
+                run = ModeRun(wl, settings)
                 runs.append(run)
                 while len(runs) < wl.decodes:
-                    runs.append(new_run(procs=run.procs))
+                    runs.append(ModeRun(wl, settings, run.procs))
                 if window is None or (not legacy and stream_n and not stream_info):
                     t = progress.add_task(f"{mode}: streaming (no aborts)", total=len(stream_rooms))
-                    stream_info = run.stream(stream_rooms, _adv(progress, t))
+                    stream_info = run.stream(stream_rooms, functools.partial(progress.advance, t))
                     if window is None:
                         window = stream_info["latency_p50_ms"] / 1e3 or 0.01
                     if args.compare_raw and raw is None:
@@ -536,7 +521,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
                     f"{mode}: {'timeout-only' if legacy else 'ABORT_ACK'} workload",
                     total=len(work) * wl.decodes,
                 )
-                per_decode = _run_decodes(runs, work, wl, window, _adv(progress, t))
+                per_decode = _run_decodes(runs, work, wl, window, functools.partial(progress.advance, t))
             finally:
                 for r in reversed(runs):  # decode 0, owner of the ranks, last
                     r.close()
@@ -548,12 +533,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
     if faults is not None:
         report["faults"] = [o.as_dict() for o in faults]
         report["violations"][KVCONN] += [
-            {
-                "kind": "fault_corruption",
-                "room": None,
-                "detail": f"{o.fault}: {o.corrupted} pages",
-                "page": None,
-            }
+            Violation("fault_corruption", None, f"{o.fault}: {o.corrupted} pages").as_dict()
             for o in faults
             if o.mode == KVCONN and o.corrupted
         ]
@@ -566,27 +546,9 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
     return 1 if report["violations"][KVCONN] else 0
 
 
-def _curve(
-    args: argparse.Namespace, console: Console, backend: Backend, options: dict[str, str], wl: Workload
-) -> int:
+def _curve(args: argparse.Namespace, console: Console, options: dict[str, str], wl: Workload) -> int:
     """``--curve``: kvconn's mode at each point of one axis (kvconn.bench.curve)."""
-
-    def new_run(point: Workload) -> ModeRun:
-        return ModeRun(
-            KVCONN,
-            args.backend,
-            backend,
-            point,
-            args.abort_timeout,
-            min(5.0, args.abort_timeout / 2),
-            False,
-            options,
-            drain_s=args.drain_s,
-            settle_s=args.settle_s,
-            gil_switch_interval_s=args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None,
-        )
-
-    report = curve_mod.run(args, wl, new_run, args.abort_window_ms / 1e3)
+    report = curve_mod.run(args, wl, Settings.of(args, options), args.abort_window_ms / 1e3)
     curve_mod.print_report(console, report)
     if args.json:
         write_json(args.json, report)
@@ -600,23 +562,10 @@ def _run_decodes(
     own aborts, asking the shared ranks for the same room ids."""
     if len(runs) == 1:
         return [runs[0].run(work, window, progress)]
-    out: list[ModeResult | None] = [None] * len(runs)
-    errors: list[BaseException] = []
-
-    def one(d: int) -> None:
-        try:
-            out[d] = runs[d].run(plan_for_decode(work, d, wl), window, progress)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(d,), name=f"bench-decode-{d}") for d in range(len(runs))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
-    return [r for r in out if r is not None]
+    with ThreadPoolExecutor(len(runs), thread_name_prefix="bench-decode") as pool:
+        return list(
+            pool.map(lambda d: runs[d].run(plan_for_decode(work, d, wl), window, progress), range(len(runs)))
+        )
 
 
 def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> list[scenarios.Outcome] | None:
@@ -638,10 +587,3 @@ def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> l
 
 def parser_default_host_faults() -> str:
     return ",".join(host_faults.FAULTS)
-
-
-def _adv(progress: Progress, task: Any) -> Callable[[int], None]:
-    def advance(n: int) -> None:
-        progress.update(task, advance=n)
-
-    return advance

@@ -29,13 +29,19 @@ from rich.table import Table
 from kvconn.bench import fleet, segments, tombstones
 from kvconn.bench.mode_result import ModeResult
 from kvconn.bench.output import write_json
-from kvconn.bench.workload import ModeRun, Workload, plan, pool_pages
+from kvconn.bench.preflight import WHOLE_POINTS
+from kvconn.bench.workload import ModeRun, Settings, Workload, plan, pool_pages
 
-#: Each axis: the Workload field it varies, and its default points.
-AXES: dict[str, tuple[str, tuple[float, ...]]] = {
-    "rooms": ("concurrency", (8, 512)),
-    "ranks": ("ranks", (2, 8)),
-    "storm": ("abort_fraction", (0.1, 0.9)),
+#: Each axis: the Workload field it varies.
+AXES = {"rooms": "concurrency", "ranks": "ranks", "storm": "abort_fraction"}
+#: Each curve's points without ``--curve-points``.
+DEFAULT_POINTS: dict[str, tuple[float, ...]] = {
+    "rooms": (8, 512),
+    "ranks": (2, 8),
+    "storm": (0.1, 0.9),
+    "segments": (118, 1000, 5000, 20000),
+    "tombstones": (10000, 100000),
+    "fleet": (0.1, 1, 10),
 }
 
 
@@ -56,7 +62,6 @@ OWN: dict[str, frozenset[str]] = {
     "tombstones": frozenset(),
     "fleet": frozenset({"seed"}),
 }
-OWN_POINTS = {"tombstones": "10000,100000", "fleet": "0.1,1,10"}
 CHOICES = sorted([*AXES, *OWN])
 
 
@@ -79,12 +84,13 @@ def _run_own(
 ) -> int:
     code = 0
     if args.curve == "segments":
-        report = segments.run(args, options, step)
+        sizes = [int(n) for n in points("segments", args.curve_points)]
+        report = segments.run(args, options, sizes, step)
         segments.print_report(console, report)
         code = 0 if all(b["verified"] for b in report["backends"]) else 1
     elif args.curve == "tombstones":
         rows = []
-        for rooms in _own_points(args, int):
+        for rooms in points("tombstones", args.curve_points):
             step(f"{rooms:,} tombstones")
             rows.append(tombstones.measure(int(rooms)))
             console.print(tombstones.report(rows[-1]))
@@ -92,7 +98,7 @@ def _run_own(
     else:
         base = fleet.Fleet(seed=args.seed)
         rows = []
-        for scale in _own_points(args, float):
+        for scale in points("fleet", args.curve_points):
             step(f"fleet x {scale:g}")
             rows.append(fleet.simulate(base.scaled(scale)))
         console.print(fleet.report(rows, base))
@@ -102,43 +108,37 @@ def _run_own(
     return code
 
 
-def _own_points(args: argparse.Namespace, cast: Callable[[str], float]) -> list[float]:
-    text = args.curve_points or OWN_POINTS[args.curve]
-    values = [cast(x) for x in text.split(",") if x.strip()]
-    if not values or min(values) <= 0:
-        raise ValueError(f"--curve-points for --curve {args.curve} must be > 0, got {text!r}")
-    return values
-
-
-def points(axis: str, text: str | None) -> list[float]:
-    """The axis' points: ``text`` (comma-separated) or its defaults."""
-    field, default = AXES[axis]
+def points(curve: str, text: str | None) -> list[float]:
+    """The curve's points: ``text`` (comma-separated numbers, checked by
+    :func:`kvconn.bench.preflight.points_arg`; whole where the curve counts
+    something) or its defaults."""
     if not text:
-        return list(default)
-    cast: Callable[[str], float] = float if field == "abort_fraction" else int
-    values = [cast(x) for x in text.split(",") if x.strip()]
-    if len(values) < 2:
+        return list(DEFAULT_POINTS[curve])
+    values = [float(x) for x in text.split(",") if x.strip()]
+    if curve in WHOLE_POINTS:
+        values = [int(v) for v in values]
+    if curve in AXES and len(values) < 2:
         raise ValueError(f"--curve-points needs at least two points, got {text!r}")
+    if curve in OWN and min(values) <= 0:
+        raise ValueError(f"--curve-points for --curve {curve} must be > 0, got {text!r}")
     return values
 
 
-def run(
-    args: argparse.Namespace, base: Workload, new_run: Callable[[Workload], ModeRun], window_s: float
-) -> dict[str, Any]:
+def run(args: argparse.Namespace, base: Workload, settings: Settings, window_s: float) -> dict[str, Any]:
     """Run kvconn's mode at every point of ``args.curve`` (each after a warm-up
     of its streaming rooms, not measured; every point aborts on the same
     schedule, ``window_s``); the report."""
-    field, _ = AXES[args.curve]
+    field = AXES[args.curve]
     rows: list[dict[str, Any]] = []
     for value in points(args.curve, args.curve_points):
-        changes: dict[str, Any] = {field: value if field == "abort_fraction" else int(value)}
+        changes: dict[str, Any] = {field: value}
         wl = attrs.evolve(base, **changes)
         if wl.page_bytes % (8 * wl.ranks):
             raise ValueError(f"--page-bytes must split evenly over {wl.ranks} ranks (in 8-byte words)")
         if args.pool_pages is None:
             wl = attrs.evolve(wl, pool_pages=pool_pages(wl.pages, wl.concurrency, wl.stream_requests))
         work, stream_rooms = plan(wl)
-        mode = new_run(wl)
+        mode = ModeRun(wl, settings)
         try:
             mode.stream(stream_rooms, lambda _: None)
             result = mode.run(work, window_s, lambda _: None)
@@ -251,6 +251,3 @@ def _us(decode: float | None, rank: float | None) -> str:
 
 def _x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
-
-
-__all__ = ["AXES", "CHOICES", "OWN", "points", "print_report", "run", "run_own"]

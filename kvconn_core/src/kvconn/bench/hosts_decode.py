@@ -13,8 +13,7 @@ import logging
 import sys
 
 from kvconn.bench.prefill_worker import PrefillProcs
-from kvconn.bench.workload import ModeRun, Workload, plan
-from kvconn.plugins import get_backend
+from kvconn.bench.workload import ModeRun, Settings, Workload, plan
 from kvconn.testing.child import emit, load_args, quiet_interrupts
 
 
@@ -25,21 +24,7 @@ def main() -> None:
     wl = Workload(**args["workload"])
     ranks = PrefillProcs([])  # they run on other hosts, started by the bench
     ranks.addresses = list(args["addresses"])
-    run = ModeRun(
-        "kvconn",
-        args["backend"],
-        get_backend(args["backend"]),
-        wl,
-        float(args["decode_timeout_s"]),
-        float(args["write_timeout_s"]),
-        False,
-        dict(args["backend_options"]),
-        drain_s=float(args["drain_s"]),
-        settle_s=float(args["settle_s"]),
-        gil_switch_interval_s=args["gil_switch_interval_s"],
-        procs=ranks,
-        host=str(args["host"]),
-    )
+    run = ModeRun(wl, Settings(**args["settings"]), procs=ranks)
     try:
         work, stream_rooms = plan(wl)
         stream = run.stream(stream_rooms, lambda n: None) if stream_rooms else {}

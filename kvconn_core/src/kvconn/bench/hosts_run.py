@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvconn.bench.output import write_json
-from kvconn.bench.workload import Workload, rank_args
+from kvconn.bench.workload import Settings, Workload, rank_args
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, hosts
 from kvconn.testing.child import Child, StderrLog
@@ -78,7 +78,6 @@ def _run(
     args: argparse.Namespace, wl: Workload, options: Mapping[str, str], console: Console, err: Console
 ) -> int:
     names = ["decode", *(f"prefill{i}" for i in range(args.hosts - 1))]
-    timeout = args.abort_timeout
     report: dict[str, Any] = {"backend": args.backend, "hosts": args.hosts, "backend_options": dict(options)}
     with hosts.hosts(names) as fabric:
         report["link_rtt_ms"] = hosts.round_trip_s(fabric["decode"], fabric["prefill0"]) * 1e3
@@ -89,7 +88,7 @@ def _run(
             on = [fabric["decode"]] * wl.ranks if placement == ONE_HOST else [
                 fabric[names[1 + r % (args.hosts - 1)]] for r in range(wl.ranks)
             ]  # fmt: skip
-            runs[placement] = _one_run(args, wl, options, fabric["decode"], on, timeout, window)
+            runs[placement] = _one_run(args, wl, options, fabric["decode"], on, window)
             window = runs[placement]["window_s"]
     report["runs"] = runs
     report["ratios"] = _ratios(runs[ONE_HOST]["summary"], runs[ACROSS]["summary"])
@@ -122,16 +121,14 @@ def _one_run(
     options: Mapping[str, str],
     decode: hosts.Host,
     rank_hosts: Sequence[hosts.Host],
-    timeout: float,
     window: float | None,
 ) -> dict[str, Any]:
-    gil = args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None
-    write_timeout = min(5.0, timeout / 2)
+    settings = Settings.of(args, options)
     ranks: list[Child] = []
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(contextlib.closing(StderrLog())) for _ in range(len(rank_hosts) + 1)]
         for r, host in enumerate(rank_hosts):
-            a = rank_args(args.backend, wl, r, write_timeout, timeout, False, options, gil)
+            a = rank_args(settings, wl, r)
             a["backend_options"] = options_on(args.backend, options, host.ip, host.iface)
             a["host"] = host.ip
             ranks.append(
@@ -144,17 +141,11 @@ def _one_run(
         addresses = [
             str(c.next_with("address", 60, f"rank {r} start")["address"]) for r, c in enumerate(ranks)
         ]
+        decode_options = options_on(args.backend, options, decode.ip, decode.iface)
         decode_args = {
-            "backend": args.backend,
-            "backend_options": options_on(args.backend, options, decode.ip, decode.iface),
-            "host": decode.ip,
+            "settings": attrs.asdict(attrs.evolve(settings, options=decode_options, host=decode.ip)),
             "workload": attrs.asdict(wl),
             "addresses": addresses,
-            "decode_timeout_s": timeout,
-            "write_timeout_s": write_timeout,
-            "drain_s": args.drain_s,
-            "settle_s": args.settle_s,
-            "gil_switch_interval_s": gil,
             "window_s": window,
         }
         dec = stack.enter_context(

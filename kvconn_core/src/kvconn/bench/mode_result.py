@@ -10,6 +10,10 @@ import attrs
 
 from kvconn.bench.stats import stats
 
+#: The two modes: ABORT_ACK (fast release, quarantine on timeout), and
+#: timeout-only (acks off, pages freed at the deadline without proof).
+KVCONN, LEGACY = "kvconn", "legacy"
+
 
 @attrs.define
 class Violation:

@@ -9,8 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from kvconn.bench.mode_result import ModeResult
-from kvconn.bench.report import KVCONN, LEGACY
+from kvconn.bench.mode_result import KVCONN, LEGACY, ModeResult
 
 #: The decode deadline a deployment runs with (the default of
 #: ``Config.abort_timeout_s``): where a timeout-only engine frees pages.

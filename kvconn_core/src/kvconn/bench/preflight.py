@@ -9,7 +9,7 @@ import os
 import socket
 
 from kvconn.bench.sizes import approx_size, memory_available
-from kvconn.bench.workload import Workload, rank_args
+from kvconn.bench.workload import Workload, source_pages
 
 #: ``--curve`` axes whose points count something (rooms, ranks, segments, tombstones).
 WHOLE_POINTS = frozenset({"rooms", "ranks", "segments", "tombstones"})
@@ -94,10 +94,10 @@ def check_memory(args: argparse.Namespace, wl: Workload) -> None:
     """A run whose pages cannot fit in this machine's memory (the kernel
     would kill it, or a limit end it in a MemoryError) refused, naming the
     options that size it (``args.sizing_defaults``: :func:`sizing_defaults`)."""
-    source_pages = int(rank_args(args.backend, wl, 0, 1.0, 2.0, False, {}, None)["source_pages"])
+    sources = source_pages(wl)
     pool = wl.decodes * wl.pool_pages * (wl.page_bytes + PER_POOL_PAGE_BYTES)
-    raw = wl.pool_pages * wl.page_bytes + source_pages * wl.page_bytes if args.compare_raw else 0
-    need = pool + source_pages * wl.page_bytes + raw
+    raw = wl.pool_pages * wl.page_bytes + sources * wl.page_bytes if args.compare_raw else 0
+    need = pool + sources * wl.page_bytes + raw
     have, bound = memory_available(shared=args.backend == "loopback")
     if need <= have:
         return
@@ -106,7 +106,7 @@ def check_memory(args: argparse.Namespace, wl: Workload) -> None:
     flags = " ".join(f"{f} {getattr(args, _dest(f))}" for f in changed) or "these sizes"
     raise ValueError(
         f"{flags} needs about {approx_size(need)} of memory (a pool of {wl.decodes * wl.pool_pages:,} "
-        f"pages of {approx_size(wl.page_bytes)}, sources of {source_pages:,}{', the raw run' if raw else ''}), "
+        f"pages of {approx_size(wl.page_bytes)}, sources of {sources:,}{', the raw run' if raw else ''}), "
         f"over the {approx_size(have)} this machine has ({bound}): lower "
         + " or ".join(changed or ["--pages", "--page-bytes"])
     )

@@ -13,13 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvconn.bench import overhead as overhead_mod
-from kvconn.bench.mode_result import ModeResult
+from kvconn.bench.mode_result import KVCONN, LEGACY, ModeResult
 from kvconn.bench.raw import RawResult
 from kvconn.bench.stats import stats
 from kvconn.bench.workload import Workload
 from kvconn.testing import matrix_report
 
-KVCONN, LEGACY = "kvconn", "legacy"
 #: Steal (percent of CPU time) above which the report warns that latencies include it.
 STEAL_NOTE_PCT = 5.0
 

@@ -41,7 +41,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -64,7 +64,6 @@ from kvconn.transport import Settlement, register_region, register_writer
 LAYERS = 59
 #: A page's slot in one buffer: 16 tokens x 1 head x 256 bytes, 4 KiB.
 TOKENS, HEADS, HEAD_BYTES = 16, 1, 256
-DEFAULT_POINTS = (118, 1000, 5000, 20000)
 #: kvconn's time at most this many times raw's.
 TARGET = 1.05
 PEER = "decode"
@@ -205,24 +204,16 @@ def measure(
         region.close()
 
 
-def points(text: str | None) -> list[int]:
-    """``--curve-points`` (segments per chunk) or :data:`DEFAULT_POINTS`."""
-    if not text:
-        return list(DEFAULT_POINTS)
-    values = [int(x) for x in text.split(",") if x.strip()]
-    if not values or min(values) < 1:
-        raise ValueError(f"--curve-points takes segments per chunk (>= 1), got {text!r}")
-    return values
-
-
-def run(args: argparse.Namespace, options: Mapping[str, str], step: Callable[[str], None]) -> dict[str, Any]:
-    """Every backend of ``--backend`` (a comma list) at every point; the report."""
+def run(
+    args: argparse.Namespace, options: Mapping[str, str], sizes: Sequence[int], step: Callable[[str], None]
+) -> dict[str, Any]:
+    """Every backend of ``--backend`` (a comma list) at every point of ``sizes``
+    (segments per chunk); the report."""
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     names = [n.strip() for n in args.backend.split(",") if n.strip()]
     if not names:
         raise ValueError(f"--backend names no backend: {args.backend!r}")
-    sizes = points(args.curve_points)
     for name in names:  # every name, before minutes of measuring the first ones
         get_backend(name)
     backends = []
@@ -308,16 +299,3 @@ def _pairs(ratio: dict[str, Any] | None) -> str:
         return "n/a"
     low, high = ratio["interval"]
     return f"{ratio['median']:.3f}x [{low:.3f}-{high:.3f}]"
-
-
-__all__ = [
-    "DEFAULT_POINTS",
-    "LAYERS",
-    "TARGET",
-    "Point",
-    "measure",
-    "pages_for",
-    "points",
-    "print_report",
-    "run",
-]

@@ -69,34 +69,23 @@ class Shape:
     def parse(cls, spec: str) -> Shape:
         """``PAGE_BYTES[xCHUNK_PAGES][:scattered]``, e.g. ``4096x1024:scattered``;
         or ``kv:LAYERSxCHUNK_PAGES[:scattered]``, e.g. ``kv:32x64:scattered``."""
-        if spec.lower().startswith("kv:"):
-            return cls._parse_kv(spec)
-        body, _, flag = spec.partition(":")
+        kv = spec.lower().startswith("kv:")
+        body, _, flag = spec[3 if kv else 0 :].partition(":")
         if flag not in ("", "scattered"):
             raise ValueError(f"shape {spec!r}: the only flag is ':scattered'")
-        page, _, pages = body.lower().partition("x")
+        first, _, pages = body.lower().partition("x")
         try:
-            shape = cls(parse_size(page), int(pages or 1), flag == "scattered")
+            size, chunk_pages = int(first) if kv else parse_size(first), int(pages or 1)
         except ValueError:
-            raise ValueError(f"shape {spec!r} is not PAGE_BYTES[xCHUNK_PAGES][:scattered]") from None
-        if shape.page_bytes < 8 or shape.chunk_pages < 1:
+            form = "kv:LAYERSxCHUNK_PAGES" if kv else "PAGE_BYTES[xCHUNK_PAGES]"
+            raise ValueError(f"shape {spec!r} is not {form}[:scattered]") from None
+        if kv:
+            if size < 1 or chunk_pages < 1:
+                raise ValueError(f"shape {spec!r}: layers and chunk pages >= 1")
+            return cls(KV_TOKENS * KV_HEADS * KV_HEAD_BYTES, chunk_pages, flag == "scattered", size)
+        if size < 8 or chunk_pages < 1:
             raise ValueError(f"shape {spec!r}: page_bytes >= 8 and chunk pages >= 1")
-        return shape
-
-    @classmethod
-    def _parse_kv(cls, spec: str) -> Shape:
-        body, _, flag = spec[3:].partition(":")
-        if flag not in ("", "scattered"):
-            raise ValueError(f"shape {spec!r}: the only flag is ':scattered'")
-        layers, _, pages = body.lower().partition("x")
-        try:
-            n_layers, n_pages = int(layers), int(pages or 1)
-        except ValueError:
-            raise ValueError(f"shape {spec!r} is not kv:LAYERSxCHUNK_PAGES[:scattered]") from None
-        if n_layers < 1 or n_pages < 1:
-            raise ValueError(f"shape {spec!r}: layers and chunk pages >= 1")
-        page = KV_TOKENS * KV_HEADS * KV_HEAD_BYTES
-        return cls(page, n_pages, flag == "scattered", n_layers)
+        return cls(size, chunk_pages, flag == "scattered")
 
 
 @attrs.frozen

@@ -72,22 +72,9 @@ def bucket_bound(buckets: Sequence[tuple[float, float]], q: float) -> float | No
 
 
 def stats(xs: Sequence[float]) -> dict[str, float]:
+    """Count, median, 99th percentile (interpolated between the two nearest
+    observations), maximum and mean; zeros without observations."""
     if not xs:
         return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
-    s = sorted(xs)
-    return {
-        "n": len(s),
-        "p50": percentile(s, 50),
-        "p99": percentile(s, 99),
-        "max": s[-1],
-        "mean": statistics.fmean(s),
-    }
-
-
-def percentile(sorted_xs: Sequence[float], q: float) -> float:
-    if not sorted_xs:
-        return 0.0
-    k = (len(sorted_xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
+    cuts = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [xs[0]] * 99
+    return {"n": len(xs), "p50": cuts[49], "p99": cuts[98], "max": max(xs), "mean": statistics.fmean(xs)}

@@ -22,6 +22,7 @@ passes of the loop that polls the rooms (whose length grows with them).
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import random
 import resource
@@ -35,16 +36,16 @@ from typing import Any
 import attrs
 
 from kvconn.bench import cpu
-from kvconn.bench.mode_result import ModeResult, Violation
+from kvconn.bench.mode_result import KVCONN, LEGACY, ModeResult, Violation
 from kvconn.bench.prefill_worker import PrefillProcs
 from kvconn.bench.stats import bucket_bound
 from kvconn.config import Config
+from kvconn.plugins import get_backend
 from kvconn.protocol.endpoint import EndpointState
 from kvconn.protocol.hold import HoldState, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.runtime.decode import DecodeEndpoint, Receiver
 from kvconn.testing.patterns import canary, shard_bytes
-from kvconn.transport import Backend
 
 #: The pause between two polls of the rooms in flight, per room: about what
 #: one ``Receiver.poll`` and its loop cost (2 µs), so polling takes at most
@@ -154,23 +155,50 @@ def source_pages(wl: Workload) -> int:
     return max(2 * wl.concurrency * wl.pages * wl.decodes, 512, wl.pages)
 
 
-def rank_args(
-    backend_name: str,
-    wl: Workload,
-    rank: int,
-    write_timeout_s: float,
-    decode_timeout_s: float,
-    legacy: bool,
-    options: Mapping[str, str],
-    gil_switch_interval_s: float | None,
-    trace_file: str | None = None,
-    metrics_port: int | None = None,
-) -> dict[str, Any]:
-    """The arguments of prefill rank ``rank``'s process (:mod:`kvconn.bench.prefill_worker`).
-    ``trace_file``: its spans are appended there; ``metrics_port`` P: it serves
-    its metrics on P+1+rank (decode's is P)."""
+@attrs.frozen
+class Settings:
+    """How one mode runs, beside its workload: decode's and every rank's
+    configuration (JSON-able: ``--hosts`` sends it to decode's process)."""
+
+    backend: str
+    options: dict[str, str]
+    #: False: kvconn (ABORT_ACK, quarantine); True: timeout-only (acks off
+    #: at prefill, unsafe release at decode)
+    legacy: bool
+    decode_timeout_s: float
+    drain_s: float
+    settle_s: float
+    gil_switch_interval_s: float | None = None
+    #: every endpoint traces, each rank process's spans appended to this file
+    #: (this process's provider is the caller's to set)
+    trace_file: str | None = None
+    #: P: decode serves its metrics on P (every decode of this process
+    #: shares it), prefill rank r on P+1+r
+    metrics_port: int | None = None
+    #: the address decode's control plane binds
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, options: Mapping[str, str], **changes: Any) -> Settings:
+        """kvconn's mode as the command line sets it, with ``changes``."""
+        gil = args.gil_switch_ms / 1e3 if args.gil_switch_ms > 0 else None
+        base = cls(args.backend, dict(options), False, args.abort_timeout, args.drain_s, args.settle_s, gil)
+        return attrs.evolve(base, **changes)
+
+    @property
+    def mode(self) -> str:
+        return LEGACY if self.legacy else KVCONN
+
+    @property
+    def write_timeout_s(self) -> float:
+        return min(5.0, self.decode_timeout_s / 2)
+
+
+def rank_args(settings: Settings, wl: Workload, rank: int) -> dict[str, Any]:
+    """The arguments of prefill rank ``rank``'s process (:mod:`kvconn.bench.prefill_worker`)."""
+    port = settings.metrics_port
     return {
-        "backend": backend_name,
+        "backend": settings.backend,
         "rank": rank,
         "page_bytes": wl.page_bytes,
         "num_ranks": wl.ranks,
@@ -178,53 +206,30 @@ def rank_args(
         "source_pages": source_pages(wl),
         "seed": wl.seed,
         "prefill_fail_fraction": wl.prefill_fail_fraction,
-        "write_timeout_s": write_timeout_s,
-        "abort_timeout_s": decode_timeout_s,
-        "acks_enabled": not legacy,
-        "backend_options": dict(options),
-        "gil_switch_interval_s": gil_switch_interval_s,
-        "tracing": trace_file is not None,
-        "trace_file": trace_file,
-        "metrics_port": None if metrics_port is None else metrics_port + 1 + rank,
+        "write_timeout_s": settings.write_timeout_s,
+        "abort_timeout_s": settings.decode_timeout_s,
+        "acks_enabled": not settings.legacy,
+        "backend_options": dict(settings.options),
+        "gil_switch_interval_s": settings.gil_switch_interval_s,
+        "tracing": settings.trace_file is not None,
+        "trace_file": settings.trace_file,
+        "metrics_port": None if port is None else port + 1 + rank,
     }
 
 
 class ModeRun:
-    """Runs one mode: ``legacy`` False = kvconn (ABORT_ACK, quarantine),
-    True = timeout-only (acks off at prefill, unsafe release at decode)."""
+    """Runs one mode (``settings.legacy``) of the workload ``wl``."""
 
-    def __init__(
-        self,
-        mode: str,
-        backend_name: str,
-        backend: Backend,
-        wl: Workload,
-        decode_timeout_s: float,
-        write_timeout_s: float,
-        legacy: bool,
-        options: Mapping[str, str],
-        drain_s: float,
-        settle_s: float,
-        gil_switch_interval_s: float | None = None,
-        procs: PrefillProcs | None = None,
-        trace_file: str | None = None,
-        metrics_port: int | None = None,
-        host: str = "127.0.0.1",
-    ) -> None:
+    def __init__(self, wl: Workload, settings: Settings, procs: PrefillProcs | None = None) -> None:
         """``procs``: prefill ranks another ModeRun started (several decode
         endpoints, one per ModeRun, served by the same ranks), or that run on
-        other hosts; whoever started them closes them. ``host``: the address
-        decode's control plane binds.
-        ``trace_file``: every endpoint traces, each rank process's spans
-        appended to it (this process's provider is the caller's to set).
-        ``metrics_port`` P: decode serves its metrics on P (every decode of
-        this process shares it), prefill rank r on P+1+r."""
-        self.mode = mode
+        other hosts; whoever started them closes them."""
+        self.mode = settings.mode
         self.wl = wl
-        self.legacy = legacy
-        self.drain_s = drain_s
-        self.settle_s = settle_s
-        self.result = ModeResult(mode)
+        self.legacy = settings.legacy
+        self.drain_s = settings.drain_s
+        self.settle_s = settings.settle_s
+        self.result = ModeResult(self.mode)
         self._lock = threading.RLock()
         #: Free pages, a stack: the page given back last goes out first.
         self._free: list[int] = list(range(wl.pool_pages - 1, -1, -1))
@@ -244,38 +249,25 @@ class ModeRun:
         self.poll_s = 0.0005
         self._owns_procs = procs is None
         self._progress: Callable[[int], None] = lambda n: None
-        if procs is None:
-            args = [
-                rank_args(
-                    backend_name,
-                    wl,
-                    r,
-                    write_timeout_s,
-                    decode_timeout_s,
-                    legacy,
-                    options,
-                    gil_switch_interval_s,
-                    trace_file,
-                    metrics_port,
-                )
-                for r in range(wl.ranks)
-            ]
-            procs = PrefillProcs(args)
-        self.procs = procs
+        self.procs = (
+            procs
+            if procs is not None
+            else PrefillProcs([rank_args(settings, wl, r) for r in range(wl.ranks)])
+        )
         try:
             config = Config(
-                host=host,
-                write_timeout_s=write_timeout_s,
-                abort_timeout_s=decode_timeout_s,
-                unsafe_release_at_deadline=legacy,
-                acks_enabled=not legacy,
-                backend_options=dict(options),
-                gil_switch_interval_s=gil_switch_interval_s,
-                tracing=trace_file is not None,
-                metrics_port=metrics_port,
+                host=settings.host,
+                write_timeout_s=settings.write_timeout_s,
+                abort_timeout_s=settings.decode_timeout_s,
+                unsafe_release_at_deadline=settings.legacy,
+                acks_enabled=not settings.legacy,
+                backend_options=dict(settings.options),
+                gil_switch_interval_s=settings.gil_switch_interval_s,
+                tracing=settings.trace_file is not None,
+                metrics_port=settings.metrics_port,
             )
             self.decode = DecodeEndpoint(
-                backend,
+                get_backend(settings.backend),
                 wl.pool_pages,
                 wl.page_bytes,
                 self.procs.addresses,
