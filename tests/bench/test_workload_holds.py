@@ -53,7 +53,7 @@ def _run(held: int, active: dict[int, KVPoll], aborted: dict[int, int]) -> ModeR
     run.result = ModeResult("kvconn")
     run.decode = _Decode(held)  # type: ignore[assignment]
     run._active = {
-        room: _Active(None, _Rx(state), tuple(range(room * 16, room * 16 + 16)), 0.0, None)  # type: ignore[arg-type]
+        room: _Active(_Rx(state), tuple(range(room * 16, room * 16 + 16)), 0.0, None)  # type: ignore[arg-type]
         for room, state in active.items()
     }
     run._aborted = {room: _Aborted(room, pages, 0.0, "decode") for room, pages in aborted.items()}

@@ -361,12 +361,11 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--abort-timeout", args.abort_timeout), ("--legacy-timeout", args.legacy_timeout)):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0 s, got {value}")
-    window = args.abort_window_ms if args.abort_window_ms is not None else 0.0
     for flag, value in (
         ("--drain-s", args.drain_s),
         ("--settle-s", args.settle_s),
         ("--gil-switch-ms", args.gil_switch_ms),
-        ("--abort-window-ms", window),
+        ("--abort-window-ms", args.abort_window_ms),
     ):
         if not value >= 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -480,7 +479,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
         task = progress.add_task("per-chunk overhead (null transport)", total=1)
         ovh = overhead_mod.measure(args.overhead_chunks)
         progress.update(task, advance=1)
-        window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
+        window = args.abort_window_ms / 1e3
         for mode in modes:
             legacy = mode == LEGACY
             runs: list[ModeRun] = []
@@ -499,11 +498,9 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
                 runs.append(run)
                 while len(runs) < wl.decodes:
                     runs.append(ModeRun(wl, settings, run.procs))
-                if window is None or (not legacy and stream_n and not stream_info):
+                if not legacy and stream_n and not stream_info:
                     t = progress.add_task(f"{mode}: streaming (no aborts)", total=len(stream_rooms))
                     stream_info = run.stream(stream_rooms, functools.partial(progress.advance, t))
-                    if window is None:
-                        window = stream_info["latency_p50_ms"] / 1e3 or 0.01
                     if args.compare_raw and raw is None:
                         t = progress.add_task(escape(f"raw {args.backend} (same writes, no kvconn)"), total=1)
                         raw = run_raw(
@@ -528,7 +525,7 @@ def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int
             results[mode] = merge(per_decode)
         faults = _faults(args, progress, notes)
     report = report_mod.build(
-        args, options, wl, ovh, stream_info, window or 0.0, raw, results, legacy_timeout, notes
+        args, options, wl, ovh, stream_info, window, raw, results, legacy_timeout, notes
     )
     if faults is not None:
         report["faults"] = [o.as_dict() for o in faults]

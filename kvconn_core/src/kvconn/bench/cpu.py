@@ -211,9 +211,7 @@ def per_request(before: Mapping[str, Any], after: Mapping[str, Any], requests: i
         "ranks": [],
     }
     for r, (b, a) in enumerate(zip(before["ranks"], after["ranks"], strict=True)):
-        threads = by_part(
-            {k: tuple(v) for k, v in b["threads"].items()}, {k: tuple(v) for k, v in a["threads"].items()}
-        )
+        threads = by_part(b["threads"], a["threads"])  # (ran, waited) pairs, as JSON lists
         rank_calls = a["calls_s"] - b["calls_s"]
         chunks = max(1, a["chunks"] - b["chunks"])
         own = [(le, n - dict(b["abort_own"]).get(le, 0)) for le, n in a["abort_own"]]

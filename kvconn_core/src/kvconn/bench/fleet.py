@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import itertools
 import random
 import sys
 import time
@@ -141,7 +142,7 @@ def simulate(f: Fleet) -> dict[str, Any]:
     answers: list[tuple[int, str]] = []
     next_room = [0] * f.decodes
     requests: list[dict[int, Request]] = [{} for _ in range(f.decodes)]
-    tick = 0
+    ticks = itertools.count()  # the heap's tiebreak
 
     def ranks_of(instance: int) -> range:
         return range(instance * f.ranks, (instance + 1) * f.ranks)
@@ -214,10 +215,8 @@ def simulate(f: Fleet) -> dict[str, Any]:
             key = RoomKey(names[d], room)
             ledgers[g].request(key, send.message.seq)  # type: ignore[union-attr]
             ledgers[g].dequeue(key)  # its chunk in flight
-        nonlocal tick
-        tick += 1
         when = now + (rng.uniform(0, f.transfer_s) if aborted else f.transfer_s)
-        heapq.heappush(events, (when, tick, "abort" if aborted else "done", d, room, instance))
+        heapq.heappush(events, (when, next(ticks), "abort" if aborted else "done", d, room, instance))
 
     def finish(kind: str, d: int, room: int, instance: int, now: float) -> None:
         key = RoomKey(names[d], room)
@@ -359,20 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--early-fraction", type=float, default=0.2, help="of the aborts, before the request")
     p.add_argument("--seconds", type=float, default=3.0, help="simulated seconds")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON ('-': stdout)")
-    args = p.parse_args(argv)
-    base = Fleet(
-        decodes=args.decodes,
-        instances=args.instances,
-        ranks=args.ranks,
-        rate=args.rate,
-        abort_fraction=args.abort_fraction,
-        early_fraction=args.early_fraction,
-        seconds=args.seconds,
-    )
-    rows = [simulate(base.scaled(float(s))) for s in args.scales.split(",")]
+    args = vars(p.parse_args(argv))
+    scales, path = args.pop("scales"), args.pop("json")
+    base = Fleet(**args)  # every other option is the Fleet field of its name
+    rows = [simulate(base.scaled(float(s))) for s in scales.split(",")]
     print(report(rows, base))
-    if args.json:
-        write_json(args.json, rows)
+    if path:
+        write_json(path, rows)
     return 0
 
 

@@ -28,10 +28,8 @@ def main() -> None:
     try:
         work, stream_rooms = plan(wl)
         stream = run.stream(stream_rooms, lambda n: None) if stream_rooms else {}
-        window = (
-            args["window_s"] if args["window_s"] is not None else stream.get("latency_p50_ms", 10.0) / 1e3
-        )
-        result = run.run(work, window or 0.01, lambda n: None)
+        window = float(args["window_s"])
+        result = run.run(work, window, lambda n: None)
     finally:
         run.close()
     emit({"event": "result", "summary": result.summary(), "stream": stream, "window_s": window})

@@ -81,15 +81,13 @@ def _run(
     report: dict[str, Any] = {"backend": args.backend, "hosts": args.hosts, "backend_options": dict(options)}
     with hosts.hosts(names) as fabric:
         report["link_rtt_ms"] = hosts.round_trip_s(fabric["decode"], fabric["prefill0"]) * 1e3
-        window = args.abort_window_ms / 1e3 if args.abort_window_ms is not None else None
         runs: dict[str, dict[str, Any]] = {}
         for placement in (ONE_HOST, ACROSS):
             err.print(escape(f"kvconn bench --hosts: {placement.replace('_', ' ')}, {wl.requests} requests"))
             on = [fabric["decode"]] * wl.ranks if placement == ONE_HOST else [
                 fabric[names[1 + r % (args.hosts - 1)]] for r in range(wl.ranks)
             ]  # fmt: skip
-            runs[placement] = _one_run(args, wl, options, fabric["decode"], on, window)
-            window = runs[placement]["window_s"]
+            runs[placement] = _one_run(args, wl, options, fabric["decode"], on)
     report["runs"] = runs
     report["ratios"] = _ratios(runs[ONE_HOST]["summary"], runs[ACROSS]["summary"])
     report["goals"] = _goals(runs[ONE_HOST]["summary"], runs[ACROSS]["summary"], report["link_rtt_ms"])
@@ -121,7 +119,6 @@ def _one_run(
     options: Mapping[str, str],
     decode: hosts.Host,
     rank_hosts: Sequence[hosts.Host],
-    window: float | None,
 ) -> dict[str, Any]:
     settings = Settings.of(args, options)
     ranks: list[Child] = []
@@ -146,7 +143,7 @@ def _one_run(
             "settings": attrs.asdict(attrs.evolve(settings, options=decode_options, host=decode.ip)),
             "workload": attrs.asdict(wl),
             "addresses": addresses,
-            "window_s": window,
+            "window_s": args.abort_window_ms / 1e3,
         }
         dec = stack.enter_context(
             contextlib.closing(

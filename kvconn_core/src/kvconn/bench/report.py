@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -148,18 +149,9 @@ def build(
     return {
         "backend": args.backend,
         "workload": {
-            "requests": wl.requests,
-            "pages": wl.pages,
-            "page_bytes": wl.page_bytes,
-            "chunk_pages": wl.chunk_pages,
+            # stream_requests is the stream's own: "stream" says how many ran
+            **attrs.asdict(wl, filter=lambda a, _: a.name != "stream_requests"),
             "chunk_bytes_per_rank": chunk_bytes,
-            "ranks": wl.ranks,
-            "decodes": wl.decodes,
-            "concurrency": wl.concurrency,
-            "abort_fraction": wl.abort_fraction,
-            "prefill_fail_fraction": wl.prefill_fail_fraction,
-            "seed": wl.seed,
-            "pool_pages": wl.pool_pages,
             "abort_window_ms": window * 1e3,
             "backend_options": dict(options),
         },

@@ -42,7 +42,8 @@ class ShapeResult:
         ratio = kv_med / raw_med if raw_med else 0.0
         interval = median_interval(pair)
         verdict = interval.verdict(TARGET)
-        sh = self.plan.shape
+        sh, chunks = self.plan.shape, self.plan.run_chunks
+        cpu_ = {"kvconn": _cpu_summary(self.kvconn_cpu, chunks), "raw": _cpu_summary(self.raw_cpu, chunks)}
         return {
             "shape": sh.name,
             "page_bytes": sh.page_bytes,
@@ -68,45 +69,33 @@ class ShapeResult:
             "kvconn_gbps_all": kv,
             "raw_gbps_all": raw,
             "raw_child_gbps": statistics.median(n / s / 1e9 for s in self.raw_child_s),
-            "kvconn_ms_per_chunk": statistics.median(self.kvconn_s)
-            * 1e3
-            / (self.plan.rooms * self.plan.room_chunks),
-            "raw_ms_per_chunk": statistics.median(self.raw_s)
-            * 1e3
-            / (self.plan.rooms * self.plan.room_chunks),
+            "kvconn_ms_per_chunk": statistics.median(self.kvconn_s) * 1e3 / chunks,
+            "raw_ms_per_chunk": statistics.median(self.raw_s) * 1e3 / chunks,
             "verify_bad_pages": self.bad_pages,
             "segments_per_chunk": self.segments_per_chunk,
             "lowering_us_per_chunk": self.lowering_us_per_chunk,
-            "cpu": _with_overhead(
-                {
-                    "kvconn": _cpu_summary(self.kvconn_cpu, self.plan),
-                    "raw": _cpu_summary(self.raw_cpu, self.plan),
-                },
-                self.segments_per_chunk,
-            ),
+            "cpu": _with_overhead(cpu_, self.segments_per_chunk),
         }
 
 
 def _with_overhead(cpu_: dict[str, dict[str, float]], segments: float) -> dict[str, Any]:
     """``cpu_`` plus kvconn's own CPU per chunk and per segment: its two
-    processes' CPU time less the raw path's (owner + writer) for the same chunks."""
+    processes' CPU time less the raw path's (owner + writer) for the same
+    chunks; ``cpu_`` alone where a process's CPU is unknown (no /proc)."""
     kv, raw = cpu_["kvconn"], cpu_["raw"]
-    keys = ("decode_ms_per_chunk", "rank_ms_per_chunk", "raw_writer_ms_per_chunk")
-    if not all(k in {**kv, **raw} for k in keys):
+    try:
+        kv_ms = kv["decode_ms_per_chunk"] + kv["rank_ms_per_chunk"]
+        raw_ms = raw["decode_ms_per_chunk"] + raw["raw_writer_ms_per_chunk"]
+    except KeyError:
         return cpu_
-    kv_ms = kv.get("decode_ms_per_chunk", 0.0) + kv.get("rank_ms_per_chunk", 0.0)
-    raw_ms = raw.get("decode_ms_per_chunk", 0.0) + raw.get("raw_writer_ms_per_chunk", 0.0)
     extra_us = (kv_ms - raw_ms) * 1e3
-    out: dict[str, Any] = dict(cpu_)
-    out["kvconn_extra_us_per_chunk"] = extra_us
-    out["kvconn_extra_us_per_segment"] = extra_us / segments if segments else 0.0
-    return out
+    per_segment = extra_us / segments if segments else 0.0
+    return {**cpu_, "kvconn_extra_us_per_chunk": extra_us, "kvconn_extra_us_per_segment": per_segment}
 
 
-def _cpu_summary(samples: Sequence[Mapping[str, float]], plan: Plan) -> dict[str, float]:
-    """Medians over measurements: ``<process>_ms_per_chunk`` for each process,
-    and the machine's ``busy`` / ``steal`` / ``idle`` percent."""
-    chunks = plan.rooms * plan.room_chunks
+def _cpu_summary(samples: Sequence[Mapping[str, float]], chunks: int) -> dict[str, float]:
+    """Medians over measurements of ``chunks`` chunks: ``<process>_ms_per_chunk``
+    for each process, and the machine's ``busy`` / ``steal`` / ``idle`` percent."""
     out = {}
     for k in sorted({k for s in samples for k in s}):
         median = statistics.median(s[k] for s in samples if k in s)
@@ -176,7 +165,5 @@ def breakdown(
     out["transport_ms_by_position"] = [
         statistics.median(by_position[i]) * 1e3 if i in by_position else None for i in range(4)
     ]
-    out["raw_child_ms_per_chunk"] = (
-        statistics.median(res.raw_child_s) * 1e3 / (res.plan.rooms * res.plan.room_chunks)
-    )
+    out["raw_child_ms_per_chunk"] = statistics.median(res.raw_child_s) * 1e3 / res.plan.run_chunks
     return out

@@ -112,6 +112,10 @@ class Plan:
     def run_bytes(self) -> int:
         return self.rooms * self.room_bytes
 
+    @property
+    def run_chunks(self) -> int:
+        return self.rooms * self.room_chunks
+
     def chunks(self, j: int) -> Iterator[tuple[list[int], list[int]]]:
         cp = self.shape.chunk_pages
         for first in range(0, len(self.src[j]), cp):

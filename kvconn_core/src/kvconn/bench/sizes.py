@@ -69,21 +69,17 @@ def _cgroup_room() -> int | None:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
-            pairs = [
-                (f"/sys/fs/cgroup{p}/memory.max", f"/sys/fs/cgroup{p}/memory.current") for p in (path, "")
-            ]
+            root, limit_file, usage_file = "/sys/fs/cgroup", "memory.max", "memory.current"
         elif "memory" in controllers.split(","):  # v1
-            pairs = [
-                (
-                    f"/sys/fs/cgroup/memory{p}/memory.limit_in_bytes",
-                    f"/sys/fs/cgroup/memory{p}/memory.usage_in_bytes",
-                )
-                for p in (path, "")
-            ]
+            root, limit_file, usage_file = (
+                "/sys/fs/cgroup/memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         else:
             continue
-        for limit_path, usage_path in pairs:
-            limit, usage = _read_int(limit_path), _read_int(usage_path)
+        for folder in (f"{root}{path}", root):
+            limit, usage = _read_int(f"{folder}/{limit_file}"), _read_int(f"{folder}/{usage_file}")
             if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes "no limit" as ~2^63
                 return max(0, limit - usage)
     return None

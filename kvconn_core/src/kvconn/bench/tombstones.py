@@ -76,10 +76,9 @@ def _drain(ledger: RoomLedger, start: float, rooms: int) -> tuple[float, float, 
     return times[-1], times[len(times) // 2], calls, now - POLL_S - start
 
 
-def _clock() -> float:
-    """CPU time of this thread: on a shared machine wall time would time the
-    other processes too."""
-    return time.thread_time()
+#: CPU time of this thread: on a shared machine wall time would time the
+#: other processes too.
+_clock = time.thread_time
 
 
 def _loop_only(rooms: int, decodes: list[str]) -> float:

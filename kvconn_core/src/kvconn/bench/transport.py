@@ -89,20 +89,7 @@ def main(args: argparse.Namespace, options: Mapping[str, str], console: Console,
             def step(what: str, task: Any = task, name: str = name) -> None:
                 progress.update(task, description=escape(f"{name}: {what}"))
 
-            reports.append(
-                run_backend(
-                    name,
-                    options,
-                    shapes,
-                    args.repeat,
-                    args.bytes_per_run,
-                    args.room_bytes,
-                    args.inflight,
-                    args.seed,
-                    step,
-                    args.profile,
-                )
-            )
+            reports.append(run_backend(name, options, shapes, args, step))
             progress.remove_task(task)
     for rep in reports:
         print_report(console, rep)

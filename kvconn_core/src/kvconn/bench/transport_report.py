@@ -20,14 +20,11 @@ SATURATED_BUSY = 90.0
 
 
 def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
-    parts = {"kvconn": ("decode", "rank"), "raw": ("decode", "raw_writer")}
-    rows = [
-        r
-        for r in rep["shapes"]
-        if all(f"{p}_ms_per_chunk" in r["cpu"][side] for side, ps in parts.items() for p in ps)
-    ]
+    # Without every process's CPU (not Linux: no /proc) results.py adds no overhead.
+    rows = [r for r in rep["shapes"] if "kvconn_extra_us_per_chunk" in r["cpu"]]
     if not rows:
-        return  # not Linux: no /proc
+        return
+    parts = {"kvconn": ("decode", "rank"), "raw": ("decode", "raw_writer")}
     t = Table(title=escape(f"CPU per chunk on {rep['backend']}, every process (ms; medians)"))
     for col in (
         "shape",
@@ -46,16 +43,11 @@ def _print_cpu(console: Console, rep: dict[str, Any]) -> None:
         for side, c in (("kvconn", kv), ("raw", raw)):
             a, b = (c[f"{p}_ms_per_chunk"] for p in parts[side])
             cells.append(f"{a + b:.3f} = {a:.3f} + {b:.3f}")
-        extra = r["cpu"].get("kvconn_extra_us_per_chunk")
-        own = (
-            "-"
-            if extra is None
-            else f"{extra:.0f}, {r['cpu']['kvconn_extra_us_per_segment']:.2f} ({r['segments_per_chunk']:.0f})"
-        )
+        own = r["cpu"]["kvconn_extra_us_per_chunk"], r["cpu"]["kvconn_extra_us_per_segment"]
         t.add_row(
             escape(r["shape"]),
             *cells,
-            own,
+            f"{own[0]:.0f}, {own[1]:.2f} ({r['segments_per_chunk']:.0f})",
             f"{r['lowering_us_per_chunk']:.0f}",
             f"{kv.get('busy', 0):.0f}% / {raw.get('busy', 0):.0f}%",
             f"{kv.get('steal', 0):.0f}% / {raw.get('steal', 0):.0f}%",

@@ -24,6 +24,7 @@ source.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import threading
@@ -136,18 +137,16 @@ def run_backend(
     name: str,
     options: Mapping[str, str],
     shapes: Sequence[Shape],
-    repeat: int,
-    run_bytes: int,
-    room_bytes: int,
-    inflight: int,
-    seed: int,
+    args: argparse.Namespace,
     step: Callable[[str], None] = lambda _: None,
-    profile: bool = False,
 ) -> dict[str, Any]:
-    """Measure every shape ``repeat`` times on backend ``name``; the report dict."""
+    """Measure every shape ``args.repeat`` times on backend ``name``, as
+    ``--bytes-per-run``, ``--room-bytes``, ``--inflight``, ``--seed`` and
+    ``--profile`` say; the report dict."""
     backend = get_backend(name)
     kv = kv_shapes(shapes)
-    plans = [make_plan(s, run_bytes, room_bytes, inflight, seed) for s in shapes]
+    seed, repeat, profile = args.seed, args.repeat, args.profile
+    plans = [make_plan(s, args.bytes_per_run, args.room_bytes, args.inflight, seed) for s in shapes]
     source_pages = max(p.source_pages for p in plans)
     source_bytes = max(p.source_pages * p.shape.page_bytes * p.shape.buffers for p in plans)
     source = source_pattern(source_bytes, seed)

@@ -125,7 +125,6 @@ def plan_for_decode(work: Sequence[Planned], decode: int, wl: Workload) -> list[
 
 @attrs.define
 class _Active:
-    planned: Planned | None
     rx: Receiver
     pages: tuple[int, ...]
     started: float
@@ -391,18 +390,15 @@ class ModeRun:
         )
 
     # -- verification --------------------------------------------------------
-    def _verify(self, room: int, pages: Sequence[int]) -> bool:
+    def _verify(self, room: int, pages: Sequence[int]) -> None:
         pb, shard = self.wl.page_bytes, self.wl.shard
-        ok = True
         for i, page in enumerate(pages):
             self.result.pages_verified += 1
             data = self.decode.region.read(page * pb, pb)
             for rank in range(self.wl.ranks):
                 got = data[rank * shard : (rank + 1) * shard]
                 if got != shard_bytes(room, rank, i, shard):
-                    ok = False
                     self._violation("corrupt_page", room, self._explain(page, i, rank, got), page)
-        return ok
 
     def _explain(self, page: int, index: int, rank: int, got: bytes) -> str:
         shard = self.wl.shard
@@ -417,9 +413,6 @@ class ModeRun:
         return base
 
     # -- the run -------------------------------------------------------------
-    def _open(self, room: int, pages: tuple[int, ...]) -> Receiver:
-        return self.calls(self.decode.receiver, room, pages)
-
     def stream(self, rooms: Sequence[int], progress: Callable[[int], None]) -> dict[str, float]:
         """No aborts, pages never reused during the timing: throughput and
         the request latency."""
@@ -438,7 +431,9 @@ class ModeRun:
                 if pages is None:
                     break
                 room = todo.popleft()
-                active[room] = _Active(None, self._open(room, pages), pages, self._now(), None)
+                active[room] = _Active(
+                    self.calls(self.decode.receiver, room, pages), pages, self._now(), None
+                )
             for room, a in list(active.items()):
                 st = a.rx.poll()
                 if st is KVPoll.SUCCESS:
@@ -447,19 +442,19 @@ class ModeRun:
                     done.append((room, a.pages))
                     if len(done) == warm:  # first-touch and connection costs stay out of the timing
                         t0 = self._now()
-                    del active[room]
-                    progress(1)
                 elif st is KVPoll.FAILED:
                     failed += 1
                     self._failed(room, a)
-                    del active[room]
-                    progress(1)
-            self._pause(len(active))
+                else:
+                    continue
+                del active[room]
+                progress(1)
+            time.sleep(self._pause_s(len(active)))
         elapsed = self._now() - t0
         for room, pages in done:
             self._verify(room, pages)
             self._give_back(room, pages)
-        self.stream_rooms = [(room, pages) for room, pages in done]
+        self.stream_rooms = done
         nbytes = (len(done) - warm) * wl.pages * wl.page_bytes
         return {
             "warmup_requests": warm,
@@ -499,7 +494,9 @@ class ModeRun:
                 p = todo.popleft()
                 now = self._now()
                 abort_at = now + p.abort_u * abort_window_s if p.abort else None
-                active[p.room] = _Active(p, self._open(p.room, pages), pages, now, abort_at)
+                active[p.room] = _Active(
+                    self.calls(self.decode.receiver, p.room, pages), pages, now, abort_at
+                )
                 if abort_at is not None:
                     heapq.heappush(aborts, (abort_at, p.room))
                 if not poll_timed:  # what a poll costs, on the first receiver
@@ -553,9 +550,6 @@ class ModeRun:
         which takes the acks, waited for it: the release latency grew with
         the rooms in flight for the bench's own sake."""
         return max(self.poll_s, rooms * POLL_PAUSE_PER_ROOM_S)
-
-    def _pause(self, rooms: int) -> None:
-        time.sleep(self._pause_s(rooms))
 
     # -- what the run cost -----------------------------------------------------
     def _cpu(self) -> dict[str, Any]:
