@@ -234,10 +234,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     transport_mod.add_arguments(p)
 
 
-def _options(items: list[str]) -> dict[str, str]:
-    return parse_key_values(items, "--backend-option")
-
-
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not hasattr(args, "requests"):  # called by a cli.py that did not add our options
         add_arguments(parser)
@@ -260,11 +256,12 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     quiet_native_logs(args.verbose)
     try:
         with _interruptible():
+            options = parse_key_values(args.backend_option, "--backend-option")
             if args.transport:
-                return transport_mod.main(args, _options(args.backend_option), console, err)
+                return transport_mod.main(args, options, console, err)
             if _own_curve(args):
-                return curve_mod.run_own(args, _options(args.backend_option), console, err)
-            return _run(args, console, err)
+                return curve_mod.run_own(args, options, console, err)
+            return _run(args, options, console, err)
     except Interrupted as stop:
         err.print(f"kvconn bench: {stop.why}; no results")
         return 128 + stop.signum
@@ -407,11 +404,11 @@ def _unused_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return unused
 
 
-def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
+def _run(args: argparse.Namespace, options: dict[str, str], console: Console, err: Console) -> int:
     _check_args(args)
     provider = _start_trace(args.trace) if args.trace else None
     try:
-        return _run_traced(args, console, err)
+        return _run_traced(args, options, console, err)
     finally:
         if provider is not None:
             provider.shutdown()
@@ -429,14 +426,13 @@ def _start_trace(path: str) -> Any:
     return write_spans_to(path)
 
 
-def _run_traced(args: argparse.Namespace, console: Console, err: Console) -> int:
+def _run_traced(args: argparse.Namespace, options: dict[str, str], console: Console, err: Console) -> int:
     # A room's only chunk holds all its pages: the chunk the report (and the
     # drain estimate) speaks of is that one.
     args.chunk_pages = min(args.chunk_pages, args.pages)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in (KVCONN, LEGACY) for m in modes):
         raise ValueError(f"--modes takes kvconn and/or legacy, got {args.modes!r}")
-    options = _options(args.backend_option)
     backend = get_backend(args.backend)
     limit = capabilities_of(backend, options).max_write_timeout_s
     legacy_timeout = args.legacy_timeout

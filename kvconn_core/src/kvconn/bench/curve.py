@@ -23,12 +23,11 @@ from typing import Any
 
 import attrs
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 from kvconn.bench import fleet, segments, tombstones
 from kvconn.bench.mode_result import ModeResult
-from kvconn.bench.output import write_json
+from kvconn.bench.output import spinner, write_json
 from kvconn.bench.preflight import WHOLE_POINTS
 from kvconn.bench.workload import ModeRun, Settings, Workload, plan, pool_pages
 
@@ -68,13 +67,7 @@ CHOICES = sorted([*AXES, *OWN])
 def run_own(args: argparse.Namespace, options: dict[str, str], console: Console, err: Console) -> int:
     """``--curve segments|tombstones|fleet``: print its report, write its
     JSON; exit code 1 if a segments point's checked bytes came out wrong."""
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        console=err,
-        disable=args.no_progress,
-        transient=True,
-    ) as progress:
+    with spinner(err, args.no_progress) as progress:
         task = progress.add_task(f"--curve {args.curve}", total=None)
         return _run_own(args, options, console, lambda what: progress.update(task, description=what))
 

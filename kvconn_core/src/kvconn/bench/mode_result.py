@@ -80,17 +80,8 @@ def merge(results: Sequence[ModeResult]) -> ModeResult:
     latencies and violations summed over decodes (a violation's detail names
     its decode), peaks summed (each decode's own bound is checked in its run),
     wall time the longest; prefill counters are the shared ranks' own."""
-    per_decode = [
-        {
-            "requests": r.requests,
-            "completed": r.completed,
-            "aborted_mid_transfer": r.aborted_mid_transfer,
-            "prefill_failed": r.prefill_failed,
-            "pages_verified": r.pages_verified,
-            "violations": len(r.violations),
-        }
-        for r in results
-    ]
+    counts = ("requests", "completed", "aborted_mid_transfer", "prefill_failed", "pages_verified")
+    per_decode = [{**{k: getattr(r, k) for k in counts}, "violations": len(r.violations)} for r in results]
     if len(results) == 1:
         results[0].per_decode = per_decode
         return results[0]

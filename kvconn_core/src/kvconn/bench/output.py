@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 #: Width of a console that is not a terminal (a file or pipe), where rich
 #: would otherwise wrap every table to 80 columns and cut numbers in logs.
@@ -22,6 +23,13 @@ def console(stderr: bool = False) -> Console:
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out = Console(stderr=stderr, width=PIPE_WIDTH)
     return out
+
+
+def spinner(err: Console, disable: bool) -> Progress:
+    """Progress on ``err`` for steps of unknown length: a spinner, what runs
+    now and for how long; gone when done."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    return Progress(*columns, console=err, disable=disable, transient=True)
 
 
 def check_output_paths(*paths: str | None) -> None:

@@ -197,6 +197,11 @@ def _own_share(d: dict[str, Any]) -> str:
     return f"{mean:.3f} / {max(x['p99_at_most'] for x in shares):g}"
 
 
+def _prefill(d: dict[str, Any], *counters: str) -> str:
+    """The sum of the ranks' ``counters`` (none if no rank reported them)."""
+    return f"{sum(d['prefill'].get(c, 0) for c in counters):.0f}"
+
+
 def _fmt_lat(d: dict[str, float]) -> str:
     return f"{d['p50']:.2f} / {d['p99']:.2f} / {d['max']:.2f}" if d["n"] else "-"
 
@@ -244,17 +249,12 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
         "releases by proof",
         lambda d: escape(", ".join(f"{k}={v}" for k, v in sorted(d["releases_by_proof"].items()))),
     )
-    row(
-        "acks received / sent", lambda d: f"{d['acks_received']:.0f} / {d['prefill'].get('acks_sent', 0):.0f}"
-    )
-    row(
-        "fences ok / failed",
-        lambda d: f"{d['prefill'].get('fences_ok', 0):.0f} / {d['prefill'].get('fences_failed', 0):.0f}",
-    )
+    row("acks received / sent", lambda d: f"{d['acks_received']:.0f} / {_prefill(d, 'acks_sent')}")
+    row("fences ok / failed", lambda d: f"{_prefill(d, 'fences_ok')} / {_prefill(d, 'fences_failed')}")
     row(
         "poisoned (unsettled chunks / at end)",
         lambda d: (
-            f"{d['prefill'].get('chunks_unsettled', 0) + d['prefill'].get('chunks_plugin_error', 0):.0f} / {d['prefill'].get('poisoned_rooms_end', 0):.0f}"
+            f"{_prefill(d, 'chunks_unsettled', 'chunks_plugin_error')} / {_prefill(d, 'poisoned_rooms_end')}"
         ),
     )
     row(

@@ -183,11 +183,7 @@ def measure(
         step(f"{name}: {point.segments} segments, warm-up")
         kvconn()
         raw_write()
-        point.lowering_s.clear()
-        point.kvconn_post_s.clear()
-        point.kvconn_total_s.clear()
-        point.raw_post_s.clear()
-        point.raw_total_s.clear()
+        point = Point(len(table), pages, table.nbytes)  # the warm-up's figures left out
         for r in range(repeat):
             step(f"{name}: {point.segments} segments, {r + 1}/{repeat}")
             for side in (kvconn, raw_write) if r % 2 == 0 else (raw_write, kvconn):

@@ -17,9 +17,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from kvconn.bench.output import check_output_paths, write_json
+from kvconn.bench.output import check_output_paths, spinner, write_json
 from kvconn.bench.shapes import DEFAULT_SHAPES, Shape
 from kvconn.bench.sizes import MiB, size_arg
 from kvconn.bench.transport_report import print_report
@@ -75,14 +74,7 @@ def main(args: argparse.Namespace, options: Mapping[str, str], console: Console,
     for name in names:  # every name, before minutes of measuring the first ones
         get_backend(name)
     reports = []
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=err,
-        disable=args.no_progress,
-        transient=True,
-    ) as progress:
+    with spinner(err, args.no_progress) as progress:
         for name in names:
             task = progress.add_task(escape(name), total=None)
 

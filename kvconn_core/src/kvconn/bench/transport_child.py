@@ -36,7 +36,6 @@ from kvconn.transport import Settlement
 
 def _rank_child(cfg: dict[str, Any]) -> None:
     """A prefill rank whose 'engine' sends a room's chunks as soon as decode asks."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     backend = get_backend(cfg["backend"])
     src_plans: list[list[list[int]]] = cfg["src"]
     chunk_pages: list[int] = cfg["chunk_pages"]
@@ -106,7 +105,6 @@ class _Profiler:
 
 def _raw_child(cfg: dict[str, Any]) -> None:
     """Writes the same segments through the raw API on command."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     pattern = source_pattern(int(cfg["source_bytes"]), int(cfg["seed"]))
     kv = Shape(**cfg["kv"]) if cfg.get("kv") else None
     if kv is not None:
@@ -152,6 +150,7 @@ def _raw_child(cfg: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     quiet_interrupts()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     args = load_args(sys.argv[1]) if len(sys.argv) == 2 else {}
     if args.get("role") == "rank":
         _rank_child(args)
