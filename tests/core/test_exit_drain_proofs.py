@@ -15,6 +15,7 @@ while a byte can still arrive, and are released, with the proof named, after.
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -113,15 +114,22 @@ def _released_after_check(decode: DecodeEndpoint, released: list[Release], count
 
 
 def test_a_writers_exit_waits_for_its_connections_to_drain(
-    setup: Setup, dead_peer: tuple[socket.socket, socket.socket]
+    setup: Setup, dead_peer: tuple[socket.socket, socket.socket], caplog: pytest.LogCaptureFixture
 ) -> None:
     decode = setup.decode
     rx = decode.receiver(ROOM, (3, 4))
-    _mark_gone(decode, 0, _exited_pid())
+    pid = _exited_pid()
+    _mark_gone(decode, 0, pid)
     rx.abort()
-    _check_exits(decode)
+    with caplog.at_level(logging.WARNING, logger="kvconn.runtime.decode"):
+        _check_exits(decode)
+        _check_exits(decode)
     assert rx.state() is HoldState.HELD and setup.released == []  # its bytes may still arrive
     ours, _ = dead_peer
+    # the wait is said once, naming the end it waits for
+    [said] = [r.getMessage() for r in caplog.records if "wait for" in r.getMessage()]
+    port = ours.getsockname()[1]
+    assert f"writer exit proven (pids {pid})" in said and f"127.0.0.1:{port} from" in said, said
     assert ours.recv(64)
     ours.close()
     wait_for(lambda: _released_after_check(decode, setup.released), WAIT_S, "the exit proof")

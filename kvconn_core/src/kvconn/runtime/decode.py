@@ -51,7 +51,7 @@ from kvconn.protocol.endpoint_events import WriterIdentity as WriterIdentityBase
 from kvconn.protocol.hold import HoldTracker, Proof, Release
 from kvconn.protocol.ledger import KVPoll
 from kvconn.protocol.liveness import link_heartbeat
-from kvconn.protocol.messages import AbortAck, Hello, Message
+from kvconn.protocol.messages import AbortAck, Hello, Message, TcpConnection
 from kvconn.protocol.owner_fence import OwnerFencePolicy
 from kvconn.protocol.write_deadline import check_writer_deadline
 from kvconn.runtime.control import Listener, Outbox
@@ -133,6 +133,8 @@ class DecodeEndpoint:
         self.clock = clock
         #: Where a writer's pid can be checked here ("": nowhere; see proven_gone).
         self._pid_namespace = pid_namespace()
+        #: The dead peers' ends the exit proof last waited on (logged once each).
+        self._ends_waited: frozenset[TcpConnection] = frozenset()
         self.on_release = on_release
         self.name = f"decode-{uuid.uuid4().hex[:12]}"
         self.metrics = Metrics("decode")
@@ -477,9 +479,7 @@ class DecodeEndpoint:
                 table = TcpTable()  # one reading of /proc for every held-back ack
                 drained = tuple(ack for ack in probes.acks if not table.undrained(ack.closed))
             gone = frozenset(w for w in probes.owed | probes.live if self._gone(w))
-            # A dead writer's kernel still delivers what it had sent: its exit
-            # proves nothing until our ends of its connections drained.
-            peers_drained = not (gone & probes.owed) or not dead_peer_ends()
+            peers_drained = self._peers_drained(gone & probes.owed)
             releases = self._carrier.run(self._state.handle(Tick(gone, peers_drained, drained), now), now)
             next_deadline = self._state.next_wakeup()
             draining = bool(self._state.draining)
@@ -498,12 +498,35 @@ class DecodeEndpoint:
         now = self.clock()
         with self._lock:
             gone = frozenset(w for w in self._state.owed() if self._gone(w))
-            event = ExitsProbed(gone, not gone or not dead_peer_ends())
+            event = ExitsProbed(gone, self._peers_drained(gone))
             releases = self._carrier.run(self._state.handle(event, now), now)
         self._notify(releases)
 
     def _gone(self, writer: WriterIdentityBase) -> bool:
         return proven_gone(writer, self._pid_namespace)
+
+    def _peers_drained(self, gone: frozenset[WriterIdentityBase]) -> bool:
+        """No end of ours still holds bytes a dead peer sent (lock held): a
+        dead writer's kernel goes on delivering what it had sent, so the
+        exit of ``gone`` (writers held rooms owe a proof) proves nothing
+        until then. Each new set of ends waited on is logged: pages held by
+        an end that nothing here ever reads would otherwise wait unexplained."""
+        if not gone:
+            return True
+        ends = dead_peer_ends()
+        seen = frozenset(ends)
+        if ends and seen != self._ends_waited:
+            log.warning(
+                "writer exit proven (pids %s): its rooms' pages wait for %d connection ends whose "
+                "peer is gone to be read (%s)",
+                ", ".join(str(w.pid) for w in sorted(gone, key=lambda w: w.pid)),
+                len(ends),
+                ", ".join(
+                    f"{c.local_host}:{c.local_port} from {c.remote_host}:{c.remote_port}" for c in ends
+                ),
+            )
+        self._ends_waited = seen
+        return not ends
 
     def _notify(self, releases: list[Release]) -> None:
         if self.on_release is None:
