@@ -147,7 +147,7 @@ class Metrics:
         #: ``messages``' child per message type: ``labels()`` costs a few µs, on every message.
         self._message_counters: dict[type, Any] = {}
         #: Labelled children by (metric, label values): see :meth:`child`.
-        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[Any, tuple[Any, ...]], Any] = {}
         self.trace_contexts_dropped = Counter(
             "kvconn_trace_contexts_dropped",
             "Trace contexts that did not parse (message still handled)",
@@ -297,24 +297,21 @@ class Metrics:
         how an engine's relay carries histograms exactly."""
         self._listeners.append(observed)
 
-    def child(self, metric: Counter | Histogram, *values: str) -> Any:
-        """``metric.labels(*values)``, kept: the hot path (a release, an ack)
-        asks the same few children every time, and prometheus_client checks
-        and looks the values up under a lock at each ``labels()`` call (a
-        quarter of decode's listener CPU per aborted room, profiled)."""
-        key = (metric, values)
+    def child(self, metric: Counter | Histogram, *values: str, **named: str) -> Any:
+        """``metric.labels(*values)`` or ``metric.labels(**named)``, kept: the
+        hot path (a release, an ack) asks the same few children every time,
+        and prometheus_client checks and looks the values up under a lock at
+        each ``labels()`` call (a quarter of decode's listener CPU per aborted
+        room, profiled)."""
+        key = (metric, values) if values else (metric, tuple(named.items()))
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*values)
+            child = self._children[key] = metric.labels(*values, **named)
         return child
 
     def observe(self, histogram: Histogram, name: str, value: float, **labels: str) -> None:
         """``histogram`` (``name``) observes ``value`` for ``labels``, and the listeners hear of it."""
-        key = (histogram, tuple(labels.values()))  # a call site names its labels in one order
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = histogram.labels(**labels)
-        child.observe(value)
+        self.child(histogram, **labels).observe(value)
         for observed in self._listeners:
             observed(name, labels, value)
 
@@ -332,7 +329,7 @@ class Metrics:
         """One more control message of type ``kind`` handled."""
         counter = self._message_counters.get(kind)
         if counter is None:
-            counter = self._message_counters[kind] = self.child(self.messages, kind.__name__)
+            counter = self._message_counters[kind] = self.messages.labels(kind.__name__)
         counter.inc()
 
     def value(self, name: str, **labels: str) -> float:
