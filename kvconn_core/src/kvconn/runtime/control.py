@@ -11,12 +11,12 @@ The heartbeat runs on a probe connection of its own beside the one that
 carries frames: dropping a connection loses what its kernel buffer still
 held, and a TransferRequest lost so is never sent again (its room waited
 for ever after a 0.5 s cut in 2 of 7 runs when the heartbeat ran on the
-frames' connection; 0 of 10 with it apart). A connection attempt gives
-up after half a second and is made again (``ZMQ_CONNECT_TIMEOUT``,
-``RECONNECT_IVL_MAX``): a link lost to a partition comes back within about
-that after the heal, where the kernel's SYN back-off waited up to half a
-minute. An outbox that watches its links (decode's) has a socket monitor
-on each, reporting a handshake done or a connection lost; the listener thread reads
+frames' connection; 0 of 10 with it apart). A connection attempt gives up after a second and is made again
+(``ZMQ_CONNECT_TIMEOUT``, ``RECONNECT_IVL_MAX``): a link lost to a
+partition comes back within about that after the heal, where the kernel's
+SYN back-off waited up to half a minute. An
+outbox that watches its links (decode's) has a socket monitor on each,
+reporting a handshake done or a connection lost; the listener thread reads
 those events (before the messages that came with them, and before its idle
 call) and hands them to ``on_links``.
 """
@@ -209,13 +209,9 @@ class Outbox:
     #: Frames queued for one peer before its frames are dropped.
     QUEUE_LIMIT = 100_000
     #: A connection attempt that has not completed in this long is given up
-    #: and tried again (ZMQ_CONNECT_TIMEOUT), at most this often once failing:
-    #: after a partition heals, the next attempt's SYN is what brings the link
-    #: back (a 30 s cut: pages back 0.94-0.97 s after the heal with 1 s here,
-    #: 0.14-0.96 s with 0.5 s; shorter risks giving up on handshakes that a
-    #: starved I/O thread has not yet read).
-    CONNECT_TIMEOUT_S = 0.5
-    RECONNECT_MAX_S = 0.5
+    #: and tried again (ZMQ_CONNECT_TIMEOUT), at most this often once failing.
+    CONNECT_TIMEOUT_S = 1.0
+    RECONNECT_MAX_S = 1.0
 
     def __init__(
         self,
