@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvconn.protocol.hold import Proof
+from kvconn.protocol.messages import TAGS
 from kvconn.transport import Settlement
 
 #: ``kvconn_fences_total{result}`` and ``kvconn_ranks_down_total{cause}``: every value the runtime counts.
@@ -34,13 +35,16 @@ REFUSAL_REASONS = (
     "pages_in_use", "rank_down", "endpoint_down", "draining", "room_in_use", "bootstrap", "invalid",
 )  # fmt: skip
 
-#: Families whose values exist only when a registry is scraped (the chunk
-#: tally's plain ints, decode's hold gauges computed from its tracker):
+#: Families whose values exist only when a registry is scraped (the
+#: tallies' plain ints, decode's hold gauges computed from its tracker):
 #: prometheus_client's multiprocess files, which SGLang's /metrics reads,
 #: never see them (kvconn_sglang.metrics relays them).
 SCRAPE_TIME_FAMILIES = frozenset(
     {
         "kvconn_chunks",
+        "kvconn_messages",
+        "kvconn_releases",
+        "kvconn_released_pages",
         "kvconn_rooms_held",
         "kvconn_pages_held",
         "kvconn_pages_quarantined",
@@ -143,9 +147,10 @@ class Metrics:
         self.role = role
         self._listeners: list[Callable[[str, Mapping[str, str], float], None]] = []
         self.dropped = Counter("kvconn_dropped_messages", "Control frames dropped", ["reason"], registry=r)
-        self.messages = Counter("kvconn_messages", "Control messages handled", ["type"], registry=r)
-        #: ``messages``' child per message type: ``labels()`` costs a few µs, on every message.
-        self._message_counters: dict[type, Any] = {}
+        #: Counted on the listener's thread only, on every message: a tally.
+        self.messages = Tally(
+            "kvconn_messages", "Control messages handled", "type", (c.__name__ for c in TAGS), registry=r
+        )
         #: Labelled children by (metric, label values): see :meth:`child`.
         self._children: dict[tuple[Any, tuple[Any, ...]], Any] = {}
         self.trace_contexts_dropped = Counter(
@@ -176,8 +181,12 @@ class Metrics:
         # decode side
         self.acks_received = Counter("kvconn_acks_received", "ABORT_ACKs that proved a rank", registry=r)
         self.aborts_sent = Counter("kvconn_aborts_sent", "ABORT messages sent", registry=r)
-        self.releases = Counter("kvconn_releases", "Held rooms released, by proof", ["proof"], registry=r)
-        self.released_pages = Counter("kvconn_released_pages", "Held pages released", ["proof"], registry=r)
+        # Counted under the endpoint's lock on every release: tallies.
+        proofs = [p.value for p in Proof]
+        self.releases = Tally("kvconn_releases", "Held rooms released, by proof", "proof", proofs, registry=r)
+        self.released_pages = Tally(
+            "kvconn_released_pages", "Held pages released", "proof", proofs, registry=r
+        )
         self.quarantines = Counter("kvconn_quarantines", "Rooms moved to quarantine", registry=r)
         self.room_bootstrap_timeouts = Counter(
             "kvconn_room_bootstrap_timeouts",
@@ -264,8 +273,6 @@ class Metrics:
         # increase() cannot see a series' first event, so a counter child
         # created by its first inc() would never fire an alert on it.
         for proof in Proof:
-            self.releases.labels(proof.value)
-            self.released_pages.labels(proof.value)
             self.release_latency.labels(proof.value)
         for result in FENCE_RESULTS:
             self.fences.labels(result)
@@ -326,11 +333,8 @@ class Metrics:
         self.ack_wait.labels(*labels)
 
     def count_message(self, kind: type) -> None:
-        """One more control message of type ``kind`` handled."""
-        counter = self._message_counters.get(kind)
-        if counter is None:
-            counter = self._message_counters[kind] = self.messages.labels(kind.__name__)
-        counter.inc()
+        """One more control message of type ``kind`` handled (on the listener's thread)."""
+        self.messages.counts[kind.__name__] += 1
 
     def value(self, name: str, **labels: str) -> float:
         """The sum of the samples ``name`` whose labels include ``labels``

@@ -96,8 +96,8 @@ class Carrier:
         releases.append(action)
         proof = action.proof.value
         m = self.metrics
-        m.child(m.releases, proof).inc()
-        m.child(m.released_pages, proof).inc(len(action.pages))
+        m.releases.counts[proof] += 1
+        m.released_pages.counts[proof] += len(action.pages)
         m.observe(m.release_latency, "kvconn_abort_to_release_seconds", action.held_for, proof=proof)
         if action.quarantined_for:
             m.quarantine_seconds.inc(action.quarantined_for)
