@@ -11,9 +11,10 @@ The heartbeat runs on a probe connection of its own beside the one that
 carries frames: dropping a connection loses what its kernel buffer still
 held, and a TransferRequest lost so is never sent again (its room waited
 for ever after a 0.5 s cut in 2 of 7 runs when the heartbeat ran on the
-frames' connection; 0 of 10 with it apart). A connection attempt gives up after a second and is made again
+frames' connection; 0 of 10 with it apart). A connection attempt gives up
+after half a second and is made again 0.1-0.2 s later
 (``ZMQ_CONNECT_TIMEOUT``, ``RECONNECT_IVL_MAX``): a link lost to a
-partition comes back within about that after the heal, where the kernel's
+partition comes back within about 0.7 s of the heal, where the kernel's
 SYN back-off waited up to half a minute. An
 outbox that watches its links (decode's) has a socket monitor on each,
 reporting a handshake done or a connection lost; the listener thread reads
@@ -215,9 +216,16 @@ class Outbox:
     #: Frames queued for one peer before its frames are dropped.
     QUEUE_LIMIT = 100_000
     #: A connection attempt that has not completed in this long is given up
-    #: and tried again (ZMQ_CONNECT_TIMEOUT), at most this often once failing.
-    CONNECT_TIMEOUT_S = 1.0
-    RECONNECT_MAX_S = 1.0
+    #: (ZMQ_CONNECT_TIMEOUT) and made again after RECONNECT_MAX_S (libzmq
+    #: adds up to as much again at random), never backed off further: after
+    #: a partition heals, each link's next SYN is at most ~0.7 s away. The
+    #: links of a pair cycle apart, and a page waits for the slowest:
+    #: decode's frames, decode's probe and the rank's frames to decode. A
+    #: 30 s cut's pages came back 0.17-1.02 s after the heal (10 runs), where
+    #: 1 s and 1 s gave 0.97-1.88 s. Not shorter: an attempt whose I/O
+    #: thread waits longer than this for a CPU gives up a connection made.
+    CONNECT_TIMEOUT_S = 0.5
+    RECONNECT_MAX_S = 0.1
 
     def __init__(
         self,
