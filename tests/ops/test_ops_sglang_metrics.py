@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_every_kvconn_family_reaches_sglangs_metrics(sglang_metrics: str) -> Non
     assert value("kvconn_pages_held", "kvconn_pages_held", kvconn_endpoint="decode-0") == 0.0
     assert value("kvconn_pages_quarantined", "kvconn_pages_quarantined", kvconn_endpoint="decode-0") == 0.0
     assert value("kvconn_quarantine_oldest_seconds", "kvconn_quarantine_oldest_seconds") == 0.0
-    # the endpoint's own counters and histogram, through the files by themselves
+    # the relayed tallies (kvconn_releases), and the histogram through the files by itself
     released = sum(s.value for s in families["kvconn_releases"].samples if s.name == "kvconn_releases_total")
     assert released == 1.0
     assert (
@@ -98,3 +99,39 @@ def test_every_kvconn_family_reaches_sglangs_metrics(sglang_metrics: str) -> Non
     labelled_unset = {"kvconn_dropped_messages", "kvconn_plugin_errors", "kvconn_abort_to_ack_seconds"}
     assert expected - labelled_unset <= set(families), sorted(expected - set(families))
     assert SCRAPE_TIME_FAMILIES - {"kvconn_chunks", "kvconn_rank_info"} <= set(families)
+
+
+def test_a_poke_relays_the_held_pages_at_once_not_at_the_next_interval() -> None:
+    """A release pokes the relay: SGLang's /metrics shows the held pages
+    within the relay's minimum gap, where the interval alone (a second in
+    SGLang) made a fault run's "capacity back" up to a second late."""
+    from kvconn_sglang.metrics import Relay
+
+    metrics = Metrics("decode")
+    held = [7.0]
+    metrics.pages_held.set_function(lambda: held[0])
+    relay = Relay(lambda: [("decode-0", metrics)], interval_s=60.0)  # the interval never comes
+    try:
+
+        def relayed() -> float | None:
+            for made in relay.recorder.made:
+                for family in made.collect():
+                    for s in family.samples:
+                        if s.name == "kvconn_pages_held":
+                            return float(s.value)
+            return None
+
+        relay.poke()
+        deadline = time.monotonic() + 10
+        while relayed() != 7.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert relayed() == 7.0
+        held[0] = 0.0
+        t = time.monotonic()
+        relay.poke()
+        while relayed() != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert relayed() == 0.0, "a poke while the interval is a minute away was not relayed"
+        assert time.monotonic() - t < 5  # a loaded CI machine: far under the interval all the same
+    finally:
+        relay.close()

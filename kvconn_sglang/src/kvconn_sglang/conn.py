@@ -308,6 +308,8 @@ class KVConnKVManager(BaseKVManager):  # type: ignore[misc]
         # pages on its scheduler thread (resolve_deferred_releases).
         with self._lock:
             self._held.discard(release.room)
+        if self.metrics_relay is not None:
+            self.metrics_relay.poke()  # the held pages on /metrics now, not up to a second later
         log.debug("kvconn released room %d (%s)", release.room, release.proof)
 
 

@@ -9,10 +9,12 @@ too, so in a scheduler process most of them land in those files by
 themselves: the counters (summed over the TP ranks' processes), the
 histograms, and ``kvconn_poisoned_rooms`` (one series per process, the
 ``pid`` label). What has no stored value, only one computed when a registry
-is scraped, does not: the per-chunk tally ``kvconn_chunks`` and decode's hold
-gauges (``kvconn.metrics.SCRAPE_TIME_FAMILIES``). :class:`Relay` carries
-those: a thread records them every second (:mod:`kvconn.metrics_relay`)
-into prometheus_client metrics of the same names made in this process, so
+is scraped, does not: the tallies (``kvconn_chunks``, ``kvconn_messages``,
+``kvconn_releases``, ``kvconn_released_pages``) and decode's hold gauges
+(``kvconn.metrics.SCRAPE_TIME_FAMILIES``). :class:`Relay` carries
+those: a thread records them every second, and within 0.1 s of each
+release (:mod:`kvconn.metrics_relay`), into prometheus_client metrics of
+the same names made in this process, so
 they reach the files, labelled ``kvconn_endpoint`` (``decode-<tp rank>``,
 ``prefill-<tp rank>``). Outside multiprocess mode (SGLang without
 ``--enable-metrics``) the relay is not started.
@@ -39,9 +41,14 @@ def multiprocess_mode() -> bool:
 
 
 class Relay:
-    """Every ``interval_s``, what changed in ``endpoints()`` of
-    :data:`~kvconn.metrics.SCRAPE_TIME_FAMILIES`, recorded into this
-    process's multiprocess files. ``close()`` records once more and stops."""
+    """Every ``interval_s``, and soon after each :meth:`poke`, what changed
+    in ``endpoints()`` of :data:`~kvconn.metrics.SCRAPE_TIME_FAMILIES`,
+    recorded into this process's multiprocess files. ``close()`` records
+    once more and stops."""
+
+    #: Pokes closer together than this are relayed together: a storm of
+    #: releases costs the scheduler's process ten relays a second at most.
+    MIN_GAP_S = 0.1
 
     def __init__(
         self, endpoints: Callable[[], Sequence[tuple[str, Metrics]]], interval_s: float = 1.0
@@ -55,6 +62,7 @@ class Relay:
             functools.partial(Counter, registry=None), functools.partial(Gauge, registry=None), None
         )
         self._stop = threading.Event()
+        self._due = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvconn-metrics-relay", daemon=True)
         self._thread.start()
 
@@ -63,13 +71,26 @@ class Relay:
         if report is not None:
             self.recorder.record(report)
 
+    def poke(self) -> None:
+        """Relay now (within :attr:`MIN_GAP_S`), not at the next interval:
+        a release changed the held pages, and an operator (or a fault run
+        timing capacity) reads them off ``/metrics``. Never blocks."""
+        self._due.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._due.wait(self.interval_s)
+            self._due.clear()
+            if self._stop.is_set():
+                return
             self.relay_once()
+            if self._stop.wait(self.MIN_GAP_S):
+                return
 
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._due.set()
         self._thread.join(timeout=5)
         self.relay_once()
