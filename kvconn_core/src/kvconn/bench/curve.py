@@ -29,6 +29,7 @@ from kvconn.bench import fleet, segments, tombstones
 from kvconn.bench.mode_result import ModeResult
 from kvconn.bench.output import spinner, write_json
 from kvconn.bench.preflight import WHOLE_POINTS
+from kvconn.bench.stats import ratio
 from kvconn.bench.workload import ModeRun, Settings, Workload, plan, pool_pages
 
 #: Each axis: the Workload field it varies.
@@ -44,18 +45,9 @@ DEFAULT_POINTS: dict[str, tuple[float, ...]] = {
 }
 
 
-#: Curves with a module of their own, and the options each reads besides
-#: ``--curve``, ``--curve-points`` and the output's (``--json``, ``-v``,
-#: ``--no-progress``):
-#:
-#: * ``segments``: kvconn's lowering and post against the raw library's for
-#:   the same scattered descriptors (:mod:`kvconn.bench.segments`); points:
-#:   segments per chunk;
-#: * ``tombstones``: a rank's ledger through an abort storm
-#:   (:mod:`kvconn.bench.tombstones`); points: room ids aborted;
-#: * ``fleet``: control messages and memory of a simulated fleet
-#:   (:mod:`kvconn.bench.fleet`); points: the fleet's size, as factors of
-#:   100 decodes and 100 prefill instances of 8 ranks.
+#: Curves with a module of their own (of the same name), and the options each
+#: reads besides ``--curve``, ``--curve-points`` and the output's (``--json``,
+#: ``-v``, ``--no-progress``): cli.py refuses any other.
 OWN: dict[str, frozenset[str]] = {
     "segments": frozenset({"backend", "backend_option", "repeat", "seed"}),
     "tombstones": frozenset(),
@@ -144,10 +136,10 @@ def run(args: argparse.Namespace, base: Workload, settings: Settings, window_s: 
     first_p99 = next((row["release_p99_ms"] for row in rows if row["release_p99_ms"]), 0.0)
     first_own = next((row["own_share_ms"] for row in rows if row["own_share_ms"]), 0.0)
     for row in rows:
-        row["p99_ratio"] = _ratio(row["release_p99_ms"], first_p99) if row["release_p99_ms"] else None
-        row["throughput_ratio"] = _ratio(row["throughput_gbps"], first["throughput_gbps"])
+        row["p99_ratio"] = ratio(row["release_p99_ms"], first_p99) if row["release_p99_ms"] else None
+        row["throughput_ratio"] = ratio(row["throughput_gbps"], first["throughput_gbps"])
         row["p99_vs_timeout"] = row["release_p99_ms"] / (args.abort_timeout * 1e3)
-        row["own_share_ratio"] = _ratio(row["own_share_ms"], first_own) if row["own_share_ms"] else None
+        row["own_share_ratio"] = ratio(row["own_share_ms"], first_own) if row["own_share_ms"] else None
     return {"curve": args.curve, "axis": field, "window_ms": window_s * 1e3, "points": rows}
 
 
@@ -188,10 +180,6 @@ def _kvconn_share(parts: dict[str, Any]) -> dict[str, Any]:
         "page_faults_per_request": parts["page_faults"],
         "cpu_wait_us": parts["decode"]["cpu_wait"] + sum(r["cpu_wait"] for r in parts["ranks"]),
     }
-
-
-def _ratio(x: float, base: float) -> float | None:
-    return x / base if base else None
 
 
 def print_report(console: Console, report: dict[str, Any]) -> None:
@@ -242,5 +230,5 @@ def _us(decode: float | None, rank: float | None) -> str:
     return "n/a" if decode is None or rank is None else f"{decode:.0f}, {rank:.0f}"
 
 
-def _x(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:.2f}x"
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"

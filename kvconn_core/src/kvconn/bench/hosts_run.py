@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvconn.bench.output import write_json
+from kvconn.bench.stats import ratio
 from kvconn.bench.workload import Settings, Workload, rank_args
 from kvconn.plugins import get_backend
 from kvconn.testing import host_faults, hosts
@@ -164,9 +165,6 @@ def _one_run(
 
 
 def _ratios(one: Mapping[str, Any], across: Mapping[str, Any]) -> dict[str, float | None]:
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
-
     lat1, lat2 = one["release_latency_ms"], across["release_latency_ms"]
     return {
         "release_p50": ratio(lat2["p50"], lat1["p50"]),
@@ -197,10 +195,7 @@ def print_report(console: Console, rep: Mapping[str, Any]) -> None:
     for col in ("", "one host", f"across hosts ({rep['hosts']})", "across / one"):
         t.add_column(col, justify="right" if col else "left")
     r = rep["ratios"]
-
-    def row(label: str, a: str, b: str, ratio: str = "") -> None:
-        t.add_row(label, a, b, ratio)
-
+    row = t.add_row  # a row without a ratio leaves its last cell empty
     lat1, lat2 = one["release_latency_ms"], across["release_latency_ms"]
     row("abort->release ms p50", f"{lat1['p50']:.2f}", f"{lat2['p50']:.2f}", _x(r["release_p50"]))
     row("abort->release ms p99", f"{lat1['p99']:.2f}", f"{lat2['p99']:.2f}", _x(r["release_p99"]))

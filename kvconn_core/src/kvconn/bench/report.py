@@ -311,7 +311,9 @@ def print_report(console: Console, rep: dict[str, Any]) -> None:
     else:
         console.print(f"raw comparison: {escape(raw['detail'])}")
     if rep.get("faults"):
-        _print_faults(console, rep["faults"])
+        console.print(matrix_report.table(rep["faults"]))
+        for line in matrix_report.notes(rep["faults"]):
+            console.print(escape(line))
     _print_targets(console, rep)
     _print_violations(console, rep["violations"])
     for n in rep["notes"]:
@@ -374,9 +376,3 @@ def _print_targets(console: Console, rep: dict[str, Any]) -> None:
     else:
         why = f"the machine was not saturated ({busy:.0f}% busy, {steal:.0f}% steal): worth a look"
     console.print(f"stated targets missed: {escape(', '.join(missed))}; {escape(why)}")
-
-
-def _print_faults(console: Console, faults: list[dict[str, Any]]) -> None:
-    console.print(matrix_report.table(faults))
-    for line in matrix_report.notes(faults):
-        console.print(escape(line))

@@ -78,3 +78,8 @@ def stats(xs: Sequence[float]) -> dict[str, float]:
         return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
     cuts = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [xs[0]] * 99
     return {"n": len(xs), "p50": cuts[49], "p99": cuts[98], "max": max(xs), "mean": statistics.fmean(xs)}
+
+
+def ratio(x: float, base: float) -> float | None:
+    """``x / base``; None where ``base`` is 0 (nothing to compare with)."""
+    return x / base if base else None

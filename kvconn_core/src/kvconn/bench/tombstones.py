@@ -187,27 +187,17 @@ def report(r: dict[str, Any]) -> str:
     # Times scaled to an idle core by the calibration loop: a shared
     # machine's CPU can be several times slower than its model's.
     scale = NOMINAL_CALIBRATION_US / r["calibration_us"]
+
+    def timed(name: str, key: str, unit: str, digits: int, goal: str) -> tuple[str, str, str, str]:
+        here, idle = r[key], r[key] * scale
+        return name, f"{here:.{digits}f} {unit}", f"{idle:.{digits}f} {unit}", goal
+
     rows = [
         ("bytes per tombstone", f"{r['bytes_per_tombstone']:.0f} B", "", "<= 200 B"),
-        ("abort + try_ack", f"{r['us_per_abort']:.2f} us", f"{r['us_per_abort'] * scale:.2f} us", "<= 5 us"),
-        (
-            "first expire() after the storm",
-            f"{r['first_expire_ms']:.3f} ms",
-            f"{r['first_expire_ms'] * scale:.3f} ms",
-            "<= 1 ms",
-        ),
-        (
-            "worst single expire()",
-            f"{r['worst_expire_ms']:.3f} ms",
-            f"{r['worst_expire_ms'] * scale:.3f} ms",
-            "<= 1 ms",
-        ),
-        (
-            "median expire() while draining",
-            f"{r['median_expire_ms']:.3f} ms",
-            f"{r['median_expire_ms'] * scale:.3f} ms",
-            "",
-        ),
+        timed("abort + try_ack", "us_per_abort", "us", 2, "<= 5 us"),
+        timed("first expire() after the storm", "first_expire_ms", "ms", 3, "<= 1 ms"),
+        timed("worst single expire()", "worst_expire_ms", "ms", 3, "<= 1 ms"),
+        timed("median expire() while draining", "median_expire_ms", "ms", 3, ""),
         ("objects the collector walks", f"{r['gc_objects_per_tombstone']:.2f}", "", "per tombstone"),
         ("memory left after expiry", f"{r['mib_after_expiry']:.2f} MiB", "", "0 (baseline)"),
     ]

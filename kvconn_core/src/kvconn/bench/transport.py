@@ -1,13 +1,6 @@
-"""``kvconn bench --transport``: bytes/s of the same chunked writes through
-kvconn and through the transport's raw API, side by side in one run.
-
-Its parts: :mod:`~kvconn.bench.shapes` (chunk shapes and the plan of rooms),
-:mod:`~kvconn.bench.transport_run` (the measurements),
-:mod:`~kvconn.bench.transport_child` (the prefill rank and raw writer
-processes), :mod:`~kvconn.bench.results` (figures and verdicts) and
-:mod:`~kvconn.bench.transport_report` (the tables). This module is its
-command line; ``kvconn.bench.cli`` calls :func:`main`.
-"""
+"""The command line of ``kvconn bench --transport``: bytes/s of the same
+chunked writes through kvconn and through the transport's raw API, side by
+side in one run (its parts: the bench's README.md)."""
 
 from __future__ import annotations
 
