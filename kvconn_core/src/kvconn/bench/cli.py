@@ -80,6 +80,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 #: only) after Mooncake loads. A child that fails still says why (its
 #: Python error); -v shows every line.
 QUIET_NATIVE_ENV = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}
+DEFAULT_HOST_FAULTS = ",".join(host_faults.FAULTS)
 
 
 def quiet_native_logs(verbose: bool, env: dict[str, str] | None = None) -> None:
@@ -203,7 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host-faults",
-        default=parser_default_host_faults(),
+        default=DEFAULT_HOST_FAULTS,
         metavar="LIST",
         help="with --hosts: the faults between hosts to run (comma-separated)",
     )
@@ -446,16 +447,13 @@ def _run_traced(args: argparse.Namespace, options: dict[str, str], console: Cons
     pool = args.pool_pages or pool_pages(args.pages, args.concurrency, stream_n)
     # Every field but these two is the option of the same name.
     sized = {"pool_pages": pool, "stream_requests": stream_n}
-    fields: dict[str, Any] = {
-        f.name: sized.get(f.name, getattr(args, f.name)) for f in attrs.fields(Workload)
-    }
-    wl = Workload(**fields)
+    wl = Workload(**{f.name: sized.get(f.name, getattr(args, f.name)) for f in attrs.fields(Workload)})
     preflight.check_memory(args, wl)
     if args.page_bytes % (8 * args.ranks):
         raise ValueError("--page-bytes must split evenly over --ranks (in 8-byte words)")
     if args.hosts is not None:
         return hosts_run.run(args, wl, options, console, err)
-    if args.host_faults != parser_default_host_faults():
+    if args.host_faults != DEFAULT_HOST_FAULTS:
         raise ValueError("--host-faults needs --hosts")
     if args.curve:
         return _curve(args, console, options, wl)
@@ -463,15 +461,8 @@ def _run_traced(args: argparse.Namespace, options: dict[str, str], console: Cons
     results: dict[str, ModeResult] = {}
     stream_info: dict[str, float] = {}
     raw: RawResult | None = None
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        disable=args.no_progress,
-        transient=False,
-    ) as progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=args.no_progress) as progress:
         task = progress.add_task("per-chunk overhead (null transport)", total=1)
         ovh = overhead_mod.measure(args.overhead_chunks)
         progress.update(task, advance=1)
@@ -576,7 +567,3 @@ def _faults(args: argparse.Namespace, progress: Progress, notes: list[str]) -> l
         return scenarios.run(faults, on_step=lambda _: progress.update(task, advance=1))
     finally:
         runtime.setLevel(level)
-
-
-def parser_default_host_faults() -> str:
-    return ",".join(host_faults.FAULTS)

@@ -221,16 +221,13 @@ def simulate(f: Fleet) -> dict[str, Any]:
     def finish(kind: str, d: int, room: int, instance: int, now: float) -> None:
         key = RoomKey(names[d], room)
         request = requests[d].pop(room)
-        if kind == "abort":
+        aborted = kind == "abort"
+        if aborted:
             carry(d, states[d].abort(request, now), now)  # no ack yet: a chunk is in flight
-            for g in ranks_of(instance):
-                to_decode(d, ledgers[g].landed(key, last=False), now)
-                to_decode(d, ledgers[g].clear(key), now)
-            return
         for g in ranks_of(instance):
-            to_decode(d, ledgers[g].landed(key, last=True), now)
+            to_decode(d, ledgers[g].landed(key, last=not aborted), now)
             to_decode(d, ledgers[g].clear(key), now)
-        if request.poll() is KVPoll.SUCCESS:
+        if not aborted and request.poll() is KVPoll.SUCCESS:
             states[d].finish(request)
 
     cpu = time.process_time()

@@ -86,13 +86,9 @@ def merge(results: Sequence[ModeResult]) -> ModeResult:
         results[0].per_decode = per_decode
         return results[0]
     out = ModeResult(results[0].mode, prefill=results[0].prefill, cpu=results[0].cpu)
+    summed = [k for k, v in attrs.asdict(out).items() if isinstance(v, int | float) and k != "elapsed_s"]
     for d, r in enumerate(results):
-        for name in (
-            "requests", "completed", "aborted_mid_transfer", "completed_before_abort_point",
-            "prefill_failed", "bytes_completed", "acks_received", "aborts_sent", "quarantines",
-            "quarantine_seconds", "rooms_unreleased_end", "pages_held_end", "pages_quarantined_end",
-            "peak_pages_held", "peak_pages_aborted_unreleased", "pages_verified",
-        ):  # fmt: skip
+        for name in summed:
             setattr(out, name, getattr(out, name) + getattr(r, name))
         out.elapsed_s = max(out.elapsed_s, r.elapsed_s)
         out.latencies_ms += r.latencies_ms

@@ -30,11 +30,10 @@ def snapshot(m: Metrics) -> dict[str, float]:
         "fences_ok": m.value("kvconn_fences_total", result="ok"),
         "fences_failed": m.value("kvconn_fences_total", result="failed"),
         "poisoned_rooms_end": m.value("kvconn_poisoned_rooms"),
-        "chunks_landed": m.value("kvconn_chunks_total", outcome="landed"),
-        "chunks_skipped": m.value("kvconn_chunks_total", outcome="skipped"),
-        "chunks_failed_settled": m.value("kvconn_chunks_total", outcome="failed_settled"),
-        "chunks_unsettled": m.value("kvconn_chunks_total", outcome="unsettled"),
-        "chunks_plugin_error": m.value("kvconn_chunks_total", outcome="plugin_error"),
+        **{
+            f"chunks_{outcome}": m.value("kvconn_chunks_total", outcome=outcome)
+            for outcome in ("landed", "skipped", "failed_settled", "unsettled", "plugin_error")
+        },
     }
 
 
@@ -100,8 +99,7 @@ class PrefillProcs:
             raise
 
     def cpu(self) -> list[dict[str, Any]]:
-        """Each rank's CPU so far, by part, its kvconn calls' and its chunks
-        (:func:`kvconn.bench.prefill_worker.cpu`)."""
+        """Each rank's CPU so far (:func:`cpu_now`)."""
         for p in self.procs:
             p.send_line("cpu")
         return [p.next_with("cpu", 30, f"prefill rank {i}'s CPU")["cpu"] for i, p in enumerate(self.procs)]

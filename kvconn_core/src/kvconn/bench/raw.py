@@ -69,7 +69,7 @@ class HookRaw:
         self._w.connect(peer, metadata)
 
     def transfer(self, peer: str, segments: Sequence[Segment]) -> int:
-        self._post_and_wait(peer, segments)
+        self.transfer_prepared((peer, segments))
         return sum(s.nbytes for s in segments)
 
     def prepare(self, peer: str, segments: Any) -> tuple[str, SegmentTable]:
@@ -77,14 +77,10 @@ class HookRaw:
         return peer, SegmentTable(segments) if isinstance(segments, np.ndarray) else SegmentTable.of(segments)
 
     def transfer_prepared(
-        self, prepared: tuple[str, SegmentTable], clock: Callable[[], float] = time.perf_counter
+        self, prepared: tuple[str, Sequence[Segment]], clock: Callable[[], float] = time.perf_counter
     ) -> float:
         """Post and wait; ``on_post``'s time by ``clock``."""
-        return self._post_and_wait(*prepared, clock=clock)
-
-    def _post_and_wait(
-        self, peer: str, segments: Sequence[Segment], clock: Callable[[], float] = time.perf_counter
-    ) -> float:
+        peer, segments = prepared
         chunk = Chunk(0, 0, True, 0, peer, (), ())
         t0 = clock()
         posted = self._w.on_post(chunk=chunk, segments=segments)

@@ -223,12 +223,9 @@ class ModeRun:
         """``procs``: prefill ranks another ModeRun started (several decode
         endpoints, one per ModeRun, served by the same ranks), or that run on
         other hosts; whoever started them closes them."""
-        self.mode = settings.mode
         self.wl = wl
-        self.legacy = settings.legacy
-        self.drain_s = settings.drain_s
-        self.settle_s = settings.settle_s
-        self.result = ModeResult(self.mode)
+        self.settings = settings
+        self.result = ModeResult(settings.mode)
         self._lock = threading.RLock()
         #: Free pages, a stack: the page given back last goes out first.
         self._free: list[int] = list(range(wl.pool_pages - 1, -1, -1))
@@ -248,11 +245,7 @@ class ModeRun:
         self.poll_s = 0.0005
         self._owns_procs = procs is None
         self._progress: Callable[[int], None] = lambda n: None
-        self.procs = (
-            procs
-            if procs is not None
-            else PrefillProcs([rank_args(settings, wl, r) for r in range(wl.ranks)])
-        )
+        self.procs = procs or PrefillProcs([rank_args(settings, wl, r) for r in range(wl.ranks)])
         try:
             config = Config(
                 host=settings.host,
@@ -563,13 +556,13 @@ class ModeRun:
 
     def _finish(self) -> None:
         res = self.result
-        deadline = self._now() + self.drain_s
+        deadline = self._now() + self.settings.drain_s
         while self._now() < deadline:
             with self._lock:
                 if not self._aborted:
                     break
             time.sleep(0.005)
-        time.sleep(self.settle_s)  # late writes of live writers land now, or never
+        time.sleep(self.settings.settle_s)  # late writes of live writers land now, or never
         with self._lock:
             given_back = [page for page in self._free if page in self._owner]
         for page in given_back:
