@@ -234,16 +234,10 @@ def _print_faults(console: Console, faults: Sequence[Mapping[str, Any]]) -> None
         t.add_column(col, justify="left" if col in ("fault", "mode", "back after, by") else "right")
     for f in faults:
         back = "never (held)" if f["back_s"] is None else f"{f['back_s']:.2f} s, {f['proof']}"
-        others = (
-            "-"
-            if not (f["others_done"] or f["others_failed"])
-            else f"{f['others_failed']} / {f['others_done']}"
-        )
-        mode = (
-            "kvconn" + (" +owner fence" if f["owner_fence"] else "")
-            if f["mode"] == "kvconn"
-            else "timeout-only"
-        )
+        ran = f["others_done"] or f["others_failed"]
+        others = f"{f['others_failed']} / {f['others_done']}" if ran else "-"
+        fence = " +owner fence" if f["owner_fence"] else ""
+        mode = f"kvconn{fence}" if f["mode"] == "kvconn" else "timeout-only"
         t.add_row(
             escape(f["fault"]), mode, str(f["corrupted_pages"]), str(f["held_pages"]), escape(back), others
         )

@@ -581,13 +581,9 @@ class ModeRun:
                 }
 
         def unreleased(state: EndpointState, now: float) -> tuple[tuple[int, int, int], tuple[()]]:
-            tracker = state.tracker
-            held, quarantined = tracker.rooms_in(HoldState.HELD), tracker.rooms_in(HoldState.QUARANTINED)
-            return (
-                tracker.pages_in(HoldState.HELD),
-                tracker.pages_in(HoldState.QUARANTINED),
-                len(held) + len(quarantined),
-            ), ()
+            t = state.tracker
+            rooms = len(t.rooms_in(HoldState.HELD)) + len(t.rooms_in(HoldState.QUARANTINED))
+            return (t.pages_in(HoldState.HELD), t.pages_in(HoldState.QUARANTINED), rooms), ()
 
         res.pages_held_end, res.pages_quarantined_end, res.rooms_unreleased_end = self.decode.step(unreleased)
 
