@@ -885,6 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fabric = hosts.make(kind.HOSTS)
     deployment: Deployment | None = None
     rows: list[Row] = []
+    shm_before = shm.engine_files()
     try:
         # This thread and those it starts (clients, proxy, monitor) talk from decode's host.
         with fabric["decode"].entered():
@@ -907,6 +908,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if deployment is not None:
             deployment.close()
         fabric.close()
+        # Semaphores of engine processes killed outside Server.kill (a vLLM
+        # engine core in a group of its own): made during this run, held by none.
+        shm.remove_unheld(shm.engine_files() - shm_before)
     print_table(rows, args.engine + (" + sglang-router" if args.router else ""), args.transport)
     return 0
 

@@ -56,3 +56,23 @@ def test_a_killed_groups_files_are_removed_and_files_still_held_are_kept() -> No
         for path in (mapped, kept, ours):
             path.unlink(missing_ok=True)
     wait_for(lambda: proc.poll() is not None, 5, "the child is reaped")
+
+
+def test_engine_files_made_during_a_run_and_held_by_none_are_removed() -> None:
+    from kvconn.testing.shm import engine_files
+
+    tag = uuid.uuid4().hex[:12]
+    before = engine_files()
+    orphan, held, other = (Path(f"/dev/shm/{n}{tag}") for n in ("sem.mp-", "sglang_", "kvconn-test-"))
+    for path in (orphan, held, other):
+        path.write_bytes(b"x")
+    try:
+        with open(held):  # this process holds it open: still in use
+            made = engine_files() - before
+            assert {orphan, held} <= made and other not in made
+            # only this test's own: another test's engine may run beside it
+            assert remove_unheld(made & {orphan, held}) == [orphan]
+        assert not orphan.exists() and held.exists() and other.exists()
+    finally:
+        for path in (orphan, held, other):
+            path.unlink(missing_ok=True)

@@ -6,7 +6,11 @@ shared-memory segments (Python multiprocessing's ``sem.mp-*``, SGLang's
 removes them. A test or script that kills an engine's process group lists
 what the group holds just before (:func:`held_by_group`) and removes, once
 the group is gone, those no process holds any more (:func:`remove_unheld`):
-nothing it did not see its own processes use, nothing still in use.
+nothing it did not see its own processes use, nothing still in use. A
+run of many engines, some of which exit or are killed outside that path
+(an engine's own subprocesses in groups of their own), also removes, at
+its end, the engines' files made since it began that no process holds
+(:func:`engine_files`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 SHM = "/dev/shm/"
+#: What engines leave: Python multiprocessing's semaphores, SGLang's segments.
+ENGINE_PREFIXES = ("sem.mp-", "sglang_")
 
 
 def _pids() -> list[int]:
@@ -68,3 +74,14 @@ def remove_unheld(paths: Iterable[Path]) -> list[Path]:
             path.unlink()
             removed.append(path)
     return removed
+
+
+def engine_files() -> set[Path]:
+    """The engines' files in ``/dev/shm`` now (:data:`ENGINE_PREFIXES`):
+    what a run takes before it starts, and again at its end, to
+    :func:`remove_unheld` those made meanwhile."""
+    try:
+        names = os.listdir(SHM)
+    except OSError:
+        return set()
+    return {Path(SHM, name) for name in names if name.startswith(ENGINE_PREFIXES)}
